@@ -1,0 +1,86 @@
+"""Framework-neutral forward launch: device pointers + shapes + strides in, kernel launched.
+
+The torch API (interface.py) and the DLPack entry (dlpack_api.py) both end here. Method:
+FlashAttention-3 forward (arXiv 2407.08608, §3, Algorithms 1 and 2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from . import launch
+from .dispatch import MissingVariantError, select_variant
+from .launch import device_capability
+from .manifest import Variant
+
+__all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "device_capability", "plan_grid"]
+
+LOG2E = 1.4426950408889634
+_ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class TensorArg(NamedTuple):
+    """Framework-neutral view of a device array: address (bytes), shape, strides (elements), dtype, device."""
+
+    ptr: int
+    shape: tuple
+    strides: tuple
+    dtype: str
+    device: int
+
+
+def _check_tma(name: str, t: TensorArg) -> None:
+    es = _ELEM_BYTES[t.dtype]
+    if t.strides[-1] != 1:
+        raise ValueError(f"flashgen: {name} must have a contiguous last dimension (stride 1), got strides {t.strides}")
+    if t.ptr % 16:
+        raise ValueError(f"flashgen: {name}'s data pointer must be 16-byte aligned for TMA, got {t.ptr:#x}")
+    for i, s in enumerate(t.strides[:-1]):
+        if (s * es) % 16:
+            raise ValueError(f"flashgen: {name}.stride({i}) = {s} elements is not a multiple of 16 bytes (TMA)")
+
+
+def plan_grid(variant: Variant, num_tiles: int, device: int) -> int:
+    """Persistent variants launch min(tiles, #SMs) CTAs; the others one CTA per tile."""
+    if variant.params.get("persistent", True):
+        return max(1, min(num_tiles, launch.num_sms(device)))
+    return num_tiles
+
+
+def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
+                      softmax_scale: float, causal: bool, stream: int, variant: Variant | None = None) -> Variant:
+    """Launch the FA3 forward: out = softmax(scale * q k^T [+ causal mask]) v, lse = logsumexp rows.
+
+    q (batch, seqlen_q, heads, head_dim), k/v (batch, seqlen_k, heads_k, head_dim[_v]),
+    out (batch, seqlen_q, heads, head_dim_v) of q's dtype, lse fp32 (batch, heads, seqlen_q) contiguous.
+    Causal is bottom-right aligned. Launches on `stream` (CUstream as int); returns the variant used.
+    Raises MissingVariantError when no built variant serves the call, ValueError for layouts TMA
+    cannot address. User-facing argument checks live in interface.py / dlpack_api.py.
+    """
+    b, sq, h, d = q.shape
+    _, sk, hk, dv = v.shape
+    if h % hk:
+        raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _check_tma(name, t)
+    if variant is None:
+        variant = select_variant(q.dtype, d, dv, causal, sq, sk)
+    kern = launch.get_kernel(variant, q.device)
+    bm, bn = variant.params["block_m"], variant.params["block_n"]
+    num_m = -(-sq // bm)
+    num_tiles = num_m * h * b
+    scale = float(softmax_scale)
+    if scale == 0.0 or not math.isfinite(scale):
+        if not math.isfinite(scale):
+            raise ValueError(f"flashgen: softmax_scale must be finite, got {softmax_scale}")
+        scale = 1e-30  # exp2(0 * -inf) would be NaN for masked keys; a tiny scale gives the same uniform weights
+    params = launch.FwdParams(lse.ptr, sq, sk, h, hk, b, num_m, num_tiles, scale * LOG2E, scale)
+    maps = (
+        launch.tensor_map_bshd(q.ptr, q.shape, q.strides, q.dtype, bm),
+        launch.tensor_map_bshd(k.ptr, k.shape, k.strides, k.dtype, bn),
+        launch.tensor_map_bshd(v.ptr, v.shape, v.strides, v.dtype, bn),
+        launch.tensor_map_bshd(out.ptr, out.shape, out.strides, out.dtype, 64),
+    )
+    launch.launch_fwd(kern, maps, params, plan_grid(variant, num_tiles, q.device), stream)
+    return variant

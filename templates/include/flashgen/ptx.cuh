@@ -1,0 +1,124 @@
+// flashgen device primitives for sm_90a.
+//
+// CCCL's cuda::ptx covers mbarriers, TMA (cp.async.bulk.tensor) and proxy fences; this header
+// wraps those in the few shapes the kernels use, and adds one-line inline-PTX wrappers for what
+// CCCL does not cover: wgmma fences/commit/wait, setmaxnreg, named barriers, and the WGMMA
+// shared-memory matrix descriptor. The wgmma.mma_async instructions themselves are generated per
+// variant by the Jinja2 template (their operand lists depend on N).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cuda/ptx>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace flashgen {
+namespace ptx = cuda::ptx;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---------------------------------------------------------------- mbarrier (cuda::ptx)
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) { ptx::mbarrier_init(bar, count); }
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!ptx::mbarrier_try_wait_parity(bar, parity)) {
+  }
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) { (void)ptx::mbarrier_arrive(bar); }
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  (void)ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, bar, bytes);
+}
+
+// ---------------------------------------------------------------- TMA (cuda::ptx)
+// 4-D tile load (coords innermost first: head_dim, seqlen, head, batch), completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  const int32_t coords[4] = {c0, c1, c2, c3};
+  ptx::cp_async_bulk_tensor(ptx::space_cluster, ptx::space_global, dst, map, coords, bar);
+}
+
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
+  const int32_t coords[4] = {c0, c1, c2, c3};
+  ptx::cp_async_bulk_tensor(ptx::space_global, ptx::space_shared, map, coords, src);
+}
+
+__device__ __forceinline__ void tma_store_commit_and_wait_read() {
+  ptx::cp_async_bulk_commit_group();
+  ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
+}
+
+// Generic-proxy smem writes must be fenced before the async proxy (TMA store, wgmma) reads them.
+__device__ __forceinline__ void fence_proxy_async_smem() { ptx::fence_proxy_async(ptx::space_shared); }
+
+// ---------------------------------------------------------------- own wrappers (no CCCL equivalent)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+// Named barriers: id 0 is __syncthreads; count is a multiple of 32 threads.
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// Pin registers at this point of the program: the compiler may not move reads of an async
+// wgmma's accumulator above the wgmma.wait that completes it (CuTe's warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// WGMMA shared-memory matrix descriptor with 128-byte swizzle (PTX ISA "Matrix Descriptor Format"):
+// bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
+// 62-63 swizzle mode (1 = 128B). Tiles are 1024-byte aligned, so the base offset is 0.
+//  K-major (Q, K): rows of 128 bytes, 8-row atoms, SBO = 1024; LBO unused (16).
+//  MN-major (V with trans-b): LBO = bytes between 64-element MN chunks, SBO = 1024 (8 K-rows).
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
+  d |= static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+
+// Two fp32 values -> one 32-bit register holding two 16-bit values (low half = first).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+}  // namespace flashgen
