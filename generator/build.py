@@ -1,0 +1,342 @@
+"""Render, compile (content-addressed cache, parallel, atomic) and write the manifest.
+
+Cache: ``build/cache/<key>/`` holds ``kernel.fatbin`` and ``report.json`` (ptxas report, command,
+compile time). The key is the sha256 of: the rendered source, the path (relative to
+templates/include) and content of every project header it includes, the nvcc flags, and nvcc's
+``--version`` output and resolved path. File times never matter. A compile writes into a private
+temp folder which is renamed into place only when complete and checked, so a killed build leaves
+nothing half-written and two concurrent builds of the same variant cannot corrupt each other.
+
+After compiling, ``build/fatbin/<name>.fatbin`` and ``build/manifest.json`` (CONTRACTS.md §3) list
+every configured variant whose current cache entry exists -- not only the ones just built -- so
+building a subset never drops variants built earlier.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import ptxas
+from .errors import BuildError
+from .fsutil import atomic_write_bytes, atomic_write_text, write_if_changed
+from .render import local_headers, render
+from .toolchain import Nvcc, find_nvcc
+
+ARCH = "sm_90a"
+NVCC_FLAGS = (
+    "-gencode", "arch=compute_90a,code=sm_90a",  # SASS only: sm_90a has no forward compatibility
+    "-O3", "--use_fast_math", "-std=c++17", "-DNDEBUG", "-lineinfo",
+    "-Xptxas", "-v", "-Xfatbin=-compress-all", "-fatbin",
+)
+MANIFEST_SCHEMA = 1
+CACHE_FORMAT = "flashgen-cache-1"
+JOB_MEM_BYTES = int(float(os.environ.get("FLASHGEN_JOB_MEM_GB", "1.5")) * 2**30)
+
+
+def nvcc_command(nvcc: str, include_dir: Path, src: Path, out: Path, flags=NVCC_FLAGS) -> list[str]:
+    return [nvcc, *flags, f"-I{include_dir}", "-o", str(out), str(src)]
+
+
+def default_jobs() -> int:
+    """min(cores, available memory / ~1.5 GB per nvcc job), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    by_mem = max(1, avail // JOB_MEM_BYTES) if avail else cores
+    return max(1, min(cores, by_mem))
+
+
+@dataclass
+class Plan:
+    variant: object
+    source: str
+    headers: list  # paths relative to templates/include
+    key: str
+    entry: Path  # build/cache/<key>
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+    def cached(self) -> bool:
+        return (self.entry / "kernel.fatbin").is_file() and (self.entry / "report.json").is_file()
+
+
+@dataclass
+class BuildResult:
+    nvcc: Nvcc
+    selected: list = field(default_factory=list)  # names asked for
+    compiled: list = field(default_factory=list)  # names compiled by nvcc in this run
+    cached: list = field(default_factory=list)  # names served by the cache
+    failed: list = field(default_factory=list)  # (name, message)
+    manifest: dict | None = None
+    manifest_path: Path | None = None
+    seconds: float = 0.0
+
+
+class _Keyer:
+    """Computes cache keys; reads each header once per build."""
+
+    def __init__(self, project, nvcc: Nvcc, flags):
+        self.project = project
+        self.include_dir = project.include_dir.resolve()
+        self._headers: dict[Path, bytes] = {}
+        h = hashlib.sha256()
+        h.update(CACHE_FORMAT.encode() + b"\0")
+        h.update(json.dumps(list(flags)).encode() + b"\0")
+        h.update(nvcc.version.encode() + b"\0")
+        h.update(str(Path(nvcc.path).resolve()).encode() + b"\0")
+        self._base = h
+
+    def header(self, path: Path) -> bytes:
+        if path not in self._headers:
+            self._headers[path] = path.read_bytes()
+        return self._headers[path]
+
+    def key(self, source: str, src_dir: Path) -> tuple[str, list[str]]:
+        h = self._base.copy()
+        h.update(b"source\0" + source.encode() + b"\0")
+        rels = []
+        for p in local_headers(source, self.include_dir, src_dir):
+            try:
+                rel = str(p.relative_to(self.include_dir))
+            except ValueError:
+                rel = str(p)
+            rels.append(rel)
+            h.update(b"header\0" + rel.encode() + b"\0" + self.header(p) + b"\0")
+        return h.hexdigest(), rels
+
+
+def plan_variants(project, variants, nvcc: Nvcc, flags=NVCC_FLAGS) -> tuple[list[Plan], list]:
+    """Render every variant and compute its cache key. Returns (plans, [(name, render error)])."""
+    keyer = _Keyer(project, nvcc, flags)
+    plans, errors = [], []
+    for v in variants:
+        try:
+            src = render(v, project.templates_dir)
+        except BuildError as e:
+            errors.extend(e.failures)
+            continue
+        key, headers = keyer.key(src, project.src_dir)
+        plans.append(Plan(v, src, headers, key, project.cache_dir / key))
+    return plans, errors
+
+
+def _first_errors(text: str, n: int = 3) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if "error" in ln.lower() or "fatal" in ln.lower()]
+    pick = errs[:n] if errs else lines[-n:]
+    return " | ".join(pick) if pick else "(no compiler output)"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_temps(cache_dir: Path) -> None:
+    """Remove temp folders left by killed builds (their process is gone)."""
+    if not cache_dir.is_dir():
+        return
+    for d in cache_dir.glob(".tmp-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def compile_plan(plan: Plan, project, nvcc: Nvcc, flags=NVCC_FLAGS) -> dict:
+    """Compile one variant into its cache entry (atomically). Returns the report; raises
+    BuildError naming the variant on a compiler error or a failed ptxas check."""
+    name = plan.name
+    src = project.src_dir / f"{name}.cu"
+    write_if_changed(src, plan.source)
+    project.cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = project.cache_dir / f".tmp-{plan.key[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        cmd = nvcc_command(nvcc.path, project.include_dir.resolve(), src, tmp / "kernel.fatbin", flags)
+        t0 = time.monotonic()
+        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        secs = time.monotonic() - t0
+        text = (r.stdout or "") + (r.stderr or "")
+        log_dir = project.build_dir / "logs"
+        if r.returncode != 0:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(log_dir / f"{name}.log", " ".join(cmd) + "\n\n" + text)
+            raise BuildError([(name, f"nvcc exit {r.returncode}: {_first_errors(text)} "
+                                     f"(full log: {project.rel(log_dir / (name + '.log'))})")])
+        if not (tmp / "kernel.fatbin").is_file():
+            raise BuildError([(name, "nvcc exited 0 but wrote no fatbin")])
+        rep = ptxas.parse(text)
+        bad = ptxas.problems(rep, plan.variant.symbol)
+        if bad:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(log_dir / f"{name}.log", " ".join(cmd) + "\n\n" + text)
+            raise BuildError([(name, "; ".join(bad))])
+        report = {
+            "name": name, "key": plan.key, "symbol": plan.variant.symbol, "params": plan.variant.params,
+            "headers": plan.headers, "command": cmd, "nvcc_version": nvcc.release,
+            "compile_seconds": round(secs, 3), "ptxas": rep, "ptxas_output": text,
+        }
+        with open(tmp / "report.json", "w") as f:
+            json.dump(report, f, indent=1)
+        try:
+            os.rename(tmp, plan.entry)  # atomic publish of the whole entry
+        except OSError:
+            if not plan.cached():  # not a concurrent winner: a real problem
+                raise
+        return report
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_entry(plan: Plan, report: dict) -> dict:
+    v = plan.variant
+    return {
+        "name": v.name, "key": plan.key, "family": v.family, "params": dict(v.params),
+        "default": bool(v.default), "symbol": v.symbol, "fatbin": f"fatbin/{v.name}.fatbin",
+        "sha256": None,  # filled in by write_outputs
+        "threads": v.resources["threads"], "cluster": [1, 1, 1],
+        "smem_bytes": v.resources["smem_bytes"], "registers": report["ptxas"]["registers"],
+        "spill_bytes": report["ptxas"]["spill_bytes"], "stack_bytes": report["ptxas"]["stack_bytes"],
+    }
+
+
+def write_outputs(project, plans: list[Plan], nvcc: Nvcc) -> dict:
+    """Publish build/fatbin/*.fatbin and build/manifest.json for every plan with a cache entry."""
+    entries = []
+    keep = set()
+    for p in sorted(plans, key=lambda p: p.name):
+        if not p.cached():
+            continue
+        report = json.loads((p.entry / "report.json").read_text())
+        dst = project.fatbin_dir / f"{p.name}.fatbin"
+        data = (p.entry / "kernel.fatbin").read_bytes()
+        if not dst.is_file() or dst.read_bytes() != data:
+            atomic_write_bytes(dst, data)
+        e = manifest_entry(p, report)
+        e["sha256"] = hashlib.sha256(data).hexdigest()
+        entries.append(e)
+        keep.add(dst.name)
+    if project.fatbin_dir.is_dir():  # fatbins of variants no longer configured or out of date
+        for f in project.fatbin_dir.glob("*.fatbin"):
+            if f.name not in keep:
+                f.unlink(missing_ok=True)
+    manifest = {"schema": MANIFEST_SCHEMA, "arch": ARCH,
+                "nvcc": {"path": nvcc.path, "version": nvcc.release}, "variants": entries}
+    atomic_write_text(project.manifest_path, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def build(project, selected, all_variants=None, jobs: int | None = None, log=print,
+          nvcc: Nvcc | None = None, flags=NVCC_FLAGS) -> BuildResult:
+    """Build ``selected`` variants (cached ones cost nothing), then rewrite the manifest over
+    ``all_variants`` (default: ``selected``). Failures are collected in the result, not raised."""
+    t_start = time.monotonic()
+    nvcc = nvcc or find_nvcc()
+    log(f"nvcc: {nvcc.path} (release {nvcc.release}; found via {nvcc.source})")
+    all_variants = list(all_variants) if all_variants is not None else list(selected)
+    names = {v.name for v in selected}
+    for v in selected:
+        if v.name not in {w.name for w in all_variants}:
+            all_variants.append(v)
+    plans, render_errors = plan_variants(project, all_variants, nvcc, flags)
+    res = BuildResult(nvcc=nvcc, selected=sorted(names))
+    res.failed += [(n, m) for n, m in render_errors if n in names]
+    mine = [p for p in plans if p.name in names]
+    for p in mine:  # keep build/src in step for people reading the generated code
+        write_if_changed(project.src_dir / f"{p.name}.cu", p.source)
+    todo = [p for p in mine if not p.cached()]
+    res.cached = sorted(p.name for p in mine if p.cached())
+    clean_stale_temps(project.cache_dir)
+    total = len(mine)
+    jobs = max(1, jobs or default_jobs())
+    if todo:
+        log(f"compiling {len(todo)} of {total} variants ({total - len(todo)} cached), {min(jobs, len(todo))} parallel jobs")
+    else:
+        log(f"all {total} variants cached; nothing to compile")
+    done = total - len(todo)
+    lock = threading.Lock()
+
+    def one(p: Plan):
+        return compile_plan(p, project, nvcc, flags)
+
+    if todo:
+        with cf.ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as ex:
+            futs = {ex.submit(one, p): p for p in todo}
+            try:
+                for fut in cf.as_completed(futs):
+                    p = futs[fut]
+                    with lock:
+                        done += 1
+                        el = time.monotonic() - t_start
+                        try:
+                            rep = fut.result()
+                            res.compiled.append(p.name)
+                            pt = rep["ptxas"]
+                            log(f"[{done}/{total}] {el:6.1f}s  ok    {p.name}  ({rep['compile_seconds']:.1f}s, "
+                                f"{pt['registers']} regs, {pt['spill_bytes']} spill bytes)")
+                        except BuildError as e:
+                            res.failed += e.failures
+                            log(f"[{done}/{total}] {el:6.1f}s  FAIL  {p.name}: {e.failures[0][1]}")
+                        except Exception as e:  # noqa: BLE001 -- report, keep building the rest
+                            res.failed.append((p.name, f"{type(e).__name__}: {e}"))
+                            log(f"[{done}/{total}] {el:6.1f}s  FAIL  {p.name}: {type(e).__name__}: {e}")
+            except KeyboardInterrupt:
+                for f in futs:
+                    f.cancel()
+                raise
+    res.compiled.sort()
+    res.manifest = write_outputs(project, plans, nvcc)
+    res.manifest_path = project.manifest_path
+    res.seconds = time.monotonic() - t_start
+    log(f"manifest: {project.rel(project.manifest_path)} ({len(res.manifest['variants'])} variants); "
+        f"compiled {len(res.compiled)}, cached {len(res.cached)}, failed {len(res.failed)} in {res.seconds:.1f}s")
+    return res
+
+
+def built_names(project, variants, nvcc: Nvcc | None = None) -> set[str]:
+    """Names of variants whose current cache entry exists (up to date with configs, templates,
+    headers and nvcc). Without nvcc, falls back to the manifest's list."""
+    if nvcc is None:
+        try:
+            data = json.loads(project.manifest_path.read_text())
+            return {e["name"] for e in data.get("variants", [])}
+        except (OSError, ValueError):
+            return set()
+    plans, _ = plan_variants(project, variants, nvcc)
+    return {p.name for p in plans if p.cached()}

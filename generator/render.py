@@ -1,0 +1,63 @@
+"""Rendering a variant's CUDA source with Jinja2 (StrictUndefined: a missing variable is an error)."""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import jinja2
+
+from .errors import BuildError
+
+
+@functools.lru_cache(maxsize=8)
+def _env(templates_dir: str) -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(templates_dir),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def template_vars(variant) -> dict:
+    """What a template sees: the §1 params, the derived numbers of fwd_resources, name, symbol."""
+    return {**variant.params, **variant.resources, "name": variant.name, "symbol": variant.symbol}
+
+
+def render(variant, templates_dir: Path) -> str:
+    """The CUDA source of ``variant`` from templates/<family>.cu.j2."""
+    tname = f"{variant.family}.cu.j2"
+    try:
+        return _env(str(templates_dir)).get_template(tname).render(**template_vars(variant))
+    except jinja2.TemplateNotFound:
+        raise BuildError([(variant.name, f"template {Path(templates_dir) / tname} not found")]) from None
+    except jinja2.TemplateError as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise BuildError([(variant.name, f"rendering {tname}{where}: {type(e).__name__}: {e}")]) from None
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+
+
+def local_headers(source: str, include_dir: Path, source_dir: Path | None = None) -> list[Path]:
+    """Every project header the source includes, directly or not (sorted, resolved).
+
+    Follows ``#include "..."`` (relative to the includer, then include_dir) and ``#include <...>``
+    (include_dir only). Headers outside include_dir (CUDA's) are covered by the nvcc version in
+    the cache key. Conditional includes are followed too: the list over-approximates, never misses."""
+    include_dir = Path(include_dir).resolve()
+    found: dict[Path, None] = {}
+    todo = [(source, Path(source_dir).resolve() if source_dir else None)]
+    while todo:
+        text, here = todo.pop()
+        for kind, name in _INCLUDE.findall(text):
+            cands = ([here / name] if (kind == '"' and here is not None) else []) + [include_dir / name]
+            for c in cands:
+                if c.is_file():
+                    c = c.resolve()
+                    if c not in found:
+                        found[c] = None
+                        todo.append((c.read_text(errors="replace"), c.parent))
+                    break
+    return sorted(found)

@@ -1,0 +1,84 @@
+"""SASS checks with cuobjdump: a warp-specialized Hopper kernel must show HGMMA (QGMMA for fp8),
+UTMALDG (TMA loads) and USETMAXREG (register reallocation). A kernel with only HMMA is on the slow path.
+
+    python -m flashgen.generator.sass build/fatbin/*.fatbin
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from .errors import ToolchainError
+from .toolchain import find_cuobjdump
+
+_FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)", re.M)
+
+
+def dump(fatbin: str) -> str:
+    """``cuobjdump -sass`` text of a fatbin (compressed fatbins are fine)."""
+    exe = find_cuobjdump()
+    r = subprocess.run([exe, "-sass", str(fatbin)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise ToolchainError(f"{exe} -sass {fatbin} failed: {(r.stderr or r.stdout).strip()[:500]}")
+    return r.stdout
+
+
+def functions(sass_text: str) -> dict[str, str]:
+    """Split cuobjdump output into {function name: its SASS}."""
+    out = {}
+    marks = list(_FUNC.finditer(sass_text))
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(sass_text)
+        out[m.group(1)] = sass_text[m.end():end]
+    return out
+
+
+def opcodes(body: str) -> set[str]:
+    """Opcode base names (e.g. HGMMA, UTMALDG) found in a SASS listing."""
+    return set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", body))
+
+
+def required_ops(dtype: str = "bf16") -> tuple[str, ...]:
+    return ("QGMMA" if dtype in ("e4m3", "e5m2", "fp8") else "HGMMA", "UTMALDG", "USETMAXREG")
+
+
+def check(fatbin: str, symbols: list[str] | None = None, dtype: str = "bf16") -> dict:
+    """Check every (or the named) kernel of a fatbin. Returns {function: sorted opcode list};
+    raises AssertionError naming the kernel and the missing instructions."""
+    funcs = functions(dump(fatbin))
+    if not funcs:
+        raise AssertionError(f"{fatbin}: cuobjdump found no kernels")
+    names = symbols if symbols is not None else list(funcs)
+    report, problems = {}, []
+    for name in names:
+        if name not in funcs:
+            problems.append(f"{name}: not in {fatbin} (has {', '.join(funcs)})")
+            continue
+        ops = opcodes(funcs[name])
+        report[name] = sorted(ops)
+        missing = [op for op in required_ops(dtype) if op not in ops]
+        if missing:
+            slow = " (only HMMA: slow path)" if "HMMA" in ops and "HGMMA" in missing else ""
+            problems.append(f"{name}: SASS lacks {', '.join(missing)}{slow}")
+    if problems:
+        raise AssertionError("; ".join(problems))
+    return report
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rc = 0
+    for path in argv:
+        try:
+            for name, ops in check(path).items():
+                print(f"ok {path} {name}: {len([o for o in ops])} distinct opcodes, "
+                      f"{', '.join(o for o in ops if o in ('HGMMA', 'QGMMA', 'UTMALDG', 'USETMAXREG'))}")
+        except (AssertionError, ToolchainError) as e:
+            print(f"FAIL {path}: {e}")
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
