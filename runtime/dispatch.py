@@ -48,10 +48,11 @@ def select_variant(dtype: str, head_dim: int, head_dim_v: int, causal: bool, seq
     cands = m.by_key().get((family, dtype, int(head_dim), int(head_dim_v), bool(causal)))
     if not cands:
         built = sorted({(v.params["dtype"], v.params["head_dim"], bool(v.params["causal"])) for v in m.variants})
+        built_s = ", ".join(f"{d}/hd{h}/{'causal' if c else 'noncausal'}" for d, h, c in built) or "none"
         raise MissingVariantError(
             f"flashgen: no built {family} variant serves dtype={dtype} head_dim={head_dim} head_dim_v={head_dim_v} "
-            f"causal={causal} (built: {', '.join(f'{d}/hd{h}/{'causal' if c else 'noncausal'}' for d, h, c in built) or 'none'}; "
-            f"manifest {m.path}). Build it with: {add_variant_command(dtype, head_dim, head_dim_v, causal)}"
+            f"causal={causal} (built: {built_s}; manifest {m.path}). "
+            f"Build it with: {add_variant_command(dtype, head_dim, head_dim_v, causal)}"
         )
     defaults = [v for v in cands if v.default]
     return min(defaults or cands, key=lambda v: v.name)

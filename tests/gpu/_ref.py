@@ -1,0 +1,40 @@
+"""Float32 reference attention and FA3's error rule, shared by the GPU tests and the benchmark."""
+
+from __future__ import annotations
+
+import torch
+
+
+def attention_ref(q, k, v, causal: bool, softmax_scale: float, upcast: bool = True):
+    """softmax(scale q k^T + bottom-right causal mask) v, and the row logsumexp (natural log).
+
+    upcast=True computes in float32 on upcast inputs; upcast=False computes in the input dtype
+    (FA3's `out_pt` baseline). GQA/MQA: k/v heads are repeated to q's heads.
+    Returns (out in q's dtype, lse float32 (batch, heads, seqlen_q)).
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    h, hk = q.shape[2], k.shape[2]
+    if h != hk:
+        k = k.repeat_interleave(h // hk, dim=2)
+        v = v.repeat_interleave(h // hk, dim=2)
+    sq, sk = q.shape[1], k.shape[1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k)
+    if causal:
+        row = torch.arange(sq, device=q.device).view(-1, 1)
+        col = torch.arange(sk, device=q.device).view(1, -1)
+        scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    attn = torch.softmax(scores, dim=-1)
+    attn = torch.nan_to_num(attn, nan=0.0)  # rows with nothing to attend to give 0
+    out = torch.einsum("bhqk,bkhd->bqhd", attn.to(v.dtype), v)
+    return out.to(dtype), lse
+
+
+def fa3_rule_ok(out, ref, out_lowprec, factor: float = 2.0):
+    """FA3's forward test rule: max|out-ref| <= factor*max|out_pt-ref| + 2*rounding noise of ref."""
+    err = (out.float() - ref.float()).abs().max().item()
+    base = (out_lowprec.float() - ref.float()).abs().max().item()
+    noise = ((ref + 0.3 - 0.3) - ref).abs().max().item()
+    return err <= factor * base + 2 * noise + 1e-6, err, base
