@@ -1,0 +1,363 @@
+"""The ``flashgen`` command line (click): list, build, add-variant, info, bench.
+
+Exit status: 0 ok; 1 a variant failed to build; 2 invalid configs or arguments (one line per
+problem, naming file, key, value and what is allowed); 3 no usable toolchain.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import click
+
+EXIT_BUILD_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_TOOLCHAIN = 3
+
+
+def _gen():
+    """Import the generator lazily (keeps `flashgen --help` and `flashgen bench` light)."""
+    from . import generator
+
+    return generator
+
+
+def _fail_config(err) -> None:
+    for line in err.problems:
+        click.echo(f"error: {line}", err=True)
+    n = len(err.problems)
+    click.echo(f"flashgen: {n} config problem{'s' if n != 1 else ''}; nothing was built", err=True)
+    sys.exit(EXIT_CONFIG)
+
+
+def _fail_toolchain(err) -> None:
+    click.echo(f"error: {err}", err=True)
+    sys.exit(EXIT_TOOLCHAIN)
+
+
+def _load(project=None, overrides=None):
+    g = _gen()
+    from .generator.config import load_variants
+    from .generator.project import Project
+
+    try:
+        project = project or Project.locate()
+        return project, load_variants(project, overrides)
+    except g.ConfigError as e:
+        _fail_config(e)
+
+
+def _installed_manifest():
+    """(path, data) of the manifest the runtime would load, or (None, None)."""
+    try:
+        from .manifest import candidate_paths
+
+        cands = candidate_paths()
+    except Exception:  # noqa: BLE001 -- runtime missing or broken: fall back to the same order
+        import os
+
+        here = Path(__file__).resolve().parent
+        cands = ([Path(os.environ["FLASHGEN_KERNEL_DIR"]) / "manifest.json"] if os.environ.get("FLASHGEN_KERNEL_DIR") else [])
+        cands += [here / "_kernels" / "manifest.json", here.parent / "build" / "manifest.json"]
+    for p in cands:
+        if p.is_file():
+            try:
+                return p, json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+    return None, None
+
+
+def _run_build(project, selected, variants, jobs) -> None:
+    g = _gen()
+    from .generator.build import build
+
+    if not selected:
+        click.echo("no variants selected (check --filter; non-default sets need --all)", err=True)
+        sys.exit(EXIT_CONFIG)
+    try:
+        res = build(project, selected, all_variants=variants, jobs=jobs, log=lambda s: click.echo(s))
+    except g.ToolchainError as e:
+        _fail_toolchain(e)
+    if res.failed:
+        click.echo(f"flashgen: {len(res.failed)} variant(s) failed:", err=True)
+        for name, msg in res.failed:
+            click.echo(f"  {name}: {msg}", err=True)
+        sys.exit(EXIT_BUILD_FAILED)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="flashgen", message="flashgen %(version)s")
+def main():
+    """flashgen: FlashAttention-3 forward kernels for Hopper, built ahead of time.
+
+    configs/*.yaml -> templates/*.cu.j2 -> nvcc fatbins -> build/manifest.json -> runtime.
+    The project root is $FLASHGEN_ROOT, else the nearest folder above the current one that has
+    configs/ and templates/, else the checkout this package was installed from."""
+
+
+@main.command("list")
+@click.option("--filter", "pattern", metavar="GLOB", help="Only names matching this glob (comma-separated globs; no wildcard = substring).")
+@click.option("--all", "all_", is_flag=True, help="Every configured variant, not only the default build set.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def list_cmd(pattern, all_, as_json):
+    """List variants from configs/, built or not.
+
+    BUILT is `yes` when build/ holds a fatbin compiled from the current configs, templates,
+    headers and nvcc; `stale` when the manifest has an older build; `no` otherwise. DEFAULT `*`
+    marks the tile table's choice (what the runtime dispatches to). Outside a checkout (an
+    installed wheel) the installed manifest's variants are listed."""
+    g = _gen()
+    from .generator.build import built_names
+    from .generator.config import select
+    from .generator.project import find_root
+    from .generator.toolchain import find_nvcc
+
+    if find_root() is None:
+        path, data = _installed_manifest()
+        if data is None:
+            click.echo("no flashgen project here and no installed kernel manifest", err=True)
+            sys.exit(EXIT_CONFIG)
+        rows = [{"name": e["name"], "default": bool(e.get("default")), "built": "yes", "params": e["params"]}
+                for e in data.get("variants", [])]
+        if pattern:
+            import fnmatch
+
+            pats = [p if any(c in p for c in "*?[") else f"*{p}*" for p in pattern.split(",") if p]
+            rows = [r for r in rows if any(fnmatch.fnmatchcase(r["name"], p) for p in pats)]
+        source = f"manifest {path}"
+    else:
+        project, variants = _load()
+        chosen = select(variants, pattern, all_)
+        try:
+            current = built_names(project, variants, find_nvcc())
+        except g.ToolchainError:
+            current = None
+        in_manifest = built_names(project, variants, None)
+        rows = []
+        for v in chosen:
+            if current is None:
+                built = "yes" if v.name in in_manifest else "no"
+            else:
+                built = "yes" if v.name in current else ("stale" if v.name in in_manifest else "no")
+            rows.append({"name": v.name, "default": v.default, "built": built, "params": v.params,
+                         "default_build": v.default_build, "sources": v.sources})
+        source = f"configs in {project.root}"
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    width = max([len(r["name"]) for r in rows] + [4])
+    click.echo(f"{'NAME':<{width}}  DEFAULT  BUILT")
+    for r in rows:
+        click.echo(f"{r['name']:<{width}}  {'*' if r['default'] else ' ':^7}  {r['built']}")
+    nb = sum(r["built"] == "yes" for r in rows)
+    click.echo(f"{len(rows)} variants ({nb} built) from {source}")
+
+
+@main.command("build")
+@click.option("--filter", "pattern", metavar="GLOB", help="Only names matching this glob (comma-separated; no wildcard = substring).")
+@click.option("--all", "all_", is_flag=True, help="Every configured variant (e.g. the ablation set), not only the default set.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
+              help="Parallel nvcc jobs (default: min(cores, free memory / 1.5 GB)).")
+def build_cmd(pattern, all_, jobs):
+    """Validate configs, render and compile variants, write build/manifest.json.
+
+    Compiles only what the content-addressed cache (build/cache) lacks; a rebuild with nothing
+    changed compiles nothing. Fails (exit 1) on compiler errors, register spills, or ptxas
+    advisories that mean a slow kernel (C7508/C7511/C7515/C7517/C7519)."""
+    from .generator.config import select
+
+    project, variants = _load()
+    selected = select(variants, pattern, all_)
+    if pattern and not selected and not all_ and select(variants, pattern, True):
+        click.echo(f"--filter {pattern!r} matches only variants outside the default set; add --all", err=True)
+        sys.exit(EXIT_CONFIG)
+    _run_build(project, selected, variants, jobs)
+
+
+def _append_point_text(text: str, point_line: str) -> str | None:
+    """Append ``  - {...}`` under a trailing block-style ``extra:`` list, keeping comments.
+    None when the file's layout does not allow a plain append."""
+    lines = text.rstrip("\n").splitlines()
+    idx = [i for i, ln in enumerate(lines) if ln.rstrip() == "extra:"]
+    if len(idx) != 1:
+        return None
+    for ln in lines[idx[0] + 1:]:  # everything after must belong to the list (or be comments)
+        s = ln.strip()
+        if s and not s.startswith("#") and not ln.startswith((" ", "\t", "-")):
+            return None
+    return "\n".join(lines) + "\n" + point_line + "\n"
+
+
+@main.command("add-variant")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), required=True, help="Element type of Q/K/V/O.")
+@click.option("--head-dim", type=int, required=True, help="Q/K head dim (64, 96, 128, 192, 256).")
+@click.option("--head-dim-v", type=int, default=None, help="V/O head dim (default: = head dim).")
+@click.option("--causal/--no-causal", default=False, help="Bottom-right aligned causal mask.")
+@click.option("--block-m", type=int, required=True, help="Query rows per CTA tile (64 x consumer WGs).")
+@click.option("--block-n", type=int, required=True, help="Key rows per K/V stage (multiple of 16, 16..256).")
+@click.option("--stages", type=int, default=2, show_default=True, help="K/V ring depth (1..4).")
+@click.option("--consumer-wgs", type=int, default=None, help="Consumer warpgroups, 2 or 3 (default: block_m / 64).")
+@click.option("--pingpong/--no-pingpong", default=True, show_default=True, help="Inter-warpgroup pingpong.")
+@click.option("--overlap/--no-overlap", default=True, show_default=True, help="Intra-warpgroup GEMM/softmax overlap.")
+@click.option("--persistent/--no-persistent", default=True, show_default=True, help="Persistent grid.")
+@click.option("--config", "config_path", default="configs/extra.yaml", show_default=True,
+              help="Config file whose `extra:` list gets the point (created if missing; relative to the project root).")
+@click.option("--build/--no-build", "do_build", default=True, show_default=True, help="Compile it and update the manifest.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel nvcc jobs.")
+def add_variant_cmd(dtype, head_dim, head_dim_v, causal, block_m, block_n, stages, consumer_wgs, pingpong,
+                    overlap, persistent, config_path, do_build, jobs):
+    """Add one variant to a config file's `extra:` list, build it, update the manifest.
+
+    The point is validated together with every config file before anything is written: an
+    invalid point exits with status 2 and leaves the file unchanged. After the build the runtime
+    can dispatch to the new variant at once (it is listed in build/manifest.json)."""
+    import yaml
+
+    g = _gen()
+    from .generator.config import parse_yaml
+    from .generator.fsutil import atomic_write_text
+    from .generator.naming import canonical_params, variant_name
+    from .generator.project import Project
+
+    try:
+        project = Project.locate()
+    except g.ConfigError as e:
+        _fail_config(e)
+    path = Path(config_path)
+    if not path.is_absolute():
+        path = project.root / path
+    label = project.rel(path)
+    point = {"dtype": dtype, "head_dim": head_dim}
+    if head_dim_v is not None and head_dim_v != head_dim:
+        point["head_dim_v"] = head_dim_v
+    point.update(causal=causal, block_m=block_m, block_n=block_n, stages=stages,
+                 consumer_wgs=consumer_wgs if consumer_wgs is not None else max(block_m // 64, 1),
+                 pingpong=pingpong, overlap=overlap, persistent=persistent)
+    if path.exists():
+        old_text = path.read_text()
+        problems = []
+        data = parse_yaml(old_text, label, problems)
+        if problems:
+            _fail_config(g.ConfigError(problems))
+        if not isinstance(data, dict):
+            _fail_config(g.ConfigError([f"{label}: not a mapping; cannot add to its extra: list"]))
+    else:
+        old_text = None
+        data = {"family": "fwd", "description": "variants added with `flashgen add-variant`",
+                "default_build": True, "extra": []}
+    new = copy.deepcopy(data)
+    extra = new.get("extra") or []
+    if not isinstance(extra, list):
+        _fail_config(g.ConfigError([f"{label}: extra: not a list; cannot append"]))
+    already = point in extra
+    if not already:
+        extra.append(point)
+    new["extra"] = extra
+    project, variants = _load(project, overrides={path: new})  # exits 2 on any problem
+    full = {"family": new.get("family", "fwd"), "head_dim_v": head_dim, **point}
+    name = variant_name(canonical_params(full))
+    target = [v for v in variants if v.name == name]
+    if not target:  # e.g. dropped by the file's exclude rules
+        _fail_config(g.ConfigError([f"{label}: the new point {name} does not produce a variant (exclude rule?)"]))
+    if already:
+        click.echo(f"{label}: already lists {name}")
+    else:
+        flow = yaml.safe_dump(point, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
+        text = None
+        if old_text is not None and isinstance(data.get("extra"), list) and data.get("extra"):
+            text = _append_point_text(old_text, f"  - {flow}")
+        if text is None or parse_yaml(text, label, []) != new:
+            header = ("# Variants added by `flashgen add-variant` (schema: generator/config.py).\n"
+                      if old_text is None else "")
+            text = header + yaml.safe_dump(new, sort_keys=False, default_flow_style=None, width=120)
+        atomic_write_text(path, text)
+        click.echo(f"{label}: added {name}")
+    if do_build:
+        _run_build(project, target, variants, jobs)
+        click.echo(f"built {name}; the runtime can dispatch to it now")
+
+
+@main.command("info")
+def info_cmd():
+    """Show the toolchain (nvcc path and version, cuobjdump), the GPU if any, and the manifest."""
+    g = _gen()
+    from .generator.project import find_root
+    from .generator.toolchain import find_cuobjdump, find_nvcc
+
+    try:
+        nv = find_nvcc()
+        click.echo(f"nvcc:      {nv.path} (release {nv.release}; found via {nv.source})")
+    except g.ToolchainError as e:
+        click.echo(f"nvcc:      not found ({e})")
+    try:
+        click.echo(f"cuobjdump: {find_cuobjdump()}")
+    except g.ToolchainError:
+        click.echo("cuobjdump: not found (pip install nvidia-cuda-cuobjdump)")
+    click.echo(f"gpu:       {_gpu_summary()}")
+    root = find_root()
+    click.echo(f"project:   {root if root else 'none (installed package only)'}")
+    path, data = _installed_manifest()
+    if data is None:
+        click.echo("manifest:  none found (run `make build` or `flashgen build`)")
+        return
+    vs = data.get("variants", [])
+    nvm = data.get("nvcc", {})
+    click.echo(f"manifest:  {path} (schema {data.get('schema')}, {data.get('arch')}, nvcc {nvm.get('version', '?')})")
+    click.echo(f"variants:  {len(vs)} built, {sum(bool(v.get('default')) for v in vs)} default tiles")
+    for v in vs:
+        p = v.get("params", {})
+        click.echo(f"  {'*' if v.get('default') else ' '} {v['name']}  regs={v.get('registers')} "
+                   f"smem={v.get('smem_bytes')} spill={v.get('spill_bytes')} "
+                   f"({p.get('dtype')} hd{p.get('head_dim')} {'causal' if p.get('causal') else 'noncausal'})")
+
+
+def _gpu_summary() -> str:
+    """GPUs seen by the CUDA driver through cuda-bindings; never raises."""
+    try:
+        from cuda.bindings import driver as drv
+    except Exception as e:  # noqa: BLE001
+        return f"unknown (cuda-bindings not importable: {type(e).__name__})"
+    try:
+        (err,) = drv.cuInit(0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return f"none ({getattr(err, 'name', err)})"
+        err, n = drv.cuDeviceGetCount()
+        if err != drv.CUresult.CUDA_SUCCESS or n == 0:
+            return "none"
+        out = []
+        for i in range(n):
+            _, dev = drv.cuDeviceGet(i)
+            _, raw = drv.cuDeviceGetName(256, dev)
+            name = raw.split(b"\0", 1)[0].decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+            _, major = drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+            _, minor = drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+            out.append(f"{i}: {name} (sm_{major}{minor})")
+        return "; ".join(out)
+    except Exception as e:  # noqa: BLE001 -- no driver, no device: report, never crash
+        return f"none ({type(e).__name__}: {str(e)[:120]})"
+
+
+@main.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench_cmd(args):
+    """Benchmark kernels: forwards every option to flashgen.bench.main.
+
+    Options are the benchmark's own; see them with `flashgen bench -- --help`."""
+    try:
+        from . import bench
+    except ImportError as e:
+        click.echo(f"error: flashgen.bench is not available ({e})", err=True)
+        sys.exit(EXIT_TOOLCHAIN)
+    entry = bench.main
+    if isinstance(entry, click.Command):
+        entry.main(args=list(args), prog_name="flashgen bench", standalone_mode=True)
+        return
+    rc = entry(list(args))
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()
