@@ -9,11 +9,9 @@ except ImportError:  # older setuptools: the `wheel` package provides it
 
 
 class bdist_wheel(_bdist_wheel):
-    def finalize_options(self):
-        super().finalize_options()
-        self.root_is_pure = False  # platform wheel: it carries GPU binaries for Linux x86_64
-
     def get_tag(self):
+        # Pure Python plus GPU binaries for Linux x86_64 drivers: any CPython 3, no ABI, but only
+        # manylinux x86_64 (the fatbins are sm_90a SASS, loaded by the Linux CUDA driver).
         return "py3", "none", "manylinux_2_17_x86_64"
 
 
