@@ -1,0 +1,348 @@
+"""Framework-neutral entry of flashgen: the FA3 forward on any DLPack array (CuPy, JAX, torch...).
+
+Nothing here imports torch at module level, and nothing needs it: arrays are read through
+the DLPack protocol (``__dlpack__`` / ``__dlpack_device__``) with cuda.core's
+``StridedMemoryView`` (NVIDIA's maintained DLPack / CUDA-array-interface reader), which
+gives the device address, shape, strides (elements), dtype and device of each array and
+performs the DLPack stream handshake with the producer. The launch goes through
+``flashgen.core.attention_forward``, the same path as the torch API. Method:
+FlashAttention-3 forward (arXiv 2407.08608, §3, Algorithms 1-2).
+
+Dependencies: ``cuda-core`` (for StridedMemoryView). bfloat16 arrays: cuda.core names
+their dtype through ``ml_dtypes``; without it flashgen falls back on the array's own
+``dtype`` attribute (torch and JAX spell it ``bfloat16``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+from . import _validate as _v
+from . import core as _core
+
+__all__ = ["flash_attn_forward"]
+
+# DLPack DLDeviceType codes (dlpack.h).
+kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
+_DEVICE_TYPE_NAMES = {1: "kDLCPU", 2: "kDLCUDA", 3: "kDLCUDAHost", 4: "kDLOpenCL", 7: "kDLVulkan",
+                      8: "kDLMetal", 10: "kDLROCM", 13: "kDLCUDAManaged", 14: "kDLOneAPI"}
+#: Device types whose memory the kernels can read through TMA (device or managed memory).
+#: Module-level so CPU tests can add kDLCPU.
+_CUDA_DEVICE_TYPES = frozenset({kDLCUDA, kDLCUDAManaged})
+
+# numpy / ml_dtypes / torch spellings -> flashgen names
+_DTYPE_BY_NAME = {
+    "float16": "fp16", "half": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32", "float": "fp32",
+    "float8_e4m3fn": "fp8_e4m3", "float8_e4m3fnuz": "fp8_e4m3", "float8_e4m3": "fp8_e4m3",
+    "float8_e4m3b11fnuz": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2", "float8_e5m2fnuz": "fp8_e5m2",
+}
+
+_NEG_INF_F32_BITS = 0xFF800000
+
+
+class _Array:
+    """One array as read through DLPack: its ArrayInfo, device address and owner."""
+
+    __slots__ = ("name", "obj", "info", "ptr", "view")
+
+    def __init__(self, name, obj, info, ptr, view):
+        self.name, self.obj, self.info, self.ptr, self.view = name, obj, info, ptr, view
+
+
+# --------------------------------------------------------------------------------------
+# Streams
+# --------------------------------------------------------------------------------------
+
+def _stream_handle(stream: Any) -> int:
+    """CUstream handle (int) of ``stream``: None -> 0 (the legacy default stream); an int;
+    an object with ``__cuda_stream__()`` (cuda.core, recent CuPy / torch); a torch.cuda.Stream
+    (``.cuda_stream``); a CuPy stream (``.ptr``). TypeError otherwise."""
+    if stream is None:
+        return 0
+    if isinstance(stream, bool):
+        raise TypeError("flashgen: stream must be a CUstream handle (int) or a stream object, got bool")
+    if isinstance(stream, int):
+        if stream < 0:
+            raise ValueError(f"flashgen: stream handle must be >= 0, got {stream}")
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        val = proto() if callable(proto) else proto
+        # protocol: (version, handle)
+        return int(val[1]) if isinstance(val, tuple) else int(val)
+    for attr in ("cuda_stream", "ptr", "handle"):
+        h = getattr(stream, attr, None)
+        if isinstance(h, int) and not isinstance(h, bool):
+            return h
+    raise TypeError(
+        "flashgen: stream must be None, a CUstream handle (int), or an object with "
+        f"__cuda_stream__ / .cuda_stream / .ptr, got {type(stream).__name__}"
+    )
+
+
+def _dlpack_stream(handle: int) -> int:
+    """The consumer-stream value for ``__dlpack__(stream=...)``: DLPack forbids 0 and spells
+    the legacy default stream 1 (and the per-thread default stream 2, the same as CUDA's
+    CU_STREAM_PER_THREAD handle)."""
+    return 1 if handle == 0 else handle
+
+
+# --------------------------------------------------------------------------------------
+# Reading arrays
+# --------------------------------------------------------------------------------------
+
+def _smv():
+    try:
+        from cuda.core.utils import StridedMemoryView
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "flashgen.dlpack_api needs cuda-core (`pip install cuda-core`) to read DLPack arrays"
+        ) from e
+    return StridedMemoryView
+
+
+def _dtype_name(view, obj) -> tuple:
+    """(flashgen dtype name or None, spelling for messages)."""
+    try:
+        dt = view.dtype
+        spelled = str(dt)
+    except NotImplementedError:
+        # cuda.core names narrow types (bfloat16, fp8) through ml_dtypes; fall back on the
+        # producer's own dtype attribute.
+        spelled = str(getattr(obj, "dtype", "unknown"))
+    key = spelled.rsplit(".", 1)[-1]  # 'torch.bfloat16' -> 'bfloat16'
+    return _DTYPE_BY_NAME.get(key), spelled
+
+
+def _c_strides(shape) -> tuple:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _read(name: str, obj: Any, dl_stream: int) -> _Array:
+    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        raise TypeError(
+            f"flashgen: {name} must be a DLPack array (with __dlpack__ and __dlpack_device__, "
+            f"e.g. a CuPy, JAX or torch array), got {type(obj).__name__}"
+        )
+    dev_type, dev_id = obj.__dlpack_device__()
+    dev_type, dev_id = int(dev_type), int(dev_id)
+    if dev_type not in _CUDA_DEVICE_TYPES:
+        shape = tuple(getattr(obj, "shape", ()))
+        where = f"DLPack device type {dev_type} ({_DEVICE_TYPE_NAMES.get(dev_type, '?')})"
+        info = _v.ArrayInfo(shape, _c_strides(shape), None, str(getattr(obj, "dtype", "?")),
+                            False, None, where)
+        return _Array(name, obj, info, None, None)
+    # The producer makes the data ready for work on our stream (DLPack stream handshake);
+    # -1 (no synchronisation) for host memory, which has no stream.
+    view = _smv().from_dlpack(obj, stream_ptr=-1 if dev_type == kDLCPU else dl_stream)
+    shape = tuple(int(n) for n in view.shape)
+    strides = view.strides
+    strides = _c_strides(shape) if strides is None else tuple(int(s) for s in strides)
+    dtype, spelled = _dtype_name(view, obj)
+    info = _v.ArrayInfo(shape, strides, dtype, spelled, True, dev_id, f"cuda:{dev_id}")
+    return _Array(name, obj, info, int(view.ptr), view)
+
+
+def _tensor_arg(a: _Array, dtype: str, device: int):
+    shape = a.info.shape
+    return _core.TensorArg(a.ptr, shape, _v.tma_strides(shape, a.info.strides), dtype, device)
+
+
+# --------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------
+
+def _allocate(like: Any, p: _v.Problem, handle: int):
+    """(out, lse) allocated by q's framework when it is torch, else by CuPy, on ``handle``'s
+    stream so the allocator orders reuse of the memory after our kernel."""
+    mod = type(like).__module__.split(".", 1)[0]
+    if mod == "torch" and "torch" in sys.modules:
+        import torch
+
+        dev = torch.device("cuda", p.device)
+        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
+        s = torch.cuda.default_stream(dev) if handle in (0, 1) else torch.cuda.ExternalStream(handle, device=dev)
+        with torch.cuda.stream(s):
+            out = torch.empty(p.out_shape, dtype=tdt, device=dev)
+            lse = torch.empty(p.lse_shape, dtype=torch.float32, device=dev)
+        return out, lse
+    try:
+        import cupy
+    except ImportError:
+        raise TypeError(
+            "flashgen: out and lse were not given and there is no allocator for "
+            f"{type(like).__name__} arrays: pass out= ({p.dtype}, shape {p.out_shape}) and "
+            f"lse= (float32, shape {p.lse_shape}) device arrays, or install CuPy"
+        ) from None
+    if p.dtype == "bf16":
+        raise TypeError(
+            "flashgen: CuPy cannot allocate bfloat16 arrays: pass out= (bfloat16, shape "
+            f"{p.out_shape}) and lse= (float32, shape {p.lse_shape}) device arrays"
+        )
+    with cupy.cuda.Device(p.device):
+        s = cupy.cuda.Stream.null if handle in (0, 1) else cupy.cuda.ExternalStream(handle, p.device)
+        with s:
+            out = cupy.empty(p.out_shape, dtype=cupy.float16)
+            lse = cupy.empty(p.lse_shape, dtype=cupy.float32)
+    return out, lse
+
+
+# Driver memsets for the seqlen_k == 0 case (out = 0, lse = -inf), framework-neutral.
+# Module-level so CPU tests can replace them with host memsets.
+
+def _driver_ctx(device: int):
+    from . import launch
+
+    launch.ensure_context(device)
+    from cuda.bindings import driver
+
+    return driver, launch.check
+
+
+def _memset8(device: int, ptr: int, nbytes: int, stream: int) -> None:
+    d, check = _driver_ctx(device)
+    check(d.cuMemsetD8Async(d.CUdeviceptr(ptr), 0, nbytes, d.CUstream(stream)), "cuMemsetD8Async")
+
+
+def _memset2d8(device: int, ptr: int, pitch: int, width: int, height: int, stream: int) -> None:
+    d, check = _driver_ctx(device)
+    check(d.cuMemsetD2D8Async(d.CUdeviceptr(ptr), pitch, 0, width, height, d.CUstream(stream)),
+          "cuMemsetD2D8Async")
+
+
+def _memset32(device: int, ptr: int, value: int, count: int, stream: int) -> None:
+    d, check = _driver_ctx(device)
+    check(d.cuMemsetD32Async(d.CUdeviceptr(ptr), value, count, d.CUstream(stream)), "cuMemsetD32Async")
+
+
+def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int) -> None:
+    """out = 0 and lse = -inf on ``handle``'s stream (seqlen_k == 0: every row sees no key)."""
+    es = _v.ELEMENT_SIZE[p.dtype]
+    b, sq, h, dv = out.info.shape
+    sb, ss, sh, _ = out.info.strides
+    if _v.is_c_contiguous(out.info.shape, out.info.strides):
+        _memset8(p.device, out.ptr, b * sq * h * dv * es, handle)
+    else:
+        for ib in range(b):
+            for ih in range(h):
+                base = out.ptr + (ib * sb + ih * sh) * es
+                if sq == 1 or ss * es < dv * es:
+                    for i in range(sq):
+                        _memset8(p.device, base + i * ss * es, dv * es, handle)
+                else:
+                    _memset2d8(p.device, base, ss * es, dv * es, sq, handle)
+    _memset32(p.device, lse.ptr, _NEG_INF_F32_BITS, b * h * sq, handle)
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------
+
+def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal: bool = False,
+                       stream: Any = None, out: Any = None, lse: Any = None):
+    """FlashAttention-3 forward on DLPack arrays; returns ``(out, lse)``.
+
+    Same computation, rules and errors as :func:`flashgen.interface.flash_attn_func`
+    (FA3's ``flash_attn_func`` semantics; arXiv 2407.08608, §3, Algorithms 1-2), without
+    torch: ``out = softmax(softmax_scale * q k^T [+ bottom-right causal mask]) v`` per
+    (batch, head), GQA/MQA when heads_k divides heads.
+
+    Args:
+        q: ``(batch, seqlen_q, heads, head_dim)`` CUDA array, float16 or bfloat16, any
+            object with ``__dlpack__`` / ``__dlpack_device__`` (CuPy, JAX, torch, ...).
+        k: ``(batch, seqlen_k, heads_k, head_dim)``; v: ``(batch, seqlen_k, heads_k,
+            head_dim_v)``; same dtype and device as q.
+        softmax_scale: float > 0, finite; None means ``head_dim ** -0.5``.
+        causal: bottom-right aligned causal mask (row i sees keys ``j <= i + seqlen_k -
+            seqlen_q``; a row that sees no key gives 0 and lse -inf).
+        stream: where to launch: None (default) = the legacy default stream (handle 0, which
+            synchronises with all blocking streams), an int CUstream handle, or a stream
+            object (``__cuda_stream__``, torch.cuda.Stream, cupy.cuda.Stream). It is also
+            passed to each array's ``__dlpack__(stream=...)``, so the producer orders its
+            pending writes before our kernel (DLPack's stream handshake).
+        out: optional ``(batch, seqlen_q, heads, head_dim_v)`` array of q's dtype on q's
+            device, written in place; its last dim must be contiguous and its other strides
+            and base address 16-byte aligned (TMA store).
+        lse: optional float32 C-contiguous ``(batch, heads, seqlen_q)`` array on q's
+            device, written in place (natural-log log-sum-exp of each row's scaled scores).
+            When out or lse is missing it is allocated: with torch when q is a torch
+            tensor, else with CuPy (CuPy has no bfloat16: pass out for bf16 from JAX);
+            without CuPy, pass both. Allocation happens on ``stream``.
+
+    Returns:
+        ``(out, lse)``: the given arrays, or the allocated ones.
+
+    Layouts: no copy is ever made here (there is no framework to copy with). q, k and v
+    must have a contiguous last dim and 16-byte-aligned other strides and base address
+    (TMA): packed-qkv slices and KV-cache prefixes qualify; other layouts raise ValueError
+    (make them contiguous first). Empty problems (batch, seqlen_q or seqlen_k of 0) launch
+    no kernel (seqlen_k 0: out set to 0 and lse to -inf with driver memsets).
+
+    Raises:
+        TypeError: an argument is not a DLPack array; dtypes unsupported or mismatched;
+            softmax_scale not a number; no allocator for missing outputs.
+        ValueError: arrays not in CUDA memory or not on one device; shapes (see
+            :func:`flashgen.interface.flash_attn_func`); layouts TMA cannot address; out /
+            lse with the wrong shape, dtype, device, layout, or read-only.
+        RuntimeError: GPU not compute capability 9.x.
+        NotImplementedError: fp8 dtypes.
+        flashgen.core.MissingVariantError: no built variant serves the request; the message
+            names the ``flashgen add-variant`` command that builds it.
+    """
+    handle = _stream_handle(stream)
+    dl_stream = _dlpack_stream(handle)
+    qa, ka, va = (_read(n, x, dl_stream) for n, x in (("q", q), ("k", k), ("v", v)))
+    p = _v.check_inputs(qa.info, ka.info, va.info)
+    scale = _v.check_softmax_scale(softmax_scale, p.head_dim)
+    causal = bool(causal)
+    _v.check_capability(_core.device_capability(p.device), p.device)
+    empty = p.nothing_to_compute or p.seqlen_k == 0
+    variant = None
+    if not empty:
+        variant = _core.select_variant(p.dtype, p.head_dim, p.head_dim_v, causal, p.seqlen_q, p.seqlen_k)
+        es = _v.ELEMENT_SIZE[p.dtype]
+        for a in (qa, ka, va):
+            why = _v.tma_layout_problem(a.info.shape, a.info.strides, es, a.ptr)
+            if why:
+                raise ValueError(
+                    f"flashgen: {a.name} cannot be read by TMA: {why}. The DLPack entry makes no "
+                    f"copies: pass {a.name} with a contiguous last dim and 16-byte-aligned other "
+                    "strides and base address (e.g. a contiguous copy)"
+                )
+    # Outputs: validate the caller's, allocate the missing ones.
+    if out is None or lse is None:
+        new_out, new_lse = _allocate(q, p, handle)
+        out = new_out if out is None else out
+        lse = new_lse if lse is None else lse
+    oa, la = _read("out", out, dl_stream), _read("lse", lse, dl_stream)
+    for a in (oa, la):
+        if a.view is not None and getattr(a.view, "readonly", False):
+            raise ValueError(f"flashgen: {a.name} is read-only; pass a writable array")
+    _v.check_out(oa.info, p, oa.ptr)
+    _v.check_lse(la.info, p, la.ptr)
+    if p.nothing_to_compute:
+        return out, lse
+    if p.seqlen_k == 0:
+        _fill_attend_nothing(oa, la, p, handle)
+        return out, lse
+    dev = p.device
+    _core.attention_forward(
+        _tensor_arg(qa, p.dtype, dev),
+        _tensor_arg(ka, p.dtype, dev),
+        _tensor_arg(va, p.dtype, dev),
+        _tensor_arg(oa, p.dtype, dev),
+        _core.TensorArg(la.ptr, la.info.shape, la.info.strides, "fp32", dev),
+        scale,
+        causal,
+        handle,
+        variant=variant,
+    )
+    return out, lse

@@ -1,0 +1,293 @@
+"""torch API of flashgen: FlashAttention-3's ``flash_attn_func``, on flashgen's AOT kernels.
+
+Drop-in for FA3's ``flash_attn_interface.flash_attn_func`` (same names, same semantics,
+see ``shared/research/fa3.md`` §1): change the import, keep the call. The computation is
+the FlashAttention-3 forward (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao,
+arXiv 2407.08608, §3, Algorithms 1 and 2).
+
+The op is registered as ``torch.ops.flashgen.fwd`` with ``torch.library.custom_op``,
+a fake (meta) implementation and an autograd formula, so that
+
+* ``torch.compile(fullgraph=True)`` traces through :func:`flash_attn_func` without graph
+  breaks (the op is opaque; its fake implementation gives shapes, dtypes and strides);
+* CUDA graphs capture it: the kernel is launched on ``torch.cuda.current_stream()``, the
+  outputs (and any layout copy) come from torch's caching allocator, and the call makes
+  no host synchronisation;
+* backward through it raises a clear RuntimeError (no backward kernel is built yet)
+  rather than returning a wrong or missing gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _validate as _v
+from . import core as _core
+
+__all__ = ["flash_attn_func", "BACKWARD_NOT_IMPLEMENTED"]
+
+#: Message of the RuntimeError raised by backward through :func:`flash_attn_func`.
+BACKWARD_NOT_IMPLEMENTED = (
+    "flashgen: the backward pass is not implemented yet (flashgen builds forward kernels "
+    "only), so no gradient flows through flash_attn_func. Call it under torch.no_grad() or "
+    "torch.inference_mode(), or pass q, k, v that do not require grad (e.g. .detach()); for "
+    "training use torch.nn.functional.scaled_dot_product_attention or FA3."
+)
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+for _attr, _name in (
+    ("float8_e4m3fn", "fp8_e4m3"),
+    ("float8_e4m3fnuz", "fp8_e4m3"),
+    ("float8_e5m2", "fp8_e5m2"),
+    ("float8_e5m2fnuz", "fp8_e5m2"),
+):
+    if hasattr(torch, _attr):
+        _DTYPE_NAMES[getattr(torch, _attr)] = _name
+
+
+# --------------------------------------------------------------------------------------
+# Seams (module-level so CPU tests can monkeypatch them)
+# --------------------------------------------------------------------------------------
+
+def _device_of(t: torch.Tensor) -> tuple:
+    """(is a CUDA tensor, CUDA ordinal or None)."""
+    dev = t.device
+    if dev.type == "cuda":
+        return True, (dev.index if dev.index is not None else 0)
+    return False, None
+
+
+def _current_stream(device: int) -> int:
+    """The CUstream handle (int) of torch's current stream on ``device``."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _check_device_capability(device: int) -> None:
+    """RuntimeError unless ``device`` is a Hopper GPU (compute capability 9.x)."""
+    _v.check_capability(_core.device_capability(device), device)
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------
+
+def _array_info(t: torch.Tensor) -> _v.ArrayInfo:
+    is_cuda, index = _device_of(t)
+    return _v.ArrayInfo(
+        tuple(t.shape),
+        tuple(t.stride()),
+        _DTYPE_NAMES.get(t.dtype),
+        str(t.dtype),
+        is_cuda,
+        index,
+        str(t.device),
+    )
+
+
+def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _v.Problem:
+    return _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
+
+
+def _tma_ready(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``t`` itself when a TMA descriptor can address it, else a contiguous copy.
+
+    ``.contiguous()`` is not enough: an already-contiguous view at a misaligned storage
+    offset comes back unchanged, so the copy is an explicit clone into fresh memory
+    (torch's caching allocator hands out 512-byte-aligned blocks).
+    """
+    if _v.tma_layout_problem(t.shape, t.stride(), _v.ELEMENT_SIZE[dtype], t.data_ptr()) is None:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _tensor_arg(t: torch.Tensor, dtype: str, device: int):
+    shape = tuple(t.shape)
+    return _core.TensorArg(t.data_ptr(), shape, _v.tma_strides(shape, t.stride()), dtype, device)
+
+
+# --------------------------------------------------------------------------------------
+# The op
+# --------------------------------------------------------------------------------------
+
+@torch.library.custom_op("flashgen::fwd", mutates_args=())
+def _fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal) -> (out, lse)``.
+
+    The registered op behind :func:`flash_attn_func`; same arguments (softmax_scale already
+    resolved to a float), always returns ``(out, lse)``: out contiguous
+    ``(batch, seqlen_q, heads, head_dim_v)`` of q's dtype, lse contiguous float32
+    ``(batch, heads, seqlen_q)`` (natural log). Validates q, k, v itself (see
+    :func:`flash_attn_func`), so calling it directly is safe.
+    """
+    p = _check_tensors(q, k, v)
+    _check_device_capability(p.device)
+    if p.nothing_to_compute or p.seqlen_k == 0:
+        out = q.new_empty(p.out_shape)
+        lse = q.new_empty(p.lse_shape, dtype=torch.float32)
+        if not p.nothing_to_compute:
+            # seqlen_k == 0: every query attends to nothing: out 0, lse -inf (FA3's empty rows).
+            out.zero_()
+            lse.fill_(-math.inf)
+        return out, lse
+    # MissingVariantError (naming the variant and the `flashgen add-variant` command) here,
+    # before any allocation or launch.
+    variant = _core.select_variant(p.dtype, p.head_dim, p.head_dim_v, bool(causal), p.seqlen_q, p.seqlen_k)
+    out = q.new_empty(p.out_shape)
+    lse = q.new_empty(p.lse_shape, dtype=torch.float32)
+    dev = p.device
+    _core.attention_forward(
+        _tensor_arg(_tma_ready(q, p.dtype), p.dtype, dev),
+        _tensor_arg(_tma_ready(k, p.dtype), p.dtype, dev),
+        _tensor_arg(_tma_ready(v, p.dtype), p.dtype, dev),
+        _tensor_arg(out, p.dtype, dev),
+        _core.TensorArg(lse.data_ptr(), p.lse_shape, tuple(lse.stride()), "fp32", dev),
+        float(softmax_scale),
+        bool(causal),
+        _current_stream(dev),
+        variant=variant,
+    )
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, softmax_scale, causal):
+    p = _check_tensors(q, k, v)
+    out = q.new_empty(p.out_shape)  # contiguous, q's dtype and device: as the real op
+    lse = q.new_empty(p.lse_shape, dtype=torch.float32)
+    return out, lse
+
+
+# Backward: a second op whose real implementation raises. Raising inside the op (and not
+# in the Python backward formula itself) keeps torch.compile able to trace the joint
+# forward+backward graph of a model that merely *could* need gradients; the error comes
+# when a backward actually runs.
+@torch.library.custom_op("flashgen::fwd_backward_unimplemented", mutates_args=())
+def _bwd_unimplemented(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Always raises RuntimeError(:data:`BACKWARD_NOT_IMPLEMENTED`)."""
+    raise RuntimeError(BACKWARD_NOT_IMPLEMENTED)
+
+
+@_bwd_unimplemented.register_fake
+def _bwd_unimplemented_fake(grad_out, q, k, v):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, _scale, _causal = inputs
+    ctx.save_for_backward(q, k, v)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashgen.fwd_backward_unimplemented(grad_out, q, k, v)
+    return dq, dk, dv, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    *,
+    qv: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    window_size: tuple = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    deterministic: bool = False,
+    sm_margin: int = 0,
+    return_attn_probs: bool = False,
+):
+    """Scaled dot-product attention forward, FlashAttention-3 on Hopper (sm_90a).
+
+    ``out[b, i, h] = sum_j softmax_j(softmax_scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]``
+    with ``g = heads // heads_k`` (GQA/MQA), computed by flashgen's FA3 forward kernels
+    (arXiv 2407.08608, §3, Algorithms 1-2: tiled online softmax, fp32 accumulation), with
+    the argument semantics of FA3's ``flash_attn_interface.flash_attn_func``.
+
+    Args:
+        q: ``(batch, seqlen_q, heads, head_dim)`` CUDA tensor, float16 or bfloat16.
+        k: ``(batch, seqlen_k, heads_k, head_dim)``, same dtype and device as q.
+        v: ``(batch, seqlen_k, heads_k, head_dim_v)``, same dtype and device as q.
+            heads must be a multiple of heads_k; head_dim and head_dim_v multiples of 8,
+            at most 256 (a pair no built variant serves raises MissingVariantError).
+        softmax_scale: multiplies q.k before the softmax; None means ``head_dim ** -0.5``.
+            Must be finite and > 0.
+        causal: bottom-right aligned causal mask: query row i sees keys
+            ``j <= i + seqlen_k - seqlen_q`` (FA3's convention); a row that sees no key
+            outputs 0 with lse -inf.
+        qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap: FA3
+            arguments no built variant implements yet; anything but their defaults
+            (None / (-1, -1) / 0) raises NotImplementedError naming the argument.
+        num_splits, pack_gqa, sm_margin: FA3 scheduling hints; accepted and ignored (they
+            never change the result).
+        deterministic: accepted; the forward is always deterministic.
+        return_attn_probs: when True return ``(out, lse)`` (as FA3 does), else ``out``.
+        The arguments after ``causal`` are keyword-only, so a positional call written for
+        a different argument order fails loudly instead of binding wrongly.
+
+    Returns:
+        out: ``(batch, seqlen_q, heads, head_dim_v)``, q's dtype, contiguous.
+        lse (only with return_attn_probs): float32 ``(batch, heads, seqlen_q)``, the
+        natural-log log-sum-exp of the scaled scores of each query row.
+
+    Layouts and copies: the kernels read q, k, v through TMA, which needs the last dim
+    contiguous (stride 1), every other stride a multiple of 16 bytes, and a 16-byte
+    aligned base address. Inputs that meet this are used in place with their own strides,
+    with no copy: e.g. ``qkv[:, :, 0]`` slices of a packed ``(batch, seqlen, 3, heads,
+    head_dim)`` tensor, KV-cache prefixes ``k_cache[:, :seqlen_k]``, BHSD tensors
+    transposed to BSHD. Any other layout is copied to a contiguous tensor first (like
+    FA3, which calls ``.contiguous()`` when the last dim is not contiguous), at the cost
+    of one extra read and write of that input. Empty problems (batch, seqlen_q or
+    seqlen_k of 0) launch nothing: out is empty, or zeros with lse -inf when seqlen_k is 0.
+
+    Raises:
+        TypeError: q, k or v not a torch.Tensor; dtype not float16/bfloat16; dtypes of
+            q, k, v differ; softmax_scale not a real number.
+        ValueError: not CUDA tensors or not on one device; not 4-D; batch, seqlen or
+            heads mismatched between q, k, v; head_dim of k differs from q's; heads not a
+            multiple of heads_k; head_dim / head_dim_v not a multiple of 8 in 8..256;
+            softmax_scale not finite and > 0.
+        RuntimeError: the GPU is not compute capability 9.x (Hopper).
+        NotImplementedError: an FA3 feature not built yet (see above) or an fp8 dtype.
+        flashgen.core.MissingVariantError: no built variant serves (dtype, head_dim,
+            head_dim_v, causal); the message names the ``flashgen add-variant`` command.
+        RuntimeError (in backward): gradients are not implemented yet.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashgen: {name} must be a torch.Tensor, got {type(t).__name__}")
+    _v.check_features(
+        window_size=window_size,
+        softcap=softcap,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        qv=qv,
+        attention_chunk=attention_chunk,
+    )
+    head_dim = q.shape[-1] if q.dim() > 0 else 1
+    scale = _v.check_softmax_scale(softmax_scale, head_dim)
+    out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal))
+    if return_attn_probs:
+        return out, lse
+    return out
