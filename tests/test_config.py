@@ -1,0 +1,221 @@
+"""Config schema validation (exit status 2, one line per problem naming file/key/value/allowed),
+expansion counts, the tile table's default flags and the real configs/."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from fgutil import REPO, SMALL_FWD, cli, cli_subprocess, make_project  # noqa: E402
+
+from flashgen.generator.config import load_variants, select  # noqa: E402
+from flashgen.generator.errors import ConfigError  # noqa: E402
+from flashgen.generator.project import Project  # noqa: E402
+
+
+def problems_of(tmp_path, text, name="bad.yaml"):
+    proj = make_project(tmp_path, {name: text})
+    with pytest.raises(ConfigError) as ei:
+        load_variants(proj)
+    return proj, ei.value.problems
+
+
+def check_cli_rejects(proj, *needles):
+    """`flashgen build` and `flashgen list` exit 2, print every needle, no traceback, build nothing."""
+    for cmd in (["build"], ["list"]):
+        r = cli(cmd, proj.root)
+        assert r.exit_code == 2, (cmd, r.output)
+        for n in needles:
+            assert n in r.stderr, (n, r.stderr)
+        assert "Traceback" not in r.output
+    assert not proj.build_dir.exists(), "nothing may be built from an invalid config"
+
+
+# ------------------------------------------------------------------------------- invalid inputs
+
+
+def test_unknown_top_level_key(tmp_path):
+    proj, probs = problems_of(tmp_path, SMALL_FWD + "colour: blue\n")
+    assert len(probs) == 1
+    assert "configs/bad.yaml" in probs[0] and "colour" in probs[0] and "'blue'" in probs[0]
+    assert "allowed keys" in probs[0] and "tiles" in probs[0]
+    check_cli_rejects(proj, "configs/bad.yaml", "colour")
+
+
+def test_unknown_key_in_tile_row(tmp_path):
+    text = SMALL_FWD.replace("{head_dim: 64, block_m: 192", "{head_dim: 64, blockm: 3, block_m: 192")
+    proj, probs = problems_of(tmp_path, text)
+    assert any("tiles[0].blockm" in p and "unknown key" in p and "block_m" in p for p in probs), probs
+    check_cli_rejects(proj, "tiles[0].blockm")
+
+
+def test_wrong_type(tmp_path):
+    text = SMALL_FWD.replace("causal: [false, true]", "causal: [false, 'yes']")
+    proj, probs = problems_of(tmp_path, text)
+    assert probs == [p for p in probs if "matrix.causal[1]" in p] and len(probs) == 1, probs
+    assert "'yes'" in probs[0] and "wrong type string" in probs[0] and "boolean" in probs[0]
+    check_cli_rejects(proj, "matrix.causal[1]", "boolean")
+
+
+def test_bool_is_not_an_int(tmp_path):
+    text = SMALL_FWD.replace("block_n: 128, consumer_wgs: 2", "block_n: true, consumer_wgs: 2")
+    _, probs = problems_of(tmp_path, text)
+    assert any("tiles[1].block_n = true" in p and "integer" in p for p in probs), probs
+
+
+def test_bad_head_dim(tmp_path):
+    text = SMALL_FWD.replace("head_dim: [64, 128]", "head_dim: [64, 100]")
+    proj, probs = problems_of(tmp_path, text)
+    assert any("matrix.head_dim[1] = 100" in p and "64, 96, 128, 192, 256" in p for p in probs), probs
+    check_cli_rejects(proj, "matrix.head_dim[1] = 100", "64, 96, 128, 192, 256")
+
+
+@pytest.mark.parametrize("bn", [72, 8, 272])
+def test_bad_block_n(tmp_path, bn):
+    text = SMALL_FWD.replace("block_n: 128, consumer_wgs: 2", f"block_n: {bn}, consumer_wgs: 2")
+    proj, probs = problems_of(tmp_path, text)
+    assert any(f"tiles[1].block_n = {bn}" in p and "multiple of 16 in [16, 256]" in p for p in probs), probs
+    check_cli_rejects(proj, f"tiles[1].block_n = {bn}")
+
+
+def test_block_m_consumer_wgs_mismatch(tmp_path):
+    text = SMALL_FWD.replace("{head_dim: 64, block_m: 192, block_n: 128, consumer_wgs: 3}",
+                             "{head_dim: 64, block_m: 128, block_n: 128, consumer_wgs: 3}")
+    proj, probs = problems_of(tmp_path, text)
+    hit = [p for p in probs if "tiles[0].block_m" in p and "block_m = 128" in p and "64 * consumer_wgs = 192" in p]
+    assert hit, probs
+    check_cli_rejects(proj, "tiles[0].block_m", "64 * consumer_wgs = 192")
+
+
+def test_consumer_wgs_and_stages_ranges(tmp_path):
+    text = SMALL_FWD.replace("block_n: 128, consumer_wgs: 2}", "block_n: 128, consumer_wgs: 4, stages: 5}")
+    _, probs = problems_of(tmp_path, text)
+    assert any("tiles[1].consumer_wgs = 4" in p and "2, 3" in p for p in probs), probs
+    assert any("tiles[1].stages = 5" in p and "1, 2, 3, 4" in p for p in probs), probs
+
+
+def test_smem_over_limit(tmp_path):
+    # hd128, 128x176, 3 stages: 32768 + 3*176*128*2*2 + 2048 = 305152 bytes > 232448
+    text = SMALL_FWD.replace("{head_dim: 128, block_m: 128, block_n: 128, consumer_wgs: 2}",
+                             "{head_dim: 128, block_m: 128, block_n: 176, consumer_wgs: 2, stages: 3}")
+    proj, probs = problems_of(tmp_path, text)
+    hit = [p for p in probs if "smem_bytes = 305152" in p]
+    assert len(hit) == 4, probs  # bf16/fp16 x causal/non-causal at head_dim 128
+    assert all("configs/bad.yaml" in p and "232448" in p and "tiles[1]" in p for p in hit)
+    check_cli_rejects(proj, "smem_bytes = 305152", "at most 232448")
+
+
+def test_register_budget_three_wgs(tmp_path):
+    text = SMALL_FWD.replace("{head_dim: 128, block_m: 128, block_n: 128, consumer_wgs: 2}",
+                             "{head_dim: 128, block_m: 192, block_n: 144, consumer_wgs: 3}")
+    _, probs = problems_of(tmp_path, text)
+    assert any("block_n = 144" in p and "3 consumer warpgroups" in p for p in probs), probs
+
+
+def test_all_problems_collected_across_files(tmp_path):
+    proj = make_project(tmp_path, {
+        "a.yaml": SMALL_FWD.replace("head_dim: [64, 128]", "head_dim: [64, 100]") + "bogus: 1\n",
+        "b.yaml": "family: fwd\nextra:\n  - {dtype: fp8, head_dim: 128, causal: false, block_m: 128, block_n: 20, consumer_wgs: 2}\n",
+    })
+    with pytest.raises(ConfigError) as ei:
+        load_variants(proj)
+    probs = ei.value.problems
+    assert any(p.startswith("configs/a.yaml") and "bogus" in p for p in probs)
+    assert any(p.startswith("configs/a.yaml") and "head_dim[1] = 100" in p for p in probs)
+    assert any(p.startswith("configs/b.yaml") and "extra[0].dtype = 'fp8'" in p for p in probs)
+    assert any(p.startswith("configs/b.yaml") and "extra[0].block_n = 20" in p for p in probs)
+    r = cli_subprocess(["build"], proj.root)
+    assert r.returncode == 2
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]) == len(probs) >= 4
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_yaml_syntax_and_duplicate_keys(tmp_path):
+    proj = make_project(tmp_path, {"a.yaml": SMALL_FWD + "tiles: []\n", "b.yaml": "family: [fwd\n"})
+    with pytest.raises(ConfigError) as ei:
+        load_variants(proj)
+    probs = ei.value.problems
+    assert any("configs/a.yaml" in p and "duplicate key 'tiles'" in p for p in probs), probs
+    assert any("configs/b.yaml" in p and "invalid YAML" in p and "line" in p for p in probs), probs
+    r = cli_subprocess(["list"], proj.root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_missing_tile_row(tmp_path):
+    text = SMALL_FWD.replace("head_dim: [64, 128]", "head_dim: [64, 128, 256]")
+    _, probs = problems_of(tmp_path, text)
+    assert len(probs) == 4 and all("no tiles row matches" in p and "head_dim=256" in p for p in probs), probs
+
+
+def test_conflicting_default_tiles_across_files(tmp_path):
+    other = SMALL_FWD.replace("block_n: 128, consumer_wgs: 2", "block_n: 112, consumer_wgs: 2")
+    proj = make_project(tmp_path, {"a.yaml": SMALL_FWD, "b.yaml": other})
+    with pytest.raises(ConfigError) as ei:
+        load_variants(proj)
+    assert len(ei.value.problems) == 4 and all("two default tiles" in p for p in ei.value.problems)
+
+
+# ------------------------------------------------------------------------------------ expansion
+
+
+def test_expansion_counts_exclude_and_extra(tmp_path):
+    text = SMALL_FWD + "exclude:\n  - {dtype: fp16, head_dim: 64}\n  - {causal: true, head_dim: [128]}\n"
+    text += "extra:\n  - {dtype: bf16, head_dim: 128, causal: true, block_n: 96}\n"
+    proj = make_project(tmp_path, {"fwd.yaml": text})
+    vs = load_variants(proj)
+    # 8 matrix points - 2 (fp16 hd64) - 2 (causal hd128) + 1 extra
+    assert len(vs) == 5
+    extra = [v for v in vs if v.params["block_n"] == 96]
+    assert len(extra) == 1 and extra[0].default is False and extra[0].params["block_m"] == 128
+    assert sum(v.default for v in vs) == 4
+
+
+def test_tile_table_most_specific_row_wins(tmp_path):
+    text = SMALL_FWD.replace("tiles:\n", "tiles:\n  - {head_dim: 128, causal: true, block_m: 128, block_n: 96, consumer_wgs: 2, stages: 3}\n")
+    proj = make_project(tmp_path, {"fwd.yaml": text})
+    vs = load_variants(proj)
+    hd128 = {(v.params["dtype"], v.params["causal"]): v for v in vs if v.params["head_dim"] == 128}
+    assert hd128[("bf16", True)].params["block_n"] == 96 and hd128[("bf16", True)].params["stages"] == 3
+    assert hd128[("bf16", False)].params["block_n"] == 128 and hd128[("bf16", False)].params["stages"] == 2
+
+
+def test_real_configs():
+    proj = Project(REPO)
+    vs = load_variants(proj)
+    default_set = select(vs)
+    assert len(default_set) == 12  # bf16/fp16 x 64/128/256 x causal
+    assert all(v.default for v in default_set)
+    assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"]) for v in default_set} == {
+        (d, h, c) for d in ("bf16", "fp16") for h in (64, 128, 256) for c in (False, True)}
+    tiles = {(v.params["head_dim"], v.params["causal"]): (v.params["block_m"], v.params["block_n"], v.params["consumer_wgs"])
+             for v in default_set}
+    assert tiles == {(64, False): (192, 128, 3), (64, True): (192, 128, 3), (128, False): (128, 176, 2),
+                     (128, True): (128, 128, 2), (256, False): (128, 80, 2), (256, True): (128, 80, 2)}
+    abl = [v for v in vs if "configs/ablation.yaml" in " ".join(v.sources)]
+    assert len(abl) == 6
+    knobs = {(v.params["pingpong"], v.params["overlap"], v.params["persistent"], v.params["stages"], v.params["causal"])
+             for v in abl}
+    assert knobs == {(True, True, True, 2, False), (True, False, True, 2, False), (False, False, True, 2, False),
+                     (True, True, False, 2, False), (True, True, True, 3, False), (True, True, True, 2, True)}
+    assert len(vs) == 17  # the "full" ablation point is the default bf16 hd128 variant
+    assert len(select(vs, all_=True)) == 17
+
+
+def test_head_dims_96_192_are_one_line_away(tmp_path):
+    proj = make_project(tmp_path, {"fwd.yaml": (REPO / "configs" / "fwd.yaml").read_text().replace(
+        "head_dim: [64, 128, 256]", "head_dim: [64, 96, 128, 192, 256]")})
+    vs = load_variants(proj)
+    assert len(vs) == 20
+    by = {(v.params["head_dim"], v.params["causal"]): v for v in vs if v.params["dtype"] == "bf16"}
+    assert (by[(96, False)].params["block_m"], by[(96, False)].params["block_n"]) == (192, 128)
+    assert (by[(192, True)].params["block_m"], by[(192, True)].params["block_n"]) == (128, 112)
+
+
+def test_select_filter():
+    vs = load_variants(Project(REPO))
+    assert len(select(vs, "*hd64*")) == 4
+    assert len(select(vs, "hd128_noncausal")) == 2  # substring, default set only
+    assert len(select(vs, "hd128_noncausal", all_=True)) == 6  # + 4 ablation points
+    assert len(select(vs, "*bf16_hd64*,*fp16_hd256_causal*")) == 3
