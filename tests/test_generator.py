@@ -1,0 +1,277 @@
+"""Generator pieces: naming, resources, rendering, header scan, ptxas parsing, manifest, discovery."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from fgutil import REPO, compiles, fake_cuda, make_project, read_manifest  # noqa: E402
+
+from flashgen.generator import ptxas  # noqa: E402
+from flashgen.generator.build import build, default_jobs  # noqa: E402
+from flashgen.generator.config import load_variants, select  # noqa: E402
+from flashgen.generator.errors import BuildError, ToolchainError  # noqa: E402
+from flashgen.generator.feasibility import SMEM_LIMIT, fwd_problems, fwd_resources  # noqa: E402
+from flashgen.generator.naming import canonical_params, params_hash, symbol_for, variant_name  # noqa: E402
+from flashgen.generator.project import Project, find_root  # noqa: E402
+from flashgen.generator.render import local_headers, render  # noqa: E402
+from flashgen.generator.toolchain import find_nvcc  # noqa: E402
+
+BASE = dict(family="fwd", dtype="bf16", head_dim=128, head_dim_v=128, causal=True, block_m=128, block_n=128,
+            stages=2, consumer_wgs=2, pingpong=True, overlap=True, persistent=True)
+NAME_RE = re.compile(r"^fwd_(bf16|fp16)_hd\d+(v\d+)?_(causal|noncausal)_m\d+n\d+_s\d_wg\d_(no)?pp_(no)?ov_(no)?ps_[0-9a-f]{8}$")
+
+# ------------------------------------------------------------------------------------- naming
+
+
+def test_name_spells_every_parameter():
+    n = variant_name(BASE)
+    assert n.startswith("fwd_bf16_hd128_causal_m128n128_s2_wg2_pp_ov_ps_") and NAME_RE.match(n)
+    off = variant_name({**BASE, "causal": False, "pingpong": False, "overlap": False, "persistent": False})
+    assert "_noncausal_" in off and off.endswith(off[-8:]) and "_nopp_noov_nops_" in off
+    assert "hd192v128" in variant_name({**BASE, "head_dim": 192, "head_dim_v": 128})
+
+
+def test_name_canonical_and_hash_covers_every_key():
+    shuffled = dict(reversed(list(BASE.items())))
+    assert variant_name(shuffled) == variant_name(BASE)
+    assert variant_name({**BASE, "head_dim": 128.0 if False else 128}) == variant_name(BASE)
+    hashes = {params_hash(BASE)}
+    changes = dict(dtype="fp16", head_dim=64, head_dim_v=64, causal=False, block_m=192, block_n=112, stages=3,
+                   consumer_wgs=3, pingpong=False, overlap=False, persistent=False)
+    for k, v in changes.items():
+        hashes.add(params_hash({**BASE, k: v}))
+    assert len(hashes) == len(changes) + 1  # every key changes the hash
+    assert set(canonical_params({**BASE, "extra": 1})) == set(BASE)
+
+
+def test_names_unique_and_symbols_are_c_identifiers():
+    vs = load_variants(Project(REPO))
+    names = [v.name for v in vs]
+    assert len(names) == len(set(names))
+    for v in vs:
+        assert NAME_RE.match(v.name), v.name
+        assert v.symbol == symbol_for(v.name) == "flashgen_" + v.name
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.symbol)
+        assert v.name.endswith(params_hash(v.params)[:8])
+
+
+# ---------------------------------------------------------------------------------- resources
+
+
+def test_fwd_resources_formula():
+    r = fwd_resources({**BASE, "causal": False, "block_n": 176})
+    assert r == dict(threads=384, smem_bytes=128 * 128 * 2 + 2 * 2 * 176 * 128 * 2 + 2048, producer_regs=24,
+                     consumer_regs=240, head_dim_padded=128, head_dim_v_padded=128)
+    r3 = fwd_resources({**BASE, "head_dim": 64, "head_dim_v": 64, "block_m": 192, "consumer_wgs": 3})
+    assert (r3["threads"], r3["producer_regs"], r3["consumer_regs"], r3["head_dim_padded"]) == (512, 32, 160, 64)
+    r96 = fwd_resources({**BASE, "head_dim": 96, "head_dim_v": 96})
+    assert r96["head_dim_padded"] == 128 and r96["smem_bytes"] == fwd_resources(BASE)["smem_bytes"]
+    assert fwd_resources({**BASE, "head_dim": 256, "head_dim_v": 256, "block_n": 80})["smem_bytes"] == 231424 <= SMEM_LIMIT
+
+
+def test_fwd_problems():
+    assert fwd_problems(BASE) == []
+    keys = {k for k, _, _ in fwd_problems({**BASE, "block_n": 176, "stages": 3})}
+    assert keys == {"smem_bytes"}
+    assert {k for k, _, _ in fwd_problems({**BASE, "block_m": 192})} == {"block_m"}
+    assert {k for k, _, _ in fwd_problems({**BASE, "head_dim": 256, "head_dim_v": 256, "block_n": 128, "stages": 1})} == {"block_n"}
+
+
+# ---------------------------------------------------------------------------------- rendering
+
+
+def test_render_passes_params_derived_name_symbol(tmp_path):
+    proj = make_project(tmp_path)
+    v = [v for v in load_variants(proj) if v.params["causal"] and v.params["head_dim"] == 64][0]
+    src = render(v, proj.templates_dir)
+    assert f"{v.symbol}(" in src and f"({v.name})" in src
+    assert f"__launch_bounds__({v.resources['threads']}, 1)" in src
+    assert f"smem_bytes={v.resources['smem_bytes']}" in src and "head_dim_padded=64" in src
+    assert "setmaxnreg_dec<32>" in src and "setmaxnreg_inc<160>" in src
+    assert '#include "flashgen/fx_mask.cuh"' in src
+
+
+def test_render_strict_undefined(tmp_path):
+    proj = make_project(tmp_path)
+    (proj.templates_dir / "fwd.cu.j2").write_text("int x = {{ block_m }} + {{ no_such_variable }};\n")
+    v = load_variants(proj)[0]
+    with pytest.raises(BuildError) as ei:
+        render(v, proj.templates_dir)
+    assert v.name in str(ei.value) and "no_such_variable" in str(ei.value)
+
+
+def test_real_template_renders_every_variant():
+    proj = Project(REPO)
+    if not (proj.templates_dir / "fwd.cu.j2").exists():
+        pytest.skip("templates/fwd.cu.j2 not written yet")
+    for v in load_variants(proj):
+        src = render(v, proj.templates_dir)
+        assert v.symbol in src and 'extern "C"' in src
+
+
+def test_local_headers_recursive_and_scoped(tmp_path):
+    inc = tmp_path / "include"
+    (inc / "flashgen").mkdir(parents=True)
+    (inc / "flashgen" / "a.cuh").write_text('#include "b.cuh"\n#include <cuda.h>\n')
+    (inc / "flashgen" / "b.cuh").write_text('#pragma once\n  #  include "flashgen/c.cuh"\n')
+    (inc / "flashgen" / "c.cuh").write_text("// leaf\n")
+    (inc / "flashgen" / "unused.cuh").write_text("// not included\n")
+    src = '#include "flashgen/a.cuh"\n#include <cuda/ptx>\n'
+    got = [p.name for p in local_headers(src, inc)]
+    assert got == ["a.cuh", "b.cuh", "c.cuh"]
+
+
+# ------------------------------------------------------------------------------------- ptxas
+
+PTXAS_OK = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'flashgen_k' for 'sm_90a'
+ptxas info    : Function properties for flashgen_k
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+ptxas info    : Compile time = 247.337 ms
+"""
+
+
+def test_ptxas_parse_ok():
+    r = ptxas.parse(PTXAS_OK)
+    assert (r["registers"], r["spill_bytes"], r["stack_bytes"], r["entries"]) == (168, 0, 0, ["flashgen_k"])
+    assert r["functions"]["flashgen_k"]["barriers"] == 16
+    assert ptxas.problems(r, "flashgen_k") == []
+    assert ptxas.problems(r, "flashgen_other")  # wrong symbol is caught
+
+
+def test_ptxas_spills_and_advisories_fail():
+    spill = PTXAS_OK.replace("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+                             "16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads")
+    r = ptxas.parse(spill)
+    assert (r["spill_bytes"], r["stack_bytes"]) == (20, 16)
+    assert any("spill" in p for p in ptxas.problems(r, "flashgen_k"))
+    for code in ("C7515", "C7511", "C7517", "C7519", "C7508"):
+        text = PTXAS_OK + f"ptxas info    : ({code}) Potential Performance Loss: something in 'flashgen_k'\n"
+        probs = ptxas.problems(ptxas.parse(text), "flashgen_k")
+        assert len(probs) == 1 and code in probs[0]
+    benign = PTXAS_OK + "ptxas info    : (C7510) Potential Performance Loss: harmless\n"
+    assert ptxas.problems(ptxas.parse(benign), "flashgen_k") == []
+
+
+# ---------------------------------------------------------------------- manifest (fake nvcc)
+
+
+def test_manifest_contents(tmp_path, monkeypatch):
+    proj = make_project(tmp_path)
+    _, log = fake_cuda(tmp_path, monkeypatch)
+    vs = load_variants(proj)
+    res = build(proj, select(vs), all_variants=vs, jobs=2, log=lambda s: None)
+    assert not res.failed and len(res.compiled) == 8 == len(compiles(log))
+    m = read_manifest(proj)
+    assert m["schema"] == 1 and m["arch"] == "sm_90a"
+    assert m["nvcc"]["path"].endswith("fakecuda/bin/nvcc") and m["nvcc"]["version"].startswith("13.0")
+    assert len(m["variants"]) == 8  # more.yaml is not in the default set and was not built
+    want = {"name", "key", "family", "params", "default", "symbol", "fatbin", "sha256", "threads", "cluster",
+            "smem_bytes", "registers", "spill_bytes", "stack_bytes"}
+    import hashlib
+
+    for e in m["variants"]:
+        assert set(e) == want
+        v = next(v for v in vs if v.name == e["name"])
+        assert e["params"] == v.params and e["symbol"] == v.symbol and e["default"] is True
+        assert e["fatbin"] == f"fatbin/{v.name}.fatbin"
+        data = (proj.manifest_path.parent / e["fatbin"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == e["sha256"] and data.startswith(b"FATBIN:" + v.symbol.encode())
+        assert (e["threads"], e["smem_bytes"]) == (v.resources["threads"], v.resources["smem_bytes"])
+        assert (e["registers"], e["spill_bytes"], e["stack_bytes"], e["cluster"]) == (168, 0, 0, [1, 1, 1])
+        assert len(e["key"]) == 64
+    assert not list(proj.build_dir.rglob("*.tmp")) and not list(proj.cache_dir.glob(".tmp-*"))
+    # building the rest later keeps what was built before
+    more = [v for v in vs if not v.default_build]
+    build(proj, more, all_variants=vs, log=lambda s: None)
+    m2 = read_manifest(proj)
+    assert len(m2["variants"]) == 9 and [e for e in m2["variants"] if e["name"] == more[0].name][0]["default"] is False
+
+
+def test_failures_name_variant_and_first_error(tmp_path, monkeypatch):
+    proj = make_project(tmp_path)
+    fake_cuda(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "fp16_hd64_causal")
+    vs = load_variants(proj)
+    lines = []
+    res = build(proj, select(vs), all_variants=vs, jobs=2, log=lines.append)
+    assert len(res.failed) == 1
+    name, msg = res.failed[0]
+    assert "fp16_hd64_causal" in name and 'identifier "oops" is undefined' in msg and "logs/" in msg
+    assert any("FAIL" in ln and name in ln for ln in lines)
+    assert len(read_manifest(proj)["variants"]) == 7  # the rest still land in the manifest
+
+
+@pytest.mark.parametrize("env,needle", [({"FAKE_NVCC_SPILL": "1"}, "register spills"),
+                                        ({"FAKE_NVCC_ADVISORY": "C7515"}, "C7515")])
+def test_slow_kernels_fail_the_build(tmp_path, monkeypatch, env, needle):
+    proj = make_project(tmp_path)
+    fake_cuda(tmp_path, monkeypatch)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    vs = load_variants(proj)[:1]
+    res = build(proj, vs, log=lambda s: None)
+    assert len(res.failed) == 1 and needle in res.failed[0][1]
+    assert read_manifest(proj)["variants"] == [] and not list(proj.cache_dir.glob("[0-9a-f]*"))
+
+
+# ---------------------------------------------------------------------------------- discovery
+
+
+def test_find_root_order(tmp_path, monkeypatch):
+    proj = make_project(tmp_path)
+    sub = proj.root / "configs"
+    monkeypatch.delenv("FLASHGEN_ROOT", raising=False)
+    assert find_root(sub) == proj.root  # walking up from the cwd
+    assert find_root(tmp_path) == REPO  # else the package's own checkout
+    monkeypatch.setenv("FLASHGEN_ROOT", str(tmp_path / "elsewhere"))
+    assert find_root(sub) == (tmp_path / "elsewhere").resolve()
+    monkeypatch.setenv("FLASHGEN_BUILD_DIR", str(tmp_path / "out"))
+    assert Project(proj.root).manifest_path == (tmp_path / "out" / "manifest.json").resolve()
+
+
+def test_nvcc_discovery_order(tmp_path, monkeypatch):
+    home, _ = fake_cuda(tmp_path, monkeypatch)
+    nv = find_nvcc()
+    assert nv.path == str(home / "bin" / "nvcc") and nv.source == "$CUDA_HOME" and nv.release.startswith("13.0")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nope"))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(home / "bin"))
+    assert find_nvcc().source == "PATH"
+
+
+def test_nvcc_missing_is_a_clear_error(tmp_path, monkeypatch):
+    import flashgen.generator.toolchain as tc
+
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nope"))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(tc, "_candidates", lambda: iter([(tmp_path / "nope" / "bin" / "nvcc", "$CUDA_HOME")]))
+    with pytest.raises(ToolchainError) as ei:
+        find_nvcc()
+    assert "nvcc not found" in str(ei.value) and "flashgen[nvcc]" in str(ei.value)
+
+
+def test_default_jobs_bounded():
+    import os
+
+    j = default_jobs()
+    assert 1 <= j <= len(os.sched_getaffinity(0))
+
+
+def test_manifest_schema_readable_by_runtime(tmp_path, monkeypatch):
+    """The runtime's own manifest reader accepts what the generator writes."""
+    manifest_mod = pytest.importorskip("flashgen.manifest")
+    proj = make_project(tmp_path)
+    fake_cuda(tmp_path, monkeypatch)
+    vs = load_variants(proj)
+    build(proj, select(vs), all_variants=vs, log=lambda s: None)
+    m = manifest_mod.parse_manifest(proj.manifest_path)
+    assert len(m.variants) == 8 and all(v.default for v in m.variants)
+    assert json.loads(proj.manifest_path.read_text())["variants"][0]["name"] == sorted(v.name for v in m.variants)[0]
