@@ -77,10 +77,10 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
         scale = 1e-30  # exp2(0 * -inf) would be NaN for masked keys; a tiny scale gives the same uniform weights
     params = launch.FwdParams(lse.ptr, sq, sk, h, hk, b, num_m, num_tiles, scale * LOG2E, scale)
     maps = (
-        launch.tensor_map_bshd(q.ptr, q.shape, q.strides, q.dtype, bm),
-        launch.tensor_map_bshd(k.ptr, k.shape, k.strides, k.dtype, bn),
-        launch.tensor_map_bshd(v.ptr, v.shape, v.strides, v.dtype, bn),
-        launch.tensor_map_bshd(out.ptr, out.shape, out.strides, out.dtype, 64),
+        launch.tensor_map_bshd("q", q.ptr, q.shape, q.strides, q.dtype, bm),
+        launch.tensor_map_bshd("k", k.ptr, k.shape, k.strides, k.dtype, bn),
+        launch.tensor_map_bshd("v", v.ptr, v.shape, v.strides, v.dtype, bn),
+        launch.tensor_map_bshd("o", out.ptr, out.shape, out.strides, out.dtype, 64),
     )
     launch.launch_fwd(kern, maps, params, plan_grid(variant, num_tiles, q.device), stream)
     return variant

@@ -150,14 +150,18 @@ class _MapEntry:
 _tmaps: dict[tuple, _MapEntry] = {}
 
 
-def tensor_map_bshd(ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int):
+def tensor_map_bshd(slot: str, ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int):
     """128B-swizzled 4-D TMA descriptor over a BSHD tensor for tiles of (box_rows x 64) elements.
+
+    `slot` names the kernel argument the map is for ('q', 'k', 'v', 'o'): one launch passes several
+    maps of identical layout, so each argument owns its cached descriptor (re-pointing a shared one
+    would leave every argument at the last address).
 
     shape = (batch, seqlen, heads, head_dim), strides in elements (last must be 1). Dims are given
     to the driver innermost first: (head_dim, seqlen, heads, batch). Cached; only the address is
     rewritten (cuTensorMapReplaceAddress) when the same layout comes back at a new pointer.
     """
-    key = (dtype, shape, strides, box_rows)
+    key = (slot, dtype, shape, strides, box_rows)
     entry = _tmaps.get(key)
     d = _driver()
     if entry is not None:
