@@ -398,10 +398,10 @@ def check_lse(lse: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> No
 
 def is_c_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """True when (shape, strides in elements) is dense row-major; extent-1 dims are ignored."""
+    if 0 in tuple(shape):
+        return True
     expect = 1
     for n, s in zip(reversed(tuple(shape)), reversed(tuple(strides))):
-        if n == 0:
-            return True
         if n != 1 and s != expect:
             return False
         expect *= n

@@ -140,10 +140,13 @@ def _fwd(
     out = q.new_empty(p.out_shape)
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
     dev = p.device
+    # Copies (if any) stay referenced until the launch is enqueued; after that, freeing them
+    # is stream-ordered by the caching allocator (same stream), so the kernel reads them safely.
+    qc, kc, vc = _tma_ready(q, p.dtype), _tma_ready(k, p.dtype), _tma_ready(v, p.dtype)
     _core.attention_forward(
-        _tensor_arg(_tma_ready(q, p.dtype), p.dtype, dev),
-        _tensor_arg(_tma_ready(k, p.dtype), p.dtype, dev),
-        _tensor_arg(_tma_ready(v, p.dtype), p.dtype, dev),
+        _tensor_arg(qc, p.dtype, dev),
+        _tensor_arg(kc, p.dtype, dev),
+        _tensor_arg(vc, p.dtype, dev),
         _tensor_arg(out, p.dtype, dev),
         _core.TensorArg(lse.data_ptr(), p.lse_shape, tuple(lse.stride()), "fp32", dev),
         float(softmax_scale),

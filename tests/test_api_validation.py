@@ -1,0 +1,767 @@
+"""CPU tests of flashgen's user-facing forward API (flashgen.interface, flashgen.dlpack_api,
+flashgen._validate): argument checks, copy/no-copy decisions, empty problems, the fake
+(meta) implementation, torch.compile tracing and the autograd error.
+
+No GPU here. The `fake_gpu` fixture makes CPU tensors pass the device checks and replaces
+the core's launch with an emulator that reads and writes memory through the TensorArg it
+is given (host address + shape + strides), computing the attention on the CPU. So a wrong
+pointer or stride handed to the core gives a wrong result here, as it would on the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import flashgen.core as core
+import flashgen.dispatch as dispatch
+import flashgen.dlpack_api as dlpack_api
+import flashgen.interface as interface
+from flashgen import _validate as V
+from flashgen.interface import flash_attn_func
+from flashgen.manifest import Manifest, Variant
+
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# --------------------------------------------------------------------------------------
+# Reference and emulated core
+# --------------------------------------------------------------------------------------
+
+def reference(q, k, v, scale, causal):
+    """float32 attention, bottom-right aligned causal; returns (out fp32, lse fp32 (b,h,sq))."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    qf = q.float().transpose(1, 2)  # b h sq d
+    kf = k.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(sq).view(-1, 1)
+        j = torch.arange(sk).view(1, -1)
+        s = s.masked_fill(j > i + sk - sq, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ vf).transpose(1, 2), lse
+
+
+def _view(arg) -> torch.Tensor:
+    """A CPU tensor over the memory a TensorArg describes (host address, strides)."""
+    es = V.ELEMENT_SIZE[arg.dtype]
+    span = 1 + sum((n - 1) * s for n, s in zip(arg.shape, arg.strides))
+    buf = (ctypes.c_char * (span * es)).from_address(arg.ptr)
+    flat = torch.frombuffer(buf, dtype=torch.uint8).view(_TORCH[arg.dtype])
+    return flat.as_strided(arg.shape, arg.strides)
+
+
+class FakeCore:
+    """Records calls; computes the forward on the CPU through the TensorArgs' memory."""
+
+    def __init__(self):
+        self.calls = []
+        self.selected = []
+
+    def select_variant(self, dtype, head_dim, head_dim_v, causal, seqlen_q=0, seqlen_k=0):
+        self.selected.append((dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k))
+        return Variant(name=f"fake_{dtype}_{head_dim}", params={"dtype": dtype})
+
+    def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None):
+        for a in (q, k, v, out):
+            assert isinstance(a, core.TensorArg)
+            assert V.tma_layout_problem(a.shape, a.strides, V.ELEMENT_SIZE[a.dtype], a.ptr) is None
+        assert lse.dtype == "fp32" and V.is_c_contiguous(lse.shape, lse.strides)
+        self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, scale=softmax_scale,
+                               causal=causal, stream=stream, variant=variant))
+        o, l = reference(_view(q), _view(k), _view(v), softmax_scale, causal)
+        _view(out).copy_(o)
+        _view(lse).copy_(l)
+        return variant
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CPU tensors count as CUDA device 0 of capability 9.0; the core is emulated."""
+    fc = FakeCore()
+    monkeypatch.setattr(interface, "_device_of", lambda t: (True, 0))
+    monkeypatch.setattr(interface, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(core, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(core, "select_variant", fc.select_variant)
+    monkeypatch.setattr(core, "attention_forward", fc.attention_forward)
+    return fc
+
+
+def qkv(b=2, sq=5, sk=7, h=4, hk=2, d=64, dv=None, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(b, sk, hk, d, generator=g).to(dtype)
+    v = torch.randn(b, sk, hk, dv, generator=g).to(dtype)
+    return q, k, v
+
+
+def assert_close_to_reference(out, q, k, v, scale, causal, lse=None):
+    ref, ref_lse = reference(q, k, v, scale, causal)
+    # the emulator computes in fp32 and rounds once: one rounding of the output dtype
+    tol = 2e-3 if out.dtype == torch.float16 else 1.6e-2
+    assert (out.float() - ref).abs().max().item() <= tol
+    if lse is not None:
+        assert torch.allclose(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# Working calls (emulated core)
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_forward_matches_reference(fake_gpu, causal, dtype):
+    q, k, v = qkv(dtype=dtype)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, 5, 4, 64) and out.dtype == dtype and out.is_contiguous()
+    assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert_close_to_reference(out, q, k, v, 64 ** -0.5, causal, lse)
+    (call,) = fake_gpu.calls
+    assert call["causal"] is causal and call["stream"] == 1234
+    assert call["scale"] == pytest.approx(64 ** -0.5)
+    assert fake_gpu.selected == [("fp16" if dtype == torch.float16 else "bf16", 64, 64, causal, 5, 7)]
+    assert call["variant"].name.startswith("fake_")
+
+
+def test_returns_out_only_by_default_and_custom_scale(fake_gpu):
+    q, k, v = qkv(h=2, hk=1, d=32)
+    out = flash_attn_func(q, k, v, softmax_scale=0.3, deterministic=True)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 5, 2, 32)
+    assert fake_gpu.calls[0]["scale"] == 0.3
+    assert_close_to_reference(out, q, k, v, 0.3, False)
+
+
+def test_head_dim_v_differs_reaches_the_variant_lookup(fake_gpu):
+    q, k, v = qkv(d=128, dv=64)
+    out = flash_attn_func(q, k, v)
+    assert out.shape == (2, 5, 4, 64)
+    assert fake_gpu.selected[0][1:3] == (128, 64)
+
+
+def test_scheduling_hints_are_accepted(fake_gpu):
+    q, k, v = qkv()
+    a = flash_attn_func(q, k, v, num_splits=3, pack_gqa=True, sm_margin=4)
+    b = flash_attn_func(q, k, v)
+    assert torch.equal(a, b)
+
+
+def test_ops_entry_point_validates_too(fake_gpu):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="heads"):
+        torch.ops.flashgen.fwd(q, k[:, :, :1].expand(2, 7, 3, 64), v[:, :, :1].expand(2, 7, 3, 64), 0.1, False)
+
+
+# --------------------------------------------------------------------------------------
+# Real-model layouts: no copies
+# --------------------------------------------------------------------------------------
+
+def test_packed_qkv_slices_pass_without_copy(fake_gpu):
+    b, s, h, d = 2, 9, 4, 64
+    packed = torch.randn(b, s, 3, h, d).half()
+    q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    assert not q.is_contiguous()
+    out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    (call,) = fake_gpu.calls
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert call[name].ptr == t.data_ptr(), f"{name} was copied"
+        assert call[name].strides == t.stride() == (s * 3 * h * d, 3 * h * d, d, 1)
+    assert_close_to_reference(out, q, k, v, d ** -0.5, True, lse)
+
+
+def test_kv_cache_prefix_passes_without_copy(fake_gpu):
+    b, cap, sk, h, hk, d = 2, 64, 13, 4, 2, 64
+    k_cache = torch.randn(b, cap, hk, d).half()
+    v_cache = torch.randn(b, cap, hk, d).half()
+    k, v = k_cache[:, :sk], v_cache[:, :sk]
+    q = torch.randn(b, 3, h, d).half()
+    out = flash_attn_func(q, k, v, causal=True)
+    (call,) = fake_gpu.calls
+    assert call["k"].ptr == k_cache.data_ptr() and call["v"].ptr == v_cache.data_ptr()
+    assert call["k"].shape == (b, sk, hk, d) and call["k"].strides == k_cache.stride()
+    assert call["q"].ptr == q.data_ptr()
+    assert_close_to_reference(out, q, k, v, d ** -0.5, True)
+
+
+def test_bhsd_transposed_passes_without_copy(fake_gpu):
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv())
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    out = flash_attn_func(q, k, v)
+    call = fake_gpu.calls[0]
+    assert [call[n].ptr for n in "qkv"] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+    assert_close_to_reference(out, q, k, v, 64 ** -0.5, False)
+
+
+def test_extent_one_dim_with_odd_stride_is_not_copied(fake_gpu):
+    b, h, d = 2, 4, 64
+    base = torch.randn(b * h * d + 8).half()
+    q = base.as_strided((b, 1, h, d), (h * d, 3, d, 1))  # stride 3 on the size-1 seqlen dim
+    _, k, v = qkv(b=b, h=h, hk=h, d=d)
+    out = flash_attn_func(q, k, v)
+    call = fake_gpu.calls[0]
+    assert call["q"].ptr == q.data_ptr()
+    assert call["q"].strides == (h * d, h * d, d, 1)  # normalised for the size-1 dim only
+    assert_close_to_reference(out, q, k, v, d ** -0.5, False)
+
+
+# --------------------------------------------------------------------------------------
+# Layouts TMA cannot address: copied (torch API)
+# --------------------------------------------------------------------------------------
+
+def _non_contiguous_last_dim():
+    q, k, v = qkv(d=64)
+    q = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride of last dim = seqlen*... != 1
+    assert q.stride(-1) != 1
+    return q, k, v
+
+
+def _misaligned_base():
+    q, k, v = qkv(d=64)
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype)
+    q2 = flat[1:].view(q.shape)  # contiguous, base 2 bytes past an aligned address
+    q2.copy_(q)
+    return q2, k, v
+
+
+def _unaligned_row_stride():
+    q, k, v = qkv(d=64)
+    wide = torch.zeros(*q.shape[:-1], 68, dtype=q.dtype)  # 68 * 2 bytes = 136, not a 16-multiple
+    wide[..., :64] = q
+    return wide[..., :64], k, v
+
+
+def _broadcast_heads():
+    q, k, v = qkv(h=4, hk=4)
+    k = k[:, :, :1].expand(k.shape)  # stride 0 on heads
+    v = v[:, :, :1].expand(v.shape)
+    return q, k, v
+
+
+@pytest.mark.parametrize("make,which", [
+    (_non_contiguous_last_dim, "q"),
+    (_misaligned_base, "q"),
+    (_unaligned_row_stride, "q"),
+    (_broadcast_heads, "k"),
+])
+def test_layouts_tma_cannot_address_are_copied(fake_gpu, make, which):
+    q, k, v = make()
+    t = {"q": q, "k": k, "v": v}[which]
+    if make is _misaligned_base:
+        assert t.data_ptr() % 16 != 0 and t.is_contiguous()
+    out = flash_attn_func(q, k, v)
+    arg = fake_gpu.calls[0][which]
+    assert arg.ptr != t.data_ptr() and arg.ptr % 16 == 0
+    assert arg.strides == tuple(torch.empty(t.shape).stride())
+    assert_close_to_reference(out, q, k, v, q.shape[-1] ** -0.5, False)
+
+
+# --------------------------------------------------------------------------------------
+# Empty problems
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("b,sq", [(0, 5), (2, 0), (0, 0)])
+def test_empty_output_launches_nothing(fake_gpu, b, sq):
+    q, k, v = qkv(b=b, sq=sq)
+    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == (b, sq, 4, 64) and out.dtype == torch.float16
+    assert lse.shape == (b, 4, sq) and lse.dtype == torch.float32
+    assert fake_gpu.calls == [] and fake_gpu.selected == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqlen_k_zero_attends_to_nothing(fake_gpu, causal):
+    q, k, v = qkv(sk=0, d=64, dv=32)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, 5, 4, 32) and torch.equal(out, torch.zeros_like(out))
+    assert lse.shape == (2, 4, 5) and bool((lse == -math.inf).all())
+    assert fake_gpu.calls == []
+
+
+# --------------------------------------------------------------------------------------
+# Validation errors (each before any variant lookup or launch)
+# --------------------------------------------------------------------------------------
+
+def _raises(fake_gpu, exc, match, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        flash_attn_func(*args, **kwargs)
+    assert fake_gpu.calls == [] and fake_gpu.selected == []
+
+
+def test_cpu_tensors_rejected_without_patch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q must be a CUDA tensor.*cpu"):
+        flash_attn_func(q, k, v)
+
+
+def test_not_a_tensor(fake_gpu):
+    q, k, v = qkv()
+    _raises(fake_gpu, TypeError, "k must be a torch.Tensor", q, k.numpy(), v)
+
+
+def test_one_tensor_not_cuda(fake_gpu, monkeypatch):
+    q, k, v = qkv()
+    monkeypatch.setattr(interface, "_device_of", lambda t: (False, None) if t is v else (True, 0))
+    _raises(fake_gpu, ValueError, "v must be a CUDA tensor", q, k, v)
+
+
+def test_devices_differ(fake_gpu, monkeypatch):
+    q, k, v = qkv()
+    monkeypatch.setattr(interface, "_device_of", lambda t: (True, 1) if t is k else (True, 0))
+    _raises(fake_gpu, ValueError, "same CUDA device", q, k, v)
+
+
+def test_not_hopper(fake_gpu, monkeypatch):
+    monkeypatch.setattr(core, "device_capability", lambda device: (8, 0))
+    _raises(fake_gpu, RuntimeError, r"compute capability 9\.x.*8\.0", *qkv())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
+def test_unsupported_dtype(fake_gpu, dtype):
+    q, k, v = (t.to(dtype) for t in qkv())
+    _raises(fake_gpu, TypeError, r"q must have dtype float16 or bfloat16", q, k, v)
+
+
+def test_dtypes_differ(fake_gpu):
+    q, k, v = qkv()
+    _raises(fake_gpu, TypeError, r"same dtype.*k torch.bfloat16", q, k.bfloat16(), v)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_not_implemented(fake_gpu, name):
+    q, k, v = (t.to(getattr(torch, name)) for t in qkv())
+    _raises(fake_gpu, NotImplementedError, "fp8", q, k, v)
+
+
+@pytest.mark.parametrize("which,shape,match", [
+    ("q", (2, 5, 256), r"q must be 4-D"),
+    ("k", (2, 7, 2, 64, 1), r"k must be 4-D"),
+    ("k", (3, 7, 2, 64), r"k has batch 3 but q has batch 2"),
+    ("v", (1, 7, 2, 64), r"v has batch 1 but q has batch 2"),
+    ("v", (2, 8, 2, 64), r"k and v must have the same seqlen_k"),
+    ("v", (2, 7, 1, 64), r"k and v must have the same number of heads"),
+    ("k", (2, 7, 2, 32), r"k must have q's head_dim 64"),
+    ("v", (2, 7, 2, 20), r"head_dim_v .* multiple of 8 .*got 20"),
+    ("v", (2, 7, 2, 264), r"head_dim_v .*between 8 and 256, got 264"),
+])
+def test_shape_errors(fake_gpu, which, shape, match):
+    q, k, v = qkv()
+    t = {"q": q, "k": k, "v": v}
+    t[which] = torch.zeros(shape, dtype=torch.float16)
+    _raises(fake_gpu, ValueError, match, t["q"], t["k"], t["v"])
+
+
+@pytest.mark.parametrize("d,match", [(20, "got 20"), (264, "got 264"), (4, "got 4")])
+def test_head_dim_errors(fake_gpu, d, match):
+    q, k, v = qkv(d=d)
+    _raises(fake_gpu, ValueError, r"head_dim \(dim 3 of q\).*" + match, q, k, v)
+
+
+def test_heads_not_a_multiple_of_heads_k(fake_gpu):
+    q, k, v = qkv(h=4, hk=3)
+    _raises(fake_gpu, ValueError, r"heads of q \(4\) must be a multiple of heads_k of k/v \(3\)", q, k, v)
+
+
+def test_zero_heads(fake_gpu):
+    q, k, v = qkv(h=0, hk=0)
+    _raises(fake_gpu, ValueError, "heads and heads_k must be >= 1", q, k, v)
+
+
+@pytest.mark.parametrize("scale,exc", [
+    (float("nan"), ValueError), (float("inf"), ValueError), (-0.125, ValueError),
+    (0.0, ValueError), ("0.125", TypeError), (True, TypeError), (torch.tensor(0.1), TypeError),
+])
+def test_softmax_scale_errors(fake_gpu, scale, exc):
+    _raises(fake_gpu, exc, "softmax_scale", *qkv(), softmax_scale=scale)
+
+
+def test_softmax_scale_int_and_numpy_accepted(fake_gpu):
+    q, k, v = qkv()
+    flash_attn_func(q, k, v, softmax_scale=1)
+    flash_attn_func(q, k, v, softmax_scale=np.float32(0.25))
+    assert [c["scale"] for c in fake_gpu.calls] == [1.0, 0.25]
+    assert all(type(c["scale"]) is float for c in fake_gpu.calls)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(window_size=(128, 0)), "window_size"),
+    (dict(window_size=(-1, 0)), "window_size"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(q_descale=torch.ones(2, 2)), "q_descale"),
+    (dict(k_descale=torch.ones(2, 2)), "k_descale"),
+    (dict(v_descale=torch.ones(2, 2)), "v_descale"),
+    (dict(qv=torch.ones(2, 5, 4, 64)), "qv"),
+    (dict(attention_chunk=128), "attention_chunk"),
+])
+def test_unbuilt_features_not_implemented(fake_gpu, kwargs, name):
+    _raises(fake_gpu, NotImplementedError, name, *qkv(), **kwargs)
+
+
+def test_window_size_must_be_a_pair(fake_gpu):
+    _raises(fake_gpu, TypeError, "window_size must be a pair", *qkv(), window_size=5)
+
+
+def test_default_feature_values_accepted(fake_gpu):
+    flash_attn_func(*qkv(), window_size=[-1, -1], softcap=0, q_descale=None)
+    assert len(fake_gpu.calls) == 1
+
+
+def test_extra_positional_arguments_rejected(fake_gpu):
+    q, k, v = qkv()
+    with pytest.raises(TypeError):
+        flash_attn_func(q, k, v, None, False, (-1, -1))
+
+
+def test_missing_variant_error_propagates(fake_gpu, monkeypatch):
+    empty = Manifest(path=Path("/nonexistent/manifest.json"), variants=())
+    monkeypatch.setattr(core, "select_variant", functools.partial(dispatch.select_variant, manifest=empty))
+    q, k, v = qkv(dtype=torch.bfloat16, d=128)
+    with pytest.raises(core.MissingVariantError, match=r"flashgen add-variant --dtype bf16 --head-dim 128.*--causal"):
+        flash_attn_func(q, k, v, causal=True)
+    assert fake_gpu.calls == []
+
+
+# --------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------
+
+def test_backward_raises_clear_error(fake_gpu):
+    q, k, v = qkv()
+    q.requires_grad_(True)
+    out = flash_attn_func(q, k, v)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="flashgen: the backward pass is not implemented yet"):
+        out.float().sum().backward()
+    assert q.grad is None
+
+
+def test_backward_through_lse_raises_too(fake_gpu):
+    q, k, v = qkv()
+    v.requires_grad_(True)
+    _, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    with pytest.raises(RuntimeError, match="backward pass is not implemented"):
+        torch.autograd.grad(lse.sum(), v)
+
+
+def test_no_grad_inputs_give_plain_outputs(fake_gpu):
+    out, lse = flash_attn_func(*qkv(), return_attn_probs=True)
+    assert not out.requires_grad and out.grad_fn is None and lse.grad_fn is None
+    q, k, v = qkv()
+    q.requires_grad_(True)
+    with torch.no_grad():
+        out = flash_attn_func(q, k, v)
+    assert not out.requires_grad
+
+
+# --------------------------------------------------------------------------------------
+# Fake implementation, opcheck, torch.compile
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shapes", [
+    ((2, 5, 4, 64), (2, 7, 2, 64), (2, 7, 2, 64)),
+    ((1, 33, 8, 128), (1, 19, 1, 128), (1, 19, 1, 64)),
+    ((3, 0, 2, 64), (3, 4, 2, 64), (3, 4, 2, 64)),
+])
+def test_fake_impl_matches_real_metadata(fake_gpu, shapes):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = [torch.randn(s).half() for s in shapes]
+    out_r, lse_r = torch.ops.flashgen.fwd(*real, 0.125, True)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in real]
+        out_f, lse_f = torch.ops.flashgen.fwd(*fake, 0.125, True)
+    for r, f in ((out_r, out_f), (lse_r, lse_f)):
+        assert tuple(f.shape) == tuple(r.shape)
+        assert f.dtype == r.dtype and f.stride() == r.stride() and f.device == r.device
+
+
+def test_fake_impl_validates(fake_gpu):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = qkv(h=4, hk=3)
+    with FakeTensorMode() as mode:
+        with pytest.raises(ValueError, match="multiple of heads_k"):
+            torch.ops.flashgen.fwd(*(mode.from_tensor(t) for t in (q, k, v)), 0.1, False)
+
+
+def test_opcheck(fake_gpu):
+    q, k, v = qkv()
+    torch.library.opcheck(torch.ops.flashgen.fwd.default, (q, k, v, 0.125, True))
+
+
+def test_compile_fullgraph_matches_eager(fake_gpu):
+    torch._dynamo.reset()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+
+        def forward(self, q, k, v):
+            o, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+            return self.proj(o.float()), lse * 2
+
+    m = Block().eval()
+    q, k, v = qkv()
+    with torch.no_grad():
+        eager = m(q, k, v)
+        compiled = torch.compile(m, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    assert len(fake_gpu.calls) == 2
+
+
+def test_compile_with_grad_inputs_traces_then_backward_raises(fake_gpu):
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    q.requires_grad_(True)
+    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v).float().sum(), fullgraph=True, backend="aot_eager")
+    loss = f(q, k, v)  # joint graph traced without error
+    with pytest.raises(RuntimeError, match="backward pass is not implemented"):
+        loss.backward()
+
+
+# --------------------------------------------------------------------------------------
+# _validate helpers
+# --------------------------------------------------------------------------------------
+
+def test_tma_layout_problem_cases():
+    sh = (2, 8, 4, 64)
+    assert V.tma_layout_problem(sh, (2048, 256, 64, 1), 2, 0x1000) is None
+    assert "last dim" in V.tma_layout_problem(sh, (2048, 256, 64, 2), 2, 0x1000)
+    assert "not a multiple of 16" in V.tma_layout_problem(sh, (2048, 260, 65, 1), 2, 0x1000)
+    assert "broadcast" in V.tma_layout_problem(sh, (2048, 256, 0, 1), 2, 0x1000)
+    assert "aligned" in V.tma_layout_problem(sh, (2048, 256, 64, 1), 2, 0x1002)
+    assert V.tma_layout_problem((2, 1, 4, 64), (256, 3, 64, 1), 2, 0x1000) is None
+
+
+def test_tma_strides_normalises_only_extent_one_dims():
+    assert V.tma_strides((2, 1, 4, 64), (256, 3, 64, 1)) == (256, 256, 64, 1)
+    assert V.tma_strides((1, 5, 4, 64), (7, 768, 64, 1)) == (5 * 768, 768, 64, 1)
+    assert V.tma_strides((2, 9, 4, 64), (6912, 768, 64, 1)) == (6912, 768, 64, 1)
+
+
+def test_is_c_contiguous():
+    assert V.is_c_contiguous((2, 3, 4), (12, 4, 1))
+    assert V.is_c_contiguous((2, 1, 4), (4, 99, 1))
+    assert not V.is_c_contiguous((2, 3, 4), (24, 8, 1))
+    assert V.is_c_contiguous((2, 0, 4), (0, 0, 0))
+
+
+# --------------------------------------------------------------------------------------
+# DLPack entry (numpy / torch CPU arrays standing in for device arrays)
+# --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_gpu_dlpack(fake_gpu, monkeypatch):
+    monkeypatch.setattr(dlpack_api, "_CUDA_DEVICE_TYPES", frozenset({dlpack_api.kDLCPU}))
+    memsets = []
+
+    def m8(device, ptr, n, stream):
+        memsets.append(("d8", n, stream))
+        ctypes.memset(ptr, 0, n)
+
+    def m2d8(device, ptr, pitch, width, height, stream):
+        memsets.append(("2d8", width, height, stream))
+        for r in range(height):
+            ctypes.memset(ptr + r * pitch, 0, width)
+
+    def m32(device, ptr, value, count, stream):
+        memsets.append(("d32", count, stream))
+        (ctypes.c_uint32 * count).from_address(ptr)[:] = [value] * count
+
+    monkeypatch.setattr(dlpack_api, "_memset8", m8)
+    monkeypatch.setattr(dlpack_api, "_memset2d8", m2d8)
+    monkeypatch.setattr(dlpack_api, "_memset32", m32)
+    fake_gpu.memsets = memsets
+    return fake_gpu
+
+
+def _np_qkv(**kw):
+    return [t.numpy() for t in qkv(**kw)]
+
+
+def _outs(b=2, sq=5, h=4, dv=64, dtype=np.float16):
+    return np.full((b, sq, h, dv), np.nan, dtype), np.full((b, h, sq), np.nan, np.float32)
+
+
+def test_dlpack_numpy_arrays_with_given_outputs(fake_gpu_dlpack):
+    q, k, v = _np_qkv()
+    out, lse = _outs()
+    r = dlpack_api.flash_attn_forward(q, k, v, causal=True, out=out, lse=lse, stream=77)
+    assert r[0] is out and r[1] is lse
+    ref, ref_lse = reference(*(torch.from_numpy(t) for t in (q, k, v)), 64 ** -0.5, True)
+    assert np.abs(out.astype(np.float32) - ref.numpy()).max() <= 2e-3
+    assert np.allclose(lse, ref_lse.numpy(), atol=1e-5)
+    (call,) = fake_gpu_dlpack.calls
+    assert call["stream"] == 77 and call["causal"] is True
+    assert call["q"].ptr == q.__array_interface__["data"][0]
+
+
+def test_dlpack_torch_arrays_allocate_with_torch(fake_gpu_dlpack, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda dev: None)
+
+    class _NullCtx:
+        def __init__(self, s):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "stream", _NullCtx)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **kw: real_empty(*a, **kw))
+    q, k, v = qkv(dtype=torch.bfloat16)
+    out, lse = dlpack_api.flash_attn_forward(q, k, v, softmax_scale=0.2)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == (2, 5, 4, 64)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 5)
+    assert_close_to_reference(out, q, k, v, 0.2, False, lse)
+
+
+def test_dlpack_packed_and_cache_layouts_without_copy(fake_gpu_dlpack):
+    packed = np.random.default_rng(0).standard_normal((2, 9, 3, 4, 64)).astype(np.float16)
+    q = packed[:, :, 0]
+    cache = np.random.default_rng(1).standard_normal((2, 32, 4, 64)).astype(np.float16)
+    k, v = cache[:, :9], packed[:, :, 2]
+    out, lse = _outs(sq=9)
+    dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse)
+    call = fake_gpu_dlpack.calls[0]
+    assert call["q"].ptr == q.__array_interface__["data"][0] and call["q"].strides == (9 * 3 * 256, 3 * 256, 64, 1)
+    assert call["k"].ptr == cache.__array_interface__["data"][0] and call["k"].strides == (32 * 256, 256, 64, 1)
+
+
+def test_dlpack_layout_tma_cannot_address_raises(fake_gpu_dlpack):
+    q, k, v = _np_qkv()
+    q = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    with pytest.raises(ValueError, match=r"q cannot be read by TMA: its last dim"):
+        dlpack_api.flash_attn_forward(q, k, v, out=_outs()[0], lse=_outs()[1])
+    assert fake_gpu_dlpack.calls == []
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    ("out_shape", ValueError, r"out must have shape"),
+    ("out_dtype", TypeError, r"out must have q's dtype"),
+    ("out_layout", ValueError, r"out cannot be written by the kernel's TMA store"),
+    ("lse_shape", ValueError, r"lse must have shape"),
+    ("lse_dtype", TypeError, r"lse must have dtype float32"),
+    ("lse_layout", ValueError, r"lse must be C-contiguous"),
+    ("out_readonly", ValueError, r"out is read-only"),
+])
+def test_dlpack_bad_outputs(fake_gpu_dlpack, bad, exc, match):
+    q, k, v = _np_qkv()
+    out, lse = _outs()
+    if bad == "out_shape":
+        out = out[:, :4]
+    elif bad == "out_dtype":
+        out = out.astype(np.float32)
+    elif bad == "out_layout":
+        out = np.zeros((2, 5, 4, 128), np.float16)[..., ::2]
+    elif bad == "lse_shape":
+        lse = np.zeros((2, 5, 4), np.float32)
+    elif bad == "lse_dtype":
+        lse = lse.astype(np.float16)
+    elif bad == "lse_layout":
+        lse = np.zeros((2, 5, 4), np.float32).transpose(0, 2, 1)
+    elif bad == "out_readonly":
+        out.flags.writeable = False
+    with pytest.raises(exc, match=match):
+        dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse)
+    assert fake_gpu_dlpack.calls == []
+
+
+def test_dlpack_shared_validation(fake_gpu_dlpack):
+    q, k, v = _np_qkv()
+    with pytest.raises(ValueError, match=r"k has batch 1"):
+        dlpack_api.flash_attn_forward(q, k[:1], v[:1])
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        dlpack_api.flash_attn_forward(*(t.astype(np.float32) for t in (q, k, v)))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        dlpack_api.flash_attn_forward(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(TypeError, match="q must be a DLPack array"):
+        dlpack_api.flash_attn_forward([1, 2], k, v)
+    assert fake_gpu_dlpack.calls == []
+
+
+def test_dlpack_host_arrays_rejected():
+    q, k, v = _np_qkv()
+    with pytest.raises(ValueError, match=r"q must be a CUDA tensor/array.*kDLCPU"):
+        dlpack_api.flash_attn_forward(q, k, v)
+
+
+def test_dlpack_not_hopper(fake_gpu_dlpack, monkeypatch):
+    monkeypatch.setattr(core, "device_capability", lambda device: (10, 0))
+    with pytest.raises(RuntimeError, match=r"9\.x.*10\.0"):
+        dlpack_api.flash_attn_forward(*_np_qkv(), out=_outs()[0], lse=_outs()[1])
+
+
+def test_dlpack_missing_outputs_without_allocator(fake_gpu_dlpack, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    with pytest.raises(TypeError, match="pass out="):
+        dlpack_api.flash_attn_forward(*_np_qkv())
+
+
+def test_dlpack_empty_and_seqlen_k_zero(fake_gpu_dlpack):
+    q, k, v = _np_qkv(sq=0)
+    out, lse = np.zeros((2, 0, 4, 64), np.float16), np.zeros((2, 4, 0), np.float32)
+    dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse)
+    q, k, v = _np_qkv(sk=0)
+    out, lse = _outs()
+    dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse, stream=5)
+    assert (out == 0).all() and np.isneginf(lse).all()
+    # strided out: zeroed row block by row block, padding untouched
+    big = np.full((2, 5, 4, 128), 7, np.float16)
+    out2 = big[..., :64]
+    lse2 = np.full((2, 4, 5), np.nan, np.float32)
+    dlpack_api.flash_attn_forward(q, k, v, out=out2, lse=lse2, stream=5)
+    assert (out2 == 0).all() and (big[..., 64:] == 7).all() and np.isneginf(lse2).all()
+    assert fake_gpu_dlpack.calls == []
+    assert all(m[-1] == 5 for m in fake_gpu_dlpack.memsets)
+
+
+@pytest.mark.parametrize("stream,handle", [(None, 0), (0, 0), (42, 42)])
+def test_dlpack_stream_handles(stream, handle):
+    assert dlpack_api._stream_handle(stream) == handle
+
+
+def test_dlpack_stream_objects():
+    class Proto:
+        def __cuda_stream__(self):
+            return (0, 99)
+
+    class TorchLike:
+        cuda_stream = 7
+
+    class CupyLike:
+        ptr = 8
+
+    assert dlpack_api._stream_handle(Proto()) == 99
+    assert dlpack_api._stream_handle(TorchLike()) == 7
+    assert dlpack_api._stream_handle(CupyLike()) == 8
+    assert dlpack_api._dlpack_stream(0) == 1 and dlpack_api._dlpack_stream(99) == 99
+    with pytest.raises(TypeError, match="stream"):
+        dlpack_api._stream_handle("default")
+    with pytest.raises(TypeError, match="stream"):
+        dlpack_api._stream_handle(True)
+
+
+def test_dlpack_module_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "import flashgen._validate, flashgen.dlpack_api\n"
+        "assert 'torch' not in sys.modules, 'flashgen.dlpack_api imported torch'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
