@@ -168,11 +168,10 @@ def check_features(
 def check_softmax_scale(softmax_scale, head_dim) -> float:
     """Return the softmax scale as a Python float.
 
-    None gives FA3's default ``head_dim ** -0.5``. Otherwise it must be a real number
-    (int or float, not bool), finite and > 0: the kernel folds the scale into the
-    exp2 argument after taking the row maximum of the unscaled scores (FA3 paper,
-    arXiv 2407.08608, Algorithm 1), which is the maximum of the scaled scores only for
-    a positive scale. TypeError / ValueError otherwise, naming ``softmax_scale``.
+    None gives FA3's default ``head_dim ** -0.5``. Otherwise any finite real number (int or
+    float, not bool), as in FA3: zero and negative scales are legal (the kernel takes the
+    row maximum of the scaled scores, FA3 paper arXiv 2407.08608, Algorithm 1). TypeError
+    for a non-number, ValueError for NaN / inf, each naming ``softmax_scale``.
     """
     if softmax_scale is None:
         return float(head_dim) ** -0.5
@@ -182,10 +181,8 @@ def check_softmax_scale(softmax_scale, head_dim) -> float:
             f"got {type(softmax_scale).__name__}"
         )
     scale = float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0.0:
-        raise ValueError(
-            f"flashgen: softmax_scale must be a finite number > 0, got {softmax_scale!r}"
-        )
+    if not math.isfinite(scale):
+        raise ValueError(f"flashgen: softmax_scale must be a finite number, got {softmax_scale!r}")
     return scale
 
 

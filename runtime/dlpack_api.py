@@ -260,7 +260,7 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             object with ``__dlpack__`` / ``__dlpack_device__`` (CuPy, JAX, torch, ...).
         k: ``(batch, seqlen_k, heads_k, head_dim)``; v: ``(batch, seqlen_k, heads_k,
             head_dim_v)``; same dtype and device as q.
-        softmax_scale: float > 0, finite; None means ``head_dim ** -0.5``.
+        softmax_scale: any finite float; None means ``head_dim ** -0.5``.
         causal: bottom-right aligned causal mask (row i sees keys ``j <= i + seqlen_k -
             seqlen_q``; a row that sees no key gives 0 and lse -inf).
         stream: where to launch: None (default) = the legacy default stream (handle 0, which

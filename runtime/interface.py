@@ -234,7 +234,7 @@ def flash_attn_func(
             heads must be a multiple of heads_k; head_dim and head_dim_v multiples of 8,
             at most 256 (a pair no built variant serves raises MissingVariantError).
         softmax_scale: multiplies q.k before the softmax; None means ``head_dim ** -0.5``.
-            Must be finite and > 0.
+            Any finite float (FA3 accepts zero and negative scales too).
         causal: bottom-right aligned causal mask: query row i sees keys
             ``j <= i + seqlen_k - seqlen_q`` (FA3's convention); a row that sees no key
             outputs 0 with lse -inf.
@@ -269,7 +269,7 @@ def flash_attn_func(
         ValueError: not CUDA tensors or not on one device; not 4-D; batch, seqlen or
             heads mismatched between q, k, v; head_dim of k differs from q's; heads not a
             multiple of heads_k; head_dim / head_dim_v not a multiple of 8 in 8..256;
-            softmax_scale not finite and > 0.
+            softmax_scale NaN or infinite.
         RuntimeError: the GPU is not compute capability 9.x (Hopper).
         NotImplementedError: an FA3 feature not built yet (see above) or an fp8 dtype.
         flashgen.core.MissingVariantError: no built variant serves (dtype, head_dim,

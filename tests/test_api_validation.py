@@ -379,18 +379,19 @@ def test_zero_heads(fake_gpu):
 
 
 @pytest.mark.parametrize("scale,exc", [
-    (float("nan"), ValueError), (float("inf"), ValueError), (-0.125, ValueError),
-    (0.0, ValueError), ("0.125", TypeError), (True, TypeError), (torch.tensor(0.1), TypeError),
+    (float("nan"), ValueError), (float("inf"), ValueError), (-math.inf, ValueError),
+    ("0.125", TypeError), (True, TypeError), (torch.tensor(0.1), TypeError), (1j, TypeError),
 ])
 def test_softmax_scale_errors(fake_gpu, scale, exc):
     _raises(fake_gpu, exc, "softmax_scale", *qkv(), softmax_scale=scale)
 
 
-def test_softmax_scale_int_and_numpy_accepted(fake_gpu):
+def test_softmax_scale_any_finite_real_accepted(fake_gpu):
     q, k, v = qkv()
-    flash_attn_func(q, k, v, softmax_scale=1)
-    flash_attn_func(q, k, v, softmax_scale=np.float32(0.25))
-    assert [c["scale"] for c in fake_gpu.calls] == [1.0, 0.25]
+    for s in (1, np.float32(0.25), 0.0, -0.5):
+        out = flash_attn_func(q, k, v, softmax_scale=s)
+        assert_close_to_reference(out, q, k, v, float(s), False)
+    assert [c["scale"] for c in fake_gpu.calls] == [1.0, 0.25, 0.0, -0.5]
     assert all(type(c["scale"]) is float for c in fake_gpu.calls)
 
 
@@ -689,7 +690,7 @@ def test_dlpack_shared_validation(fake_gpu_dlpack):
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         dlpack_api.flash_attn_forward(*(t.astype(np.float32) for t in (q, k, v)))
     with pytest.raises(ValueError, match="softmax_scale"):
-        dlpack_api.flash_attn_forward(q, k, v, softmax_scale=-1.0)
+        dlpack_api.flash_attn_forward(q, k, v, softmax_scale=float("nan"))
     with pytest.raises(TypeError, match="q must be a DLPack array"):
         dlpack_api.flash_attn_forward([1, 2], k, v)
     assert fake_gpu_dlpack.calls == []
