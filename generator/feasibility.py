@@ -12,8 +12,9 @@ Rules (sm_90a, our forward kernel's layout):
 - consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
 - stages in 1..4.
 - Dynamic shared memory (P = head_dim rounded up to 64, E = 2 bytes):
-  Q block_m*P*E (O is staged in Q's buffer) + K stages*block_n*P*E + V stages*block_n*Pv*E
-  + 1024 (mbarriers) + 1024 (alignment slack) must be <= 227 KB = 232448 bytes.
+  Q block_m*P*E + K stages*block_n*P*E + V stages*block_n*Pv*E + 1024 (mbarriers) + 1024
+  (alignment slack) must be <= 227 KB = 232448 bytes; O's staging buffer block_m*Pv*E is added
+  when it still fits (separate_o), else O is staged in Q's buffer.
 - Registers (setmaxnreg): 2 consumer WGs get 240 regs/thread, 3 get 160 (producer 24 / 32).
   With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128.
   With 2: the fp32 S accumulator (block_n/2), O accumulator (head_dim_v_padded/2) and packed P
@@ -42,13 +43,19 @@ def fwd_resources(params: dict) -> dict:
     """Derived launch/resource numbers of a forward variant.
 
     Returns ``dict(threads, smem_bytes, producer_regs, consumer_regs, head_dim_padded,
-    head_dim_v_padded)``. Assumes the params passed the type checks (ints where ints belong)."""
+    head_dim_v_padded, separate_o)``. Assumes the params passed the type checks (ints where ints belong)."""
     wgs = int(params["consumer_wgs"])
     e = DTYPE_BYTES.get(params["dtype"], 2)
     p = _pad64(params["head_dim"])
     pv = _pad64(params.get("head_dim_v", params["head_dim"]))
     bm, bn, st = int(params["block_m"]), int(params["block_n"]), int(params["stages"])
     smem = bm * p * e + st * bn * p * e + st * bn * pv * e + BARRIER_BYTES + ALIGN_SLACK_BYTES
+    # O gets its own staging buffer when it fits (Q is then released after the tile's last S GEMM
+    # and the next tile's Q load overlaps the epilogue); otherwise it is staged in Q's buffer.
+    o_bytes = bm * pv * e
+    separate_o = smem + o_bytes <= SMEM_LIMIT
+    if separate_o:
+        smem += o_bytes
     producer_regs, consumer_regs = REG_SPLIT.get(wgs, (24, 240))
     return dict(
         threads=128 * (wgs + 1),
@@ -57,6 +64,7 @@ def fwd_resources(params: dict) -> dict:
         consumer_regs=consumer_regs,
         head_dim_padded=p,
         head_dim_v_padded=pv,
+        separate_o=separate_o,
     )
 
 

@@ -47,11 +47,6 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
   ptx::cp_async_bulk_tensor(ptx::space_global, ptx::space_shared, map, coords, src);
 }
 
-__device__ __forceinline__ void tma_store_commit_and_wait_read() {
-  ptx::cp_async_bulk_commit_group();
-  ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
-}
-
 // Generic-proxy smem writes must be fenced before the async proxy (TMA store, wgmma) reads them.
 __device__ __forceinline__ void fence_proxy_async_smem() { ptx::fence_proxy_async(ptx::space_shared); }
 
