@@ -25,6 +25,7 @@ All problems of all files are collected (never only the first) and raised togeth
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 import itertools
 from dataclasses import dataclass, field
@@ -331,7 +332,7 @@ def load_variants(project, overrides: dict | None = None) -> list[Variant]:
     for path in paths:
         label = project.rel(path)
         if path.resolve() in overrides:
-            data = overrides[path.resolve()]
+            data = copy.deepcopy(overrides[path.resolve()])
         else:
             try:
                 data = parse_yaml(path.read_text(), label, problems)

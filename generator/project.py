@@ -33,6 +33,7 @@ def find_root(cwd: str | os.PathLike | None = None) -> Path | None:
 @dataclass(frozen=True)
 class Project:
     root: Path
+    build_override: Path | None = None  # build outputs here instead of $FLASHGEN_BUILD_DIR / <root>/build
 
     @classmethod
     def locate(cls, cwd=None) -> "Project":
@@ -60,6 +61,8 @@ class Project:
 
     @property
     def build_dir(self) -> Path:
+        if self.build_override is not None:
+            return Path(self.build_override)
         env = os.environ.get("FLASHGEN_BUILD_DIR")
         return Path(env).resolve() if env else self.root / "build"
 

@@ -177,18 +177,25 @@ def build_cmd(pattern, all_, jobs):
     _run_build(project, selected, variants, jobs)
 
 
-def _append_point_text(text: str, point_line: str) -> str | None:
-    """Append ``  - {...}`` under a trailing block-style ``extra:`` list, keeping comments.
-    None when the file's layout does not allow a plain append."""
+def _append_point_text(text: str, point: str) -> str | None:
+    """Append ``- {...}`` to a trailing block-style ``extra:`` list, keeping comments and the
+    list's indentation. None when the file's layout does not allow a plain append."""
     lines = text.rstrip("\n").splitlines()
     idx = [i for i, ln in enumerate(lines) if ln.rstrip() == "extra:"]
     if len(idx) != 1:
         return None
+    indent = None
     for ln in lines[idx[0] + 1:]:  # everything after must belong to the list (or be comments)
         s = ln.strip()
-        if s and not s.startswith("#") and not ln.startswith((" ", "\t", "-")):
+        if not s or s.startswith("#"):
+            continue
+        if not ln.startswith((" ", "\t", "-")):
             return None
-    return "\n".join(lines) + "\n" + point_line + "\n"
+        if indent is None and s.startswith("- "):
+            indent = ln[: len(ln) - len(ln.lstrip())]
+    if indent is None:
+        return None
+    return "\n".join(lines) + "\n" + f"{indent}- {point}" + "\n"
 
 
 @main.command("add-variant")
@@ -266,13 +273,16 @@ def add_variant_cmd(dtype, head_dim, head_dim_v, causal, block_m, block_n, stage
         click.echo(f"{label}: already lists {name}")
     else:
         flow = yaml.safe_dump(point, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
-        text = None
-        if old_text is not None and isinstance(data.get("extra"), list) and data.get("extra"):
-            text = _append_point_text(old_text, f"  - {flow}")
-        if text is None or parse_yaml(text, label, []) != new:
-            header = ("# Variants added by `flashgen add-variant` (schema: generator/config.py).\n"
-                      if old_text is None else "")
-            text = header + yaml.safe_dump(new, sort_keys=False, default_flow_style=None, width=120)
+        if old_text is None:
+            text = ("# Variants added by `flashgen add-variant` (schema: generator/config.py).\n"
+                    "family: fwd\ndescription: variants added with `flashgen add-variant`\n"
+                    "default_build: true\nextra:\n" f"  - {flow}\n")
+        elif isinstance(data.get("extra"), list) and data.get("extra"):
+            text = _append_point_text(old_text, flow)
+        else:
+            text = None
+        if text is None or parse_yaml(text, label, []) != new:  # odd layout: rewrite (comments lost)
+            text = yaml.safe_dump(new, sort_keys=False, default_flow_style=None, width=1 << 16)
         atomic_write_text(path, text)
         click.echo(f"{label}: added {name}")
     if do_build:

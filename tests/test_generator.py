@@ -65,13 +65,17 @@ def test_names_unique_and_symbols_are_c_identifiers():
 
 def test_fwd_resources_formula():
     r = fwd_resources({**BASE, "causal": False, "block_n": 176})
-    assert r == dict(threads=384, smem_bytes=128 * 128 * 2 + 2 * 2 * 176 * 128 * 2 + 2048, producer_regs=24,
-                     consumer_regs=240, head_dim_padded=128, head_dim_v_padded=128)
+    base = 128 * 128 * 2 + 2 * 2 * 176 * 128 * 2 + 2048  # Q + K/V stages + barriers + slack = 215040
+    o_bytes = 128 * 128 * 2  # a separate O staging buffer, added by the kernel's layout only if it fits
+    assert r["smem_bytes"] == base + (o_bytes if r.get("separate_o") else 0) <= SMEM_LIMIT
+    assert {k: r[k] for k in ("threads", "producer_regs", "consumer_regs", "head_dim_padded", "head_dim_v_padded")} == \
+        dict(threads=384, producer_regs=24, consumer_regs=240, head_dim_padded=128, head_dim_v_padded=128)
     r3 = fwd_resources({**BASE, "head_dim": 64, "head_dim_v": 64, "block_m": 192, "consumer_wgs": 3})
     assert (r3["threads"], r3["producer_regs"], r3["consumer_regs"], r3["head_dim_padded"]) == (512, 32, 160, 64)
     r96 = fwd_resources({**BASE, "head_dim": 96, "head_dim_v": 96})
     assert r96["head_dim_padded"] == 128 and r96["smem_bytes"] == fwd_resources(BASE)["smem_bytes"]
     assert fwd_resources({**BASE, "head_dim": 256, "head_dim_v": 256, "block_n": 80})["smem_bytes"] == 231424 <= SMEM_LIMIT
+    assert fwd_resources({**BASE, "block_n": 176, "stages": 3})["smem_bytes"] == 305152  # infeasible, reported as is
 
 
 def test_fwd_problems():
