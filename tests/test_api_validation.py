@@ -522,6 +522,22 @@ def test_compile_fullgraph_matches_eager(fake_gpu):
     assert len(fake_gpu.calls) == 2
 
 
+def test_compile_dynamic_shapes_fullgraph(fake_gpu):
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                      dynamic=True, backend="aot_eager")
+    for sq, sk in ((64, 64), (100, 333), (7, 1000), (3, 5)):
+        q, k, v = qkv(b=1, sq=sq, sk=sk, h=4, hk=4, d=64)
+        assert torch.equal(f(q, k, v), flash_attn_func(q, k, v, causal=True))
+
+
+def test_compile_inductor_default_backend(fake_gpu):
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True).float() * 2, fullgraph=True)
+    q, k, v = qkv()
+    assert torch.equal(f(q, k, v), flash_attn_func(q, k, v, causal=True).float() * 2)
+
+
 def test_compile_with_grad_inputs_traces_then_backward_raises(fake_gpu):
     torch._dynamo.reset()
     q, k, v = qkv()

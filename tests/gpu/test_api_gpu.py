@@ -1,0 +1,378 @@
+"""GPU tests of the user-facing API: flashgen.interface.flash_attn_func (torch) and
+flashgen.dlpack_api.flash_attn_forward (DLPack, tested with CuPy).
+
+Covers: results against a float32 reference by FA3's rule (max|out-ref| <= 2 max|out_pt-ref|
++ noise), real-model layouts passed without copies (packed qkv, KV-cache prefixes) and
+layouts that must be copied, empty problems, torch.compile(fullgraph=True) against eager,
+CUDA-graph capture replayed on new data, backward raising, MissingVariantError, and the
+DLPack entry with CuPy arrays (allocation, caller outputs, non-default streams, the
+seqlen_k == 0 driver memsets).
+
+Skipped without an sm_90 GPU (tests/gpu/conftest.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen.core as core  # noqa: E402
+from flashgen import dlpack_api  # noqa: E402
+from flashgen.interface import flash_attn_func  # noqa: E402
+from flashgen.manifest import load_manifest  # noqa: E402
+
+from _ref import attention_ref, fa3_rule_ok  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _built_keys():
+    try:
+        m = load_manifest()
+    except Exception:
+        return set()
+    return {
+        (v.params["dtype"], v.params["head_dim"], v.params.get("head_dim_v", v.params["head_dim"]),
+         bool(v.params["causal"]))
+        for v in m.variants
+    }
+
+
+def pick(causal=None, dtype=None):
+    """(torch dtype, head_dim) of a built variant, preferring head_dim 128 then 64."""
+    keys = _built_keys()
+    for d in (128, 64, 256, 96, 192):
+        for dt in ((dtype,) if dtype is not None else (torch.bfloat16, torch.float16)):
+            cs = (causal,) if causal is not None else (False, True)
+            if all((_NAME[dt], d, d, c) in keys for c in cs):
+                return dt, d
+    pytest.skip("no suitable variant built")
+
+
+def rnd(*shape, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def inputs(b, sq, sk, h, hk, d, dtype, seed=0):
+    return (rnd(b, sq, h, d, dtype=dtype, seed=seed), rnd(b, sk, hk, d, dtype=dtype, seed=seed + 1),
+            rnd(b, sk, hk, d, dtype=dtype, seed=seed + 2))
+
+
+def assert_fa3_rule(out, q, k, v, causal, scale=None, lse=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    torch.cuda.synchronize()
+    ref, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True)
+    pt, _ = attention_ref(q, k, v, causal, scale, upcast=False)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert not torch.isnan(out).any()
+    ok, err, base = fa3_rule_ok(out, ref, pt)
+    assert ok, f"max err {err:.3e} > 2 x low-precision err {base:.3e}"
+    if lse is not None:
+        assert lse.shape == lse_ref.shape and lse.dtype == torch.float32
+        finite = torch.isfinite(lse_ref)
+        assert torch.equal(torch.isfinite(lse), finite)
+        torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-3, rtol=1e-4)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Record the TensorArgs handed to the core (then launch for real)."""
+    calls = []
+    real = core.attention_forward
+
+    def wrapped(q, k, v, out, lse, *a, **kw):
+        calls.append(dict(q=q, k=k, v=v, out=out, lse=lse))
+        return real(q, k, v, out, lse, *a, **kw)
+
+    monkeypatch.setattr(core, "attention_forward", wrapped)
+    return calls
+
+
+# --------------------------------------------------------------------------------------
+# torch API
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 113, 257, 8, 2), (1, 1, 1, 4, 4), (3, 300, 17, 4, 1)],
+                         ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
+def test_flash_attn_func_matches_reference(causal, shape):
+    dtype, d = pick(causal)
+    b, sq, sk, h, hk = shape
+    q, k, v = inputs(b, sq, sk, h, hk, d, dtype, seed=sq)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert_fa3_rule(out, q, k, v, causal, lse=lse)
+    out2 = flash_attn_func(q, k, v, causal=causal, deterministic=True)
+    assert torch.equal(out, out2)
+
+
+def test_custom_softmax_scale():
+    dtype, d = pick(False)
+    q, k, v = inputs(2, 77, 99, 4, 2, d, dtype, seed=5)
+    out = flash_attn_func(q, k, v, softmax_scale=0.05)
+    assert_fa3_rule(out, q, k, v, False, scale=0.05)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_qkv_no_copy(spy, causal):
+    dtype, d = pick(causal)
+    b, s, h = 2, 333, 4
+    packed = rnd(b, s, 3, h, d, dtype=dtype, seed=1)
+    q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    (call,) = spy
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert call[name].ptr == t.data_ptr(), f"{name} was copied"
+        assert call[name].strides == t.stride()
+    assert_fa3_rule(out, q, k, v, causal, lse=lse)
+
+
+def test_kv_cache_prefix_no_copy(spy):
+    dtype, d = pick(True)
+    b, cap, sk, h, hk = 2, 1024, 301, 8, 2
+    k_cache = rnd(b, cap, hk, d, dtype=dtype, seed=2)
+    v_cache = rnd(b, cap, hk, d, dtype=dtype, seed=3)
+    q = rnd(b, 37, h, d, dtype=dtype, seed=4)
+    k, v = k_cache[:, :sk], v_cache[:, :sk]
+    out = flash_attn_func(q, k, v, causal=True)
+    (call,) = spy
+    assert call["k"].ptr == k_cache.data_ptr() and call["v"].ptr == v_cache.data_ptr()
+    assert call["k"].strides == k_cache.stride()
+    assert_fa3_rule(out, q, k, v, True)
+
+
+def test_layouts_that_need_a_copy_are_copied_and_correct(spy):
+    dtype, d = pick(False)
+    q, k, v = inputs(2, 129, 200, 4, 4, d, dtype, seed=6)
+    q_t = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim not contiguous
+    flat = torch.empty(k.numel() + 1, dtype=dtype, device="cuda")
+    k_mis = flat[1:].view(k.shape)  # contiguous, base 2 bytes off alignment
+    k_mis.copy_(k)
+    assert q_t.stride(-1) != 1 and k_mis.data_ptr() % 16 != 0
+    out = flash_attn_func(q_t, k_mis, v)
+    (call,) = spy
+    assert call["q"].ptr != q_t.data_ptr() and call["k"].ptr != k_mis.data_ptr()
+    assert call["v"].ptr == v.data_ptr()
+    assert_fa3_rule(out, q, k, v, False)
+
+
+@pytest.mark.parametrize("b,sq,sk", [(0, 16, 16), (2, 0, 16), (2, 16, 0)])
+def test_empty_problems(spy, b, sq, sk):
+    dtype, d = pick(False)
+    q, k, v = inputs(b, sq, sk, 4, 2, d, dtype)
+    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    torch.cuda.synchronize()
+    assert out.shape == (b, sq, 4, d) and lse.shape == (b, 4, sq)
+    assert spy == []
+    if sk == 0 and b and sq:
+        assert torch.equal(out, torch.zeros_like(out))
+        assert bool((lse == -math.inf).all())
+
+
+def test_missing_variant_error():
+    dtype, d = pick(False)
+    dv = 64 if d != 64 else 128
+    if (_NAME[dtype], d, dv, False) in _built_keys():
+        pytest.skip("a head_dim != head_dim_v variant is built")
+    q, k, _ = inputs(1, 8, 8, 2, 2, d, dtype)
+    v = rnd(1, 8, 2, dv, dtype=dtype)
+    with pytest.raises(core.MissingVariantError, match="flashgen add-variant"):
+        flash_attn_func(q, k, v)
+
+
+def test_backward_raises():
+    dtype, d = pick(False)
+    q, k, v = inputs(1, 64, 64, 2, 2, d, dtype)
+    q.requires_grad_(True)
+    out = flash_attn_func(q, k, v)
+    with pytest.raises(RuntimeError, match="flashgen: the backward pass is not implemented yet"):
+        out.float().sum().backward()
+    assert q.grad is None
+
+
+def test_not_cuda_and_fp8_errors():
+    dtype, d = pick(False)
+    q, k, v = inputs(1, 8, 8, 2, 2, d, dtype)
+    with pytest.raises(ValueError, match="k must be a CUDA tensor"):
+        flash_attn_func(q, k.cpu(), v)
+    if hasattr(torch, "float8_e4m3fn"):
+        with pytest.raises(NotImplementedError, match="fp8"):
+            flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)))
+
+
+# --------------------------------------------------------------------------------------
+# torch.compile and CUDA graphs
+# --------------------------------------------------------------------------------------
+
+class _Attn(torch.nn.Module):
+    def __init__(self, d, dtype):
+        super().__init__()
+        self.proj = torch.nn.Linear(d, d, device="cuda", dtype=dtype)
+
+    def forward(self, q, k, v):
+        o, lse = flash_attn_func(q * 1.5, k, v, causal=True, return_attn_probs=True)
+        return self.proj(o), lse.exp().sum(-1)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    dtype, d = pick(True)
+    m = _Attn(d, dtype).eval()
+    cm = torch.compile(m, fullgraph=True)
+    with torch.no_grad():
+        for seed, sq in ((0, 128), (1, 77)):
+            q, k, v = inputs(2, sq, 200, 4, 2, d, dtype, seed=seed)
+            e_out, e_l = m(q, k, v)
+            c_out, c_l = cm(q, k, v)
+            torch.testing.assert_close(c_out, e_out, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(c_l, e_l, atol=1e-3, rtol=1e-3)
+            # the attention itself is the same kernel on the same inputs: bitwise equal
+            e_att = flash_attn_func(q * 1.5, k, v, causal=True)
+            c_att = torch.compile(lambda q, k, v: flash_attn_func(q * 1.5, k, v, causal=True),
+                                  fullgraph=True)(q, k, v)
+            assert torch.equal(e_att, c_att)
+
+
+def test_torch_compile_dynamic_shapes():
+    torch._dynamo.reset()
+    dtype, d = pick(False)
+    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v), fullgraph=True, dynamic=True)
+    for sq, sk in ((64, 64), (100, 333), (7, 1000)):
+        q, k, v = inputs(1, sq, sk, 4, 4, d, dtype, seed=sq)
+        out = f(q, k, v)
+        assert out.shape == (1, sq, 4, d)
+        assert torch.equal(out, flash_attn_func(q, k, v))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "packed", "needs_copy"])
+def test_cuda_graph_replay_on_new_data(layout):
+    dtype, d = pick(True)
+    b, s, h = 2, 257, 4
+
+    def make(seed):
+        if layout == "packed":
+            p = rnd(b, s, 3, h, d, dtype=dtype, seed=seed)
+            return p, (p[:, :, 0], p[:, :, 1], p[:, :, 2])
+        q, k, v = inputs(b, s, s, h, h, d, dtype, seed=seed)
+        if layout == "needs_copy":
+            q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return None, (q, k, v)
+
+    static_pack, (sq_, sk_, sv_) = make(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            flash_attn_func(sq_, sk_, sv_, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out, static_lse = flash_attn_func(sq_, sk_, sv_, causal=True, return_attn_probs=True)
+    for seed in (11, 12):
+        new_pack, (nq, nk, nv) = make(seed)
+        if static_pack is not None:
+            static_pack.copy_(new_pack)
+        else:
+            sq_.copy_(nq)
+            sk_.copy_(nk)
+            sv_.copy_(nv)
+        g.replay()
+        torch.cuda.synchronize()
+        exp_out, exp_lse = flash_attn_func(nq, nk, nv, causal=True, return_attn_probs=True)
+        assert torch.equal(static_out, exp_out) and torch.equal(static_lse, exp_lse)
+        assert_fa3_rule(static_out, nq, nk, nv, True, lse=static_lse)
+
+
+def test_compile_reduce_overhead_cudagraphs():
+    torch._dynamo.reset()
+    dtype, d = pick(False)
+    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v) * 2, fullgraph=True, mode="reduce-overhead")
+    for seed in range(3):
+        q, k, v = inputs(2, 128, 256, 4, 2, d, dtype, seed=seed)
+        out = f(q, k, v).clone()
+        assert torch.equal(out, flash_attn_func(q, k, v) * 2)
+
+
+# --------------------------------------------------------------------------------------
+# DLPack entry with CuPy
+# --------------------------------------------------------------------------------------
+
+def _cupy():
+    return pytest.importorskip("cupy")
+
+
+def _cp_inputs(cp, b, sq, sk, h, hk, d, seed=0):
+    rs = cp.random.RandomState(seed)
+    return [rs.standard_normal(s, dtype=cp.float32).astype(cp.float16)
+            for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dlpack_cupy_allocates_outputs(causal):
+    cp = _cupy()
+    d = pick(causal, torch.float16)[1]
+    q, k, v = _cp_inputs(cp, 2, 97, 211, 4, 2, d, seed=3)
+    out, lse = dlpack_api.flash_attn_forward(q, k, v, causal=causal)
+    assert isinstance(out, cp.ndarray) and out.dtype == cp.float16 and out.shape == (2, 97, 4, d)
+    assert isinstance(lse, cp.ndarray) and lse.dtype == cp.float32 and lse.shape == (2, 4, 97)
+    cp.cuda.runtime.deviceSynchronize()
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    assert_fa3_rule(torch.from_dlpack(out), tq, tk, tv, causal, lse=torch.from_dlpack(lse))
+
+
+def test_dlpack_cupy_given_outputs_on_a_stream():
+    cp = _cupy()
+    d = pick(False, torch.float16)[1]
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        packed = cp.random.RandomState(4).standard_normal((2, 150, 3, 4, d), dtype=cp.float32).astype(cp.float16)
+        q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+        out = cp.full((2, 150, 4, d), cp.nan, dtype=cp.float16)
+        lse = cp.full((2, 4, 150), cp.nan, dtype=cp.float32)
+    r = dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse, stream=s, softmax_scale=0.1)
+    assert r[0] is out and r[1] is lse
+    s.synchronize()
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    assert_fa3_rule(torch.from_dlpack(out), tq, tk, tv, False, scale=0.1, lse=torch.from_dlpack(lse))
+
+
+def test_dlpack_cupy_seqlen_k_zero_memsets():
+    cp = _cupy()
+    d = pick(False, torch.float16)[1]
+    q, k, v = _cp_inputs(cp, 2, 9, 0, 4, 2, d)
+    out, lse = dlpack_api.flash_attn_forward(q, k, v)
+    cp.cuda.runtime.deviceSynchronize()
+    assert bool((out == 0).all()) and bool(cp.isneginf(lse).all())
+    big = cp.full((2, 9, 4, 2 * d), 7, dtype=cp.float16)
+    out2 = big[..., :d]
+    lse2 = cp.zeros((2, 4, 9), dtype=cp.float32)
+    dlpack_api.flash_attn_forward(q, k, v, out=out2, lse=lse2, stream=cp.cuda.Stream.null)
+    cp.cuda.runtime.deviceSynchronize()
+    assert bool((out2 == 0).all()) and bool((big[..., d:] == 7).all()) and bool(cp.isneginf(lse2).all())
+
+
+def test_dlpack_cupy_errors():
+    cp = _cupy()
+    d = pick(False, torch.float16)[1]
+    q, k, v = _cp_inputs(cp, 2, 9, 9, 4, 2, d)
+    with pytest.raises(ValueError, match="q cannot be read by TMA"):
+        dlpack_api.flash_attn_forward(cp.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2), k, v)
+    with pytest.raises(ValueError, match="k and v must have the same seqlen_k"):
+        dlpack_api.flash_attn_forward(q, k, v[:, :5])
+
+
+def test_dlpack_torch_bf16_on_a_stream():
+    dtype, d = pick(False, torch.bfloat16)
+    q, k, v = inputs(2, 64, 130, 4, 4, d, dtype, seed=9)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    out, lse = dlpack_api.flash_attn_forward(q, k, v, stream=s)
+    s.synchronize()
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    assert_fa3_rule(out, q, k, v, False, lse=lse)
