@@ -48,6 +48,33 @@ def plan_grid(variant: Variant, num_tiles: int, device: int) -> int:
     return num_tiles
 
 
+class _Plan(NamedTuple):
+    variant: Variant
+    kernel: launch.LoadedKernel
+    block_m: int
+    block_n: int
+    sms: int  # CTAs of a persistent grid at most; 0 = one CTA per tile
+
+
+_plans: dict = {}
+
+
+def _plan(dtype: str, d: int, dv: int, causal: bool, device: int, variant: Variant | None) -> _Plan:
+    """Variant, loaded kernel and launch constants for a call key, resolved once per process.
+
+    A hit never touches the manifest; a miss reloads it (so a variant added with
+    `flashgen add-variant` is picked up by the next call that needs it)."""
+    key = (variant.name if variant is not None else None, dtype, d, dv, causal, device)
+    plan = _plans.get(key)
+    if plan is None:
+        var = variant if variant is not None else select_variant(dtype, d, dv, causal)
+        p = var.params
+        sms = launch.num_sms(device) if p.get("persistent", True) else 0
+        plan = _Plan(var, launch.get_kernel(var, device), p["block_m"], p["block_n"], sms)
+        _plans[key] = plan
+    return plan
+
+
 def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
                       softmax_scale: float, causal: bool, stream: int, variant: Variant | None = None) -> Variant:
     """Launch the FA3 forward: out = softmax(scale * q k^T [+ causal mask]) v, lse = logsumexp rows.
@@ -64,10 +91,8 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
         raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         _check_tma(name, t)
-    if variant is None:
-        variant = select_variant(q.dtype, d, dv, causal, sq, sk)
-    kern = launch.get_kernel(variant, q.device)
-    bm, bn = variant.params["block_m"], variant.params["block_n"]
+    plan = _plan(q.dtype, d, dv, bool(causal), q.device, variant)
+    bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     num_tiles = num_m * h * b
     scale = float(softmax_scale)
@@ -82,5 +107,6 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
         launch.tensor_map_bshd("v", v.ptr, v.shape, v.strides, v.dtype, bn),
         launch.tensor_map_bshd("o", out.ptr, out.shape, out.strides, out.dtype, 64),
     )
-    launch.launch_fwd(kern, maps, params, plan_grid(variant, num_tiles, q.device), stream)
-    return variant
+    grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
+    launch.launch_fwd(plan.kernel, maps, params, max(grid, 1), stream)
+    return plan.variant

@@ -17,12 +17,18 @@ from .manifest import Variant, read_fatbin
 _lock = threading.Lock()
 
 
+_drv = None
+
+
 def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("flashgen needs cuda-python (`pip install cuda-bindings`) to launch kernels") from e
-    return driver
+    global _drv
+    if _drv is None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise RuntimeError("flashgen needs cuda-python (`pip install cuda-bindings`) to launch kernels") from e
+        _drv = driver
+    return _drv
 
 
 class CudaError(RuntimeError):
@@ -198,6 +204,7 @@ def tensor_map_bshd(slot: str, ptr: int, shape: tuple, strides: tuple, dtype: st
 
 
 # ------------------------------------------------------------------------------------ params
+
 class FwdParams(ctypes.Structure):
     """Mirror of flashgen::FwdParams (templates/include/flashgen/params.cuh)."""
 
@@ -215,12 +222,19 @@ class FwdParams(ctypes.Structure):
     ]
 
 
+_streams: dict[int, object] = {}
+
+
 def launch_fwd(kernel: LoadedKernel, maps: tuple, params: FwdParams, grid: int, stream: int) -> None:
     """cuLaunchKernelEx(kernel, grid x threads, maps..., params) on `stream` (a CUstream as int)."""
-    d = _driver()
     cfg = kernel.config
     cfg.gridDimX = grid
-    cfg.hStream = d.CUstream(stream)
+    cs = _streams.get(stream)
+    if cs is None:
+        cs = _streams[stream] = _driver().CUstream(stream)
+    cfg.hStream = cs
     args = (ctypes.c_void_p * 5)(maps[0].getPtr(), maps[1].getPtr(), maps[2].getPtr(), maps[3].getPtr(),
                                   ctypes.addressof(params))
-    check(d.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(args), 0), f"cuLaunchKernelEx({kernel.variant.name})")
+    err = _driver().cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(args), 0)
+    if int(err[0]) != 0:
+        check(err, f"cuLaunchKernelEx({kernel.variant.name})")
