@@ -91,21 +91,25 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _v.Prob
     return _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
 
 
-def _tma_ready(t: torch.Tensor, dtype: str) -> torch.Tensor:
-    """``t`` itself when a TMA descriptor can address it, else a contiguous copy.
+def _tma_arg(t: torch.Tensor, dtype: str, device: int) -> tuple:
+    """``(tensor, TensorArg)`` for an input: ``t`` itself when a TMA descriptor can address
+    it, else a contiguous copy of it.
 
-    ``.contiguous()`` is not enough: an already-contiguous view at a misaligned storage
-    offset comes back unchanged, so the copy is an explicit clone into fresh memory
-    (torch's caching allocator hands out 512-byte-aligned blocks).
+    ``.contiguous()`` is not enough for the copy: an already-contiguous view at a misaligned
+    storage offset comes back unchanged, so the copy is an explicit clone into fresh memory
+    (torch's caching allocator hands out 512-byte-aligned blocks). The tensor is returned so
+    the caller keeps a copy alive until the launch is enqueued.
     """
-    if _v.tma_layout_problem(t.shape, t.stride(), _v.ELEMENT_SIZE[dtype], t.data_ptr()) is None:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _tensor_arg(t: torch.Tensor, dtype: str, device: int):
     shape = tuple(t.shape)
-    return _core.TensorArg(t.data_ptr(), shape, _v.tma_strides(shape, t.stride()), dtype, device)
+    strides = t.stride()
+    ptr = t.data_ptr()
+    if _v.tma_layout_problem(shape, strides, _v.ELEMENT_SIZE[dtype], ptr) is not None:
+        t = t.clone(memory_format=torch.contiguous_format)
+        strides = t.stride()
+        ptr = t.data_ptr()
+    if 1 in shape:
+        strides = _v.tma_strides(shape, strides)
+    return t, _core.TensorArg(ptr, shape, tuple(strides), dtype, device)
 
 
 # --------------------------------------------------------------------------------------
@@ -142,18 +146,22 @@ def _fwd(
     dev = p.device
     # Copies (if any) stay referenced until the launch is enqueued; after that, freeing them
     # is stream-ordered by the caching allocator (same stream), so the kernel reads them safely.
-    qc, kc, vc = _tma_ready(q, p.dtype), _tma_ready(k, p.dtype), _tma_ready(v, p.dtype)
+    qc, qa = _tma_arg(q, p.dtype, dev)
+    kc, ka = _tma_arg(k, p.dtype, dev)
+    vc, va = _tma_arg(v, p.dtype, dev)
+    _, oa = _tma_arg(out, p.dtype, dev)  # fresh and contiguous: never copied
     _core.attention_forward(
-        _tensor_arg(qc, p.dtype, dev),
-        _tensor_arg(kc, p.dtype, dev),
-        _tensor_arg(vc, p.dtype, dev),
-        _tensor_arg(out, p.dtype, dev),
+        qa,
+        ka,
+        va,
+        oa,
         _core.TensorArg(lse.data_ptr(), p.lse_shape, tuple(lse.stride()), "fp32", dev),
         float(softmax_scale),
         bool(causal),
         _current_stream(dev),
         variant=variant,
     )
+    del qc, kc, vc  # any layout copies are released only after the launch is enqueued
     return out, lse
 
 
