@@ -142,7 +142,10 @@ def _read(name: str, obj: Any, dl_stream: int) -> _Array:
         return _Array(name, obj, info, None, None)
     # The producer makes the data ready for work on our stream (DLPack stream handshake);
     # -1 (no synchronisation) for host memory, which has no stream.
-    view = _smv().from_dlpack(obj, stream_ptr=-1 if dev_type == kDLCPU else dl_stream)
+    smv = _smv()
+    sp = -1 if dev_type == kDLCPU else dl_stream
+    # cuda-core >= 0.4 has the classmethod; older releases take the object in the constructor.
+    view = smv.from_dlpack(obj, stream_ptr=sp) if hasattr(smv, "from_dlpack") else smv(obj, stream_ptr=sp)
     shape = tuple(int(n) for n in view.shape)
     strides = view.strides
     strides = _c_strides(shape) if strides is None else tuple(int(s) for s in strides)
