@@ -308,9 +308,7 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     causal = bool(causal)
     _v.check_capability(_core.device_capability(p.device), p.device)
     empty = p.nothing_to_compute or p.seqlen_k == 0
-    variant = None
     if not empty:
-        variant = _core.select_variant(p.dtype, p.head_dim, p.head_dim_v, causal, p.seqlen_q, p.seqlen_k)
         es = _v.ELEMENT_SIZE[p.dtype]
         for a in (qa, ka, va):
             why = _v.tma_layout_problem(a.info.shape, a.info.strides, es, a.ptr)
@@ -346,6 +344,5 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         scale,
         causal,
         handle,
-        variant=variant,
-    )
+    )  # selects the variant (cached per key) and raises MissingVariantError before launching
     return out, lse

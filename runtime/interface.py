@@ -138,9 +138,6 @@ def _fwd(
             out.zero_()
             lse.fill_(-math.inf)
         return out, lse
-    # MissingVariantError (naming the variant and the `flashgen add-variant` command) here,
-    # before any allocation or launch.
-    variant = _core.select_variant(p.dtype, p.head_dim, p.head_dim_v, bool(causal), p.seqlen_q, p.seqlen_k)
     out = q.new_empty(p.out_shape)
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
     dev = p.device
@@ -159,8 +156,7 @@ def _fwd(
         float(softmax_scale),
         bool(causal),
         _current_stream(dev),
-        variant=variant,
-    )
+    )  # selects the variant (cached per key) and raises MissingVariantError before launching
     del qc, kc, vc  # any layout copies are released only after the launch is enqueued
     return out, lse
 
