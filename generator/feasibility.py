@@ -16,10 +16,11 @@ Rules (sm_90a, our forward kernel's layout):
   (alignment slack) must be <= 227 KB = 232448 bytes; O's staging buffer block_m*Pv*E is added
   when it still fits (separate_o), else O is staged in Q's buffer.
 - Registers (setmaxnreg): 2 consumer WGs get 240 regs/thread, 3 get 160 (producer 24 / 32).
-  With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128.
-  With 2: the fp32 S accumulator (block_n/2), O accumulator (head_dim_v_padded/2) and packed P
-  (block_n/4) registers per thread must leave 32 of the 240 for addresses and softmax state:
-  block_n/2 + head_dim_v_padded/2 + block_n/4 <= 208.
+  With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128. For both, the fp32 S accumulator
+  (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4) registers per thread
+  must leave 32 for addresses and softmax state: block_n/2 + head_dim_v_padded/2 + block_n/4 <=
+  consumer_regs - 32 (208 with 2 consumer WGs, 128 with 3: hd64 at block_n 128 fits, hd96 does
+  not -- it spilled when tried).
 """
 from __future__ import annotations
 
@@ -93,24 +94,28 @@ def fwd_problems(params: dict) -> list[tuple[str, object, str]]:
     if out:
         return out
     r = fwd_resources(params)
+    n_before = 0
     if r["smem_bytes"] > SMEM_LIMIT:
         out.append((
             "smem_bytes", r["smem_bytes"],
             f"at most {SMEM_LIMIT} (227 KB); Q {bm}x{r['head_dim_padded']} + {st} stages x K/V "
             f"{bn}x{r['head_dim_padded']} x 2 bytes + 2048: lower block_n or stages",
         ))
+    n_before = len(out)
     if wgs == 3:
         if r["head_dim_padded"] > 128:
             out.append(("head_dim", hd, "<= 128 with 3 consumer warpgroups (160 registers/thread); use consumer_wgs 2"))
         if bn > 128:
             out.append(("block_n", bn, "<= 128 with 3 consumer warpgroups (160 registers/thread)"))
-    else:
+    if len(out) == n_before:
         need = bn // 2 + r["head_dim_v_padded"] // 2 + bn // 4
         limit = r["consumer_regs"] - ACC_REG_HEADROOM
         if need > limit:
             out.append((
                 "block_n", bn,
-                f"small enough that accumulators fit: block_n/2 + head_dim_v_padded/2 + block_n/4 = {need} "
-                f"registers > {limit} (240 minus {ACC_REG_HEADROOM} headroom)",
+                f"small enough that the accumulators fit: block_n/2 + head_dim_v_padded/2 + block_n/4 = {need} "
+                f"registers > {limit} ({r['consumer_regs']} per consumer thread with {wgs} consumer warpgroups, "
+                f"minus {ACC_REG_HEADROOM} headroom); lower block_n"
+                + (" or use consumer_wgs 2" if wgs == 3 else ""),
             ))
     return out
