@@ -116,8 +116,7 @@ def _tma_arg(t: torch.Tensor, dtype: str, device: int) -> tuple:
 # The op
 # --------------------------------------------------------------------------------------
 
-@torch.library.custom_op("flashgen::fwd", mutates_args=())
-def _fwd(
+def _fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal) -> (out, lse)``.
@@ -159,6 +158,9 @@ def _fwd(
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     del qc, kc, vc  # any layout copies are released only after the launch is enqueued
     return out, lse
+
+
+_fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=())
 
 
 @_fwd.register_fake
@@ -294,7 +296,15 @@ def flash_attn_func(
     )
     head_dim = q.shape[-1] if q.dim() > 0 else 1
     scale = _v.check_softmax_scale(softmax_scale, head_dim)
-    out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal))
+    if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        # Eager fast path: the op's own implementation without the custom-op dispatcher, which
+        # costs more host time per call than the whole launch (measured on H200). Tracing,
+        # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
+        out, lse = _fwd_impl(q, k, v, scale, bool(causal))
+    else:
+        out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal))
     if return_attn_probs:
         return out, lse
     return out
