@@ -14,7 +14,7 @@ from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
 from .manifest import Variant
 
-__all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "device_capability", "plan_grid"]
+__all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "device_capability"]
 
 LOG2E = 1.4426950408889634
 _ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -41,19 +41,12 @@ def _check_tma(name: str, t: TensorArg) -> None:
             raise ValueError(f"flashgen: {name}.stride({i}) = {s} elements is not a multiple of 16 bytes (TMA)")
 
 
-def plan_grid(variant: Variant, num_tiles: int, device: int) -> int:
-    """Persistent variants launch min(tiles, #SMs) CTAs; the others one CTA per tile."""
-    if variant.params.get("persistent", True):
-        return max(1, min(num_tiles, launch.num_sms(device)))
-    return num_tiles
-
-
 class _Plan(NamedTuple):
     variant: Variant
     kernel: launch.LoadedKernel
     block_m: int
     block_n: int
-    sms: int  # CTAs of a persistent grid at most; 0 = one CTA per tile
+    sms: int  # persistent variants launch min(tiles, #SMs) CTAs; 0 = one CTA per tile
 
 
 _plans: dict = {}
