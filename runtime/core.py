@@ -12,12 +12,12 @@ from typing import NamedTuple
 from . import launch
 from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
+from ._validate import ELEMENT_SIZE, tma_layout_problem
 from .manifest import Variant
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "device_capability"]
 
 LOG2E = 1.4426950408889634
-_ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 class TensorArg(NamedTuple):
@@ -31,14 +31,9 @@ class TensorArg(NamedTuple):
 
 
 def _check_tma(name: str, t: TensorArg) -> None:
-    es = _ELEM_BYTES[t.dtype]
-    if t.strides[-1] != 1:
-        raise ValueError(f"flashgen: {name} must have a contiguous last dimension (stride 1), got strides {t.strides}")
-    if t.ptr % 16:
-        raise ValueError(f"flashgen: {name}'s data pointer must be 16-byte aligned for TMA, got {t.ptr:#x}")
-    for i, s in enumerate(t.strides[:-1]):
-        if (s * es) % 16:
-            raise ValueError(f"flashgen: {name}.stride({i}) = {s} elements is not a multiple of 16 bytes (TMA)")
+    problem = tma_layout_problem(t.shape, t.strides, ELEMENT_SIZE[t.dtype], t.ptr)
+    if problem is not None:
+        raise ValueError(f"flashgen: TMA cannot address {name}: {problem}")
 
 
 class _Plan(NamedTuple):
