@@ -37,7 +37,7 @@ NVCC_FLAGS = (
     "-O3", "--use_fast_math", "-std=c++17", "-DNDEBUG", "-lineinfo",
     "-Xptxas", "-v", "-Xfatbin=-compress-all", "-fatbin",
 )
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2
 CACHE_FORMAT = "flashgen-cache-1"
 JOB_MEM_BYTES = int(float(os.environ.get("FLASHGEN_JOB_MEM_GB", "1.5")) * 2**30)
 
@@ -194,13 +194,14 @@ def compile_plan(plan: Plan, project, nvcc: Nvcc, flags=NVCC_FLAGS) -> dict:
         if not (tmp / "kernel.fatbin").is_file():
             raise BuildError([(name, "nvcc exited 0 but wrote no fatbin")])
         rep = ptxas.parse(text)
-        bad = ptxas.problems(rep, plan.variant.symbol)
+        bad = [b for sym in plan.variant.symbols for b in ptxas.problems(rep, sym)]
+        bad = list(dict.fromkeys(bad))  # spill/advisory lines are per file, not per symbol
         if bad:
             log_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(log_dir / f"{name}.log", " ".join(cmd) + "\n\n" + text)
             raise BuildError([(name, "; ".join(bad))])
         report = {
-            "name": name, "key": plan.key, "symbol": plan.variant.symbol, "params": plan.variant.params,
+            "name": name, "key": plan.key, "symbols": plan.variant.symbols, "params": plan.variant.params,
             "headers": plan.headers, "command": cmd, "nvcc_version": nvcc.release,
             "compile_seconds": round(secs, 3), "ptxas": rep, "ptxas_output": text,
         }
@@ -225,14 +226,25 @@ def _sha256(path: Path) -> str:
 
 
 def manifest_entry(plan: Plan, report: dict) -> dict:
+    """The manifest v2 record of a built variant (docs/CONTRACTS.md §5)."""
     v = plan.variant
+    funcs = report["ptxas"]["functions"]
+    kernels = []
+    for k in v.kernels:
+        sym = v.symbol(k.role)
+        f = funcs.get(sym, {})
+        kernels.append({
+            "role": k.role, "symbol": sym, "threads": k.threads, "cluster": list(k.cluster),
+            "smem_bytes": k.smem_bytes, "registers": f.get("registers", 0),
+            "spill_bytes": f.get("spill_store_bytes", 0) + f.get("spill_load_bytes", 0),
+            "stack_bytes": f.get("stack_bytes", 0), "tensor_maps": list(k.tensor_maps), "sass": list(k.sass),
+            "params": k.params.layout(),
+        })
     return {
         "name": v.name, "key": plan.key, "family": v.family, "params": dict(v.params),
-        "default": bool(v.default), "symbol": v.symbol, "fatbin": f"fatbin/{v.name}.fatbin",
+        "dispatch": v.dispatch, "default": bool(v.default), "fatbin": f"fatbin/{v.name}.fatbin",
         "sha256": None,  # filled in by write_outputs
-        "threads": v.resources["threads"], "cluster": [1, 1, 1],
-        "smem_bytes": v.resources["smem_bytes"], "registers": report["ptxas"]["registers"],
-        "spill_bytes": report["ptxas"]["spill_bytes"], "stack_bytes": report["ptxas"]["stack_bytes"],
+        "kernels": kernels,
     }
 
 

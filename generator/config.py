@@ -1,24 +1,26 @@
-"""Config files: schema, validation and expansion into variants.
+"""Config files: schema, validation and expansion into variants (generic over families).
 
-Every ``configs/*.yaml`` is one mapping with these top-level keys (all but ``family`` optional):
+Every ``configs/*.yaml`` is one mapping with these top-level keys (all but ``family`` optional);
+which keys may appear inside ``defaults``, ``matrix``, ``tiles``, ``exclude`` and ``extra`` is
+declared by the family module (generator/families/<family>.py, its ``keys``):
 
-``family``         str, the template family: ``fwd`` (templates/fwd.cu.j2)
+``family``         str, the kernel family (a module of generator/families; template templates/<family>.cu.j2)
 ``description``    str, free text
 ``default_build``  bool (default true): part of the default build set (``flashgen build`` without
                    ``--all``); false for sets only ``--all`` / ``make build-all`` builds
-``defaults``       knob defaults: ``stages`` (2), ``pingpong``, ``overlap``, ``persistent`` (true)
-``matrix``         axes ``dtype``, ``head_dim``, ``causal``: lists (or one scalar); every combination
-                   is a point whose tile comes from ``tiles``
-``tiles``          list of rows: ``head_dim`` (required), ``dtype`` and ``causal`` (optional, to narrow
-                   the match), ``block_m``, ``block_n``, ``consumer_wgs`` (required) and optional knob
-                   overrides ``stages``, ``pingpong``, ``overlap``, ``persistent``. The most specific
-                   matching row wins. This is also the runtime's tile choice: variants made from a
-                   row are marked ``"default": true`` in the manifest.
+``defaults``       knob defaults (the family's ``knob`` keys; built-in defaults otherwise)
+``matrix``         the family's ``axis`` keys: lists (or one scalar); every combination is a point
+                   whose tile keys come from ``tiles``
+``tiles``          list of rows keyed by the family's ``tile_match`` axes (each optional, to narrow the
+                   match) giving its ``tile`` keys and optional knob overrides; the family's
+                   ``tile_required`` keys must be in every row. The most specific matching row wins.
+                   This is also the runtime's choice: variants made from a row are marked
+                   ``"default": true`` in the manifest.
 ``exclude``        list of rules; a matrix point whose params match every key of a rule (a value or a
                    list of values) is dropped
-``extra``          list of explicit points, each with any variant key (CONTRACTS.md §1, except
-                   ``family``); ``dtype``, ``head_dim`` and ``causal`` are required; keys left out come
-                   from the matching ``tiles`` row, then ``defaults``. ``flashgen add-variant`` appends here.
+``extra``          list of explicit points, each with any of the family's keys; the axes are required;
+                   keys left out come from the matching ``tiles`` row, then ``defaults``.
+                   ``flashgen add-variant`` appends here.
 
 All problems of all files are collected (never only the first) and raised together as one
 :class:`ConfigError` whose lines name file, key, value and what is allowed.
@@ -33,23 +35,11 @@ from pathlib import Path
 
 import yaml
 
+from . import families
 from .errors import ConfigError
-from .feasibility import CONSUMER_WGS, DTYPES, HEAD_DIMS, STAGES, fwd_problems, fwd_resources
-from .naming import BOOL_KEYS, INT_KEYS, PARAM_KEYS, canonical_params, symbol_for, variant_name
+from .naming import canonical_params, symbol_for, variant_name
 
-FAMILIES = ("fwd",)
 TOP_KEYS = ("family", "description", "default_build", "defaults", "matrix", "tiles", "exclude", "extra")
-KNOB_KEYS = ("stages", "pingpong", "overlap", "persistent")
-BUILTIN_DEFAULTS = {"stages": 2, "pingpong": True, "overlap": True, "persistent": True}
-MATRIX_KEYS = ("dtype", "head_dim", "causal")
-TILE_MATCH_KEYS = ("head_dim", "dtype", "causal")
-TILE_REQUIRED = ("head_dim", "block_m", "block_n", "consumer_wgs")
-TILE_KEYS = TILE_MATCH_KEYS + ("block_m", "block_n", "consumer_wgs") + KNOB_KEYS
-POINT_KEYS = tuple(k for k in PARAM_KEYS if k != "family")
-POINT_REQUIRED = ("dtype", "head_dim", "causal")
-# Single-key value sets checked while parsing (combinations are checked in feasibility.py)
-ENUMS = {"dtype": DTYPES, "head_dim": HEAD_DIMS, "head_dim_v": HEAD_DIMS, "consumer_wgs": CONSUMER_WGS,
-         "stages": STAGES, "family": FAMILIES}
 
 
 @dataclass
@@ -57,16 +47,28 @@ class Variant:
     """One kernel variant: canonical params plus everything derived from them."""
 
     name: str
-    symbol: str
     params: dict
     resources: dict
-    default: bool = False  # the tile table's choice for its (dtype, head_dim, causal)
+    kernels: list  # of families.KernelSpec
+    default: bool = False  # the tile table's choice for its dispatch key
     default_build: bool = False  # in the default build set
     sources: list = field(default_factory=list)  # e.g. "configs/fwd.yaml: matrix"
 
     @property
     def family(self) -> str:
         return self.params["family"]
+
+    @property
+    def dispatch(self) -> dict:
+        return families.get(self.family).dispatch(self.params)
+
+    def symbol(self, role: str) -> str:
+        return symbol_for(self.name, role)
+
+    @property
+    def symbols(self) -> list:
+        """The extern "C" symbol of every kernel of the variant."""
+        return [self.symbol(k.role) for k in self.kernels]
 
 
 # ---------------------------------------------------------------------------------------- YAML
@@ -116,27 +118,21 @@ def _type_name(v) -> str:
             dict: "mapping", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-def _check_value(key: str, value, where: str, problems: list) -> bool:
-    """Type and single-key range check of one variant key. Returns True if it is usable."""
-    if key in INT_KEYS:
+def _check_value(fam, key: str, value, where: str, problems: list) -> bool:
+    """Type and single-key range check of one variant key of family ``fam``. True if usable."""
+    spec = fam.key(key)
+    if spec.type is int:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif key in BOOL_KEYS:
+    elif spec.type is bool:
         ok, want = isinstance(value, bool), "a boolean (true/false)"
     else:
         ok, want = isinstance(value, str), "a string"
     if not ok:
         problems.append(f"{where} = {_fmt(value)}: wrong type {_type_name(value)}, expected {want}")
         return False
-    allowed = ENUMS.get(key)
-    if allowed is not None and value not in allowed:
-        problems.append(f"{where} = {_fmt(value)}: not allowed; allowed: {', '.join(map(_fmt, allowed))}")
-        return False
-    if key == "block_n" and not (16 <= value <= 256 and value % 16 == 0):
-        problems.append(f"{where} = {value}: not allowed; allowed: a multiple of 16 in [16, 256] "
-                        "(WGMMA N <= 256; the PV GEMM steps k16 over block_n)")
-        return False
-    if key == "block_m" and value not in (128, 192):
-        problems.append(f"{where} = {value}: not allowed; allowed: 64 * consumer_wgs, i.e. 128 or 192")
+    allowed = spec.problem(value)
+    if allowed is not None:
+        problems.append(f"{where} = {_fmt(value)}: not allowed; allowed: {allowed}")
         return False
     return True
 
@@ -165,10 +161,11 @@ def _as_list(v):
 class _Doc:
     label: str  # file path relative to the root, for messages
     data: dict
+    fam: object = None  # its families.Family, once known
 
 
 def _validate_doc(doc: _Doc, problems: list) -> bool:
-    """Schema check of one file. Returns True when it can be expanded."""
+    """Schema check of one file against its family's keys. Returns True when it can be expanded."""
     f, d = doc.label, doc.data
     n0 = len(problems)
     if d is None:
@@ -180,30 +177,37 @@ def _validate_doc(doc: _Doc, problems: list) -> bool:
     for k in d:
         if k not in TOP_KEYS:
             problems.append(f"{f}: {k}: unknown key (value {_fmt(d[k])}); allowed keys: {', '.join(TOP_KEYS)}")
+    known = families.names()
     if "family" not in d:
-        problems.append(f"{f}: missing required key 'family'; allowed: {', '.join(FAMILIES)}")
-    else:
-        _check_value("family", d["family"], f"{f}: family", problems)
+        problems.append(f"{f}: missing required key 'family'; allowed: {', '.join(known)}")
+        return False
+    if not isinstance(d["family"], str) or d["family"] not in known:
+        problems.append(f"{f}: family = {_fmt(d['family'])}: not allowed; allowed: {', '.join(known)}")
+        return False
+    fam = doc.fam = families.get(d["family"])
+    axes, knobs = fam.names("axis"), fam.names("knob")
+    point_keys = fam.names()
     if "description" in d and not isinstance(d["description"], str):
         problems.append(f"{f}: description = {_fmt(d['description'])}: wrong type {_type_name(d['description'])}, expected a string")
     if "default_build" in d and not isinstance(d["default_build"], bool):
         problems.append(f"{f}: default_build = {_fmt(d['default_build'])}: wrong type "
                         f"{_type_name(d['default_build'])}, expected a boolean (true/false)")
-    if "defaults" in d and _check_mapping(d["defaults"], f"{f}: defaults", KNOB_KEYS, problems):
+    if "defaults" in d and _check_mapping(d["defaults"], f"{f}: defaults", knobs, problems):
         for k, v in d["defaults"].items():
-            _check_value(k, v, f"{f}: defaults.{k}", problems)
-    if "matrix" in d and _check_mapping(d["matrix"], f"{f}: matrix", MATRIX_KEYS, problems):
+            _check_value(fam, k, v, f"{f}: defaults.{k}", problems)
+    if "matrix" in d and _check_mapping(d["matrix"], f"{f}: matrix", axes, problems):
         for k, vs in d["matrix"].items():
             vs = _as_list(vs)
             if not vs:
                 problems.append(f"{f}: matrix.{k}: empty list; give at least one value")
             for i, v in enumerate(vs):
-                _check_value(k, v, f"{f}: matrix.{k}[{i}]", problems)
-        for k in MATRIX_KEYS:
+                _check_value(fam, k, v, f"{f}: matrix.{k}[{i}]", problems)
+        for k in axes:
             if k not in d["matrix"]:
                 problems.append(f"{f}: matrix: missing required key {k!r}")
-    for sect, allowed, required in (("tiles", TILE_KEYS, TILE_REQUIRED), ("exclude", POINT_KEYS, ()),
-                                    ("extra", POINT_KEYS, POINT_REQUIRED)):
+    tile_keys = fam.tile_match + fam.names("tile", "knob")
+    for sect, allowed, required in (("tiles", tile_keys, fam.tile_required), ("exclude", point_keys, ()),
+                                    ("extra", point_keys, axes)):
         if sect not in d or d[sect] is None:
             d[sect] = []
             continue
@@ -217,16 +221,16 @@ def _validate_doc(doc: _Doc, problems: list) -> bool:
             for k, v in row.items():
                 if sect == "exclude":
                     for j, vv in enumerate(_as_list(v)):
-                        _check_value(k, vv, f"{where}.{k}" + (f"[{j}]" if isinstance(v, list) else ""), problems)
+                        _check_value(fam, k, vv, f"{where}.{k}" + (f"[{j}]" if isinstance(v, list) else ""), problems)
                 else:
-                    _check_value(k, v, f"{where}.{k}", problems)
+                    _check_value(fam, k, v, f"{where}.{k}", problems)
     if len(problems) == n0:  # duplicate tile keys make the choice ambiguous
         seen = {}
         for i, row in enumerate(d["tiles"]):
-            key = tuple(row.get(k) for k in TILE_MATCH_KEYS)
+            key = tuple(row.get(k) for k in fam.tile_match)
             if key in seen:
-                problems.append(f"{f}: tiles[{i}]: same head_dim/dtype/causal as tiles[{seen[key]}] "
-                                f"({', '.join(f'{k}={_fmt(v)}' for k, v in zip(TILE_MATCH_KEYS, key) if v is not None)}); "
+                problems.append(f"{f}: tiles[{i}]: same {'/'.join(fam.tile_match)} as tiles[{seen[key]}] "
+                                f"({', '.join(f'{k}={_fmt(v)}' for k, v in zip(fam.tile_match, key) if v is not None)}); "
                                 "allowed: one row per key")
             seen.setdefault(key, i)
     return len(problems) == n0
@@ -236,9 +240,9 @@ def _match_tile(doc: _Doc, point: dict):
     """(index, row) of the most specific tiles row matching point, or (None, None)."""
     best, best_score = (None, None), -1
     for i, row in enumerate(doc.data["tiles"]):
-        if any(k in row and row[k] != point[k] for k in TILE_MATCH_KEYS):
+        if any(k in row and row[k] != point.get(k) for k in doc.fam.tile_match):
             continue
-        score = sum(k in row for k in TILE_MATCH_KEYS)
+        score = sum(k in row for k in doc.fam.tile_match)
         if score > best_score:
             best, best_score = (i, row), score
     return best
@@ -249,60 +253,64 @@ def _excluded(doc: _Doc, params: dict) -> bool:
 
 
 def _expand_doc(doc: _Doc, problems: list) -> list[Variant]:
-    f, d = doc.label, doc.data
-    family = d["family"]
-    defaults = {**BUILTIN_DEFAULTS, **(d.get("defaults") or {})}
-    default_src = {k: (f"defaults.{k}" if k in (d.get("defaults") or {}) else "built-in default") for k in KNOB_KEYS}
+    f, d, fam = doc.label, doc.data, doc.fam
+    axes, match = fam.names("axis"), fam.tile_match
+    given = d.get("defaults") or {}
+    defaults = {**fam.knob_defaults(), **given}
+    default_src = {k: (f"defaults.{k}" if k in given else "built-in default") for k in fam.names("knob")}
+    tile_given = fam.names("tile")
     points = []  # (params, provenance, is_default, source)
     m = d.get("matrix")
     if m:
-        axes = [_as_list(m[k]) for k in MATRIX_KEYS]
-        for combo in itertools.product(*axes):
-            point = dict(zip(MATRIX_KEYS, combo))
+        for combo in itertools.product(*[_as_list(m[k]) for k in axes]):
+            point = dict(zip(axes, combo))
             desc = ", ".join(f"{k}={_fmt(v)}" for k, v in point.items())
             i, row = _match_tile(doc, point)
-            if row is None:
+            if row is None and tile_given:
                 problems.append(f"{f}: matrix point {desc}: no tiles row matches; allowed: add a tiles row "
-                                f"with head_dim: {point['head_dim']} (and block_m, block_n, consumer_wgs)")
+                                f"with {match[0]}: {_fmt(point[match[0]])} (and {', '.join(tile_given)})")
                 continue
-            params = {"family": family, **point, "head_dim_v": point["head_dim"], **defaults}
-            prov = {k: f"matrix.{k}" for k in MATRIX_KEYS} | dict(default_src) | {"head_dim_v": "matrix.head_dim"}
-            for k, v in row.items():
-                if k not in TILE_MATCH_KEYS:
+            params = {"family": fam.name, **point, **defaults}
+            prov = {k: f"matrix.{k}" for k in axes} | dict(default_src)
+            for k, v in (row or {}).items():
+                if k not in match:
                     params[k], prov[k] = v, f"tiles[{i}].{k}"
-            if _excluded(doc, params):
+            if _excluded(doc, fam.derive(dict(params))):
                 continue
-            points.append((params, prov, True, f"{f}: matrix ({desc}) with tiles[{i}]"))
+            points.append((params, prov, True, f"{f}: matrix ({desc})" + (f" with tiles[{i}]" if row else "")))
     for j, pt in enumerate(d["extra"]):
         i, row = _match_tile(doc, pt)
-        params = {"family": family, "head_dim_v": pt["head_dim"], **defaults}
-        prov = {"head_dim_v": f"extra[{j}].head_dim"} | dict(default_src)
-        if row is not None:
-            for k, v in row.items():
-                if k not in TILE_MATCH_KEYS:
-                    params[k], prov[k] = v, f"tiles[{i}].{k}"
+        params = {"family": fam.name, **defaults}
+        prov = dict(default_src)
+        for k, v in (row or {}).items():
+            if k not in match:
+                params[k], prov[k] = v, f"tiles[{i}].{k}"
         for k, v in pt.items():
             params[k], prov[k] = v, f"extra[{j}].{k}"
-        missing = [k for k in ("block_m", "block_n", "consumer_wgs") if k not in params]
+        missing = [k for k in tile_given if k not in params]
         if missing:
             problems.append(f"{f}: extra[{j}]: missing {', '.join(missing)} and no tiles row matches "
-                            f"head_dim={pt['head_dim']}; allowed: give them in the point or add a tiles row")
+                            f"{', '.join(f'{k}={_fmt(pt[k])}' for k in match if k in pt)}; "
+                            "allowed: give them in the point or add a tiles row")
             continue
         points.append((params, prov, False, f"{f}: extra[{j}]"))
 
     out = []
     for params, prov, is_default, source in points:
-        bad = fwd_problems(params)
+        params = fam.derive(params)
+        for k in fam.names("derived"):
+            prov.setdefault(k, "derived")
+        bad = fam.problems(params)
         if bad:
-            ctx = ", ".join(f"{k}={_fmt(params[k])}" for k in ("dtype", "head_dim", "causal"))
+            ctx = ", ".join(f"{k}={_fmt(params[k])}" for k in axes)
             for key, value, allowed in bad:
-                src = prov.get(key) or prov.get("block_n")
+                src = prov.get(key) or next((prov[k] for k in tile_given if k in prov), "derived")
                 problems.append(f"{f}: {src} ({key} = {_fmt(value)}, variant {ctx} from {source.split(': ', 1)[1]}): "
                                 f"not allowed; allowed: {allowed}")
             continue
         cp = canonical_params(params)
-        name = variant_name(cp)
-        out.append(Variant(name=name, symbol=symbol_for(name), params=cp, resources=fwd_resources(cp),
+        res = fam.resources(cp)
+        out.append(Variant(name=variant_name(cp), params=cp, resources=res, kernels=fam.kernels(cp, res),
                            default=is_default, default_build=d.get("default_build", True), sources=[source]))
     return out
 
@@ -354,16 +362,17 @@ def load_variants(project, overrides: dict | None = None) -> list[Variant]:
                 w.sources += v.sources
             else:
                 by_name[v.name] = v
-    # the tile table must name one choice per (family, dtype, head_dim, head_dim_v, causal)
+    # the tile table must name one choice per (family, dispatch key)
     chosen: dict[tuple, Variant] = {}
     for v in sorted(by_name.values(), key=lambda v: v.name):
         if not v.default:
             continue
-        key = tuple(v.params[k] for k in ("family", "dtype", "head_dim", "head_dim_v", "causal"))
+        key = (v.family, *v.dispatch.items())
         if key in chosen:
-            problems.append(f"{v.sources[0].split(': ')[0]}: tiles: two default tiles for "
-                            f"dtype={key[1]}, head_dim={key[2]}, causal={_fmt(key[4])}: {chosen[key].name} "
-                            f"({chosen[key].sources[0]}) and {v.name} ({v.sources[0]}); allowed: one")
+            what = ", ".join(f"{k}={_fmt(x)}" for k, x in v.dispatch.items())
+            problems.append(f"{v.sources[0].split(': ')[0]}: tiles: two default tiles for {v.family} "
+                            f"{what}: {chosen[key].name} ({chosen[key].sources[0]}) and {v.name} ({v.sources[0]}); "
+                            "allowed: one")
         else:
             chosen[key] = v
     if problems:

@@ -1,31 +1,24 @@
-"""Canonical parameters, variant names and kernel symbols.
+"""Canonical parameters, variant names and kernel symbols (generic over families).
 
-A name spells out every parameter and ends in an 8-hex hash of the canonical parameters, e.g.
-``fwd_bf16_hd128_causal_m128n128_s2_wg2_pp_ov_ps_1a2b3c4d``; off knobs read ``nopp`` / ``noov`` /
-``nops``; ``hd192v128`` when head_dim_v differs. The name is for people and file names only:
-the manifest records the parameters explicitly and nothing ever parses a name.
+A name is the family, the family's readable name parts and an 8-hex hash of the canonical
+parameters, e.g. ``fwd_bf16_hd128_causal_m128n128_s2_wg2_pp_ov_ps_1a2b3c4d``. The name is for
+people and file names only: the manifest records the parameters explicitly and nothing ever
+parses a name. Kernel symbols are ``flashgen_<name>_<role>``.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 
-# CONTRACTS.md §1, in this order
-PARAM_KEYS = (
-    "family", "dtype", "head_dim", "head_dim_v", "causal", "block_m", "block_n", "stages",
-    "consumer_wgs", "pingpong", "overlap", "persistent",
-)
-INT_KEYS = frozenset({"head_dim", "head_dim_v", "block_m", "block_n", "stages", "consumer_wgs"})
-BOOL_KEYS = frozenset({"causal", "pingpong", "overlap", "persistent"})
-STR_KEYS = frozenset({"family", "dtype"})
+from . import families
 
 
 def canonical_params(params: dict) -> dict:
-    """The params with exactly the §1 keys, in §1 order, as plain int/bool/str."""
-    out = {}
-    for k in PARAM_KEYS:
-        v = params[k]
-        out[k] = bool(v) if k in BOOL_KEYS else int(v) if k in INT_KEYS else str(v)
+    """The params with exactly the family's keys, in its canonical order, as plain int/bool/str."""
+    fam = families.get(params["family"])
+    out = {"family": fam.name}
+    for k in fam.keys:
+        out[k.name] = k.type(params[k.name])
     return out
 
 
@@ -36,16 +29,10 @@ def params_hash(params: dict) -> str:
 
 def variant_name(params: dict) -> str:
     p = canonical_params(params)
-    hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")
-    parts = [
-        p["family"], p["dtype"], hd, "causal" if p["causal"] else "noncausal",
-        f"m{p['block_m']}n{p['block_n']}", f"s{p['stages']}", f"wg{p['consumer_wgs']}",
-        "pp" if p["pingpong"] else "nopp", "ov" if p["overlap"] else "noov",
-        "ps" if p["persistent"] else "nops", params_hash(p)[:8],
-    ]
-    return "_".join(parts)
+    fam = families.get(p["family"])
+    return "_".join([fam.name, *fam.name_parts(p), params_hash(p)[:8]])
 
 
-def symbol_for(name: str) -> str:
-    """The extern "C" kernel symbol of a variant (a valid C identifier)."""
-    return "flashgen_" + name
+def symbol_for(name: str, role: str) -> str:
+    """The extern "C" symbol of a variant's kernel (a valid C identifier)."""
+    return f"flashgen_{name}_{role}"

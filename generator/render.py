@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jinja2
 
+from . import abi
 from .errors import BuildError
 
 
@@ -21,12 +22,17 @@ def _env(templates_dir: str) -> jinja2.Environment:
 
 
 def template_vars(variant) -> dict:
-    """What a template sees: the §1 params, the derived numbers of fwd_resources, name, symbol."""
-    return {**variant.params, **variant.resources, "name": variant.name, "symbol": variant.symbol}
+    """What a template sees (docs/CONTRACTS.md §2): the canonical params, the family's resources
+    (``smem`` layout included), ``name``, ``kernels`` (per role: symbol, threads, smem_bytes,
+    cluster, params_struct) and ``params_decls`` (the params structs as C++ with layout asserts)."""
+    kernels = {k.role: {"symbol": variant.symbol(k.role), "threads": k.threads, "smem_bytes": k.smem_bytes,
+                        "cluster": list(k.cluster), "params_struct": k.params.name} for k in variant.kernels}
+    return {**variant.params, **variant.resources, "name": variant.name, "kernels": kernels,
+            "params_decls": abi.render_decls(k.params for k in variant.kernels)}
 
 
 def render(variant, templates_dir: Path) -> str:
-    """The CUDA source of ``variant`` from templates/<family>.cu.j2."""
+    """The CUDA source of ``variant`` from templates/<family>.cu.j2 (BuildError naming the variant)."""
     tname = f"{variant.family}.cu.j2"
     try:
         return _env(str(templates_dir)).get_template(tname).render(**template_vars(variant))

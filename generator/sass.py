@@ -1,7 +1,7 @@
 """SASS checks with cuobjdump: a warp-specialized Hopper kernel must show HGMMA (QGMMA for fp8),
 UTMALDG (TMA loads) and USETMAXREG (register reallocation). A kernel with only HMMA is on the slow path.
 
-    python -m flashgen.generator.sass build/fatbin/*.fatbin
+    python -m flashgen.generator.sass build/manifest.json
 """
 from __future__ import annotations
 
@@ -39,25 +39,21 @@ def opcodes(body: str) -> set[str]:
     return set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", body))
 
 
-def required_ops(dtype: str = "bf16") -> tuple[str, ...]:
-    return ("QGMMA" if dtype in ("e4m3", "e5m2", "fp8") else "HGMMA", "UTMALDG", "USETMAXREG")
-
-
-def check(fatbin: str, symbols: list[str] | None = None, dtype: str = "bf16") -> dict:
-    """Check every (or the named) kernel of a fatbin. Returns {function: sorted opcode list};
-    raises AssertionError naming the kernel and the missing instructions."""
+def check(fatbin: str, required: dict) -> dict:
+    """Check the kernels of a fatbin: ``required`` maps each kernel symbol to the opcodes its SASS
+    must contain (the family module's ``KernelSpec.sass``, recorded in the manifest). Returns
+    {function: sorted opcode list}; raises AssertionError naming the kernel and what is missing."""
     funcs = functions(dump(fatbin))
     if not funcs:
         raise AssertionError(f"{fatbin}: cuobjdump found no kernels")
-    names = symbols if symbols is not None else list(funcs)
     report, problems = {}, []
-    for name in names:
+    for name, need in required.items():
         if name not in funcs:
             problems.append(f"{name}: not in {fatbin} (has {', '.join(funcs)})")
             continue
         ops = opcodes(funcs[name])
         report[name] = sorted(ops)
-        missing = [op for op in required_ops(dtype) if op not in ops]
+        missing = [op for op in need if op not in ops]
         if missing:
             slow = " (only HMMA: slow path)" if "HMMA" in ops and "HGMMA" in missing else ""
             problems.append(f"{name}: SASS lacks {', '.join(missing)}{slow}")
@@ -66,15 +62,34 @@ def check(fatbin: str, symbols: list[str] | None = None, dtype: str = "bf16") ->
     return report
 
 
+def check_manifest(path: str) -> dict:
+    """Check every kernel of every variant a manifest lists against its recorded ``sass``
+    requirement. Returns {symbol: opcodes}; AssertionError listing every failing kernel."""
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    report, problems = {}, []
+    for v in data["variants"]:
+        try:
+            report.update(check(str(Path(path).parent / v["fatbin"]), {k["symbol"]: k["sass"] for k in v["kernels"]}))
+        except AssertionError as e:
+            problems.append(str(e))
+    if problems:
+        raise AssertionError("; ".join(problems))
+    return report
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """``python -m flashgen.generator.sass [build/manifest.json ...]``: exit 1 on any failing kernel."""
+    argv = (sys.argv[1:] if argv is None else argv) or ["build/manifest.json"]
     rc = 0
     for path in argv:
         try:
-            for name, ops in check(path).items():
-                print(f"ok {path} {name}: {len([o for o in ops])} distinct opcodes, "
+            for name, ops in check_manifest(path).items():
+                print(f"ok {name}: {len(ops)} distinct opcodes, "
                       f"{', '.join(o for o in ops if o in ('HGMMA', 'QGMMA', 'UTMALDG', 'USETMAXREG'))}")
-        except (AssertionError, ToolchainError) as e:
+        except (AssertionError, ToolchainError, OSError, ValueError, KeyError) as e:
             print(f"FAIL {path}: {e}")
             rc = 1
     return rc

@@ -2,7 +2,9 @@
 and launched through cuda-python (no C++ extension, no libtorch ABI).
 
 Torch users: ``from flashgen import flash_attn_func`` (FA3's ``flash_attn_interface`` names).
-Other frameworks: ``flashgen.flash_attn_forward`` takes DLPack arrays.
+Split-KV partials: ``flashgen.flash_attn_combine`` (torch, FA3's name).
+Other frameworks: ``flashgen.flash_attn_forward`` and ``flashgen.flash_attn_combine_dlpack``
+take DLPack arrays.
 Torch is imported only when the torch API is first used.
 """
 
@@ -11,6 +13,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "flash_attn_func": ("interface", "flash_attn_func"),
     "flash_attn_forward": ("dlpack_api", "flash_attn_forward"),
+    "flash_attn_combine": ("interface", "flash_attn_combine"),
+    "flash_attn_combine_dlpack": ("dlpack_api", "flash_attn_combine_dlpack"),
     "MissingVariantError": ("dispatch", "MissingVariantError"),
     "select_variant": ("dispatch", "select_variant"),
     "load_manifest": ("manifest", "load_manifest"),

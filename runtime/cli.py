@@ -198,29 +198,8 @@ def _append_point_text(text: str, point: str) -> str | None:
     return "\n".join(lines) + "\n" + f"{indent}- {point}" + "\n"
 
 
-@main.command("add-variant")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), required=True, help="Element type of Q/K/V/O.")
-@click.option("--head-dim", type=int, required=True, help="Q/K head dim (64, 96, 128, 192, 256).")
-@click.option("--head-dim-v", type=int, default=None, help="V/O head dim (default: = head dim).")
-@click.option("--causal/--no-causal", default=False, help="Bottom-right aligned causal mask.")
-@click.option("--block-m", type=int, required=True, help="Query rows per CTA tile (64 x consumer WGs).")
-@click.option("--block-n", type=int, required=True, help="Key rows per K/V stage (multiple of 16, 16..256).")
-@click.option("--stages", type=int, default=2, show_default=True, help="K/V ring depth (1..4).")
-@click.option("--consumer-wgs", type=int, default=None, help="Consumer warpgroups, 2 or 3 (default: block_m / 64).")
-@click.option("--pingpong/--no-pingpong", default=True, show_default=True, help="Inter-warpgroup pingpong.")
-@click.option("--overlap/--no-overlap", default=True, show_default=True, help="Intra-warpgroup GEMM/softmax overlap.")
-@click.option("--persistent/--no-persistent", default=True, show_default=True, help="Persistent grid.")
-@click.option("--config", "config_path", default="configs/extra.yaml", show_default=True,
-              help="Config file whose `extra:` list gets the point (created if missing; relative to the project root).")
-@click.option("--build/--no-build", "do_build", default=True, show_default=True, help="Compile it and update the manifest.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel nvcc jobs.")
-def add_variant_cmd(dtype, head_dim, head_dim_v, causal, block_m, block_n, stages, consumer_wgs, pingpong,
-                    overlap, persistent, config_path, do_build, jobs):
-    """Add one variant to a config file's `extra:` list, build it, update the manifest.
-
-    The point is validated together with every config file before anything is written: an
-    invalid point exits with status 2 and leaves the file unchanged. After the build the runtime
-    can dispatch to the new variant at once (it is listed in build/manifest.json)."""
+def _add_variant(family, point: dict, config_path: str, do_build: bool, jobs) -> None:
+    """Validate ``point`` with every config file, append it to the config's `extra:`, build it."""
     import yaml
 
     g = _gen()
@@ -237,12 +216,6 @@ def add_variant_cmd(dtype, head_dim, head_dim_v, causal, block_m, block_n, stage
     if not path.is_absolute():
         path = project.root / path
     label = project.rel(path)
-    point = {"dtype": dtype, "head_dim": head_dim}
-    if head_dim_v is not None and head_dim_v != head_dim:
-        point["head_dim_v"] = head_dim_v
-    point.update(causal=causal, block_m=block_m, block_n=block_n, stages=stages,
-                 consumer_wgs=consumer_wgs if consumer_wgs is not None else max(block_m // 64, 1),
-                 pingpong=pingpong, overlap=overlap, persistent=persistent)
     if path.exists():
         old_text = path.read_text()
         problems = []
@@ -251,9 +224,12 @@ def add_variant_cmd(dtype, head_dim, head_dim_v, causal, block_m, block_n, stage
             _fail_config(g.ConfigError(problems))
         if not isinstance(data, dict):
             _fail_config(g.ConfigError([f"{label}: not a mapping; cannot add to its extra: list"]))
+        if data.get("family") != family.name:
+            _fail_config(g.ConfigError([f"{label}: family is {data.get('family')!r}, not {family.name!r}; "
+                                        f"pass --config with a {family.name} config file"]))
     else:
         old_text = None
-        data = {"family": "fwd", "description": "variants added with `flashgen add-variant`",
+        data = {"family": family.name, "description": "variants added with `flashgen add-variant`",
                 "default_build": True, "extra": []}
     new = copy.deepcopy(data)
     extra = new.get("extra") or []
@@ -264,7 +240,7 @@ def add_variant_cmd(dtype, head_dim, head_dim_v, causal, block_m, block_n, stage
         extra.append(point)
     new["extra"] = extra
     project, variants = _load(project, overrides={path: new})  # exits 2 on any problem
-    full = {"family": new.get("family", "fwd"), "head_dim_v": head_dim, **point}
+    full = family.derive({"family": family.name, **family.knob_defaults(), **point})
     name = variant_name(canonical_params(full))
     target = [v for v in variants if v.name == name]
     if not target:  # e.g. dropped by the file's exclude rules
@@ -275,7 +251,7 @@ def add_variant_cmd(dtype, head_dim, head_dim_v, causal, block_m, block_n, stage
         flow = yaml.safe_dump(point, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
         if old_text is None:
             text = ("# Variants added by `flashgen add-variant` (schema: generator/config.py).\n"
-                    "family: fwd\ndescription: variants added with `flashgen add-variant`\n"
+                    f"family: {family.name}\ndescription: variants added with `flashgen add-variant`\n"
                     "default_build: true\nextra:\n" f"  - {flow}\n")
         elif isinstance(data.get("extra"), list) and data.get("extra"):
             text = _append_point_text(old_text, flow)
@@ -288,6 +264,64 @@ def add_variant_cmd(dtype, head_dim, head_dim_v, causal, block_m, block_n, stage
     if do_build:
         _run_build(project, target, variants, jobs)
         click.echo(f"built {name}; the runtime can dispatch to it now")
+
+
+def _family_command(family) -> click.Command:
+    """``flashgen add-variant <family> --<key> VALUE ...``: one option per key of the family module."""
+    params = []
+    for k in family.keys:
+        flag = "--" + k.name.replace("_", "-")
+        what = k.doc or k.name
+        if k.allowed is not None:
+            what += f" ({', '.join(map(str, k.allowed))})"
+        if k.type is bool:
+            default = k.default if k.role == "knob" else False
+            params.append(click.Option([f"{flag}/--no-{k.name.replace('_', '-')}", k.name], default=default,
+                                       show_default=True, help=what))
+        else:
+            ty = click.Choice(list(k.allowed)) if (k.type is str and k.allowed) else k.type
+            params.append(click.Option([flag, k.name], type=ty, required=k.role == "axis",
+                                       default=k.default if k.role == "knob" else None,
+                                       show_default=k.role == "knob", help=what + ("" if k.role != "derived" else
+                                                                                   " [default: derived]")))
+    params += [
+        click.Option(["--config", "config_path"], default=f"configs/{family.name}_extra.yaml", show_default=True,
+                     help="Config file whose `extra:` list gets the point (created if missing; relative to the project root)."),
+        click.Option(["--build/--no-build", "do_build"], default=True, show_default=True,
+                     help="Compile it and update the manifest."),
+        click.Option(["-j", "--jobs"], type=click.IntRange(min=1), default=None, help="Parallel nvcc jobs."),
+    ]
+
+    def run(config_path, do_build, jobs, **values):
+        point = {k.name: values[k.name] for k in family.keys if values.get(k.name) is not None}
+        if "head_dim_v" in point and point.get("head_dim_v") == point.get("head_dim"):
+            point.pop("head_dim_v")  # the derived default: keep the point minimal
+        _add_variant(family, point, config_path, do_build, jobs)
+
+    return click.Command(family.name, params=params, callback=run,
+                         help=f"Add one {family.name} variant ({family.doc}): validated with every config file "
+                              "before anything is written (invalid: exit 2, file unchanged), appended to the "
+                              "config's `extra:` list, built, and listed in the manifest so the runtime can "
+                              "dispatch to it at once.")
+
+
+class _FamilyGroup(click.Group):
+    """Subcommands made from the family modules (generator/families), loaded on demand."""
+
+    def list_commands(self, ctx):
+        from .generator import families
+
+        return list(families.names())
+
+    def get_command(self, ctx, name):
+        from .generator import families
+
+        return _family_command(families.get(name)) if name in families.names() else None
+
+
+@main.group("add-variant", cls=_FamilyGroup)
+def add_variant_cmd():
+    """Add one variant of a family to a config file and build it: `flashgen add-variant FAMILY --help`."""
 
 
 @main.command("info")
@@ -318,10 +352,10 @@ def info_cmd():
     click.echo(f"manifest:  {path} (schema {data.get('schema')}, {data.get('arch')}, nvcc {nvm.get('version', '?')})")
     click.echo(f"variants:  {len(vs)} built, {sum(bool(v.get('default')) for v in vs)} default tiles")
     for v in vs:
-        p = v.get("params", {})
-        click.echo(f"  {'*' if v.get('default') else ' '} {v['name']}  regs={v.get('registers')} "
-                   f"smem={v.get('smem_bytes')} spill={v.get('spill_bytes')} "
-                   f"({p.get('dtype')} hd{p.get('head_dim')} {'causal' if p.get('causal') else 'noncausal'})")
+        key = " ".join(f"{k}={x}" for k, x in v.get("dispatch", {}).items())
+        for k in v.get("kernels", []):
+            click.echo(f"  {'*' if v.get('default') else ' '} {v['name']} [{k.get('role')}]  regs={k.get('registers')} "
+                       f"smem={k.get('smem_bytes')} spill={k.get('spill_bytes')} ({v.get('family')}: {key})")
 
 
 def _gpu_summary() -> str:

@@ -44,7 +44,7 @@ class _Plan(NamedTuple):
     sms: int  # persistent variants launch min(tiles, #SMs) CTAs; 0 = one CTA per tile
 
 
-_plans: dict = {}
+_plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent calls may share them
 
 
 def _plan(dtype: str, d: int, dv: int, causal: bool, device: int, variant: Variant | None) -> _Plan:
@@ -55,12 +55,22 @@ def _plan(dtype: str, d: int, dv: int, causal: bool, device: int, variant: Varia
     key = (variant.name if variant is not None else None, dtype, d, dv, causal, device)
     plan = _plans.get(key)
     if plan is None:
-        var = variant if variant is not None else select_variant(dtype, d, dv, causal)
+        var = variant if variant is not None else select_variant(
+            "fwd", {"dtype": dtype, "head_dim": d, "head_dim_v": dv, "causal": causal})
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
-        plan = _Plan(var, launch.get_kernel(var, device), p["block_m"], p["block_n"], sms)
+        plan = _Plan(var, launch.get_kernel(var, "main", device), p["block_m"], p["block_n"], sms)
         _plans[key] = plan
     return plan
+
+
+def _bshd_map(t: TensorArg, box_rows: int):
+    """128B-swizzled 4-D TMA map over a BSHD tensor, tiles of (box_rows x 64) elements:
+    dims innermost first (head_dim, seqlen, heads, batch)."""
+    b, s, h, d = t.shape
+    es = ELEMENT_SIZE[t.dtype]
+    return launch.tensor_map(t.ptr, t.dtype, (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es),
+                             (64, box_rows, 1, 1), 128)
 
 
 def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
@@ -88,13 +98,9 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
         if not math.isfinite(scale):
             raise ValueError(f"flashgen: softmax_scale must be finite, got {softmax_scale}")
         scale = 1e-30  # exp2(0 * -inf) would be NaN for masked keys; a tiny scale gives the same uniform weights
-    params = launch.FwdParams(lse.ptr, sq, sk, h, hk, b, num_m, num_tiles, scale * LOG2E, scale)
-    maps = (
-        launch.tensor_map_bshd("q", q.ptr, q.shape, q.strides, q.dtype, bm),
-        launch.tensor_map_bshd("k", k.ptr, k.shape, k.strides, k.dtype, bn),
-        launch.tensor_map_bshd("v", v.ptr, v.shape, v.strides, v.dtype, bn),
-        launch.tensor_map_bshd("o", out.ptr, out.shape, out.strides, out.dtype, 64),
-    )
+    params = {"lse": lse.ptr, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b,
+              "num_m_blocks": num_m, "num_tiles": num_tiles, "scale_log2": scale * LOG2E, "softmax_scale": scale}
+    maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(out, 64))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
-    launch.launch_fwd(plan.kernel, maps, params, max(grid, 1), stream)
+    launch.launch(plan.kernel, (max(grid, 1), 1, 1), maps, params, stream)
     return plan.variant

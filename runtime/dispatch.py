@@ -1,10 +1,11 @@
-"""Choosing the compiled variant for a call.
+"""Choosing the compiled variant for a call (generic over families).
 
-A call is served by a variant whose (family, dtype, head_dim, head_dim_v, causal) match exactly.
-Among several (e.g. ablation builds or points added with `flashgen add-variant`), the one marked
-`default` in the manifest wins: it is the choice of the tile table in configs/fwd.yaml
-(`tiles:`), recorded by the generator. Otherwise the variant added most specifically wins
-deterministically (sorted by name).
+A call names its family and its dispatch key (the family module's ``dispatch_keys``, e.g. dtype,
+head_dim, head_dim_v and causal for ``fwd``; the manifest records each variant's key). A variant
+whose key matches exactly serves it. Among several (ablation builds, points added with
+`flashgen add-variant`), the one marked ``default`` in the manifest wins: it is the tile table's
+choice (``tiles:`` in the family's config), recorded by the generator. Otherwise the first by
+name wins, deterministically.
 """
 
 from __future__ import annotations
@@ -16,43 +17,42 @@ class MissingVariantError(LookupError):
     """No built variant serves the request; the message names it and the command that builds it."""
 
 
-def suggest_tile(head_dim: int, causal: bool) -> tuple[int, int]:
-    """(block_m, block_n) a new variant would start from (FA3's published tiles, DESIGN.md §4)."""
-    if head_dim <= 64:
-        return 192, 128
-    if head_dim <= 128:
-        return (128, 128) if causal or head_dim <= 96 else (128, 176)
-    if head_dim <= 192:
-        return 128, 112
-    return 128, 80
+def _fmt(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else str(v)
 
 
-def add_variant_command(dtype: str, head_dim: int, head_dim_v: int, causal: bool) -> str:
-    bm, bn = suggest_tile(max(head_dim, head_dim_v), causal)
-    cmd = f"flashgen add-variant --dtype {dtype} --head-dim {head_dim}"
-    if head_dim_v != head_dim:
-        cmd += f" --head-dim-v {head_dim_v}"
-    cmd += " --causal" if causal else ""
-    cmd += f" --block-m {bm} --block-n {bn} --consumer-wgs {bm // 64}"
-    return cmd
+def add_variant_command(family: str, key: dict) -> str:
+    """The `flashgen add-variant` command that builds a variant serving ``key`` (the family
+    module suggests the tile; without the generator installed, the key alone)."""
+    try:
+        from .generator import families
+
+        point = families.get(family).suggest(dict(key))
+    except Exception:  # noqa: BLE001 -- a hint only; never mask the real error
+        point = dict(key)
+    opts = []
+    for k, v in point.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            opts.append(flag if v else f"--no-{k.replace('_', '-')}")
+        else:
+            opts.append(f"{flag} {v}")
+    return f"flashgen add-variant {family} " + " ".join(opts)
 
 
-def select_variant(dtype: str, head_dim: int, head_dim_v: int, causal: bool, seqlen_q: int = 0, seqlen_k: int = 0,
-                   manifest: Manifest | None = None, family: str = "fwd") -> Variant:
-    """The variant serving (dtype, head_dim, head_dim_v, causal); MissingVariantError if none is built.
-
-    seqlen_q / seqlen_k are accepted for shape-dependent choices; the current tile table has one
-    tile per (head_dim, dtype, causal), so they do not change the answer yet.
-    """
+def select_variant(family: str, key: dict, manifest: Manifest | None = None) -> Variant:
+    """The built variant of ``family`` whose dispatch key equals ``key``; MissingVariantError
+    (naming the key, what is built and the command that builds it) if there is none."""
     m = manifest or load_manifest()
-    cands = m.by_key().get((family, dtype, int(head_dim), int(head_dim_v), bool(causal)))
+    cands = m.by_key().get((family, *sorted(key.items())))
     if not cands:
-        built = sorted({(v.params["dtype"], v.params["head_dim"], bool(v.params["causal"])) for v in m.variants})
-        built_s = ", ".join(f"{d}/hd{h}/{'causal' if c else 'noncausal'}" for d, h, c in built) or "none"
+        built = sorted({", ".join(f"{k}={_fmt(x)}" for k, x in v.dispatch.items())
+                        for v in m.variants if v.family == family})
+        want = ", ".join(f"{k}={_fmt(x)}" for k, x in key.items())
         raise MissingVariantError(
-            f"flashgen: no built {family} variant serves dtype={dtype} head_dim={head_dim} head_dim_v={head_dim_v} "
-            f"causal={causal} (built: {built_s}; manifest {m.path}). "
-            f"Build it with: {add_variant_command(dtype, head_dim, head_dim_v, causal)}"
+            f"flashgen: no built {family} variant serves {want} "
+            f"(built {family} variants: {'; '.join(built) or 'none'}; manifest {m.path}). "
+            f"Build it with: {add_variant_command(family, key)}"
         )
     defaults = [v for v in cands if v.default]
     return min(defaults or cands, key=lambda v: v.name)

@@ -1,22 +1,27 @@
-"""Loading fatbins and launching kernels with cuda-python (cuda.bindings.driver).
+"""Loading fatbins and launching kernels with cuda-python (cuda.bindings.driver); generic over families.
 
-Per variant and device, once: cuLibraryLoadData, cuLibraryGetKernel, cuKernelGetFunction and
-raising the dynamic shared-memory limit. Per call: TMA descriptors from a cache keyed by
-(dtype, shape, strides, box) and re-pointed with cuTensorMapReplaceAddress when only the address
-changed; a ctypes parameter block; one cuLaunchKernelEx on the caller's stream.
+Per (variant, role, device), once: cuLibraryLoadData (per variant), cuLibraryGetKernel,
+cuKernelGetFunction and raising the kernel's dynamic shared-memory limit; a params packer built
+from the layout the manifest records. Per call (:func:`launch`): the params bytes, the argument
+array and the launch configuration are built for that call alone, so any number of threads and
+streams may launch at once. TMA descriptors (:func:`tensor_map`) are immutable once encoded and
+cached by every argument including the address, so sharing them between calls is safe.
+
+A launch runs in the device's primary context (the one torch, CuPy and JAX use); when another
+context is current on the calling thread it is pushed for the launch and popped after, so a call
+never changes the caller's current context or device.
 """
 
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from dataclasses import dataclass
 
-from .manifest import Variant, read_fatbin
+from .manifest import Kernel, Variant, read_fatbin
 
-_lock = threading.Lock()
-
-
+_lock = threading.Lock()  # loading only; never taken on the launch path of a loaded kernel
 _drv = None
 
 
@@ -47,24 +52,51 @@ def check(result, what: str):
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+# ------------------------------------------------------------------------------------ devices
 _initialized = False
+_primary: dict[int, object] = {}  # device ordinal -> retained primary CUcontext (one retain per process)
 
 
-def ensure_context(device: int) -> None:
-    """Make sure a context for `device` is current (the primary context, as torch and CuPy use)."""
-    global _initialized
-    d = _driver()
-    if not _initialized:
-        check(d.cuInit(0), "cuInit")
-        _initialized = True
-    ctx = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if ctx is not None and int(ctx) != 0:
-        dev = check(d.cuCtxGetDevice(), "cuCtxGetDevice")
-        if int(dev) == device:
-            return
-    dev = check(d.cuDeviceGet(device), "cuDeviceGet")
-    pctx = check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-    check(d.cuCtxSetCurrent(pctx), "cuCtxSetCurrent")
+def primary_context(device: int):
+    """The device's primary context, retained once per process (what torch and CuPy use)."""
+    ctx = _primary.get(device)
+    if ctx is None:
+        global _initialized
+        with _lock:
+            ctx = _primary.get(device)
+            if ctx is None:
+                d = _driver()
+                if not _initialized:
+                    check(d.cuInit(0), "cuInit")
+                    _initialized = True
+                dev = check(d.cuDeviceGet(device), "cuDeviceGet")
+                ctx = _primary[device] = check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    return ctx
+
+
+class device_context:
+    """``with device_context(device):`` makes the device's primary context current for the block
+    and restores the caller's afterwards (pushed and popped only when it differs)."""
+
+    __slots__ = ("device", "pushed")
+
+    def __init__(self, device: int):
+        self.device = device
+        self.pushed = False
+
+    def __enter__(self):
+        d = _driver()
+        ctx = primary_context(self.device)
+        cur = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if cur is None or int(cur) != int(ctx):
+            check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+            self.pushed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            check(_driver().cuCtxPopCurrent(), "cuCtxPopCurrent")
+        return False
 
 
 _attr_cache: dict[tuple[int, int], int] = {}
@@ -93,148 +125,187 @@ def num_sms(device: int) -> int:
     return device_attribute(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
 
 
-# ------------------------------------------------------------------------------------------ kernels
-@dataclass
+# ------------------------------------------------------------------------------------ params
+_FORMAT = {"i32": "i", "u32": "I", "i64": "q", "f32": "f", "ptr": "Q"}
+
+
+class ParamsPacker:
+    """Packs a kernel's params struct from the layout the manifest records
+    (``{"struct", "size", "fields": [[name, type, offset], ...]}``, docs/CONTRACTS.md §3)."""
+
+    __slots__ = ("names", "size", "_struct")
+
+    def __init__(self, layout: dict):
+        fmt, pos = "<", 0
+        self.names = []
+        for name, typ, off in layout["fields"]:
+            if off < pos:
+                raise ValueError(f"params {layout['struct']}: field {name} overlaps the previous one")
+            fmt += f"{off - pos}x" if off > pos else ""
+            fmt += _FORMAT[typ]
+            pos = off + struct.calcsize("<" + _FORMAT[typ])
+            self.names.append(name)
+        self.size = int(layout["size"])
+        fmt += f"{self.size - pos}x" if self.size > pos else ""
+        self._struct = struct.Struct(fmt)
+        if self._struct.size != self.size:
+            raise ValueError(f"params {layout['struct']}: fields span {self._struct.size} bytes, layout says {self.size}")
+
+    def pack(self, values: dict) -> bytes:
+        """The struct's bytes; KeyError naming a missing field, struct.error for a bad value."""
+        try:
+            return self._struct.pack(*[values[n] for n in self.names])
+        except KeyError as e:
+            raise KeyError(f"params field {e.args[0]!r} not given (fields: {', '.join(self.names)})") from None
+
+
+# ------------------------------------------------------------------------------------ kernels
+@dataclass(frozen=True)
 class LoadedKernel:
+    """A kernel resolved in a device's primary context; immutable, shared by all calls."""
+
     variant: Variant
+    record: Kernel  # the manifest's kernel record (threads, smem_bytes, cluster, tensor_maps, params)
     function: object  # CUfunction
-    config: object  # CUlaunchConfig, reused (grid and stream rewritten per call)
+    device: int
+    packer: ParamsPacker
 
 
 _libraries: dict[str, object] = {}
-_kernels: dict[tuple[str, int], LoadedKernel] = {}
+_kernels: dict[tuple[str, str, int], LoadedKernel] = {}
 
 
-def get_kernel(variant: Variant, device: int) -> LoadedKernel:
-    """Load the variant's fatbin (once per process) and resolve its kernel for `device` (once)."""
-    key = (variant.name, device)
+def get_kernel(variant: Variant, role: str, device: int) -> LoadedKernel:
+    """Load the variant's fatbin (once per process) and resolve its ``role`` kernel for ``device``
+    (once); KeyError if the variant has no such kernel, ManifestError if the fatbin's sha256
+    differs from the manifest's, CudaError if the driver refuses it."""
+    key = (variant.name, role, device)
     k = _kernels.get(key)
     if k is not None:
         return k
+    rec = variant.kernel(role)
     with _lock:
         k = _kernels.get(key)
         if k is not None:
             return k
         d = _driver()
-        ensure_context(device)
-        lib = _libraries.get(variant.name)
-        if lib is None:
-            data = read_fatbin(variant.fatbin, variant.sha256)
-            lib = check(d.cuLibraryLoadData(data, None, None, 0, None, None, 0), f"cuLibraryLoadData({variant.name})")
-            _libraries[variant.name] = lib
-        kern = check(d.cuLibraryGetKernel(lib, variant.symbol.encode()), f"cuLibraryGetKernel({variant.symbol})")
-        func = check(d.cuKernelGetFunction(kern), "cuKernelGetFunction")
-        check(
-            d.cuFuncSetAttribute(
-                func, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, variant.smem_bytes
-            ),
-            f"cuFuncSetAttribute(max dynamic smem = {variant.smem_bytes})",
-        )
-        cfg = d.CUlaunchConfig()
-        cfg.gridDimY = cfg.gridDimZ = 1
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = variant.threads, 1, 1
-        cfg.sharedMemBytes = variant.smem_bytes
-        cfg.numAttrs = 0
-        k = LoadedKernel(variant, func, cfg)
+        with device_context(device):
+            lib = _libraries.get(variant.name)
+            if lib is None:
+                data = read_fatbin(variant.fatbin, variant.sha256)
+                lib = check(d.cuLibraryLoadData(data, None, None, 0, None, None, 0), f"cuLibraryLoadData({variant.name})")
+                _libraries[variant.name] = lib
+            kern = check(d.cuLibraryGetKernel(lib, rec.symbol.encode()), f"cuLibraryGetKernel({rec.symbol})")
+            func = check(d.cuKernelGetFunction(kern), "cuKernelGetFunction")
+            if rec.smem_bytes > 0:
+                check(
+                    d.cuFuncSetAttribute(
+                        func, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, rec.smem_bytes
+                    ),
+                    f"cuFuncSetAttribute(max dynamic smem = {rec.smem_bytes})",
+                )
+        k = LoadedKernel(variant, rec, func, device, ParamsPacker(rec.params))
         _kernels[key] = k
         return k
 
 
-# ------------------------------------------------------------------------------------- TMA maps
-_TMA_DTYPES = {"bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", "fp16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
-_ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_streams: dict[int, object] = {}  # CUstream wrappers by handle (immutable values)
 
 
-class _MapEntry:
-    __slots__ = ("tmap", "addr")
-
-    def __init__(self, tmap, addr):
-        self.tmap = tmap
-        self.addr = addr
-
-
-_tmaps: dict[tuple, _MapEntry] = {}
+def _stream(handle: int):
+    s = _streams.get(handle)
+    if s is None:
+        s = _streams[handle] = _driver().CUstream(handle)
+    return s
 
 
-def tensor_map_bshd(slot: str, ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int):
-    """128B-swizzled 4-D TMA descriptor over a BSHD tensor for tiles of (box_rows x 64) elements.
+def launch(kernel: LoadedKernel, grid: tuple, tensor_maps: tuple, params: dict, stream: int,
+           device: int | None = None) -> None:
+    """Launch ``kernel`` on ``stream`` (a CUstream handle as int) over ``grid`` (x, y, z) CTAs of
+    the recorded thread count, with the recorded dynamic shared memory and cluster shape.
 
-    `slot` names the kernel argument the map is for ('q', 'k', 'v', 'o'): one launch passes several
-    maps of identical layout, so each argument owns its cached descriptor (re-pointing a shared one
-    would leave every argument at the last address).
-
-    shape = (batch, seqlen, heads, head_dim), strides in elements (last must be 1). Dims are given
-    to the driver innermost first: (head_dim, seqlen, heads, batch). Cached; only the address is
-    rewritten (cuTensorMapReplaceAddress) when the same layout comes back at a new pointer.
-    """
-    key = (slot, dtype, shape, strides, box_rows)
-    entry = _tmaps.get(key)
+    ``tensor_maps``: one CUtensorMap per name in the kernel's ``tensor_maps`` record, in order;
+    ``params``: the params struct's fields by name; ``device``, if given, must be the kernel's.
+    Everything built here belongs to this call. Raises ValueError for a wrong number of tensor
+    maps or another device, KeyError for a missing field, CudaError if the launch fails."""
+    rec = kernel.record
+    if device is not None and device != kernel.device:
+        raise ValueError(f"flashgen: kernel {rec.symbol} was loaded for cuda:{kernel.device}, not cuda:{device}")
+    if len(tensor_maps) != len(rec.tensor_maps):
+        raise ValueError(f"flashgen: {rec.symbol} takes tensor maps {list(rec.tensor_maps)}, got {len(tensor_maps)}")
+    buf = ctypes.create_string_buffer(kernel.packer.pack(params), kernel.packer.size)
+    args = (ctypes.c_void_p * (len(tensor_maps) + 1))(*[m.getPtr() for m in tensor_maps], ctypes.addressof(buf))
     d = _driver()
-    if entry is not None:
-        if entry.addr != ptr:
-            check(d.cuTensorMapReplaceAddress(entry.tmap, ptr), "cuTensorMapReplaceAddress")
-            entry.addr = ptr
-        return entry.tmap
-    b, s, h, hd = shape
-    es = _ELEM_BYTES[dtype]
-    dims = [d.cuuint64_t(hd), d.cuuint64_t(s), d.cuuint64_t(h), d.cuuint64_t(b)]
-    gstrides = [d.cuuint64_t(strides[1] * es), d.cuuint64_t(strides[2] * es), d.cuuint64_t(strides[0] * es)]
-    box = [d.cuuint32_t(64), d.cuuint32_t(box_rows), d.cuuint32_t(1), d.cuuint32_t(1)]
-    estr = [d.cuuint32_t(1)] * 4
+    cfg = d.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = rec.threads, 1, 1
+    cfg.sharedMemBytes = rec.smem_bytes
+    cfg.hStream = _stream(stream)
+    if tuple(rec.cluster) != (1, 1, 1):
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = rec.cluster
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+    else:
+        cfg.numAttrs = 0
+    with device_context(kernel.device):
+        err = d.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(args), 0)
+    if int(err[0]) != 0:
+        check(err, f"cuLaunchKernelEx({rec.symbol})")
+
+
+# ------------------------------------------------------------------------------------- TMA maps
+_TMA_DTYPES = {
+    "bf16": ("CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 2),
+    "fp16": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT16", 2),
+    "e4m3": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),  # TMA moves bytes; the kernel reads them as e4m3
+    "fp32": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT32", 4),
+}
+_SWIZZLE = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B",
+            64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
+_tmaps: dict[tuple, object] = {}
+_TMAP_CACHE_MAX = 4096
+
+
+def tensor_map(ptr: int, dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int = 128):
+    """A tiled TMA descriptor (cuTensorMapEncodeTiled) of rank len(dims) <= 5.
+
+    dims: extents innermost first; strides_bytes: byte strides of dims 1.. (multiples of 16);
+    box: tile extent per dim (innermost box bytes <= the swizzle width when swizzled); dtype one of
+    fp16, bf16, e4m3, fp32; swizzle 0, 32, 64 or 128 bytes. Out-of-range elements load as zeros.
+    The map is immutable and cached by all arguments (the address included): calls on any thread
+    may share it. ValueError for a bad dtype, swizzle or rank; CudaError if the driver refuses."""
+    key = (ptr, dtype, dims, strides_bytes, box, swizzle)
+    tmap = _tmaps.get(key)
+    if tmap is not None:
+        return tmap
+    if dtype not in _TMA_DTYPES:
+        raise ValueError(f"flashgen: tensor_map dtype {dtype!r} not one of {', '.join(_TMA_DTYPES)}")
+    if swizzle not in _SWIZZLE:
+        raise ValueError(f"flashgen: tensor_map swizzle {swizzle!r} not one of {', '.join(map(str, _SWIZZLE))}")
+    rank = len(dims)
+    if not (1 <= rank <= 5 and len(box) == rank and len(strides_bytes) == rank - 1):
+        raise ValueError(f"flashgen: tensor_map needs rank 1..5 with len(box) = rank and rank - 1 strides; "
+                         f"got dims {dims}, strides {strides_bytes}, box {box}")
+    d = _driver()
     tmap = check(
         d.cuTensorMapEncodeTiled(
-            getattr(d.CUtensorMapDataType, _TMA_DTYPES[dtype]),
-            4,
+            getattr(d.CUtensorMapDataType, _TMA_DTYPES[dtype][0]),
+            rank,
             ptr,
-            dims,
-            gstrides,
-            box,
-            estr,
+            [d.cuuint64_t(int(x)) for x in dims],
+            [d.cuuint64_t(int(x)) for x in strides_bytes],
+            [d.cuuint32_t(int(x)) for x in box],
+            [d.cuuint32_t(1)] * rank,
             d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            getattr(d.CUtensorMapSwizzle, _SWIZZLE[swizzle]),
             d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         ),
-        f"cuTensorMapEncodeTiled(shape={shape}, strides={strides}, box_rows={box_rows})",
+        f"cuTensorMapEncodeTiled(dtype={dtype}, dims={dims}, strides={strides_bytes}, box={box})",
     )
-    if len(_tmaps) > 4096:  # bound the cache; layouts are few in practice
+    if len(_tmaps) >= _TMAP_CACHE_MAX:  # bounded; dropping entries is safe (they are never mutated)
         _tmaps.clear()
-    _tmaps[key] = _MapEntry(tmap, ptr)
+    _tmaps[key] = tmap
     return tmap
-
-
-# ------------------------------------------------------------------------------------ params
-
-class FwdParams(ctypes.Structure):
-    """Mirror of flashgen::FwdParams (templates/include/flashgen/params.cuh)."""
-
-    _fields_ = [
-        ("lse", ctypes.c_void_p),
-        ("seqlen_q", ctypes.c_int),
-        ("seqlen_k", ctypes.c_int),
-        ("heads", ctypes.c_int),
-        ("heads_k", ctypes.c_int),
-        ("batch", ctypes.c_int),
-        ("num_m_blocks", ctypes.c_int),
-        ("num_tiles", ctypes.c_int),
-        ("scale_log2", ctypes.c_float),
-        ("softmax_scale", ctypes.c_float),
-    ]
-
-
-_streams: dict[int, object] = {}
-
-
-def launch_fwd(kernel: LoadedKernel, maps: tuple, params: FwdParams, grid: int, stream: int) -> None:
-    """cuLaunchKernelEx(kernel, grid x threads, maps..., params) on `stream` (a CUstream as int)."""
-    cfg = kernel.config
-    cfg.gridDimX = grid
-    cs = _streams.get(stream)
-    if cs is None:
-        cs = _streams[stream] = _driver().CUstream(stream)
-    cfg.hStream = cs
-    args = (ctypes.c_void_p * 5)(maps[0].getPtr(), maps[1].getPtr(), maps[2].getPtr(), maps[3].getPtr(),
-                                  ctypes.addressof(params))
-    err = _driver().cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(args), 0)
-    if int(err[0]) != 0:
-        check(err, f"cuLaunchKernelEx({kernel.variant.name})")

@@ -1,7 +1,9 @@
 """Reading build/manifest.json: the runtime's only source of truth about built variants.
 
-The runtime never parses variant names; everything it needs (parameters, symbol, fatbin path,
-threads, shared memory) is recorded explicitly by the generator (docs/CONTRACTS.md §3).
+The runtime never parses variant names; everything it needs (parameters, dispatch key, fatbin
+path, and per kernel: symbol, threads, cluster, shared memory, tensor-map arguments and the params
+struct's layout) is recorded explicitly by the generator (docs/CONTRACTS.md §5). Nothing here
+knows a family.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
-SUPPORTED_SCHEMA = 1
+SUPPORTED_SCHEMA = 2
 
 
 class ManifestError(RuntimeError):
@@ -23,25 +25,43 @@ class ManifestError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Kernel:
+    """One kernel of a variant (a manifest v2 ``kernels`` record)."""
+
+    role: str
+    symbol: str
+    threads: int
+    cluster: tuple
+    smem_bytes: int
+    tensor_maps: tuple
+    params: dict = field(hash=False, compare=False)  # {"struct", "size", "fields": [[name, type, offset]]}
+    registers: int = 0
+    spill_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Variant:
     """One compiled kernel variant, as recorded in the manifest."""
 
     name: str
+    family: str
     params: dict[str, Any] = field(hash=False, compare=False)
-    symbol: str = ""
+    dispatch: dict[str, Any] = field(hash=False, compare=False)
+    kernels: tuple = field(hash=False, compare=False)  # of Kernel
     fatbin: Path = Path()
     sha256: str = ""
-    threads: int = 0
-    smem_bytes: int = 0
     default: bool = False
-    registers: int = 0
-    spill_bytes: int = 0
 
     @property
     def key(self) -> tuple:
-        """(family, dtype, head_dim, head_dim_v, causal): what a call must match exactly."""
-        p = self.params
-        return (p["family"], p["dtype"], p["head_dim"], p.get("head_dim_v", p["head_dim"]), bool(p["causal"]))
+        """(family, dispatch items): what a call must match exactly."""
+        return (self.family, *sorted(self.dispatch.items()))
+
+    def kernel(self, role: str) -> Kernel:
+        for k in self.kernels:
+            if k.role == role:
+                return k
+        raise KeyError(f"variant {self.name} has no kernel {role!r} (has {', '.join(k.role for k in self.kernels)})")
 
 
 @dataclass(frozen=True)
@@ -82,14 +102,26 @@ def find_manifest() -> Path:
     )
 
 
+def _kernel(rec: dict) -> Kernel:
+    return Kernel(role=rec["role"], symbol=rec["symbol"], threads=int(rec["threads"]),
+                  cluster=tuple(int(c) for c in rec["cluster"]), smem_bytes=int(rec["smem_bytes"]),
+                  tensor_maps=tuple(rec["tensor_maps"]), params=dict(rec["params"]),
+                  registers=int(rec.get("registers", 0)), spill_bytes=int(rec.get("spill_bytes", 0)))
+
+
 def parse_manifest(path: Path) -> Manifest:
     """Parse and check one manifest file (schema version, required fields). Raises ManifestError."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ManifestError(f"flashgen: cannot read manifest {path}: {e}") from e
-    if data.get("schema") != SUPPORTED_SCHEMA:
-        raise ManifestError(f"flashgen: manifest {path} has schema {data.get('schema')!r}, expected {SUPPORTED_SCHEMA}")
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema != SUPPORTED_SCHEMA:
+        raise ManifestError(
+            f"flashgen: manifest {path} has schema {schema!r}, this flashgen reads schema {SUPPORTED_SCHEMA}: "
+            "rebuild the kernels with this version (`flashgen build`, or `make build` in a checkout), "
+            "or install a flashgen wheel built with it"
+        )
     base = Path(path).parent
     variants = []
     for rec in data.get("variants", []):
@@ -97,15 +129,13 @@ def parse_manifest(path: Path) -> Manifest:
             variants.append(
                 Variant(
                     name=rec["name"],
+                    family=rec["family"],
                     params=dict(rec["params"]),
-                    symbol=rec["symbol"],
+                    dispatch=dict(rec["dispatch"]),
+                    kernels=tuple(_kernel(k) for k in rec["kernels"]),
                     fatbin=base / rec["fatbin"],
                     sha256=rec["sha256"],
-                    threads=int(rec["threads"]),
-                    smem_bytes=int(rec["smem_bytes"]),
                     default=bool(rec.get("default", False)),
-                    registers=int(rec.get("registers", 0)),
-                    spill_bytes=int(rec.get("spill_bytes", 0)),
                 )
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -1,0 +1,186 @@
+"""The ``fwd`` family: FlashAttention-3 forward, fp16/bf16 (arXiv 2407.08608, §3, Algorithms 1-2).
+
+Template: templates/fwd.cu.j2. One kernel per variant (role ``main``): a producer warpgroup
+issuing TMA loads of Q and of K/V through a ``stages``-deep mbarrier ring, and 2 or 3 consumer
+warpgroups (64 query rows each) running S = Q K^T (SS-WGMMA), the online softmax and O += P V
+(RS-WGMMA), with pingpong and intra-warpgroup overlap as knobs.
+
+Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
+
+- head_dim in {64, 96, 128, 192, 256}; head_dim_v == head_dim for now.
+- block_n a multiple of 16 in [16, 256]: the N of the S = Q K^T WGMMA (N <= 256) and the PV GEMM
+  steps k16 over it.
+- consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
+- stages in 1..4.
+- Shared memory (:func:`smem_layout`; P = head_dim rounded up to 64, 2 bytes per element):
+  Q block_m*P, K and V stages*block_n*P each, O block_m*Pv when it still fits (``separate_o``,
+  else O is staged in Q's buffer), 1024 bytes of mbarriers, plus 1024 bytes of alignment slack:
+  at most 227 KB = 232448 bytes.
+- Registers (setmaxnreg): 2 consumer WGs get 240 regs/thread, 3 get 160 (producer 24 / 32).
+  With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128. For both, the fp32 S accumulator
+  (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4) registers per thread
+  must leave 32 for addresses and softmax state: block_n/2 + head_dim_v_padded/2 + block_n/4 <=
+  consumer_regs - 32 (208 with 2 consumer WGs, 128 with 3: hd64 at block_n 128 fits, hd96 does
+  not -- it spilled when tried).
+"""
+from __future__ import annotations
+
+from ..abi import params_struct
+from . import Family, Key, KernelSpec
+
+SMEM_LIMIT = 232448  # 227 KB: the sm_90 per-block opt-in maximum of dynamic shared memory
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = ("bf16", "fp16")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+CONSUMER_WGS = (2, 3)
+STAGES = (1, 2, 3, 4)
+BARRIER_BYTES = 1024
+ALIGN_SLACK_BYTES = 1024
+REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
+ACC_REG_HEADROOM = 32
+
+PARAMS = params_struct(
+    "FwdParams",
+    ("lse", "ptr", "float*"),  # (batch, heads, seqlen_q) fp32, natural log; contiguous
+    ("seqlen_q", "i32"),
+    ("seqlen_k", "i32"),
+    ("heads", "i32"),
+    ("heads_k", "i32"),  # divides heads (GQA/MQA)
+    ("batch", "i32"),
+    ("num_m_blocks", "i32"),  # ceil(seqlen_q / block_m)
+    ("num_tiles", "i32"),  # num_m_blocks * heads * batch
+    ("scale_log2", "f32"),  # softmax_scale * log2(e); any sign
+    ("softmax_scale", "f32"),
+)
+
+
+def _block_n(v):
+    if not (16 <= v <= 256 and v % 16 == 0):
+        return "a multiple of 16 in [16, 256] (WGMMA N <= 256; the PV GEMM steps k16 over block_n)"
+    return None
+
+
+def _pad64(x: int) -> int:
+    return -(-int(x) // 64) * 64
+
+
+def smem_layout(params: dict) -> dict:
+    """Shared-memory regions ``{name: {"offset", "bytes"}}`` in address order (what the kernel
+    uses and what feasibility checks). O gets its own staging buffer when it fits, so Q is released
+    after the tile's last S GEMM and the next tile's Q load overlaps the epilogue; otherwise O is
+    staged in Q's buffer (region ``o`` has 0 bytes)."""
+    e = DTYPE_BYTES.get(params["dtype"], 2)
+    p, pv = _pad64(params["head_dim"]), _pad64(params["head_dim_v"])
+    bm, bn, st = int(params["block_m"]), int(params["block_n"]), int(params["stages"])
+    sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e, "o": bm * pv * e, "bars": BARRIER_BYTES}
+    if sum(sizes.values()) + ALIGN_SLACK_BYTES > SMEM_LIMIT:
+        sizes["o"] = 0
+    out, off = {}, 0
+    for name, size in sizes.items():
+        out[name] = {"offset": off, "bytes": size}
+        off += size
+    return out
+
+
+class FwdFamily(Family):
+    def derive(self, params):
+        params.setdefault("head_dim_v", params["head_dim"])
+        return params
+
+    def resources(self, params):
+        """threads, smem (layout), smem_bytes, producer_regs, consumer_regs, head_dim_padded,
+        head_dim_v_padded, separate_o."""
+        wgs = int(params["consumer_wgs"])
+        smem = smem_layout(params)
+        producer_regs, consumer_regs = REG_SPLIT.get(wgs, (24, 240))
+        return dict(
+            threads=128 * (wgs + 1),
+            smem=smem,
+            smem_bytes=smem["bars"]["offset"] + smem["bars"]["bytes"] + ALIGN_SLACK_BYTES,
+            producer_regs=producer_regs,
+            consumer_regs=consumer_regs,
+            head_dim_padded=_pad64(params["head_dim"]),
+            head_dim_v_padded=_pad64(params["head_dim_v"]),
+            separate_o=smem["o"]["bytes"] > 0,
+        )
+
+    def problems(self, params):
+        out = []
+        hd, hdv = params["head_dim"], params["head_dim_v"]
+        bm, bn, wgs, st = params["block_m"], params["block_n"], params["consumer_wgs"], params["stages"]
+        if hdv != hd:
+            out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) for now"))
+        if wgs in CONSUMER_WGS and bm != 64 * wgs:
+            out.append(("block_m", bm, f"64 * consumer_wgs = {64 * wgs} (consumer_wgs is {wgs})"))
+        if out:
+            return out
+        r = self.resources(params)
+        if r["smem_bytes"] > SMEM_LIMIT:
+            out.append((
+                "smem_bytes", r["smem_bytes"],
+                f"at most {SMEM_LIMIT} (227 KB); Q {bm}x{r['head_dim_padded']} + {st} stages x K/V "
+                f"{bn}x{r['head_dim_padded']} x 2 bytes + 2048: lower block_n or stages",
+            ))
+        n_before = len(out)
+        if wgs == 3:
+            if r["head_dim_padded"] > 128:
+                out.append(("head_dim", hd, "<= 128 with 3 consumer warpgroups (160 registers/thread); use consumer_wgs 2"))
+            if bn > 128:
+                out.append(("block_n", bn, "<= 128 with 3 consumer warpgroups (160 registers/thread)"))
+        if len(out) == n_before:
+            need = bn // 2 + r["head_dim_v_padded"] // 2 + bn // 4
+            limit = r["consumer_regs"] - ACC_REG_HEADROOM
+            if need > limit:
+                out.append((
+                    "block_n", bn,
+                    f"small enough that the accumulators fit: block_n/2 + head_dim_v_padded/2 + block_n/4 = {need} "
+                    f"registers > {limit} ({r['consumer_regs']} per consumer thread with {wgs} consumer warpgroups, "
+                    f"minus {ACC_REG_HEADROOM} headroom); lower block_n"
+                    + (" or use consumer_wgs 2" if wgs == 3 else ""),
+                ))
+        return out
+
+    def kernels(self, params, resources):
+        return [KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
+                           tensor_maps=("q", "k", "v", "o"), sass=("HGMMA", "UTMALDG", "USETMAXREG"))]
+
+    def name_parts(self, p):
+        hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")
+        return [p["dtype"], hd, "causal" if p["causal"] else "noncausal", f"m{p['block_m']}n{p['block_n']}",
+                f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
+                "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops"]
+
+    def suggest(self, key):
+        """FA3's published tiles (DESIGN.md §4) as the starting point for a missing key."""
+        d = max(key["head_dim"], key.get("head_dim_v", key["head_dim"]))
+        if d <= 64:
+            bm, bn = 192, 128
+        elif d <= 128:
+            bm, bn = (128, 128) if key["causal"] or d <= 96 else (128, 176)
+        elif d <= 192:
+            bm, bn = 128, 112
+        else:
+            bm, bn = 128, 80
+        return {**key, "block_m": bm, "block_n": bn, "consumer_wgs": bm // 64}
+
+
+FAMILY = FwdFamily(
+    name="fwd",
+    doc="FA3 forward (fp16/bf16)",
+    keys=(
+        Key("dtype", str, "axis", allowed=DTYPES, doc="Q/K/V/O element type (fp32 accumulation)"),
+        Key("head_dim", int, "axis", allowed=HEAD_DIMS, doc="Q/K head dim"),
+        Key("head_dim_v", int, "derived", allowed=HEAD_DIMS, doc="V/O head dim (default: head_dim)"),
+        Key("causal", bool, "axis", doc="bottom-right aligned causal mask"),
+        Key("block_m", int, "tile", allowed=(128, 192), doc="query rows per CTA tile (64 x consumer_wgs)"),
+        Key("block_n", int, "tile", check=_block_n, doc="key rows per K/V stage"),
+        Key("stages", int, "knob", allowed=STAGES, default=2, doc="K/V ring depth"),
+        Key("consumer_wgs", int, "tile", allowed=CONSUMER_WGS, doc="consumer warpgroups (64 query rows each)"),
+        Key("pingpong", bool, "knob", default=True, doc="named-barrier pingpong between consumer warpgroups"),
+        Key("overlap", bool, "knob", default=True, doc="intra-warpgroup GEMM/softmax overlap (Algorithm 2)"),
+        Key("persistent", bool, "knob", default=True, doc="persistent grid (#SMs CTAs)"),
+    ),
+    tile_match=("head_dim", "dtype", "causal"),
+    tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),
+    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal"),
+)
