@@ -2,8 +2,11 @@
 
 Protocol (FA3 paper §4.1, DESIGN.md §6): 16k total tokens (batch = 16384 / seqlen), hidden 2048
 (heads = 2048 / head_dim), seqlen 512..16384, head_dim 64/128/256, causal on and off.
-FLOPs = 4 * batch * heads * seqlen^2 * head_dim, halved for causal. Times are medians of
-CUDA-event-timed launches after warm-up; inputs are random normal.
+FLOPs = 4 * batch * heads * seqlen^2 * head_dim, halved for causal. Times are medians over
+repetitions, each timed with CUDA events after the L2 cache was flushed (as triton's do_bench
+does: triton.testing.do_bench when triton is installed, the same method here otherwise); SDPA is
+called on BSHD tensors transposed to (batch, heads, seqlen, head_dim) views, as a user would.
+Inputs are random normal.
 
 Also: the paper's ablation (bf16, batch 4, seqlen 8448, 16 heads, head_dim 128, non-causal) over
 every built variant of that key, and the Python overhead per call.
@@ -18,34 +21,51 @@ import sys
 import time
 
 
-def _time_ms(fn, warmup: int = 3, iters: int = 10, reps: int = 3) -> float:
-    """Median over `reps` of the mean time of `iters` back-to-back launches (CUDA events, ms).
+_FLUSH_BYTES = 256 << 20  # larger than the H100/H200 L2 (50 / 60 MB)
 
-    Launches are queued without host synchronization in between, as triton's do_bench does, so
-    per-call host overhead is hidden whenever the kernel outlasts it (it is reported separately).
-    """
+
+def _time_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median milliseconds per call of ``fn`` with the L2 flushed before each repetition.
+
+    triton.testing.do_bench (median) when triton is importable; otherwise the same method: a
+    256 MB buffer is zeroed before every timed call and each call is bracketed by CUDA events."""
     import torch
 
-    for _ in range(warmup):
-        fn()
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except ImportError:
+        pass
+    flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return statistics.median(times)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    est = max(a.elapsed_time(b) / 5, 1e-3)
+    n_warm, n_rep = max(1, int(warmup_ms / est)), max(1, int(rep_ms / est))
+    for _ in range(n_warm):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for i in range(n_rep):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def _sdpa_fn(backend, q, k, v, causal):
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # BSHD memory, BHSD view: as a user calls SDPA
 
     def fn():
         with sdpa_kernel([backend]):
@@ -64,11 +84,14 @@ def _flops(b, h, s, d, causal):
     return f / 2 if causal else f
 
 
-def run_grid(seqlens, head_dims, dtypes, causals, iters):
+def run_grid(seqlens, head_dims, dtypes, causals, attn=None, peers=True):
+    """The FA3-protocol grid: TFLOP/s of ``attn`` (default flashgen's flash_attn_func; any
+    function with its signature) and, with ``peers``, of SDPA's cuDNN and flash backends."""
     import torch
     from torch.nn.attention import SDPBackend
 
-    from .interface import flash_attn_func
+    if attn is None:
+        from .interface import flash_attn_func as attn
 
     rows = []
     for dtype_name in dtypes:
@@ -81,14 +104,14 @@ def run_grid(seqlens, head_dims, dtypes, causals, iters):
                     fl = _flops(b, h, s, d, causal)
                     res = {"dtype": dtype_name, "head_dim": d, "causal": causal, "seqlen": s, "batch": b, "heads": h}
                     try:
-                        ms = _time_ms(lambda: flash_attn_func(q, k, v, causal=causal), iters=iters)
+                        ms = _time_ms(lambda: attn(q, k, v, causal=causal))
                         res["flashgen"] = fl / ms / 1e9
                     except Exception as e:  # a missing variant is reported, not fatal
                         print(f"flashgen failed at {res}: {e}", file=sys.stderr)
                         res["flashgen"] = float("nan")
                     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-                        fn = _sdpa_fn(backend, q, k, v, causal)
-                        res[name] = fl / _time_ms(fn, iters=iters) / 1e9 if fn else float("nan")
+                        fn = _sdpa_fn(backend, q, k, v, causal) if peers else None
+                        res[name] = fl / _time_ms(fn) / 1e9 if fn else float("nan")
                     peers = [x for x in (res["cudnn"], res["fa2"]) if x == x]
                     res["ratio"] = res["flashgen"] / max(peers) if peers else float("nan")
                     rows.append(res)
@@ -96,7 +119,7 @@ def run_grid(seqlens, head_dims, dtypes, causals, iters):
     return rows
 
 
-def run_ablation(iters):
+def run_ablation():
     import torch
 
     from . import core
@@ -114,13 +137,39 @@ def run_ablation(iters):
     rows = []
     for var in load_manifest().variants:
         p = var.params
-        if (p["dtype"], p["head_dim"], bool(p["causal"])) != ("bf16", 128, False):
+        if var.dispatch != {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": False}:
             continue
         stream = torch.cuda.current_stream().cuda_stream
         ms = _time_ms(lambda: core.attention_forward(arg(q), arg(k), arg(v), arg(out), arg(lse), d ** -0.5, False,
-                                                     stream, variant=var), iters=iters)
+                                                     stream, variant=var))
         knobs = {k2: p[k2] for k2 in ("block_m", "block_n", "stages", "consumer_wgs", "pingpong", "overlap", "persistent")}
         rows.append({"variant": var.name, **knobs, "tflops": _flops(b, h, s, d, False) / ms / 1e9})
+    return rows
+
+
+def run_combine(shapes=((64, 1, 32, 128, 16), (8, 1024, 16, 128, 4), (8, 1024, 32, 128, 8), (2, 4096, 16, 256, 64))):
+    """flash_attn_combine bandwidth (GB/s counting each input read and each output written once)
+    against the same merge in PyTorch ops, for (batch, seqlen, heads, head_dim, num_splits)."""
+    import torch
+
+    from .interface import flash_attn_combine
+
+    def torch_combine(op, lp):
+        lse = torch.logsumexp(lp, dim=0)
+        w = torch.exp(lp - lse).nan_to_num(0.0)
+        return (w.unsqueeze(-1) * op).sum(0).to(torch.bfloat16), lse
+
+    rows = []
+    for b, sq, h, d, ns in shapes:
+        op = torch.randn(ns, b, sq, h, d, device="cuda")
+        lp = torch.randn(ns, b, h, sq, device="cuda").transpose(-1, -2)
+        nbytes = op.numel() * 4 + lp.numel() * 4 + b * sq * h * (d * 2 + 4)
+        res = {"batch": b, "seqlen": sq, "heads": h, "head_dim": d, "splits": ns}
+        for name, fn in (("flashgen", lambda: flash_attn_combine(op, lp, out_dtype=torch.bfloat16)),
+                         ("torch", lambda: torch_combine(op, lp))):
+            res[name] = nbytes / _time_ms(fn) / 1e6
+        rows.append(res)
+        del op, lp
     return rows
 
 
@@ -184,11 +233,11 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--causal", default="false,true")
-    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--csv", default="bench.csv")
     ap.add_argument("--png", default="bench.png")
     ap.add_argument("--no-ablation", action="store_true")
     ap.add_argument("--no-overhead", action="store_true")
+    ap.add_argument("--no-combine", action="store_true", help="skip the flash_attn_combine bandwidth table")
     a = ap.parse_args(argv)
     import torch
 
@@ -197,7 +246,7 @@ def main(argv=None) -> int:
         return 2
     gpu = torch.cuda.get_device_name()
     rows = run_grid([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.head_dims.split(",")],
-                    a.dtypes.split(","), [x.strip().lower() == "true" for x in a.causal.split(",")], a.iters)
+                    a.dtypes.split(","), [x.strip().lower() == "true" for x in a.causal.split(",")])
     with open(a.csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         w.writeheader()
@@ -209,8 +258,14 @@ def main(argv=None) -> int:
     if not a.no_ablation:
         print(f"\nablation ({gpu}; bf16, batch 4, seqlen 8448, 16 heads, hdim 128, non-causal):")
         print(f"{'variant':<60} {'TFLOP/s':>8}")
-        for r in run_ablation(a.iters):
+        for r in run_ablation():
             print(f"{r['variant']:<60} {r['tflops']:8.1f}")
+    if not a.no_combine:
+        print(f"\nflash_attn_combine GB/s on {gpu} (bf16 out; inputs read once, outputs written once)")
+        print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'hd':>3} {'splits':>6} {'flashgen':>9} {'torch':>7}")
+        for r in run_combine():
+            print(f"{r['batch']:>5} {r['seqlen']:>6} {r['heads']:>5} {r['head_dim']:>3} {r['splits']:>6} "
+                  f"{r['flashgen']:9.0f} {r['torch']:7.0f}")
     print(f"\nforward TFLOP/s on {gpu} (16k tokens, hidden 2048)")
     print(f"{'dtype':<5} {'hd':>3} {'causal':>6} {'seqlen':>6} {'flashgen':>9} {'cuDNN':>7} {'FA2':>7} {'ratio':>6}")
     for r in rows:

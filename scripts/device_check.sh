@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
-# One GPU session in one command: install, build every variant with all cores, run the GPU
-# tests, then the benchmark (table printed last). Used with the device tool:
-#   bash scripts/device_check.sh [quick|full]     (logs and CSV/PNG under $OUT when set)
+# One GPU session in one command (used with the device tool). Logs and CSVs go under $OUT.
+#   bash scripts/device_check.sh test      install, build every variant with all cores, GPU tests, combine/overhead bench
+#   bash scripts/device_check.sh regress   forward grid of the base commit (.base/, made by scripts/make_base.sh)
+#                                          and of this tree, alternated twice, same harness; table printed last
+#   bash scripts/device_check.sh full      test, then `flashgen bench` (grid vs SDPA cuDNN/FA2, ablation, combine)
 set -uo pipefail
-mode=${1:-full}
+mode=${1:-test}
 out=${OUT:-/tmp/flashgen-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
+python3 -c "import torch, cuda.bindings, triton; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__, 'triton', triton.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 t0=$(date +%s)
-flashgen build --all -j "$(nproc)" 2>&1 | tail -4 | tee "$out/build.log"
+flashgen build --all -j "$(nproc)" 2>&1 | tail -3 | tee "$out/build.log"
 echo "build: $(( $(date +%s) - t0 )) s"
-if [ "$mode" = quick ]; then
-  timeout 300 python3 -m pytest -x -q tests/gpu/test_fwd_gpu.py -k "b9_q17 or b3_q113 or b1_q1_" 2>&1 | tail -25 | tee "$out/test.log"
-  exit 0
-fi
-timeout 420 python3 -m pytest -q tests/gpu 2>&1 | tail -30 | tee "$out/test.log"
-flashgen bench --csv "$out/bench.csv" --png "$out/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+python3 -m flashgen.generator.sass build/manifest.json | grep -c '^ok' | sed 's/^/sass ok kernels: /'
+
+case "$mode" in
+test|full)
+  timeout 480 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/test.log" | tail -40
+  if [ "$mode" = full ]; then
+    flashgen bench --csv "$out/bench.csv" --png "$out/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+  else
+    flashgen bench --seqlens 4096 --head-dims 128 --dtypes bf16 --no-ablation --csv "$out/bench.csv" --png "$out/bench.png" 2>&1 | tail -16
+  fi
+  ;;
+regress)
+  test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build -j "$(nproc)" 2>&1 | tail -1)
+  old() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/regress_fwd.py run --label old "$@"; }
+  new() { python3 scripts/regress_fwd.py run --label new "$@"; }
+  new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
+  python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt"
+  ;;
+esac

@@ -39,7 +39,7 @@ def _built_keys():
     return {
         (v.params["dtype"], v.params["head_dim"], v.params.get("head_dim_v", v.params["head_dim"]),
          bool(v.params["causal"]))
-        for v in m.variants
+        for v in m.variants if v.family == "fwd"
     }
 
 
