@@ -346,3 +346,146 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         handle,
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     return out, lse
+
+
+# ======================================================================================
+# flash_attn_combine_dlpack: split-KV combine on DLPack arrays (FA3's flash_attn_combine)
+# ======================================================================================
+
+from . import combine as _combine  # noqa: E402  (section appended after the forward entry)
+
+__all__.append("flash_attn_combine_dlpack")
+
+
+def _combine_out_dtype(out_dtype: Any) -> str:
+    """flashgen's name for an output dtype given as None (float32), a flashgen name ('fp32',
+    'bf16', 'fp16'), a framework name ('float32', 'bfloat16', 'float16') or a dtype object
+    (numpy / CuPy / ml_dtypes / torch / JAX). Unknown dtypes come back as their spelling, which
+    check_combine rejects with a TypeError naming it."""
+    if out_dtype is None:
+        return "fp32"
+    if isinstance(out_dtype, str):
+        if out_dtype in _combine.OUT_DTYPES:
+            return out_dtype
+        spelled = out_dtype
+    else:
+        spelled = getattr(out_dtype, "name", None)  # numpy / CuPy / ml_dtypes / JAX dtypes
+        if not isinstance(spelled, str):
+            spelled = getattr(out_dtype, "__name__", None) or str(out_dtype)  # np.float32; torch.float32
+    return _DTYPE_BY_NAME.get(spelled.rsplit(".", 1)[-1], spelled)
+
+
+def _combine_allocate(like: Any, p: "_combine.CombineProblem", handle: int, want_out: bool, want_lse: bool):
+    """(out or None, lse or None) allocated with ``like``'s framework when it is torch, else
+    with CuPy, on ``handle``'s stream. lse is the (batch, seqlen, heads) transposed view of a
+    contiguous (batch, heads, seqlen) float32 buffer in both frameworks."""
+    mod = type(like).__module__.split(".", 1)[0]
+    b, s, h = p.batch, p.seqlen, p.heads
+    if mod == "torch" and "torch" in sys.modules:
+        import torch
+
+        dev = torch.device("cuda", p.device)
+        tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.out_dtype]
+        st = torch.cuda.default_stream(dev) if handle in (0, 1) else torch.cuda.ExternalStream(handle, device=dev)
+        with torch.cuda.stream(st):
+            out = torch.empty(p.out_shape, dtype=tdt, device=dev) if want_out else None
+            lse = torch.empty((b, h, s), dtype=torch.float32, device=dev).transpose(1, 2) if want_lse else None
+        return out, lse
+    try:
+        import cupy
+    except ImportError:
+        raise TypeError(
+            "flashgen: flash_attn_combine_dlpack: out / lse were not given and there is no allocator for "
+            f"{type(like).__name__} arrays: pass out= ({p.out_dtype}, shape {p.out_shape}) and lse= (float32, "
+            f"the (batch, seqlen, heads) = {p.lse_shape} transpose of a contiguous {p.lse_buffer_shape} "
+            "buffer) device arrays, or install CuPy"
+        ) from None
+    if want_out and p.out_dtype == "bf16":
+        raise TypeError(
+            "flashgen: flash_attn_combine_dlpack: CuPy cannot allocate bfloat16 arrays: pass out= "
+            f"(bfloat16, shape {p.out_shape})"
+        )
+    with cupy.cuda.Device(p.device):
+        st = cupy.cuda.Stream.null if handle in (0, 1) else cupy.cuda.ExternalStream(handle, p.device)
+        with st:
+            out = cupy.empty(p.out_shape, dtype={"fp32": cupy.float32, "fp16": cupy.float16}[p.out_dtype]) \
+                if want_out else None
+            lse = cupy.empty((b, h, s), dtype=cupy.float32).transpose(0, 2, 1) if want_lse else None
+    return out, lse
+
+
+def flash_attn_combine_dlpack(out_partial, lse_partial, *, out: Any = None, lse: Any = None,
+                              out_dtype: Any = None, stream: Any = None):
+    """Merge split-KV partial attention outputs on DLPack arrays; returns ``(out, lse)``.
+
+    Same computation, rules and errors as :func:`flashgen.interface.flash_attn_combine` (FA3's
+    ``flash_attn_combine``; split-KV / flash-decoding, FlashAttention-3 arXiv 2407.08608, §3),
+    without torch: per row (b, l, h), ``M = max_s L_s``, ``w_s = exp(L_s - M)``,
+    ``lse = M + log(sum_s w_s)``, ``out = sum_s (w_s / sum w) out_partial_s`` in fp32; splits
+    with L_s = -inf are skipped (never read), all -inf gives out 0 and lse -inf.
+
+    Args:
+        out_partial: float32 ``(num_splits, batch, seqlen, heads, head_dim)`` CUDA array (any
+            object with ``__dlpack__`` / ``__dlpack_device__``: CuPy, JAX, torch, ...),
+            1 <= num_splits <= 256, 1 <= head_dim <= 256, last dim contiguous, other strides free.
+        lse_partial: float32 ``(num_splits, batch, seqlen, heads)``, natural log, any strides.
+        out: optional ``(batch, seqlen, heads, head_dim)`` array of out_dtype on the same device,
+            last dim contiguous, written in place.
+        lse: optional float32 array written in place: the ``(batch, seqlen, heads)`` transposed
+            view of a contiguous ``(batch, heads, seqlen)`` buffer, or that buffer itself.
+        out_dtype: None (float32), 'fp32' / 'bf16' / 'fp16', 'float32' / 'bfloat16' / 'float16',
+            or a dtype object (numpy, CuPy, ml_dtypes, torch, JAX). With ``out``, it must be
+            out's dtype.
+        stream: where to launch: None = the legacy default stream (handle 0), an int CUstream
+            handle, or a stream object (``__cuda_stream__``, torch.cuda.Stream,
+            cupy.cuda.Stream); also passed to each array's ``__dlpack__`` (stream handshake).
+
+    Missing outputs are allocated on ``stream``: with torch when out_partial is a torch tensor,
+    else with CuPy (float32 / float16 out; CuPy has no bfloat16, so pass ``out`` for bf16).
+    The allocated lse is always the ``(batch, seqlen, heads)`` transposed view of a
+    contiguous ``(batch, heads, seqlen)`` buffer (torch ``transpose(1, 2)``, CuPy
+    ``transpose(0, 2, 1)``). No copy of any input is ever made.
+
+    Returns:
+        ``(out, lse)``: the given arrays, or the allocated ones. batch, seqlen or heads of 0
+        launch nothing.
+
+    Raises:
+        TypeError: an argument is not a DLPack array; dtypes wrong (see flash_attn_combine);
+            no allocator for missing outputs, or a bf16 out to allocate with CuPy.
+        ValueError: arrays not in CUDA memory or not on one device; shapes, ranges or layouts
+            (see flash_attn_combine); lse not of the layout above; an output read-only.
+        flashgen.combine.CombineArgumentError: dtype and shape problems together.
+        RuntimeError: GPU not compute capability 9.x.
+        flashgen.dispatch.MissingVariantError: no combine variant for out_dtype is built.
+    """
+    handle = _stream_handle(stream)
+    dl_stream = _dlpack_stream(handle)
+    opa = _read("out_partial", out_partial, dl_stream)
+    lpa = _read("lse_partial", lse_partial, dl_stream)
+    oa = None if out is None else _read("out", out, dl_stream)
+    p = _combine.check_combine(opa.info, lpa.info, _combine_out_dtype(out_dtype), None if oa is None else oa.info)
+    _v.check_capability(_core.device_capability(p.device), p.device)
+    if out is None or lse is None:
+        new_out, new_lse = _combine_allocate(out_partial, p, handle, out is None, lse is None)
+        if out is None:
+            out = new_out
+            oa = _read("out", out, dl_stream)
+        lse = new_lse if lse is None else lse
+    la = _read("lse", lse, dl_stream)
+    _combine.check_combine_lse(la.info, p, la.ptr)
+    for a in (oa, la):
+        if a.view is not None and getattr(a.view, "readonly", False):
+            raise ValueError(f"flashgen: flash_attn_combine_dlpack: {a.name} is read-only; pass a writable array")
+    if p.nothing_to_compute:
+        return out, lse
+    dev = p.device
+    _combine.attention_combine(
+        _core.TensorArg(opa.ptr, opa.info.shape, opa.info.strides, "fp32", dev),
+        _core.TensorArg(lpa.ptr, lpa.info.shape, lpa.info.strides, "fp32", dev),
+        _core.TensorArg(oa.ptr, oa.info.shape, oa.info.strides, p.out_dtype, dev),
+        _core.TensorArg(la.ptr, la.info.shape, la.info.strides, "fp32", dev),
+        p.out_dtype,
+        handle,
+    )  # selects the variant (cached) and raises MissingVariantError before launching
+    return out, lse

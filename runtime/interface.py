@@ -308,3 +308,170 @@ def flash_attn_func(
     if return_attn_probs:
         return out, lse
     return out
+
+
+# ======================================================================================
+# flash_attn_combine: split-KV combine (FA3's flash_attn_combine)
+# ======================================================================================
+# Two custom ops, so torch.compile sees exactly what each call does:
+#   flashgen::combine(out_partial, lse_partial, out_dtype) -> (out, lse)      functional
+#   flashgen::combine_out(out_partial, lse_partial, out!, out_dtype) -> lse   writes `out` in place
+# (a custom op may not return one of its inputs, so the `out=` form returns only lse and declares
+# `out` mutated; flash_attn_combine returns (out, lse) around it).
+
+from . import combine as _combine  # noqa: E402  (section appended after the forward API)
+
+_COMBINE_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _combine_dtype_name(dtype) -> str:
+    """flashgen's name of an output dtype, or its spelling (rejected by check_combine)."""
+    name = _COMBINE_DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype)
+
+
+def _combine_check(out_partial, lse_partial, out_dtype, out=None) -> "_combine.CombineProblem":
+    return _combine.check_combine(_array_info(out_partial), _array_info(lse_partial), _combine_dtype_name(out_dtype),
+                                  None if out is None else _array_info(out))
+
+
+def _combine_lse_buffer(like: torch.Tensor, p) -> torch.Tensor:
+    """FA3's LSE output: a contiguous float32 (batch, heads, seqlen) buffer, returned as its
+    (batch, seqlen, heads) transpose(1, 2) view."""
+    return like.new_empty(p.lse_buffer_shape, dtype=torch.float32).transpose(1, 2)
+
+
+def _combine_arg(t: torch.Tensor, dtype: str, device: int) -> "_core.TensorArg":
+    return _core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, device)
+
+
+def _combine_launch(out_partial, lse_partial, out, lse, p) -> None:
+    dev = p.device
+    _combine.attention_combine(
+        _combine_arg(out_partial, "fp32", dev),
+        _combine_arg(lse_partial, "fp32", dev),
+        _combine_arg(out, p.out_dtype, dev),
+        _combine_arg(lse, "fp32", dev),
+        p.out_dtype,
+        _current_stream(dev),
+    )  # selects the variant (cached) and raises MissingVariantError before launching
+
+
+def _combine_impl(out_partial: torch.Tensor, lse_partial: torch.Tensor,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.flashgen.combine(out_partial, lse_partial, out_dtype) -> (out, lse)``: the
+    functional op behind :func:`flash_attn_combine` (fresh ``out``, contiguous). Validates."""
+    p = _combine_check(out_partial, lse_partial, out_dtype)
+    _check_device_capability(p.device)
+    out = out_partial.new_empty(p.out_shape, dtype=out_dtype)
+    lse = _combine_lse_buffer(out_partial, p)
+    if not p.nothing_to_compute:
+        _combine_launch(out_partial, lse_partial, out, lse, p)
+    return out, lse
+
+
+def _combine_out_impl(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch.ops.flashgen.combine_out(out_partial, lse_partial, out, out_dtype) -> lse``: the
+    in-place op behind ``flash_attn_combine(..., out=out)``; writes ``out``. Validates."""
+    p = _combine_check(out_partial, lse_partial, out_dtype, out)
+    _check_device_capability(p.device)
+    lse = _combine_lse_buffer(out_partial, p)
+    if not p.nothing_to_compute:
+        _combine_launch(out_partial, lse_partial, out, lse, p)
+    return lse
+
+
+_combine_op = torch.library.custom_op("flashgen::combine", _combine_impl, mutates_args=())
+_combine_out_op = torch.library.custom_op("flashgen::combine_out", _combine_out_impl, mutates_args=("out",))
+
+
+@_combine_op.register_fake
+def _combine_fake(out_partial, lse_partial, out_dtype):
+    p = _combine_check(out_partial, lse_partial, out_dtype)
+    return out_partial.new_empty(p.out_shape, dtype=out_dtype), _combine_lse_buffer(out_partial, p)
+
+
+@_combine_out_op.register_fake
+def _combine_out_fake(out_partial, lse_partial, out, out_dtype):
+    p = _combine_check(out_partial, lse_partial, out_dtype, out)
+    return _combine_lse_buffer(out_partial, p)
+
+
+def flash_attn_combine(
+    out_partial: torch.Tensor,
+    lse_partial: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge split-KV partial attention outputs: FA3's ``flash_attn_combine``.
+
+    Split-KV attention (flash-decoding; FlashAttention-3, arXiv 2407.08608, §3, and FA3's
+    ``flash_attn_combine`` / ``mha_combine``) computes attention over ``num_splits`` slices of
+    the keys; slice s gives a partial output O_s (normalised within the slice) and its
+    log-sum-exp L_s. This merges them per row (b, l, h), in fp32:
+    ``M = max_s L_s``, ``w_s = exp(L_s - M)``, ``lse = M + log(sum_s w_s)``,
+    ``out = sum_s (w_s / sum_s w_s) O_s``. A slice with L_s = -inf (it saw no key) contributes
+    nothing and its O_s is not read (garbage or NaN there does not leak); a row whose slices
+    are all -inf gives out 0 and lse -inf.
+
+    Args:
+        out_partial: float32 ``(num_splits, batch, seqlen, heads, head_dim)`` CUDA tensor,
+            1 <= num_splits <= 256, 1 <= head_dim <= 256; its last dim must be contiguous
+            (stride 1), other strides are free (no copy is made).
+        lse_partial: float32 ``(num_splits, batch, seqlen, heads)`` on the same device, natural
+            log, any strides (FA3's layout is a transposed ``(num_splits, batch, heads, seqlen)``
+            buffer, which reads fastest).
+        out: optional preallocated ``(batch, seqlen, heads, head_dim)`` tensor of out_dtype on
+            the same device, last dim contiguous, other strides free; written in place and
+            returned.
+        out_dtype: torch.float32 (default: out_partial's dtype, which is float32),
+            torch.bfloat16 or torch.float16. With ``out``, it must equal ``out.dtype`` (as in FA3).
+
+    Returns:
+        ``(out, lse)``: out ``(batch, seqlen, heads, head_dim)`` of out_dtype (contiguous when
+        allocated here); lse float32 with shape ``(batch, seqlen, heads)``, the ``transpose(1, 2)``
+        view of a contiguous ``(batch, heads, seqlen)`` buffer (exactly FA3's layout). batch,
+        seqlen or heads of 0 launch nothing and give empty outputs.
+
+    torch.compile: the call is the custom op ``torch.ops.flashgen.combine`` (functional) or,
+    with ``out``, ``torch.ops.flashgen.combine_out``, which declares ``out`` mutated and writes
+    it directly (no extra copy); both have fake implementations, so
+    ``torch.compile(fullgraph=True)`` traces through without graph breaks. The kernel runs on
+    ``torch.cuda.current_stream()`` with no host synchronisation (CUDA-graph capturable).
+    Not differentiable (FA3's combine has no backward): with inputs that require grad, a
+    backward through the outputs raises RuntimeError (no autograd formula is registered).
+
+    Raises:
+        TypeError: an argument is not a torch.Tensor; out_partial or lse_partial not float32;
+            out_dtype not float32/bfloat16/float16; out's dtype not out_dtype.
+        ValueError: not CUDA tensors or not on one device; out_partial not 5-D or lse_partial
+            not 4-D; lse_partial's shape not out_partial's first four dims; num_splits not in
+            1..256; head_dim not in 1..256; a last dim not contiguous; out of the wrong shape or
+            with overlapping elements.
+        flashgen.combine.CombineArgumentError: dtype and shape problems together (it is both
+            a TypeError and a ValueError). Every problem found is listed, not only the first.
+        RuntimeError: the GPU is not compute capability 9.x (Hopper).
+        flashgen.dispatch.MissingVariantError: no combine variant for out_dtype is built; the
+            message names the ``flashgen add-variant`` command.
+    """
+    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial), ("out", out)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashgen: flash_attn_combine: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if out_dtype is None:
+        out_dtype = torch.float32  # out_partial's dtype: the only one it may have
+    elif not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"flashgen: flash_attn_combine: out_dtype must be a torch.dtype "
+                        f"(torch.float32, torch.bfloat16 or torch.float16), got {out_dtype!r}")
+    tensors = (out_partial, lse_partial) if out is None else (out_partial, lse_partial, out)
+    eager = (all(type(t) is torch.Tensor for t in tensors) and not torch.compiler.is_compiling()
+             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+    if out is None:
+        # Eager fast path: the implementation without the custom-op dispatcher (as flash_attn_func).
+        return _combine_impl(out_partial, lse_partial, out_dtype) if eager else \
+            torch.ops.flashgen.combine(out_partial, lse_partial, out_dtype)
+    if eager:
+        lse = _combine_out_impl(out_partial, lse_partial, out, out_dtype)
+    else:
+        lse = torch.ops.flashgen.combine_out(out_partial, lse_partial, out, out_dtype)
+    return out, lse

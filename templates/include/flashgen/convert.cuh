@@ -1,0 +1,81 @@
+// flashgen element conversion and typed global memory access for fp32 data.
+//
+// Output stores from fp32 values to a float / bfloat16 / half array (one element or four
+// adjacent ones), plus read-once loads of fp32 data. Used by families that compute in fp32
+// and write a selectable output dtype (combine).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace flashgen {
+
+// ---------------------------------------------------------------- loads of read-once fp32 data
+// Non-coherent (read-only for the kernel's lifetime) global loads that do not allocate in L1:
+// every element of a streamed input is read exactly once, so caching it in L1 would only evict
+// data that is reused (PTX ISA, ld: .nc and the L1::no_allocate eviction priority).
+//
+// Guarded form: returns *p when `take`, else 0. The load itself is unconditional, from p when
+// `take` and from `fallback` otherwise (an address that is always valid, e.g. one the kernel
+// reads anyway): p is never dereferenced when !take (it may be past the end, or hold NaN that
+// must not leak). Why not a predicated or branched load: ptxas then interleaves each load with
+// its consumers (measured on sm_90a SASS, CUDA 13.0), leaving one or two loads in flight per
+// thread, while a straight run of unconditional loads is issued back to back. Not volatile:
+// both addresses are valid and the data is read-only, so the compiler may schedule it freely.
+__device__ __forceinline__ float4 ldg_stream_f4_or_zero(const float* p, const float* fallback, bool take) {
+  float4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "l"(take ? p : fallback));
+  return take ? v : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+__device__ __forceinline__ float ldg_stream_f1_or_zero(const float* p, const float* fallback, bool take) {
+  float v;
+  asm("ld.global.nc.L1::no_allocate.f32 %0, [%1];\n" : "=f"(v) : "l"(take ? p : fallback));
+  return take ? v : 0.f;
+}
+
+// ---------------------------------------------------------------- typed output stores
+// OutT is float, __nv_bfloat16 or __half; fp32 values are rounded to nearest even.
+// store_out4 writes out[0..3]; `out` must be aligned to 4 elements (16 bytes for float,
+// 8 bytes for the 16-bit types).
+template <typename OutT>
+__device__ __forceinline__ void store_out1(OutT* out, float v);
+template <typename OutT>
+__device__ __forceinline__ void store_out4(OutT* out, float4 v);
+
+template <>
+__device__ __forceinline__ void store_out1<float>(float* out, float v) { *out = v; }
+template <>
+__device__ __forceinline__ void store_out1<__nv_bfloat16>(__nv_bfloat16* out, float v) {
+  *out = __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ void store_out1<__half>(__half* out, float v) { *out = __float2half_rn(v); }
+
+template <>
+__device__ __forceinline__ void store_out4<float>(float* out, float4 v) {
+  *reinterpret_cast<float4*>(out) = v;
+}
+template <>
+__device__ __forceinline__ void store_out4<__nv_bfloat16>(__nv_bfloat16* out, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 bits;
+  bits.x = *reinterpret_cast<const uint32_t*>(&lo);
+  bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(out) = bits;
+}
+template <>
+__device__ __forceinline__ void store_out4<__half>(__half* out, float4 v) {
+  const __half2 lo = __floats2half2_rn(v.x, v.y);
+  const __half2 hi = __floats2half2_rn(v.z, v.w);
+  uint2 bits;
+  bits.x = *reinterpret_cast<const uint32_t*>(&lo);
+  bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(out) = bits;
+}
+
+}  // namespace flashgen
