@@ -70,13 +70,15 @@ class FakeCore:
         self.calls = []
         self.selected = []
 
-    def select_variant(self, dtype, head_dim, head_dim_v, causal, seqlen_q=0, seqlen_k=0):
-        self.selected.append((dtype, head_dim, head_dim_v, causal, seqlen_q, seqlen_k))
-        return Variant(name=f"fake_{dtype}_{head_dim}", params={"dtype": dtype})
+    def select_variant(self, family, key, manifest=None):
+        self.selected.append((family, dict(key)))
+        return Variant(name=f"fake_{key['dtype']}_{key['head_dim']}", family=family, params={"dtype": key["dtype"]},
+                       dispatch=dict(key), kernels=())
 
     def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None):
         if variant is None:  # as the real core: select (MissingVariantError) before any launch
-            variant = core.select_variant(q.dtype, q.shape[3], v.shape[3], causal, q.shape[1], k.shape[1])
+            variant = core.select_variant(
+                "fwd", {"dtype": q.dtype, "head_dim": q.shape[3], "head_dim_v": v.shape[3], "causal": causal})
         for a in (q, k, v, out):
             assert isinstance(a, core.TensorArg)
             assert V.tma_layout_problem(a.shape, a.strides, V.ELEMENT_SIZE[a.dtype], a.ptr) is None
@@ -134,7 +136,9 @@ def test_forward_matches_reference(fake_gpu, causal, dtype):
     (call,) = fake_gpu.calls
     assert call["causal"] is causal and call["stream"] == 1234
     assert call["scale"] == pytest.approx(64 ** -0.5)
-    assert fake_gpu.selected == [("fp16" if dtype == torch.float16 else "bf16", 64, 64, causal, 5, 7)]
+    assert fake_gpu.selected == [("fwd", {"dtype": "fp16" if dtype == torch.float16 else "bf16", "head_dim": 64,
+                                          "head_dim_v": 64, "causal": causal})]
+    assert (call["q"].shape[1], call["k"].shape[1], call["v"].shape[1]) == (5, 7, 7)  # seqlen_q, seqlen_k
     assert call["variant"].name.startswith("fake_")
 
 
@@ -150,7 +154,8 @@ def test_head_dim_v_differs_reaches_the_variant_lookup(fake_gpu):
     q, k, v = qkv(d=128, dv=64)
     out = flash_attn_func(q, k, v)
     assert out.shape == (2, 5, 4, 64)
-    assert fake_gpu.selected[0][1:3] == (128, 64)
+    family, key = fake_gpu.selected[0]
+    assert family == "fwd" and (key["head_dim"], key["head_dim_v"]) == (128, 64)
 
 
 def test_scheduling_hints_are_accepted(fake_gpu):
@@ -430,7 +435,7 @@ def test_missing_variant_error_propagates(fake_gpu, monkeypatch):
     empty = Manifest(path=Path("/nonexistent/manifest.json"), variants=())
     monkeypatch.setattr(core, "select_variant", functools.partial(dispatch.select_variant, manifest=empty))
     q, k, v = qkv(dtype=torch.bfloat16, d=128)
-    with pytest.raises(core.MissingVariantError, match=r"flashgen add-variant --dtype bf16 --head-dim 128.*--causal"):
+    with pytest.raises(core.MissingVariantError, match=r"flashgen add-variant fwd --dtype bf16 --head-dim 128.*--causal"):
         flash_attn_func(q, k, v, causal=True)
     assert fake_gpu.calls == []
 

@@ -62,18 +62,24 @@ def test_real_template_compiles_without_spills(real_subset):
     m = read_manifest(proj)
     assert {e["name"] for e in m["variants"]} == {v.name for v in pick}
     for e in m["variants"]:
-        assert e["spill_bytes"] == 0 and e["stack_bytes"] == 0
-        assert 0 < e["registers"] <= 65536 // e["threads"]
+        (k,) = e["kernels"]
+        assert k["spill_bytes"] == 0 and k["stack_bytes"] == 0
+        assert 0 < k["registers"] <= 65536 // k["threads"]
         report = json.loads((proj.cache_dir / e["key"] / "report.json").read_text())
-        assert report["ptxas"]["entries"] == [e["symbol"]] and report["ptxas"]["bad_advisories"] == []
+        assert report["ptxas"]["entries"] == [k["symbol"]] and report["ptxas"]["bad_advisories"] == []
         assert report["compile_seconds"] < 30  # the per-variant budget on a 2-core machine
 
 
 def test_real_template_sass(real_subset):
     proj, res, pick = real_subset
     for v in pick:
-        ops = sass.check(str(proj.fatbin_dir / f"{v.name}.fatbin"), [v.symbol], v.params["dtype"])
-        assert {"HGMMA", "UTMALDG", "USETMAXREG"} <= set(ops[v.symbol])
+        need = {v.symbol(k.role): k.sass for k in v.kernels}
+        assert all({"HGMMA", "UTMALDG", "USETMAXREG"} <= set(ops) for ops in need.values())
+        ops = sass.check(str(proj.fatbin_dir / f"{v.name}.fatbin"), need)
+        assert {"HGMMA", "UTMALDG", "USETMAXREG"} <= set(ops[v.symbol("main")])
+    # the same requirements, read back from the manifest (what `python -m flashgen.generator.sass` checks)
+    report = sass.check_manifest(str(proj.manifest_path))
+    assert set(report) == {v.symbol("main") for v in pick}
 
 
 def test_real_rebuild_is_cached_and_fast(real_subset):
@@ -92,9 +98,10 @@ def test_fixture_real_compile_and_sass(tmp_path):
     res = build(proj, pick, jobs=2, log=lambda s: None)
     assert res.failed == [] and len(res.compiled) == 2
     for e in read_manifest(proj)["variants"]:
-        assert e["spill_bytes"] == 0 and e["registers"] > 0
-        ops = sass.check(str(proj.build_dir / e["fatbin"]), [e["symbol"]])
-        assert "HGMMA" in ops[e["symbol"]]
+        (k,) = e["kernels"]
+        assert k["spill_bytes"] == 0 and k["registers"] > 0
+        ops = sass.check(str(proj.build_dir / e["fatbin"]), {k["symbol"]: k["sass"]})
+        assert "HGMMA" in ops[k["symbol"]]
 
 
 def test_sass_check_rejects_a_plain_kernel(tmp_path):
@@ -105,7 +112,7 @@ def test_sass_check_rejects_a_plain_kernel(tmp_path):
     r = subprocess.run(nvcc_command(nv.path, tmp_path, src, out), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     with pytest.raises(AssertionError) as ei:
-        sass.check(str(out))
+        sass.check(str(out), {"flashgen_plain": ("HGMMA", "UTMALDG", "USETMAXREG")})
     msg = str(ei.value)
     assert "flashgen_plain" in msg and "HGMMA" in msg and "UTMALDG" in msg and "USETMAXREG" in msg
 

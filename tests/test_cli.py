@@ -14,7 +14,8 @@ from fgutil import cli, cli_subprocess, compiles, fake_cuda, make_project, read_
 from flashgen.generator.config import load_variants  # noqa: E402
 
 
-@pytest.mark.parametrize("cmd", [[], ["list"], ["build"], ["add-variant"], ["info"], ["bench"]])
+@pytest.mark.parametrize("cmd", [[], ["list"], ["build"], ["add-variant"], ["add-variant", "fwd"],
+                                 ["add-variant", "combine"], ["info"], ["bench"]])
 def test_help(cmd):
     r = cli([*cmd, "--help"])
     assert r.exit_code == 0 and "Usage:" in r.output
@@ -72,7 +73,8 @@ def test_missing_nvcc_exit_3(tmp_path, monkeypatch):
     assert r.exit_code == 3 and "nvcc not found" in r.stderr
 
 
-ADD = ["add-variant", "--dtype", "bf16", "--head-dim", "128", "--causal", "--block-m", "128", "--block-n", "112"]
+ADD = ["add-variant", "fwd", "--dtype", "bf16", "--head-dim", "128", "--causal", "--block-m", "128", "--consumer-wgs", "2",
+       "--block-n", "112"]
 
 
 def test_add_variant_writes_builds_and_updates_manifest(tmp_path, monkeypatch):
@@ -82,7 +84,7 @@ def test_add_variant_writes_builds_and_updates_manifest(tmp_path, monkeypatch):
     n0 = len(read_manifest(proj)["variants"])
     r = cli([*ADD, "--no-pingpong"], proj.root)
     assert r.exit_code == 0, r.output
-    extra = proj.configs_dir / "extra.yaml"
+    extra = proj.configs_dir / "fwd_extra.yaml"
     assert extra.exists()
     name = next(v.name for v in load_variants(proj) if v.params["block_n"] == 112)
     assert "m128n112_s2_wg2_nopp_ov_ps" in name and name in r.output
@@ -90,7 +92,7 @@ def test_add_variant_writes_builds_and_updates_manifest(tmp_path, monkeypatch):
     assert len(m["variants"]) == n0 + 1
     e = next(e for e in m["variants"] if e["name"] == name)
     assert e["params"]["causal"] is True and e["params"]["pingpong"] is False and e["default"] is False
-    assert compiles(log)[-1] == "flashgen_" + name and len(compiles(log)) == n0 + 1  # built only it
+    assert compiles(log)[-1] == "flashgen_" + name + "_main" and len(compiles(log)) == n0 + 1  # built only it
     # the runtime sees it at once
     manifest_mod = pytest.importorskip("flashgen.manifest")
     assert name in {v.name for v in manifest_mod.parse_manifest(proj.manifest_path).variants}
@@ -127,14 +129,28 @@ def test_add_variant_invalid_leaves_file_unchanged(tmp_path, monkeypatch, args, 
     _, log = fake_cuda(tmp_path, monkeypatch)
     more = proj.configs_dir / "more.yaml"
     before = more.read_text()
-    base = ["add-variant", "--dtype", "bf16", "--head-dim", "128", "--block-m", "128", "--block-n", "112"]
+    base = ["add-variant", "fwd", "--dtype", "bf16", "--head-dim", "128", "--block-m", "128", "--consumer-wgs", "2",
+            "--block-n", "112"]
     r = cli([*base, *args, "--config", "configs/more.yaml"], proj.root)
     assert r.exit_code == 2, r.output
     for n in needles:
         assert n in r.stderr, r.stderr
     assert "configs/more.yaml" in r.stderr and "Traceback" not in r.output
-    assert more.read_text() == before and not (proj.configs_dir / "extra.yaml").exists()
+    assert more.read_text() == before and not (proj.configs_dir / "fwd_extra.yaml").exists()
     assert compiles(log) == [] and not proj.manifest_path.exists()
+
+
+@pytest.mark.parametrize("block_m,wgs", [(128, 2), (192, 3)])
+def test_add_variant_consumer_wgs_defaults_to_block_m_over_64(tmp_path, monkeypatch, block_m, wgs):
+    """`--consumer-wgs` is optional (README: `[--consumer-wgs 2]`); before the families refactor it
+    defaulted to block_m / 64 (each consumer warpgroup owns 64 rows)."""
+    proj = make_project(tmp_path)
+    fake_cuda(tmp_path, monkeypatch)
+    r = cli(["add-variant", "fwd", "--dtype", "bf16", "--head-dim", "64", "--block-m", str(block_m),
+             "--block-n", "112", "--no-build"], proj.root)
+    assert r.exit_code == 0, r.output
+    (v,) = [v for v in load_variants(proj) if v.params["block_n"] == 112]
+    assert (v.params["block_m"], v.params["consumer_wgs"]) == (block_m, wgs)
 
 
 def test_info_without_gpu_does_not_crash(tmp_path, monkeypatch):
@@ -146,6 +162,8 @@ def test_info_without_gpu_does_not_crash(tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr
     assert f"nvcc:      {tmp_path / 'fakecuda' / 'bin' / 'nvcc'} (release 13.0" in r.stdout
     assert "gpu:" in r.stdout and "8 built, 8 default tiles" in r.stdout
+    kernel_lines = [ln for ln in r.stdout.splitlines() if " [main]  regs=168 " in ln]  # one line per kernel
+    assert len(kernel_lines) == 8 and all("spill=0 (fwd: dtype=" in ln for ln in kernel_lines), r.stdout
     assert "Traceback" not in r.stdout + r.stderr
 
 

@@ -184,7 +184,11 @@ def test_tile_table_most_specific_row_wins(tmp_path):
 def test_real_configs():
     proj = Project(REPO)
     vs = load_variants(proj)
-    default_set = select(vs)
+    assert {v.family for v in vs} == {"fwd", "combine"}
+    combine = [v for v in vs if v.family == "combine"]
+    assert {v.params["dtype"] for v in combine} == {"fp32", "bf16", "fp16"} and all(v.default for v in combine)
+    assert len(select(vs)) == 12 + 3  # + one combine variant per output dtype
+    default_set = [v for v in select(vs) if v.family == "fwd"]
     assert len(default_set) == 12  # bf16/fp16 x 64/128/256 x causal
     assert all(v.default for v in default_set)
     assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"]) for v in default_set} == {
@@ -208,10 +212,10 @@ def test_real_configs():
     assert {(True, True, True, 2, False), (True, False, True, 2, False), (False, False, True, 2, False),
             (True, True, False, 2, False), (True, True, True, 3, False), (True, True, True, 2, True)} <= knobs
     assert all(not v.default_build for v in abl if not v.default)  # not in the default set
-    full = [v for v in vs if v.default and v.params["dtype"] == "bf16" and v.params["head_dim"] == 128
-            and not v.params["causal"]][0]
+    full = [v for v in vs if v.default and v.family == "fwd" and v.params["dtype"] == "bf16"
+            and v.params["head_dim"] == 128 and not v.params["causal"]][0]
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
-    assert len(vs) == 12 + len([v for v in abl if not v.default])
+    assert len(vs) == 12 + 3 + len([v for v in abl if not v.default])
     assert len(select(vs, all_=True)) == len(vs)
 
 

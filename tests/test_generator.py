@@ -15,7 +15,7 @@ from flashgen.generator import ptxas  # noqa: E402
 from flashgen.generator.build import build, default_jobs  # noqa: E402
 from flashgen.generator.config import load_variants, select  # noqa: E402
 from flashgen.generator.errors import BuildError, ToolchainError  # noqa: E402
-from flashgen.generator.feasibility import SMEM_LIMIT, fwd_problems, fwd_resources  # noqa: E402
+from flashgen.generator.families.fwd import FAMILY as FWD, SMEM_LIMIT, smem_layout  # noqa: E402
 from flashgen.generator.naming import canonical_params, params_hash, symbol_for, variant_name  # noqa: E402
 from flashgen.generator.project import Project, find_root  # noqa: E402
 from flashgen.generator.render import local_headers, render  # noqa: E402
@@ -24,6 +24,7 @@ from flashgen.generator.toolchain import find_nvcc  # noqa: E402
 BASE = dict(family="fwd", dtype="bf16", head_dim=128, head_dim_v=128, causal=True, block_m=128, block_n=128,
             stages=2, consumer_wgs=2, pingpong=True, overlap=True, persistent=True)
 NAME_RE = re.compile(r"^fwd_(bf16|fp16)_hd\d+(v\d+)?_(causal|noncausal)_m\d+n\d+_s\d_wg\d_(no)?pp_(no)?ov_(no)?ps_[0-9a-f]{8}$")
+COMBINE_NAME_RE = re.compile(r"^combine_(fp32|bf16|fp16)_m\d+_t\d+_[0-9a-f]{8}$")
 
 # ------------------------------------------------------------------------------------- naming
 
@@ -53,10 +54,13 @@ def test_names_unique_and_symbols_are_c_identifiers():
     vs = load_variants(Project(REPO))
     names = [v.name for v in vs]
     assert len(names) == len(set(names))
+    assert {v.family for v in vs} == {"fwd", "combine"}
     for v in vs:
-        assert NAME_RE.match(v.name), v.name
-        assert v.symbol == symbol_for(v.name) == "flashgen_" + v.name
-        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.symbol)
+        assert {"fwd": NAME_RE, "combine": COMBINE_NAME_RE}[v.family].match(v.name), v.name
+        assert [k.role for k in v.kernels] == ["main"]
+        assert v.symbol("main") == symbol_for(v.name, "main") == "flashgen_" + v.name + "_main"
+        assert v.symbols == [v.symbol("main")]
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.symbol("main"))
         assert v.name.endswith(params_hash(v.params)[:8])
 
 
@@ -64,26 +68,26 @@ def test_names_unique_and_symbols_are_c_identifiers():
 
 
 def test_fwd_resources_formula():
-    r = fwd_resources({**BASE, "causal": False, "block_n": 176})
+    r = FWD.resources({**BASE, "causal": False, "block_n": 176})
     base = 128 * 128 * 2 + 2 * 2 * 176 * 128 * 2 + 2048  # Q + K/V stages + barriers + slack = 215040
     o_bytes = 128 * 128 * 2  # a separate O staging buffer, added by the kernel's layout only if it fits
     assert r["smem_bytes"] == base + (o_bytes if r.get("separate_o") else 0) <= SMEM_LIMIT
     assert {k: r[k] for k in ("threads", "producer_regs", "consumer_regs", "head_dim_padded", "head_dim_v_padded")} == \
         dict(threads=384, producer_regs=24, consumer_regs=240, head_dim_padded=128, head_dim_v_padded=128)
-    r3 = fwd_resources({**BASE, "head_dim": 64, "head_dim_v": 64, "block_m": 192, "consumer_wgs": 3})
+    r3 = FWD.resources({**BASE, "head_dim": 64, "head_dim_v": 64, "block_m": 192, "consumer_wgs": 3})
     assert (r3["threads"], r3["producer_regs"], r3["consumer_regs"], r3["head_dim_padded"]) == (512, 32, 160, 64)
-    r96 = fwd_resources({**BASE, "head_dim": 96, "head_dim_v": 96})
-    assert r96["head_dim_padded"] == 128 and r96["smem_bytes"] == fwd_resources(BASE)["smem_bytes"]
-    assert fwd_resources({**BASE, "head_dim": 256, "head_dim_v": 256, "block_n": 80})["smem_bytes"] == 231424 <= SMEM_LIMIT
-    assert fwd_resources({**BASE, "block_n": 176, "stages": 3})["smem_bytes"] == 305152  # infeasible, reported as is
+    r96 = FWD.resources({**BASE, "head_dim": 96, "head_dim_v": 96})
+    assert r96["head_dim_padded"] == 128 and r96["smem_bytes"] == FWD.resources(BASE)["smem_bytes"]
+    assert FWD.resources({**BASE, "head_dim": 256, "head_dim_v": 256, "block_n": 80})["smem_bytes"] == 231424 <= SMEM_LIMIT
+    assert FWD.resources({**BASE, "block_n": 176, "stages": 3})["smem_bytes"] == 305152  # infeasible, reported as is
 
 
 def test_fwd_problems():
-    assert fwd_problems(BASE) == []
-    keys = {k for k, _, _ in fwd_problems({**BASE, "block_n": 176, "stages": 3})}
+    assert FWD.problems(BASE) == []
+    keys = {k for k, _, _ in FWD.problems({**BASE, "block_n": 176, "stages": 3})}
     assert keys == {"smem_bytes"}
-    assert {k for k, _, _ in fwd_problems({**BASE, "block_m": 192})} == {"block_m"}
-    assert {k for k, _, _ in fwd_problems({**BASE, "head_dim": 256, "head_dim_v": 256, "block_n": 128, "stages": 1})} == {"block_n"}
+    assert {k for k, _, _ in FWD.problems({**BASE, "block_m": 192})} == {"block_m"}
+    assert {k for k, _, _ in FWD.problems({**BASE, "head_dim": 256, "head_dim_v": 256, "block_n": 128, "stages": 1})} == {"block_n"}
 
 
 # ---------------------------------------------------------------------------------- rendering
@@ -93,7 +97,9 @@ def test_render_passes_params_derived_name_symbol(tmp_path):
     proj = make_project(tmp_path)
     v = [v for v in load_variants(proj) if v.params["causal"] and v.params["head_dim"] == 64][0]
     src = render(v, proj.templates_dir)
-    assert f"{v.symbol}(" in src and f"({v.name})" in src
+    assert f"{v.symbol('main')}(" in src and f"({v.name})" in src
+    assert "const flashgen::FwdParams p" in src and "struct FwdParams {" in src  # kernels.main + params_decls
+    assert f"smem + {v.resources['smem']['bars']['offset']})" in src  # the smem layout
     assert f"__launch_bounds__({v.resources['threads']}, 1)" in src
     assert f"smem_bytes={v.resources['smem_bytes']}" in src and "head_dim_padded=64" in src
     assert "setmaxnreg_dec<32>" in src and "setmaxnreg_inc<160>" in src
@@ -109,13 +115,18 @@ def test_render_strict_undefined(tmp_path):
     assert v.name in str(ei.value) and "no_such_variable" in str(ei.value)
 
 
-def test_real_template_renders_every_variant():
+@pytest.mark.parametrize("family", ["fwd", "combine"])
+def test_real_template_renders_every_variant(family):
     proj = Project(REPO)
-    if not (proj.templates_dir / "fwd.cu.j2").exists():
-        pytest.skip("templates/fwd.cu.j2 not written yet")
-    for v in load_variants(proj):
+    if not (proj.templates_dir / f"{family}.cu.j2").exists():
+        pytest.skip(f"templates/{family}.cu.j2 not written yet")
+    vs = [v for v in load_variants(proj) if v.family == family]
+    assert vs
+    for v in vs:
         src = render(v, proj.templates_dir)
-        assert v.symbol in src and 'extern "C"' in src
+        assert v.symbol("main") in src and 'extern "C"' in src
+        for k in v.kernels:  # the params struct the host packs is the one the kernel declares
+            assert f"struct {k.params.name} {{" in src and re.search(rf"const (flashgen::)?{k.params.name} p\)", src)
 
 
 def test_local_headers_recursive_and_scoped(tmp_path):
@@ -173,22 +184,31 @@ def test_manifest_contents(tmp_path, monkeypatch):
     res = build(proj, select(vs), all_variants=vs, jobs=2, log=lambda s: None)
     assert not res.failed and len(res.compiled) == 8 == len(compiles(log))
     m = read_manifest(proj)
-    assert m["schema"] == 1 and m["arch"] == "sm_90a"
+    assert m["schema"] == 2 and m["arch"] == "sm_90a"
     assert m["nvcc"]["path"].endswith("fakecuda/bin/nvcc") and m["nvcc"]["version"].startswith("13.0")
     assert len(m["variants"]) == 8  # more.yaml is not in the default set and was not built
-    want = {"name", "key", "family", "params", "default", "symbol", "fatbin", "sha256", "threads", "cluster",
-            "smem_bytes", "registers", "spill_bytes", "stack_bytes"}
+    want = {"name", "key", "family", "params", "dispatch", "default", "fatbin", "sha256", "kernels"}
+    want_kernel = {"role", "symbol", "threads", "cluster", "smem_bytes", "registers", "spill_bytes", "stack_bytes",
+                   "tensor_maps", "sass", "params"}
     import hashlib
 
     for e in m["variants"]:
         assert set(e) == want
         v = next(v for v in vs if v.name == e["name"])
-        assert e["params"] == v.params and e["symbol"] == v.symbol and e["default"] is True
+        assert e["params"] == v.params and e["family"] == "fwd" and e["default"] is True
+        assert e["dispatch"] == {k: v.params[k] for k in ("dtype", "head_dim", "head_dim_v", "causal")}
         assert e["fatbin"] == f"fatbin/{v.name}.fatbin"
+        (k,) = e["kernels"]
+        assert set(k) == want_kernel
+        assert k["role"] == "main" and k["symbol"] == v.symbol("main")
         data = (proj.manifest_path.parent / e["fatbin"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == e["sha256"] and data.startswith(b"FATBIN:" + v.symbol.encode())
-        assert (e["threads"], e["smem_bytes"]) == (v.resources["threads"], v.resources["smem_bytes"])
-        assert (e["registers"], e["spill_bytes"], e["stack_bytes"], e["cluster"]) == (168, 0, 0, [1, 1, 1])
+        assert hashlib.sha256(data).hexdigest() == e["sha256"]
+        assert data.startswith(b"FATBIN:" + v.symbol("main").encode())
+        assert (k["threads"], k["smem_bytes"]) == (v.resources["threads"], v.resources["smem_bytes"])
+        assert (k["registers"], k["spill_bytes"], k["stack_bytes"], k["cluster"]) == (168, 0, 0, [1, 1, 1])
+        assert k["tensor_maps"] == ["q", "k", "v", "o"] and set(k["sass"]) >= {"HGMMA", "UTMALDG", "USETMAXREG"}
+        assert k["params"] == FWD.kernels(v.params, v.resources)[0].params.layout()
+        assert k["params"]["struct"] == "FwdParams" and [f[0] for f in k["params"]["fields"]][:2] == ["lse", "seqlen_q"]
         assert len(e["key"]) == 64
     assert not list(proj.build_dir.rglob("*.tmp")) and not list(proj.cache_dir.glob(".tmp-*"))
     # building the rest later keeps what was built before
