@@ -287,6 +287,7 @@ def _expand_doc(doc: _Doc, problems: list) -> list[Variant]:
                 params[k], prov[k] = v, f"tiles[{i}].{k}"
         for k, v in pt.items():
             params[k], prov[k] = v, f"extra[{j}].{k}"
+        params = fam.derive(params)
         missing = [k for k in tile_given if k not in params]
         if missing:
             problems.append(f"{f}: extra[{j}]: missing {', '.join(missing)} and no tiles row matches "

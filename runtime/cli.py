@@ -294,8 +294,10 @@ def _family_command(family) -> click.Command:
 
     def run(config_path, do_build, jobs, **values):
         point = {k.name: values[k.name] for k in family.keys if values.get(k.name) is not None}
-        if "head_dim_v" in point and point.get("head_dim_v") == point.get("head_dim"):
-            point.pop("head_dim_v")  # the derived default: keep the point minimal
+        derived = family.derive({k: v for k, v in point.items() if family.key(k).role != "derived"})
+        for k in family.names("derived"):  # a derived key given at its derived value: keep the point minimal
+            if k in point and derived.get(k) == point[k]:
+                point.pop(k)
         _add_variant(family, point, config_path, do_build, jobs)
 
     return click.Command(family.name, params=params, callback=run,

@@ -201,29 +201,31 @@ def _allocate(like: Any, p: _v.Problem, handle: int):
 # Driver memsets for the seqlen_k == 0 case (out = 0, lse = -inf), framework-neutral.
 # Module-level so CPU tests can replace them with host memsets.
 
-def _driver_ctx(device: int):
+def _memset(device: int, what: str, *args) -> None:
+    """One driver memset (``cu<what>``) in ``device``'s primary context; the caller's context is restored."""
     from . import launch
 
-    launch.ensure_context(device)
-    from cuda.bindings import driver
-
-    return driver, launch.check
+    d = launch._driver()
+    with launch.device_context(device):
+        launch.check(getattr(d, f"cu{what}")(*args), f"cu{what}")
 
 
 def _memset8(device: int, ptr: int, nbytes: int, stream: int) -> None:
-    d, check = _driver_ctx(device)
-    check(d.cuMemsetD8Async(d.CUdeviceptr(ptr), 0, nbytes, d.CUstream(stream)), "cuMemsetD8Async")
+    from cuda.bindings import driver as d
+
+    _memset(device, "MemsetD8Async", d.CUdeviceptr(ptr), 0, nbytes, d.CUstream(stream))
 
 
 def _memset2d8(device: int, ptr: int, pitch: int, width: int, height: int, stream: int) -> None:
-    d, check = _driver_ctx(device)
-    check(d.cuMemsetD2D8Async(d.CUdeviceptr(ptr), pitch, 0, width, height, d.CUstream(stream)),
-          "cuMemsetD2D8Async")
+    from cuda.bindings import driver as d
+
+    _memset(device, "MemsetD2D8Async", d.CUdeviceptr(ptr), pitch, 0, width, height, d.CUstream(stream))
 
 
 def _memset32(device: int, ptr: int, value: int, count: int, stream: int) -> None:
-    d, check = _driver_ctx(device)
-    check(d.cuMemsetD32Async(d.CUdeviceptr(ptr), value, count, d.CUstream(stream)), "cuMemsetD32Async")
+    from cuda.bindings import driver as d
+
+    _memset(device, "MemsetD32Async", d.CUdeviceptr(ptr), value, count, d.CUstream(stream))
 
 
 def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int) -> None:

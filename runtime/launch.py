@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .manifest import Kernel, Variant, read_fatbin
 
-_lock = threading.Lock()  # loading only; never taken on the launch path of a loaded kernel
+_lock = threading.RLock()  # loading only (re-entered by get_kernel -> primary_context); never on the launch path
 _drv = None
 
 

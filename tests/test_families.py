@@ -25,6 +25,7 @@ from fgutil import REPO, SMALL_FWD, cli, compiles, fake_cuda, make_project, read
 from flashgen import launch  # noqa: E402
 from flashgen.dispatch import MissingVariantError, add_variant_command, select_variant  # noqa: E402
 from flashgen.generator import families  # noqa: E402
+from flashgen.generator.families import combine as combine_mod  # noqa: E402
 from flashgen.generator.abi import TYPES, Field, params_struct, render_decls  # noqa: E402
 from flashgen.generator.build import build, plan_variants, write_outputs  # noqa: E402
 from flashgen.generator.config import load_variants  # noqa: E402
@@ -270,7 +271,7 @@ def test_manifest_v2_round_trip(two_family_build):
     comb = [v for v in m.variants if v.family == "combine"]
     assert {v.dispatch["dtype"] for v in comb} == {"fp32", "bf16"} and all(set(v.dispatch) == {"dtype"} for v in comb)
     k = comb[0].kernel("main")
-    assert k.tensor_maps == () and k.params["struct"] == "CombineParams" and k.smem_bytes == 0 and k.threads == 256
+    assert k.tensor_maps == () and k.params["struct"] == "CombineParams" and k.smem_bytes == 0 and k.threads == combine_mod.FAMILY.knob_defaults()["threads"]
     f = next(v for v in m.variants if v.family == "fwd").kernel("main")
     assert f.tensor_maps == ("q", "k", "v", "o") and f.params["struct"] == "FwdParams" and f.smem_bytes > 0
     with pytest.raises(KeyError, match="has no kernel 'tail'.*main"):
@@ -333,7 +334,8 @@ def test_missing_variant_error_names_family_key_and_command():
         select_variant("combine", {"dtype": "fp32"}, manifest=m)
     msg = str(ei.value)
     assert "no built combine variant serves dtype=fp32" in msg and "built combine variants: dtype=bf16" in msg
-    assert "flashgen add-variant combine --dtype fp32 --block-m 32 --threads 256" in msg
+    d = combine_mod.FAMILY.knob_defaults()
+    assert f"flashgen add-variant combine --dtype fp32 --block-m {d['block_m']} --threads {d['threads']}" in msg
 
 
 @pytest.mark.parametrize("family,key", [
@@ -502,7 +504,8 @@ def test_add_variant_combine_writes_its_config(tmp_path, monkeypatch):
     assert data["family"] == "combine" and len(data["extra"]) == 1
     assert {k: data["extra"][0][k] for k in ("dtype", "block_m")} == {"dtype": "bf16", "block_m": 16}
     (v,) = [v for v in load_variants(proj) if v.family == "combine"]
-    assert v.params == {"family": "combine", "dtype": "bf16", "block_m": 16, "threads": 256} and not v.default
+    assert v.params == {"family": "combine", "dtype": "bf16", "block_m": 16,
+                        "threads": combine_mod.FAMILY.knob_defaults()["threads"]} and not v.default
     assert v.name in r.output and "configs/combine_extra.yaml" in r.output
     assert compiles(log) == [] and not proj.manifest_path.exists()  # --no-build
     # and with the build: the manifest lists it under its family, ready for dispatch
@@ -517,7 +520,7 @@ def test_add_variant_combine_writes_its_config(tmp_path, monkeypatch):
 @pytest.mark.parametrize("block_m,allowed", [
     (48, "a power of 2 in [4, 64]"),
     (128, "a power of 2 in [4, 64]"),
-    (64, "at most 48"),  # the family's feasibility: 256 splits x 64 rows of fp32 scales > 48 KB static smem
+    (64, "at most 32"),  # the family's feasibility: 256 splits x 64 rows of fp32 scales > 48 KB static smem
 ])
 def test_add_variant_combine_invalid_block_m(tmp_path, monkeypatch, block_m, allowed):
     proj = make_project(tmp_path)

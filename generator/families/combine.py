@@ -49,8 +49,9 @@ class CombineFamily(Family):
     def problems(self, params):
         r = self.resources(params)
         if r["static_smem_bytes"] > STATIC_SMEM_LIMIT:
+            fit = STATIC_SMEM_LIMIT // (MAX_SPLITS * 4)
             return [("block_m", params["block_m"],
-                     f"at most {STATIC_SMEM_LIMIT // (MAX_SPLITS * 4)} ({MAX_SPLITS} splits x block_m fp32 scales "
+                     f"at most {1 << (fit.bit_length() - 1)} ({MAX_SPLITS} splits x block_m fp32 scales "
                      f"must fit {STATIC_SMEM_LIMIT} bytes of static shared memory)")]
         return []
 
@@ -69,8 +70,8 @@ FAMILY = CombineFamily(
     doc="split-KV combine (FA3 flash_attn_combine)",
     keys=(
         Key("dtype", str, "axis", allowed=DTYPES, doc="output dtype (partials are fp32)"),
-        Key("block_m", int, "knob", check=_pow2(4, 64), default=32, doc="rows merged per CTA"),
-        Key("threads", int, "knob", allowed=(128, 256), default=256, doc="threads per CTA"),
+        Key("block_m", int, "knob", check=_pow2(4, 64), default=8, doc="rows merged per CTA"),
+        Key("threads", int, "knob", allowed=(128, 256), default=128, doc="threads per CTA"),
     ),
     tile_match=("dtype",),
     dispatch_keys=("dtype",),

@@ -84,7 +84,10 @@ def smem_layout(params: dict) -> dict:
 
 class FwdFamily(Family):
     def derive(self, params):
+        """head_dim_v defaults to head_dim; consumer_wgs to block_m / 64 (one warpgroup per 64 rows)."""
         params.setdefault("head_dim_v", params["head_dim"])
+        if isinstance(params.get("block_m"), int):
+            params.setdefault("consumer_wgs", params["block_m"] // 64)
         return params
 
     def resources(self, params):
