@@ -4,7 +4,7 @@
 // wraps those in the few shapes the kernels use, and adds one-line inline-PTX wrappers for what
 // CCCL does not cover: wgmma fences/commit/wait, setmaxnreg, named barriers, and the WGMMA
 // shared-memory matrix descriptor. The wgmma.mma_async instructions themselves are generated per
-// variant by the Jinja2 template (their operand lists depend on N).
+// variant by templates/macros/wgmma.j2 (their operand lists depend on N).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -18,6 +18,9 @@ namespace ptx = cuda::ptx;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint8_t* smem_ptr(uint32_t addr) {
+  return static_cast<uint8_t*>(__cvta_shared_to_generic(addr));
 }
 
 // ---------------------------------------------------------------- mbarrier (cuda::ptx)

@@ -1,0 +1,60 @@
+// Epilogue of FA3 (arXiv 2407.08608, Algorithm 1 lines 24-25: write O_i and L_i) for one consumer
+// warpgroup's 64 rows: the normalised fp32 O accumulator -> its rows of a swizzled staging tile ->
+// TMA store, and the log-sum-exp from registers.
+#pragma once
+
+#include "flashgen/ptx.cuh"
+
+namespace flashgen {
+
+// O (m64nN accumulator, R = N/2 registers, already normalised) -> rows [tile_row, tile_row + 64) of
+// `tile` -> TMA store to rows [row, row + 64) of the map (its box: 64 rows x one chunk), issued and
+// committed by the warpgroup's thread 0. bar_id: a named barrier of this warpgroup alone.
+// OwnBuffer: the tile is the epilogue's own, reused tile after tile, so the previous store must have
+// read it before it is overwritten. Otherwise it is an input's buffer (Q's): the caller has
+// finished its GEMMs on it, and `release` (thread 0) hands it back once this store has read it.
+template <typename T, bool OwnBuffer, int R, typename Tile, typename Release>
+__device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, int tile_row, int bar_id,
+                                        const CUtensorMap* map, int row, int head, int batch, Release&& release) {
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  if (OwnBuffer && tid == 0) ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
+  named_bar_sync(bar_id, 128);
+#pragma unroll
+  for (int j = 0; j < R / 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = tile_row + warp * 16 + lane / 4 + 8 * h;
+      *reinterpret_cast<uint32_t*>(tile.ptr() + Tile::offset(r, 8 * j + 2 * (lane % 4))) =
+          pack2<T>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+    }
+  }
+  fence_proxy_async_smem();  // the generic-proxy stores above, before the TMA store reads them
+  named_bar_sync(bar_id, 128);
+  if (tid == 0) {
+    tile.tma_store(map, tile_row, row, head, batch);
+    ptx::cp_async_bulk_commit_group();
+    if constexpr (!OwnBuffer) {
+      ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
+      release();
+    }
+  }
+}
+
+// Before the CTA exits: its TMA stores must have completed (one thread per warpgroup that stored).
+__device__ __forceinline__ void store_o_drain() { ptx::cp_async_bulk_wait_group(ptx::n32_t<0>{}); }
+
+// LSE of this thread's rows row0 and row0 + 8 (global rows of one (batch, head)), written by one
+// thread of each quad; rows at or past seqlen_q are dropped.
+__device__ __forceinline__ void write_lse(float* lse_rows, const float (&lse)[2], int row0, int seqlen_q, int lane) {
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 8 * h;
+      if (row < seqlen_q) lse_rows[row] = lse[h];
+    }
+  }
+}
+
+}  // namespace flashgen

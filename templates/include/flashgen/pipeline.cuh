@@ -1,0 +1,91 @@
+// The TMA -> mbarrier load pipeline between the producer warpgroup and the consumers, and the
+// pingpong order of the consumer warpgroups (FA3, arXiv 2407.08608, Algorithm 1: producer/consumer
+// warp specialization over an s-stage circular buffer; §3.1 pingpong scheduling).
+#pragma once
+
+#include "flashgen/ptx.cuh"
+
+namespace flashgen {
+
+// The n-th use of a ring of Stages buffers: its stage and the parity of the barrier phase it waits
+// for (flips each time the ring wraps). Stages == 1 is a single buffer used once per work tile.
+template <int Stages>
+struct PipeState {
+  int stage;
+  uint32_t phase;
+  __device__ __forceinline__ static PipeState at(int n) {
+    return {n % Stages, static_cast<uint32_t>((n / Stages) & 1)};
+  }
+};
+
+// A ring of Stages buffers, each with a full barrier (one producer arrive + the TMA bytes) and an
+// empty barrier (one arrive per consumer warpgroup). Stages == 1 is the single buffer (Q).
+template <int Stages>
+struct LoadPipeline {
+  uint64_t* full;   // [Stages]
+  uint64_t* empty;  // [Stages]
+
+  // One thread, before the CTA-wide barrier that publishes the init.
+  __device__ __forceinline__ void init(uint32_t consumers) const {
+#pragma unroll
+    for (int s = 0; s < Stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], consumers);
+    }
+  }
+
+  // Producer: wait until the consumers have released the stage (on the first round the parity
+  // is the one a fresh barrier counts as already complete, so the wait falls through).
+  __device__ __forceinline__ void producer_acquire(PipeState<Stages> st) const {
+    mbar_wait(&empty[st.stage], st.phase ^ 1);
+  }
+
+  // Producer: arm the stage's full barrier with the bytes its loads deliver; returns the barrier
+  // the loads complete on.
+  __device__ __forceinline__ uint64_t* producer_expect_tx(PipeState<Stages> st, uint32_t bytes) const {
+    mbar_expect_tx(&full[st.stage], bytes);
+    return &full[st.stage];
+  }
+
+  // Producer: acquire the stage and TMA-load `tile` (rows [row, ...) of the map) into it.
+  template <typename Tile>
+  __device__ __forceinline__ void producer_load(PipeState<Stages> st, const Tile& tile, const CUtensorMap* map, int row,
+                                                int head, int batch) const {
+    producer_acquire(st);
+    tile.tma_load(map, row, head, batch, producer_expect_tx(st, Tile::kBytes));
+  }
+
+  __device__ __forceinline__ void consumer_wait(PipeState<Stages> st) const { mbar_wait(&full[st.stage], st.phase); }
+
+  // One thread per consumer warpgroup, after the warpgroup's last read of the stage.
+  __device__ __forceinline__ void consumer_release(PipeState<Stages> st) const { mbar_arrive(&empty[st.stage]); }
+};
+
+// Pingpong: the consumer warpgroups take turns issuing their GEMMs, so one's softmax runs while
+// another's GEMMs hold the tensor cores. Warpgroup wg's turn is named barrier FirstBar + wg; it
+// waits for its turn, issues, then passes the turn on (256 threads = the waiter and the passer).
+template <int Warpgroups, int FirstBar, bool Enabled>
+struct PingpongTurns {
+  int wg;
+
+  // The last warpgroup gives the first one its first turn.
+  __device__ __forceinline__ void start() const {
+    if constexpr (Enabled) {
+      if (wg == Warpgroups - 1) named_bar_arrive(FirstBar, 256);
+    }
+  }
+  __device__ __forceinline__ void wait() const {
+    if constexpr (Enabled) named_bar_sync(FirstBar + wg, 256);
+  }
+  __device__ __forceinline__ void pass() const {
+    if constexpr (Enabled) named_bar_arrive(FirstBar + (wg + 1) % Warpgroups, 256);
+  }
+  // Absorb the last warpgroup's final pass, so no arrive is left pending at exit.
+  __device__ __forceinline__ void finish() const {
+    if constexpr (Enabled) {
+      if (wg == 0) named_bar_sync(FirstBar, 256);
+    }
+  }
+};
+
+}  // namespace flashgen

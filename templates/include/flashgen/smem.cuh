@@ -1,0 +1,77 @@
+// Typed shared-memory tiles in the 128-byte-swizzle layout that TMA writes and WGMMA reads (FA3,
+// arXiv 2407.08608, §2.2 and Algorithm 1: the Q, K, V tiles of the circular buffer and the O
+// staging tile).
+//
+// A Rows x Cols tile of T is stored as column chunks of 128 bytes (128 / sizeof(T) columns), each
+// chunk Rows rows of 128 bytes; inside a chunk, 16-byte unit u of row r sits at unit u ^ (r % 8)
+// (8-row, 1024-byte swizzle atoms). TMA writes one chunk per box. A tile is a view: the shared-window
+// address of its first byte (1024-byte aligned, so the descriptors' base offset is 0) plus
+// compile-time geometry. It holds the 32-bit address rather than a pointer so that descriptor and
+// stage arithmetic stays 32-bit; ptr() converts back where a generic pointer is needed (it folds away).
+#pragma once
+
+#include "flashgen/ptx.cuh"
+
+namespace flashgen {
+
+template <typename T, int Rows, int Cols>
+struct SmemTileSW128 {
+  static_assert(sizeof(T) == 1 || sizeof(T) == 2, "16-bit (f16/bf16) or 8-bit (e4m3/e5m2) elements");
+  static constexpr int kRows = Rows;
+  static constexpr int kCols = Cols;
+  static constexpr int kRowBytes = 128;
+  static constexpr int kChunkCols = kRowBytes / static_cast<int>(sizeof(T));
+  static constexpr int kChunks = Cols / kChunkCols;
+  static constexpr int kChunkBytes = Rows * kRowBytes;
+  static constexpr int kBytes = kChunks * kChunkBytes;
+  // K of one WGMMA is 32 bytes: k16 for 16-bit types, k32 for 8-bit ones.
+  static constexpr int kKStep = 32 / static_cast<int>(sizeof(T));
+  static constexpr int kKStepsPerChunk = kChunkCols / kKStep;
+  static_assert(Rows % 8 == 0 && Cols % kChunkCols == 0, "whole swizzle atoms: 8-row groups, 128-byte chunks");
+
+  uint32_t addr;
+
+  __device__ __forceinline__ uint8_t* ptr() const { return smem_ptr(addr); }
+
+  // Tile s of a ring of such tiles laid out back to back from this one.
+  __device__ __forceinline__ SmemTileSW128 stage(int s) const { return {addr + s * kBytes}; }
+
+  // Byte offset of element (row, col) from the tile's first byte.
+  __device__ __forceinline__ static int offset(int row, int col) {
+    const int byte = (col % kChunkCols) * static_cast<int>(sizeof(T));
+    return (col / kChunkCols) * kChunkBytes + row * kRowBytes + (((byte / 16) ^ (row % 8)) << 4) + byte % 16;
+  }
+
+  // K-major operand (rows are M or N, columns are K; Q and K of S = Q K^T): k-step ks of the rows
+  // from `row` (a multiple of 8) on. SBO = 1024 (8-row atoms); LBO is unused with this swizzle.
+  __device__ __forceinline__ uint64_t desc_k_major(int ks, int row = 0) const {
+    return make_smem_desc_sw128(addr + row * kRowBytes + (ks / kKStepsPerChunk) * kChunkBytes +
+                                    (ks % kKStepsPerChunk) * 32,
+                                16, 1024);
+  }
+
+  // MN-major operand (rows are K, columns are N; V as the transposed B of O += P V): k-step ks.
+  // LBO = bytes between column chunks, SBO = 1024 (8 K-rows).
+  __device__ __forceinline__ uint64_t desc_mn_major(int ks) const {
+    static_assert(sizeof(T) == 2, "WGMMA reads transposed (MN-major) operands only for 16-bit types");
+    return make_smem_desc_sw128(addr + ks * kKStep * kRowBytes, kChunkBytes, 1024);
+  }
+
+  // TMA: load rows [row, row + Rows) of a 4-D (dim, seq, head, batch) tensor map whose box is one
+  // chunk, completing on `bar`. One thread.
+  __device__ __forceinline__ void tma_load(const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) const {
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch)
+      tma_load_4d(ptr() + ch * kChunkBytes, map, ch * kChunkCols, row, head, batch, bar);
+  }
+
+  // TMA: store tile rows [tile_row, tile_row + box rows) to rows [row, ...) of a 4-D tensor map,
+  // one box per chunk (not committed). One thread.
+  __device__ __forceinline__ void tma_store(const CUtensorMap* map, int tile_row, int row, int head, int batch) const {
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch)
+      tma_store_4d(map, ptr() + ch * kChunkBytes + tile_row * kRowBytes, ch * kChunkCols, row, head, batch);
+  }
+};
+
+}  // namespace flashgen
