@@ -7,7 +7,7 @@ templates/include) and content of every project header it includes, the nvcc fla
 temp folder which is renamed into place only when complete and checked, so a killed build leaves
 nothing half-written and two concurrent builds of the same variant cannot corrupt each other.
 
-After compiling, ``build/fatbin/<name>.fatbin`` and ``build/manifest.json`` (CONTRACTS.md §3) list
+After compiling, ``build/fatbin/<name>.fatbin`` and ``build/manifest.json`` (CONTRACTS.md §5) list
 every configured variant whose current cache entry exists -- not only the ones just built -- so
 building a subset never drops variants built earlier.
 """
