@@ -13,7 +13,9 @@ a wrong result here, as it would on the GPU. The kernel's arithmetic itself is t
 from __future__ import annotations
 
 import ctypes
+import sys
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +31,9 @@ from flashgen import _validate as V
 from flashgen.interface import flash_attn_combine
 from flashgen.manifest import Variant
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))  # the shared references (torch only)
+from _ref import combine_ref  # noqa: E402
+
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STREAM = 4321
@@ -38,18 +43,6 @@ STREAM = 4321
 # float64 reference and the emulated kernel
 # --------------------------------------------------------------------------------------
 
-def combine_ref(out_partial, lse_partial):
-    """float64 merge; -inf splits skipped (their partials never touched), all -inf -> (0, -inf).
-    Returns (out (b, s, h, d), lse (b, s, h)), float64."""
-    op, lp = out_partial.double(), lse_partial.double()
-    m = lp.amax(0)
-    shift = torch.where(m == -math.inf, torch.zeros_like(m), m)
-    w = torch.exp(lp - shift)
-    total = w.sum(0)
-    lse = torch.where(total > 0, shift + torch.log(total), torch.full_like(total, -math.inf))
-    scale = torch.where(total > 0, w / total, torch.zeros_like(w))[..., None]
-    out = torch.where(scale != 0, scale * op, torch.zeros_like(op)).sum(0)
-    return out, lse
 
 
 def _strided(ptr: int, dtype: torch.dtype, shape, strides) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""Float32 reference attention and FA3's error rule, shared by the GPU tests and the benchmark."""
+"""References shared by the tests (GPU and CPU): float32 attention, FA3's error rule, the float64 combine."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -38,3 +40,18 @@ def fa3_rule_ok(out, ref, out_lowprec, factor: float = 2.0):
     base = (out_lowprec.float() - ref.float()).abs().max().item()
     noise = ((ref + 0.3 - 0.3) - ref).abs().max().item()
     return err <= factor * base + 2 * noise + 1e-6, err, base
+
+
+def combine_ref(out_partial, lse_partial):
+    """float64 merge of split-KV partials on the upcast inputs: (out (b, s, h, d), lse (b, s, h)).
+    Splits with L_s = -inf get weight 0 and their partials are not used (even NaN ones);
+    rows with every split -inf give (0, -inf)."""
+    op, lp = out_partial.double(), lse_partial.double()
+    m = lp.amax(0)
+    shift = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    w = torch.exp(lp - shift)
+    total = w.sum(0)
+    lse = torch.where(total > 0, shift + torch.log(total), torch.full_like(total, -math.inf))
+    scale = torch.where(total > 0, w / total, torch.zeros_like(w))[..., None]
+    out = torch.where(scale != 0, scale * op, torch.zeros_like(op)).sum(0)
+    return out, lse

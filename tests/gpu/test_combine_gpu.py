@@ -39,6 +39,8 @@ from flashgen import dlpack_api  # noqa: E402
 from flashgen.dispatch import MissingVariantError, select_variant  # noqa: E402
 from flashgen.interface import flash_attn_combine  # noqa: E402
 
+from _ref import combine_ref  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
+
 pytestmark = pytest.mark.gpu
 
 _NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -59,19 +61,6 @@ def need(dtype):
 # Reference and checks
 # --------------------------------------------------------------------------------------
 
-def combine_ref(out_partial, lse_partial):
-    """float64 merge on the upcast inputs: (out (b, s, h, d), lse (b, s, h)), float64.
-    Splits with L_s = -inf get weight 0 and their partials are not used (even NaN ones);
-    rows with every split -inf give (0, -inf)."""
-    op, lp = out_partial.double(), lse_partial.double()
-    m = lp.amax(0)
-    shift = torch.where(m == -math.inf, torch.zeros_like(m), m)
-    w = torch.exp(lp - shift)
-    total = w.sum(0)
-    lse = torch.where(total > 0, shift + torch.log(total), torch.full_like(total, -math.inf))
-    scale = torch.where(total > 0, w / total, torch.zeros_like(w))[..., None]
-    out = torch.where(scale != 0, scale * op, torch.zeros_like(op)).sum(0)
-    return out, lse
 
 
 def check(out, lse, out_partial, lse_partial, out_dtype):

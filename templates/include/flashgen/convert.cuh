@@ -9,6 +9,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "flashgen/ptx.cuh"  // pack2
+
 namespace flashgen {
 
 // ---------------------------------------------------------------- loads of read-once fp32 data
@@ -43,9 +45,6 @@ __device__ __forceinline__ float ldg_stream_f1_or_zero(const float* p, const flo
 // 8 bytes for the 16-bit types).
 template <typename OutT>
 __device__ __forceinline__ void store_out1(OutT* out, float v);
-template <typename OutT>
-__device__ __forceinline__ void store_out4(OutT* out, float4 v);
-
 template <>
 __device__ __forceinline__ void store_out1<float>(float* out, float v) { *out = v; }
 template <>
@@ -55,27 +54,14 @@ __device__ __forceinline__ void store_out1<__nv_bfloat16>(__nv_bfloat16* out, fl
 template <>
 __device__ __forceinline__ void store_out1<__half>(__half* out, float v) { *out = __float2half_rn(v); }
 
+// 16-bit types: two packed pairs (pack2, ptx.cuh) in one 8-byte store.
+template <typename OutT>
+__device__ __forceinline__ void store_out4(OutT* out, float4 v) {
+  *reinterpret_cast<uint2*>(out) = make_uint2(pack2<OutT>(v.x, v.y), pack2<OutT>(v.z, v.w));
+}
 template <>
 __device__ __forceinline__ void store_out4<float>(float* out, float4 v) {
   *reinterpret_cast<float4*>(out) = v;
-}
-template <>
-__device__ __forceinline__ void store_out4<__nv_bfloat16>(__nv_bfloat16* out, float4 v) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
-  const __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
-  uint2 bits;
-  bits.x = *reinterpret_cast<const uint32_t*>(&lo);
-  bits.y = *reinterpret_cast<const uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(out) = bits;
-}
-template <>
-__device__ __forceinline__ void store_out4<__half>(__half* out, float4 v) {
-  const __half2 lo = __floats2half2_rn(v.x, v.y);
-  const __half2 hi = __floats2half2_rn(v.z, v.w);
-  uint2 bits;
-  bits.x = *reinterpret_cast<const uint32_t*>(&lo);
-  bits.y = *reinterpret_cast<const uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(out) = bits;
 }
 
 }  // namespace flashgen
