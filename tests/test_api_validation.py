@@ -29,6 +29,9 @@ from flashgen import _validate as V
 from flashgen.interface import flash_attn_func
 from flashgen.manifest import Manifest, Variant
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from fgutil import torch_allocates_on_cpu  # noqa: E402
+
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -635,21 +638,7 @@ def test_dlpack_numpy_arrays_with_given_outputs(fake_gpu_dlpack):
 
 
 def test_dlpack_torch_arrays_allocate_with_torch(fake_gpu_dlpack, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "default_stream", lambda dev: None)
-
-    class _NullCtx:
-        def __init__(self, s):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            return False
-
-    monkeypatch.setattr(torch.cuda, "stream", _NullCtx)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **kw: real_empty(*a, **kw))
+    torch_allocates_on_cpu(monkeypatch)
     q, k, v = qkv(dtype=torch.bfloat16)
     out, lse = dlpack_api.flash_attn_forward(q, k, v, softmax_scale=0.2)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == (2, 5, 4, 64)

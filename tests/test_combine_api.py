@@ -32,7 +32,9 @@ from flashgen.interface import flash_attn_combine
 from flashgen.manifest import Variant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))  # the shared references (torch only)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from _ref import combine_ref  # noqa: E402
+from fgutil import torch_allocates_on_cpu  # noqa: E402
 
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -686,21 +688,7 @@ def test_dlpack_out_dtype_spellings(spelling, name):
 
 
 def test_dlpack_torch_arrays_allocate_with_torch(fake_gpu_dlpack, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "default_stream", lambda dev: None)
-
-    class _NullCtx:
-        def __init__(self, s):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            return False
-
-    monkeypatch.setattr(torch.cuda, "stream", _NullCtx)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **kw: real_empty(*a, **kw))
+    torch_allocates_on_cpu(monkeypatch)
     op, lp = partials(ns=2, b=2, s=5, h=4, d=64)
     out, lse = dlpack_api.flash_attn_combine_dlpack(op, lp, out_dtype=torch.bfloat16)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == (2, 5, 4, 64)
