@@ -38,13 +38,10 @@ __all__ = [
     "attention_combine",
 ]
 
-#: Most splits one call may merge: the kernel keeps every split's scale of its rows in shared
-#: memory (generator/families/combine.py ``MAX_SPLITS``; FA3's limit too).
-MAX_SPLITS = 256
-#: Largest head_dim (any value from 1 up).
-MAX_HEAD_DIM = 256
-#: Output dtypes (flashgen names); the partials and both LSEs are always fp32.
-OUT_DTYPES = ("fp32", "bf16", "fp16")
+# The family module's limits, not copies: MAX_SPLITS (the kernel keeps every split's scale of its
+# rows in shared memory; FA3's limit too), MAX_HEAD_DIM (any head_dim from 1 up to it) and the
+# output dtypes (flashgen names; the partials and both LSEs are always fp32).
+from .generator.families.combine import DTYPES as OUT_DTYPES, MAX_HEAD_DIM, MAX_SPLITS  # noqa: E402
 _OUT_DTYPE_SPELLING = "torch.float32, torch.bfloat16 or torch.float16"
 _INT32_MAX = 2**31 - 1
 
