@@ -5,7 +5,6 @@ FLASHGEN ?= $(PYTHON) -m flashgen.cli
 JOBS ?=
 JOBS_FLAG := $(if $(JOBS),-j $(JOBS),)
 TORCH_VERSION ?= 2.13.0
-KERNELS := runtime/_kernels
 
 .DEFAULT_GOAL := build
 .PHONY: install build build-all wheel test test-gpu bench clean
@@ -21,20 +20,18 @@ install:
 build:
 	$(FLASHGEN) build $(JOBS_FLAG)
 
-## build-all: every variant in configs/, then the wheel in dist/
+## build-all: every variant in configs/, then the wheel in dist/ with all of them
 build-all:
 	$(FLASHGEN) build --all $(JOBS_FLAG)
-	$(MAKE) wheel
+	$(MAKE) wheel FLASHGEN_VARIANTS=all
 
-## wheel: pack build/manifest.json + build/fatbin/*.fatbin + the Python packages into dist/
+## wheel: dist/flashgen-*.whl with its kernels. The build backend (setup.py) compiles the set
+## $(FLASHGEN_VARIANTS) (default | all | name globs) through the build cache, so after `make build`
+## nothing is compiled again; a failed variant fails the wheel.
+FLASHGEN_VARIANTS ?= default
 wheel:
-	@test -f build/manifest.json || { echo "no build/manifest.json: run 'make build' or 'make build-all' first"; exit 1; }
-	rm -rf $(KERNELS) .whl/setuptools dist/flashgen-*.whl
-	mkdir -p $(KERNELS)/fatbin
-	cp build/manifest.json $(KERNELS)/manifest.json
-	cp build/fatbin/*.fatbin $(KERNELS)/fatbin/
-	$(PIP) wheel --no-deps -w dist .
-	rm -rf $(KERNELS)
+	rm -rf .whl/setuptools dist/flashgen-*.whl
+	FLASHGEN_VARIANTS=$(FLASHGEN_VARIANTS) $(PIP) wheel --no-deps --no-build-isolation -w dist .
 	@ls -l dist/flashgen-*.whl
 
 ## test: CPU tests (real nvcc compiles included); GPU tests are deselected
@@ -50,4 +47,4 @@ bench:
 	$(PYTHON) -m flashgen.cli bench $(BENCH_ARGS)
 
 clean:
-	rm -rf build dist .whl $(KERNELS) *.egg-info .pytest_cache
+	rm -rf build dist .whl *.egg-info .pytest_cache

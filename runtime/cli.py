@@ -50,24 +50,31 @@ def _load(project=None, overrides=None):
 
 
 def _installed_manifest():
-    """(path, data) of the manifest the runtime would load, or (None, None)."""
+    """(path, data, where it comes from) of the manifest the runtime would load, or (None, None, None).
+
+    The same lookup as the runtime's (flashgen.manifest.candidate_paths), so `info`, `list` and the
+    runtime always name the same file."""
+    from .manifest import ManifestError, find_manifest
+
     try:
-        from .manifest import candidate_paths
+        path, source = find_manifest(with_source=True)
+        return path, json.loads(path.read_text()), source
+    except (ManifestError, OSError, ValueError):
+        return None, None, None
 
-        cands = candidate_paths()
-    except Exception:  # noqa: BLE001 -- runtime missing or broken: fall back to the same order
-        import os
 
-        here = Path(__file__).resolve().parent
-        cands = ([Path(os.environ["FLASHGEN_KERNEL_DIR"]) / "manifest.json"] if os.environ.get("FLASHGEN_KERNEL_DIR") else [])
-        cands += [here / "_kernels" / "manifest.json", here.parent / "build" / "manifest.json"]
-    for p in cands:
-        if p.is_file():
-            try:
-                return p, json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-    return None, None
+def _say_where_runtime_reads(project) -> None:
+    """After a build: say so when the runtime will load another manifest than the one just written."""
+    from .manifest import ManifestError, find_manifest
+
+    try:
+        path, source = find_manifest(with_source=True)
+    except ManifestError:
+        path, source = None, None
+    if path is None or path.resolve() != project.manifest_path.resolve():
+        where = f"{path} ({source})" if path else "no manifest"
+        click.echo(f"note: the runtime loads {where}, not {project.manifest_path}; to use this build, "
+                   f"set FLASHGEN_KERNEL_DIR={project.build_dir}", err=True)
 
 
 def _run_build(project, selected, variants, jobs) -> None:
@@ -85,7 +92,9 @@ def _run_build(project, selected, variants, jobs) -> None:
         click.echo(f"flashgen: {len(res.failed)} variant(s) failed:", err=True)
         for name, msg in res.failed:
             click.echo(f"  {name}: {msg}", err=True)
+        _say_where_runtime_reads(project)
         sys.exit(EXIT_BUILD_FAILED)
+    _say_where_runtime_reads(project)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -116,7 +125,7 @@ def list_cmd(pattern, all_, as_json):
     from .generator.toolchain import find_nvcc
 
     if find_root() is None:
-        path, data = _installed_manifest()
+        path, data, _ = _installed_manifest()
         if data is None:
             click.echo("no flashgen project here and no installed kernel manifest", err=True)
             sys.exit(EXIT_CONFIG)
@@ -216,6 +225,11 @@ def _add_variant(family, point: dict, config_path: str, do_build: bool, jobs) ->
     if not path.is_absolute():
         path = project.root / path
     label = project.rel(path)
+    if path.resolve().parent != project.configs_dir.resolve() or path.suffix not in (".yaml", ".yml"):
+        _fail_config(g.ConfigError([
+            f"--config {config_path}: the build reads only {project.rel(project.configs_dir)}/*.yaml, so a point "
+            f"added there would never be built; pass a .yaml file directly in {project.rel(project.configs_dir)}/ "
+            f"(default: configs/{family.name}_extra.yaml)"]))
     if path.exists():
         old_text = path.read_text()
         problems = []
@@ -235,18 +249,19 @@ def _add_variant(family, point: dict, config_path: str, do_build: bool, jobs) ->
     extra = new.get("extra") or []
     if not isinstance(extra, list):
         _fail_config(g.ConfigError([f"{label}: extra: not a list; cannot append"]))
-    already = point in extra
+    full = family.derive({"family": family.name, **family.knob_defaults(), **point})
+    name = variant_name(canonical_params(full))
+    _, existing = _load(project)  # exits 2 on any problem in the files as they are
+    already = [v for v in existing if v.name == name]
     if not already:
         extra.append(point)
     new["extra"] = extra
     project, variants = _load(project, overrides={path: new})  # exits 2 on any problem
-    full = family.derive({"family": family.name, **family.knob_defaults(), **point})
-    name = variant_name(canonical_params(full))
     target = [v for v in variants if v.name == name]
     if not target:  # e.g. dropped by the file's exclude rules
         _fail_config(g.ConfigError([f"{label}: the new point {name} does not produce a variant (exclude rule?)"]))
     if already:
-        click.echo(f"{label}: already lists {name}")
+        click.echo(f"{label}: not added: {name} is already configured ({'; '.join(already[0].sources)})")
     else:
         flow = yaml.safe_dump(point, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
         if old_text is None:
@@ -345,18 +360,22 @@ def info_cmd():
     click.echo(f"gpu:       {_gpu_summary()}")
     root = find_root()
     click.echo(f"project:   {root if root else 'none (installed package only)'}")
-    path, data = _installed_manifest()
+    path, data, source = _installed_manifest()
     if data is None:
-        click.echo("manifest:  none found (run `make build` or `flashgen build`)")
+        from .manifest import candidate_paths
+
+        click.echo("manifest:  none found (run `make build` or `flashgen build`); the runtime looks at: "
+                   + ", ".join(f"{p} ({s})" for p, s in candidate_paths(with_sources=True)))
         return
     vs = data.get("variants", [])
     nvm = data.get("nvcc", {})
-    click.echo(f"manifest:  {path} (schema {data.get('schema')}, {data.get('arch')}, nvcc {nvm.get('version', '?')})")
+    click.echo(f"manifest:  {path} (from {source}: the one the runtime loads; schema {data.get('schema')}, "
+               f"{data.get('arch')}, nvcc {nvm.get('version', '?')})")
     click.echo(f"variants:  {len(vs)} built, {sum(bool(v.get('default')) for v in vs)} default tiles")
     for v in vs:
         key = " ".join(f"{k}={x}" for k, x in v.get("dispatch", {}).items())
         for k in v.get("kernels", []):
-            click.echo(f"  {'*' if v.get('default') else ' '} {v['name']} [{k.get('role')}]  regs={k.get('registers')} "
+            click.echo(f"  {'*' if v.get('default') else ' '} {v['name']}{' (stale)' if v.get('stale') else ''} [{k.get('role')}]  regs={k.get('registers')} "
                        f"smem={k.get('smem_bytes')} spill={k.get('spill_bytes')} ({v.get('family')}: {key})")
 
 

@@ -77,28 +77,46 @@ class Manifest:
         return out
 
 
-def candidate_paths() -> list[Path]:
-    """Where the manifest is looked for, in order: $FLASHGEN_KERNEL_DIR, the installed package's
-    _kernels/ (what the wheel ships), then <repo>/build/ (editable installs and source trees)."""
-    paths = []
-    env = os.environ.get("FLASHGEN_KERNEL_DIR")
-    if env:
-        paths.append(Path(env) / MANIFEST_NAME)
+def _is_checkout(path: Path) -> bool:
+    return (path / "configs").is_dir() and (path / "templates").is_dir()
+
+
+def candidate_paths(with_sources: bool = False) -> list:
+    """Where the runtime looks for the manifest, in order (the CLI's ``info`` and ``build`` use
+    this same list, so both always agree on which manifest is in use):
+
+    1. ``$FLASHGEN_KERNEL_DIR/manifest.json`` -- an explicit kernel folder;
+    2. ``$FLASHGEN_BUILD_DIR/manifest.json`` -- where ``flashgen build`` writes when that is set;
+    3. ``$FLASHGEN_ROOT/build/manifest.json`` -- the build folder of the project the CLI uses;
+    4. the installed package's ``_kernels/manifest.json`` -- what a wheel or ``pip install .`` ships;
+    5. ``<checkout>/build/manifest.json`` -- an editable install or a source tree (only when the
+       folder above this package is a checkout, with configs/ and templates/).
+
+    Paths only, or (path, where it comes from) pairs when ``with_sources``."""
+    out = []
+    for var, sub in (("FLASHGEN_KERNEL_DIR", ""), ("FLASHGEN_BUILD_DIR", ""), ("FLASHGEN_ROOT", "build")):
+        env = os.environ.get(var)
+        if env:
+            out.append((Path(env).resolve() / sub / MANIFEST_NAME, f"${var}"))
     here = Path(__file__).resolve().parent
-    paths.append(here / "_kernels" / MANIFEST_NAME)
-    paths.append(here.parent / "build" / MANIFEST_NAME)
-    return paths
+    out.append((here / "_kernels" / MANIFEST_NAME, "installed package"))
+    if _is_checkout(here.parent):
+        out.append((here.parent / "build" / MANIFEST_NAME, f"checkout {here.parent}"))
+    return out if with_sources else [p for p, _ in out]
 
 
-def find_manifest() -> Path:
-    """The first existing manifest among candidate_paths(); ManifestError naming them all if none."""
-    for p in candidate_paths():
+def find_manifest(with_source: bool = False):
+    """The first existing manifest among :func:`candidate_paths` (with where it comes from when
+    ``with_source``); ManifestError naming every place tried if there is none."""
+    cands = candidate_paths(with_sources=True)
+    for p, src in cands:
         if p.is_file():
-            return p
-    tried = ", ".join(str(p) for p in candidate_paths())
+            return (p, src) if with_source else p
+    tried = ", ".join(f"{p} ({src})" for p, src in cands)
     raise ManifestError(
         f"flashgen: no kernel manifest found (looked at {tried}). Build kernels with `make build` "
-        "or `flashgen build`, or point FLASHGEN_KERNEL_DIR at a folder holding manifest.json."
+        "or `flashgen build` in a checkout, install a flashgen wheel (`pip install .` compiles the "
+        "default kernels), or point FLASHGEN_KERNEL_DIR at a folder holding manifest.json."
     )
 
 

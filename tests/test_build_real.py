@@ -118,25 +118,25 @@ def test_sass_check_rejects_a_plain_kernel(tmp_path):
 
 
 def test_wheel_installs_without_nvcc_and_lists_variants(real_subset, tmp_path):
-    """Build the wheel from a copy of the sources plus the subset's kernels, install it into a
-    fresh venv, and run `flashgen list` where no nvcc and no checkout can be seen."""
+    """`pip wheel .` on a copy of the checkout (its build backend packaging the subset through the
+    subset's build cache: real fatbins, nothing recompiled), installed into a fresh venv, then
+    `flashgen list` where no nvcc and no checkout can be seen."""
     proj, res, pick = real_subset
     src = tmp_path / "src"
-    src.mkdir()
-    for f in ("pyproject.toml", "setup.py", "README.md"):
-        if (REPO / f).exists():
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split("\n")
+    for f in files:
+        if f and (REPO / f).is_file() and not f.startswith("tests/"):
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / f, src / f)
-    shutil.copytree(REPO / "runtime", src / "runtime", ignore=shutil.ignore_patterns("__pycache__", "_kernels"))
-    shutil.copytree(REPO / "generator", src / "generator", ignore=shutil.ignore_patterns("__pycache__"))
-    kd = src / "runtime" / "_kernels"
-    (kd / "fatbin").mkdir(parents=True)
-    shutil.copy(proj.manifest_path, kd / "manifest.json")
-    for f in proj.fatbin_dir.glob("*.fatbin"):
-        shutil.copy(f, kd / "fatbin" / f.name)
     dist = tmp_path / "dist"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                        str(dist), str(src)], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHGEN_ROOT", "FLASHGEN_KERNEL_DIR", "PYTHONPATH")}
+    env.update(FLASHGEN_BUILD_DIR=str(proj.build_dir), FLASHGEN_VARIANTS=",".join(v.name for v in pick))
+    entries = sorted(proj.cache_dir.glob("[0-9a-f]*"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                        str(dist), str(src)], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(proj.cache_dir.glob("[0-9a-f]*")) == entries  # served by the cache: nothing recompiled
     (whl,) = dist.glob("*.whl")
     assert whl.name == "flashgen-0.1.0-py3-none-manylinux_2_17_x86_64.whl"
     assert whl.stat().st_size < 100 * 2**20

@@ -118,6 +118,30 @@ def test_add_variant_appends_to_existing_file_keeping_comments(tmp_path, monkeyp
     assert len(load_variants(proj)) == 10
 
 
+def test_add_variant_refuses_a_config_outside_configs(tmp_path, monkeypatch):
+    proj = make_project(tmp_path)
+    fake_cuda(tmp_path, monkeypatch)
+    outside = tmp_path / "mine.yaml"
+    for cfg in (str(outside), "templates/x.yaml", "configs/notes.txt"):
+        r = cli([*ADD, "--config", cfg], proj.root)
+        assert r.exit_code == 2, r.output
+        assert "reads only configs/*.yaml" in r.output + r.stderr
+        assert "can dispatch" not in r.output
+    assert not outside.exists() and not (proj.root / "templates" / "x.yaml").exists()
+    assert not proj.manifest_path.exists()  # nothing was built either
+
+
+def test_add_variant_does_not_append_an_already_configured_point(tmp_path, monkeypatch):
+    proj = make_project(tmp_path)
+    _, log = fake_cuda(tmp_path, monkeypatch)
+    # exactly the matrix's bf16 hd128 causal point with its tile: fwd.yaml already makes it
+    r = cli(["add-variant", "fwd", "--dtype", "bf16", "--head-dim", "128", "--causal", "--block-m", "128",
+             "--block-n", "128", "--consumer-wgs", "2"], proj.root)
+    assert r.exit_code == 0, r.output
+    assert "not added" in r.output and "already configured" in r.output and "configs/fwd.yaml" in r.output
+    assert not (proj.configs_dir / "fwd_extra.yaml").exists()
+
+
 @pytest.mark.parametrize("args,needles", [
     (["--block-n", "120"], ["block_n = 120", "multiple of 16"]),
     (["--block-m", "192", "--consumer-wgs", "2"], ["block_m = 192", "64 * consumer_wgs = 128"]),

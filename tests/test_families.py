@@ -350,10 +350,14 @@ def test_suggested_command_runs_and_serves_the_key(tmp_path, monkeypatch, family
     fake_cuda(tmp_path, monkeypatch)
     argv = shlex.split(add_variant_command(family, key))
     assert argv[:3] == ["flashgen", "add-variant", family]
+    before = [v for v in load_variants(proj) if v.family == family and v.dispatch == key]
     r = cli([*argv[1:], "--no-build"], proj.root)
     assert r.exit_code == 0, r.output
     added = [v for v in load_variants(proj) if v.family == family and v.dispatch == key]
-    assert len(added) == 1 and (proj.configs_dir / f"{family}_extra.yaml").exists()
+    assert len(added) == 1
+    # a point the configs already make is reported, not appended a second time
+    assert (proj.configs_dir / f"{family}_extra.yaml").exists() == (not before)
+    assert ("already configured" in r.output) == bool(before)
 
 
 # ==================================================================================== registry
