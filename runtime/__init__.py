@@ -5,7 +5,13 @@ Torch users: ``from flashgen import flash_attn_func`` (FA3's ``flash_attn_interf
 Split-KV partials: ``flashgen.flash_attn_combine`` (torch, FA3's name).
 Other frameworks: ``flashgen.flash_attn_forward`` and ``flashgen.flash_attn_combine_dlpack``
 take DLPack arrays.
-Torch is imported only when the torch API is first used.
+Torch is imported only when the torch API is first used; without torch, using it raises an
+ImportError that says how to install it (``pip install flashgen[torch]``), while
+``import flashgen`` and the DLPack API keep working.
+
+Argument errors list every problem of the call, one line each; a lone problem raises
+TypeError, ValueError or NotImplementedError, a mix raises ``flashgen.InputError`` (a
+subclass of both ValueError and TypeError).
 """
 
 __version__ = "0.1.0"
@@ -15,6 +21,7 @@ _LAZY = {
     "flash_attn_forward": ("dlpack_api", "flash_attn_forward"),
     "flash_attn_combine": ("interface", "flash_attn_combine"),
     "flash_attn_combine_dlpack": ("dlpack_api", "flash_attn_combine_dlpack"),
+    "InputError": ("_validate", "InputError"),
     "MissingVariantError": ("dispatch", "MissingVariantError"),
     "select_variant": ("dispatch", "select_variant"),
     "load_manifest": ("manifest", "load_manifest"),

@@ -17,6 +17,16 @@ the kernels' TMA requirements, docs/CONTRACTS.md §2):
 * a TMA descriptor can address an array when its last dim has stride 1, every other
   stride is a multiple of 16 bytes, no stride is negative or a broadcast 0, and its base
   address is 16-byte aligned (CUDA driver API, ``cuTensorMapEncodeTiled``).
+
+Errors: every check reports every problem it finds, not only the first. Each
+``*_problems`` function returns ``(exception class, message)`` pairs and the matching
+``check_*`` function raises them together with :func:`raise_problems`: one exception, one
+line per problem, the message starting with ``"flashgen: "``. A lone problem (or several of
+one kind) raises its own type -- TypeError (a wrong type or dtype), ValueError (a wrong
+device, shape, value or layout), NotImplementedError (a valid request no built variant
+serves, e.g. fp8) -- and a mix raises :class:`InputError`, a subclass of both ValueError
+and TypeError. A check that cannot run because another failed (comparing the head_dim of q
+and k when q is not 4-D) is skipped; every independent problem is reported.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from typing import NamedTuple, Optional, Sequence
 __all__ = [
     "ArrayInfo",
     "Problem",
+    "InputError",
+    "raise_problems",
     "ELEMENT_SIZE",
     "SUPPORTED_DTYPES",
     "FP8_DTYPES",
@@ -35,13 +47,18 @@ __all__ = [
     "MAX_HEAD_DIM",
     "HEAD_DIM_MULTIPLE",
     "check_features",
+    "feature_problems",
     "check_softmax_scale",
+    "softmax_scale_problems",
     "check_inputs",
+    "input_problems",
     "check_capability",
     "tma_layout_problem",
     "tma_strides",
     "check_out",
+    "out_problems",
     "check_lse",
+    "lse_problems",
     "is_c_contiguous",
 ]
 
@@ -55,8 +72,6 @@ FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 TMA_ALIGN_BYTES = 16
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
-
-_NAMES = ("q", "k", "v")
 
 
 class ArrayInfo(NamedTuple):
@@ -112,10 +127,46 @@ def _fmt_shape(shape: Sequence) -> str:
 
 
 # --------------------------------------------------------------------------------------
+# Reporting: every problem of one call in one exception
+# --------------------------------------------------------------------------------------
+
+class InputError(ValueError, TypeError):
+    """The arguments of one call have several problems of different kinds, e.g. a wrong dtype
+    (a TypeError on its own) and a wrong shape (a ValueError on its own).
+
+    The message lists every problem, one per line. Being both a ValueError and a TypeError,
+    it is caught by ``except ValueError`` and by ``except TypeError`` alike. An unsupported
+    feature (NotImplementedError alone) that comes with other problems is listed here too.
+    """
+
+
+def raise_problems(problems: Sequence[tuple], context: str = "") -> None:
+    """Raise one exception naming every problem in ``problems``; return when it is empty.
+
+    ``problems``: ``(exception class, message)`` pairs, the class being what the problem
+    would raise alone (TypeError, ValueError or NotImplementedError) and the message naming
+    the argument and what was expected, without the ``"flashgen: "`` prefix.
+
+    The exception is of the problems' class when they all have the same one (so a single
+    problem raises what it always did), else :class:`InputError`. Its message starts with
+    ``"flashgen: "`` + ``context`` (e.g. ``"flash_attn_combine: "``): the problem itself when
+    there is one, else ``"N problems with the arguments:"`` and one ``"  - ..."`` line each.
+    """
+    if not problems:
+        return
+    kinds = {kind for kind, _ in problems}
+    cls = kinds.pop() if len(kinds) == 1 else InputError
+    if len(problems) == 1:
+        raise cls(f"flashgen: {context}{problems[0][1]}")
+    lines = "\n".join(f"  - {message}" for _, message in problems)
+    raise cls(f"flashgen: {context}{len(problems)} problems with the arguments:\n{lines}")
+
+
+# --------------------------------------------------------------------------------------
 # Arguments no built variant serves yet
 # --------------------------------------------------------------------------------------
 
-def check_features(
+def feature_problems(
     *,
     window_size=(-1, -1),
     softcap=0.0,
@@ -124,45 +175,58 @@ def check_features(
     v_descale=None,
     qv=None,
     attention_chunk=0,
-) -> None:
-    """Refuse FA3 arguments that no flashgen variant implements yet.
-
-    Raises NotImplementedError naming the argument for: ``window_size`` other than
-    ``(-1, -1)`` (sliding-window / local attention), ``softcap`` other than 0, any of
-    ``q_descale`` / ``k_descale`` / ``v_descale`` (fp8 descaling), ``qv`` (absorbed MLA)
-    and ``attention_chunk`` other than 0. TypeError for a window_size that is not a pair.
-    """
+) -> list:
+    """The problems (see :func:`raise_problems`) of :func:`check_features`'s arguments."""
+    P: list = []
     if window_size is not None:
         try:
             left, right = window_size
         except (TypeError, ValueError):
-            raise TypeError(
-                f"flashgen: window_size must be a pair (left, right) of ints, got {window_size!r}"
-            ) from None
-        if (left, right) != (-1, -1):
-            raise NotImplementedError(
-                f"flashgen: window_size={tuple(window_size)!r} (sliding-window / local attention) "
-                "is not supported yet: no built variant implements it; use window_size=(-1, -1)"
-            )
-    if softcap is None:
-        softcap = 0.0
-    if softcap != 0:
-        raise NotImplementedError(
-            f"flashgen: softcap={softcap!r} is not supported yet: no built variant implements "
-            "logit soft-capping; use softcap=0.0"
-        )
+            P.append((TypeError, f"window_size must be a pair (left, right) of ints, got {window_size!r}"))
+        else:
+            if (left, right) != (-1, -1):
+                P.append((NotImplementedError,
+                          f"window_size={tuple(window_size)!r} (sliding-window / local attention) is not "
+                          "supported yet: no built variant implements it; use window_size=(-1, -1)"))
+    if softcap is not None and softcap != 0:
+        P.append((NotImplementedError, f"softcap={softcap!r} is not supported yet: no built variant "
+                                       "implements logit soft-capping; use softcap=0.0"))
     for name, val in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if val is not None:
-            raise NotImplementedError(
-                f"flashgen: {name} is not supported yet: descaling belongs to the fp8 forward, "
-                f"and no fp8 variant is built; pass {name}=None"
-            )
+            P.append((NotImplementedError, f"{name} is not supported yet: descaling belongs to the fp8 "
+                                           f"forward, and no fp8 variant is built; pass {name}=None"))
     if qv is not None:
-        raise NotImplementedError("flashgen: qv (absorbed MLA) is not supported yet; pass qv=None")
+        P.append((NotImplementedError, "qv (absorbed MLA) is not supported yet; pass qv=None"))
     if attention_chunk not in (0, None):
-        raise NotImplementedError(
-            f"flashgen: attention_chunk={attention_chunk!r} is not supported yet; pass attention_chunk=0"
-        )
+        P.append((NotImplementedError,
+                  f"attention_chunk={attention_chunk!r} is not supported yet; pass attention_chunk=0"))
+    return P
+
+
+def check_features(**features) -> None:
+    """Refuse FA3 arguments that no flashgen variant implements yet.
+
+    Keywords: ``window_size``, ``softcap``, ``q_descale``, ``k_descale``, ``v_descale``, ``qv``,
+    ``attention_chunk`` (see :func:`feature_problems`). Raises NotImplementedError naming the
+    argument for: ``window_size`` other than ``(-1, -1)`` (sliding-window / local attention),
+    ``softcap`` other than 0, any of ``q_descale`` / ``k_descale`` / ``v_descale`` (fp8
+    descaling), ``qv`` (absorbed MLA) and ``attention_chunk`` other than 0; TypeError for a
+    window_size that is not a pair; :class:`InputError` for both kinds at once. Every problem
+    is listed (see :func:`raise_problems`).
+    """
+    raise_problems(feature_problems(**features))
+
+
+def softmax_scale_problems(softmax_scale) -> list:
+    """The problems (see :func:`raise_problems`) of a softmax_scale (see :func:`check_softmax_scale`)."""
+    if softmax_scale is None:
+        return []
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        return [(TypeError, "softmax_scale must be a real number (float) or None, "
+                            f"got {type(softmax_scale).__name__}")]
+    if not math.isfinite(float(softmax_scale)):
+        return [(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")]
+    return []
 
 
 def check_softmax_scale(softmax_scale, head_dim) -> float:
@@ -173,114 +237,114 @@ def check_softmax_scale(softmax_scale, head_dim) -> float:
     row maximum of the scaled scores, FA3 paper arXiv 2407.08608, Algorithm 1). TypeError
     for a non-number, ValueError for NaN / inf, each naming ``softmax_scale``.
     """
+    raise_problems(softmax_scale_problems(softmax_scale))
     if softmax_scale is None:
         return float(head_dim) ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(
-            "flashgen: softmax_scale must be a real number (float) or None, "
-            f"got {type(softmax_scale).__name__}"
-        )
-    scale = float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"flashgen: softmax_scale must be a finite number, got {softmax_scale!r}")
-    return scale
+    return float(softmax_scale)
 
 
 # --------------------------------------------------------------------------------------
 # q, k, v
 # --------------------------------------------------------------------------------------
 
-def check_inputs(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo) -> Problem:
+_LAYOUTS = {
+    "q": "(batch, seqlen_q, heads, head_dim)",
+    "k": "(batch, seqlen_k, heads_k, head_dim)",
+    "v": "(batch, seqlen_k, heads_k, head_dim_v)",
+}
+
+
+def _head_dim_problem(what: str, name: str, d: int) -> list:
+    if HEAD_DIM_MULTIPLE <= d <= MAX_HEAD_DIM and d % HEAD_DIM_MULTIPLE == 0:
+        return []
+    return [(ValueError, f"{what} (dim 3 of {name}) must be a multiple of {HEAD_DIM_MULTIPLE} "
+                         f"between {HEAD_DIM_MULTIPLE} and {MAX_HEAD_DIM}, got {d}")]
+
+
+def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[ArrayInfo]) -> list:
+    """Everything wrong with q, k, v (see :func:`check_inputs`), as ``(exception class,
+    message)`` pairs (see :func:`raise_problems`); empty when they are valid.
+
+    None stands for an argument that is no array at all (the caller reports that): the
+    checks of the others still run. A check that needs another to pass first is skipped
+    when that one failed, and only then: the same-device check needs all three on CUDA,
+    the same-dtype check all three of a supported dtype, and each size comparison needs
+    the arrays it compares to be 4-D.
+    """
+    P: list = []
+    arrays = {name: a for name, a in (("q", q), ("k", k), ("v", v)) if a is not None}
+    # devices
+    for name, a in arrays.items():
+        if not a.is_cuda:
+            P.append((ValueError, f"{name} must be a CUDA tensor/array, got one on {a.device_repr}"))
+    if len(arrays) == 3 and q.is_cuda and k.is_cuda and v.is_cuda and not (q.device == k.device == v.device):
+        P.append((ValueError, "q, k and v must be on the same CUDA device, got "
+                              f"q on {q.device_repr}, k on {k.device_repr}, v on {v.device_repr}"))
+    # dtypes
+    for name, a in arrays.items():
+        if a.dtype in FP8_DTYPES:
+            P.append((NotImplementedError, f"{name} has dtype {a.dtype_repr}: the fp8 forward is not supported "
+                                           "yet (no fp8 variant is built); pass float16 or bfloat16"))
+        elif a.dtype not in SUPPORTED_DTYPES:
+            P.append((TypeError, f"{name} must have dtype float16 or bfloat16, got {a.dtype_repr}"))
+    if (len(arrays) == 3 and all(a.dtype in SUPPORTED_DTYPES for a in arrays.values())
+            and not (q.dtype == k.dtype == v.dtype)):
+        P.append((TypeError, "q, k and v must have the same dtype, got "
+                             f"q {q.dtype_repr}, k {k.dtype_repr}, v {v.dtype_repr}"))
+    # shapes
+    for name, a in arrays.items():
+        if len(a.shape) != 4:
+            P.append((ValueError, f"{name} must be 4-D {_LAYOUTS[name]} (layout BSHD), "
+                                  f"got {len(a.shape)}-D shape {_fmt_shape(a.shape)}"))
+    is_4d = {name: name in arrays and len(arrays[name].shape) == 4 for name in _LAYOUTS}
+    qs, ks, vs = (_fmt_shape(a.shape) if a is not None else "" for a in (q, k, v))
+    if is_4d["q"]:
+        for name, a in (("k", k), ("v", v)):
+            if is_4d[name] and a.shape[0] != q.shape[0]:
+                P.append((ValueError, f"{name} has batch {a.shape[0]} but q has batch {q.shape[0]} "
+                                      f"(q {qs}, {name} {_fmt_shape(a.shape)})"))
+    if is_4d["k"] and is_4d["v"]:
+        if v.shape[1] != k.shape[1]:
+            P.append((ValueError, f"k and v must have the same seqlen_k (dim 1), got k {ks}, v {vs}"))
+        if v.shape[2] != k.shape[2]:
+            P.append((ValueError, f"k and v must have the same number of heads (dim 2), got k {ks}, v {vs}"))
+    if is_4d["q"] and is_4d["k"]:
+        if k.shape[3] != q.shape[3]:
+            P.append((ValueError, f"k must have q's head_dim {q.shape[3]} (dim 3), got k {ks}, q {qs}"))
+        heads, heads_k = q.shape[2], k.shape[2]
+        if heads < 1 or heads_k < 1:
+            P.append((ValueError, f"heads and heads_k must be >= 1, got q {qs}, k {ks}"))
+        elif heads % heads_k != 0:
+            P.append((ValueError, f"heads of q ({heads}) must be a multiple of heads_k of k/v ({heads_k}) "
+                                  "(GQA/MQA: each k/v head serves heads // heads_k query heads)"))
+    if is_4d["q"]:
+        P += _head_dim_problem("head_dim", "q", q.shape[3])
+    if is_4d["v"]:
+        P += _head_dim_problem("head_dim_v", "v", v.shape[3])
+    return P
+
+
+def check_inputs(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, also: Sequence[tuple] = ()) -> Problem:
     """Check q, k, v (devices, dtypes, shapes) and return the problem's sizes.
 
-    In this order, each a clear error naming the argument:
-    1. not CUDA arrays, or not all on one device: ValueError;
-    2. dtype: fp8 -> NotImplementedError; anything but fp16/bf16 -> TypeError;
-       q, k, v dtypes differ -> TypeError;
-    3. not 4-D BSHD -> ValueError; batch of k/v differs from q's; seqlen or heads of k and
-       v differ; k's head_dim differs from q's; heads or heads_k < 1; heads not a multiple
-       of heads_k; head_dim / head_dim_v not in 8..256 in steps of 8 -> ValueError.
+    Every problem found is reported, in one exception (see :func:`raise_problems`), each
+    naming the argument and what was expected:
+
+    * devices: not CUDA arrays, or not all on one device: ValueError;
+    * dtypes: fp8 -> NotImplementedError; anything but fp16/bf16 -> TypeError;
+      q, k, v dtypes differ -> TypeError;
+    * shapes: not 4-D BSHD; batch of k/v differs from q's; seqlen or heads of k and v
+      differ; k's head_dim differs from q's; heads or heads_k < 1; heads not a multiple
+      of heads_k; head_dim / head_dim_v not in 8..256 in steps of 8 -> ValueError;
+    * several kinds at once: :class:`InputError` (a ValueError and a TypeError).
+
+    ``also``: problems found elsewhere in the same call (e.g. :func:`softmax_scale_problems`),
+    reported in the same exception after q, k and v's.
     Sizes of 0 for batch, seqlen_q or seqlen_k are allowed (empty problems).
     """
-    infos = (q, k, v)
-    # 1. devices
-    for name, a in zip(_NAMES, infos):
-        if not a.is_cuda:
-            raise ValueError(
-                f"flashgen: {name} must be a CUDA tensor/array, got one on {a.device_repr}"
-            )
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            "flashgen: q, k and v must be on the same CUDA device, got "
-            f"q on {q.device_repr}, k on {k.device_repr}, v on {v.device_repr}"
-        )
-    # 2. dtypes
-    for name, a in zip(_NAMES, infos):
-        if a.dtype in FP8_DTYPES:
-            raise NotImplementedError(
-                f"flashgen: {name} has dtype {a.dtype_repr}: the fp8 forward is not supported yet "
-                "(no fp8 variant is built); pass float16 or bfloat16"
-            )
-        if a.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"flashgen: {name} must have dtype float16 or bfloat16, got {a.dtype_repr}"
-            )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            "flashgen: q, k and v must have the same dtype, got "
-            f"q {q.dtype_repr}, k {k.dtype_repr}, v {v.dtype_repr}"
-        )
-    # 3. shapes
-    expected = {
-        "q": "(batch, seqlen_q, heads, head_dim)",
-        "k": "(batch, seqlen_k, heads_k, head_dim)",
-        "v": "(batch, seqlen_k, heads_k, head_dim_v)",
-    }
-    for name, a in zip(_NAMES, infos):
-        if len(a.shape) != 4:
-            raise ValueError(
-                f"flashgen: {name} must be 4-D {expected[name]} (layout BSHD), "
-                f"got {len(a.shape)}-D shape {_fmt_shape(a.shape)}"
-            )
+    raise_problems(input_problems(q, k, v) + list(also))
     batch, seqlen_q, heads, head_dim = q.shape
-    for name, a in (("k", k), ("v", v)):
-        if a.shape[0] != batch:
-            raise ValueError(
-                f"flashgen: {name} has batch {a.shape[0]} but q has batch {batch} "
-                f"(q {_fmt_shape(q.shape)}, {name} {_fmt_shape(a.shape)})"
-            )
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
-    if v.shape[1] != seqlen_k:
-        raise ValueError(
-            f"flashgen: k and v must have the same seqlen_k (dim 1), got k {_fmt_shape(k.shape)}, "
-            f"v {_fmt_shape(v.shape)}"
-        )
-    if v.shape[2] != heads_k:
-        raise ValueError(
-            f"flashgen: k and v must have the same number of heads (dim 2), got k {_fmt_shape(k.shape)}, "
-            f"v {_fmt_shape(v.shape)}"
-        )
-    if k.shape[3] != head_dim:
-        raise ValueError(
-            f"flashgen: k must have q's head_dim {head_dim} (dim 3), got k {_fmt_shape(k.shape)}, "
-            f"q {_fmt_shape(q.shape)}"
-        )
-    head_dim_v = v.shape[3]
-    if heads < 1 or heads_k < 1:
-        raise ValueError(
-            f"flashgen: heads and heads_k must be >= 1, got q {_fmt_shape(q.shape)}, k {_fmt_shape(k.shape)}"
-        )
-    if heads % heads_k != 0:
-        raise ValueError(
-            f"flashgen: heads of q ({heads}) must be a multiple of heads_k of k/v ({heads_k}) "
-            "(GQA/MQA: each k/v head serves heads // heads_k query heads)"
-        )
-    for name, d, what in (("q", head_dim, "head_dim"), ("v", head_dim_v, "head_dim_v")):
-        if d < HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM or d % HEAD_DIM_MULTIPLE != 0:
-            raise ValueError(
-                f"flashgen: {what} (dim 3 of {name}) must be a multiple of {HEAD_DIM_MULTIPLE} "
-                f"between {HEAD_DIM_MULTIPLE} and {MAX_HEAD_DIM}, got {d}"
-            )
+    seqlen_k, heads_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     return Problem(
         batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, head_dim_v, q.dtype, q.device
     )
@@ -347,50 +411,57 @@ def tma_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple:
 # Caller-provided outputs (DLPack entry)
 # --------------------------------------------------------------------------------------
 
+def out_problems(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> list:
+    """The problems (see :func:`raise_problems`) of a caller-provided output (see :func:`check_out`)."""
+    P = _device_problems("out", out, problem)
+    shape_ok = tuple(out.shape) == problem.out_shape
+    if not shape_ok:
+        P.append((ValueError, f"out must have shape (batch, seqlen_q, heads, head_dim_v) = "
+                              f"{_fmt_shape(problem.out_shape)}, got {_fmt_shape(out.shape)}"))
+    if out.dtype != problem.dtype:
+        P.append((TypeError, f"out must have q's dtype {problem.dtype}, got {out.dtype_repr}"))
+    if shape_ok and 0 not in problem.out_shape:
+        why = tma_layout_problem(out.shape, out.strides, ELEMENT_SIZE[problem.dtype], ptr)
+        if why:
+            P.append((ValueError, f"out cannot be written by the kernel's TMA store: {why}; pass an out whose "
+                                  "last dim is contiguous and whose other strides and base address are "
+                                  "16-byte aligned (a contiguous array always is)"))
+    return P
+
+
 def check_out(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> None:
     """Check a caller-provided output: shape ``(batch, seqlen_q, heads, head_dim_v)``, q's
     dtype, q's device, and a layout the TMA store can address (see
-    :func:`tma_layout_problem`). ValueError / TypeError naming ``out``."""
-    _check_same_device("out", out, problem)
-    if tuple(out.shape) != problem.out_shape:
-        raise ValueError(
-            f"flashgen: out must have shape (batch, seqlen_q, heads, head_dim_v) = "
-            f"{_fmt_shape(problem.out_shape)}, got {_fmt_shape(out.shape)}"
-        )
-    if out.dtype != problem.dtype:
-        raise TypeError(f"flashgen: out must have q's dtype {problem.dtype}, got {out.dtype_repr}")
-    if 0 not in problem.out_shape:
-        why = tma_layout_problem(out.shape, out.strides, ELEMENT_SIZE[problem.dtype], ptr)
-        if why:
-            raise ValueError(
-                f"flashgen: out cannot be written by the kernel's TMA store: {why}; "
-                "pass an out whose last dim is contiguous and whose other strides and base "
-                "address are 16-byte aligned (a contiguous array always is)"
-            )
+    :func:`tma_layout_problem`; checked once the shape is right). ValueError / TypeError
+    naming ``out``, :class:`InputError` for both kinds; every problem is listed."""
+    raise_problems(out_problems(out, problem, ptr))
+
+
+def lse_problems(lse: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> list:
+    """The problems (see :func:`raise_problems`) of a caller-provided log-sum-exp (see :func:`check_lse`)."""
+    P = _device_problems("lse", lse, problem)
+    shape_ok = tuple(lse.shape) == problem.lse_shape
+    if not shape_ok:
+        P.append((ValueError, f"lse must have shape (batch, heads, seqlen_q) = "
+                              f"{_fmt_shape(problem.lse_shape)}, got {_fmt_shape(lse.shape)}"))
+    if lse.dtype != "fp32":
+        P.append((TypeError, f"lse must have dtype float32, got {lse.dtype_repr}"))
+    if 0 in problem.lse_shape:
+        return P  # nothing is written: layout and address do not matter
+    if shape_ok and not is_c_contiguous(lse.shape, lse.strides):
+        P.append((ValueError, f"lse must be C-contiguous, got strides {tuple(lse.strides)} for shape "
+                              f"{_fmt_shape(lse.shape)}"))
+    if ptr is not None and ptr % 4:
+        P.append((ValueError, f"lse's base address 0x{ptr:x} is not 4-byte aligned"))
+    return P
 
 
 def check_lse(lse: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> None:
     """Check a caller-provided log-sum-exp: shape ``(batch, heads, seqlen_q)``, float32,
     q's device, dense row-major (C-contiguous: the kernel writes it at
     ``ptr + ((b * heads + h) * seqlen_q + i) * 4``), 4-byte aligned. ValueError / TypeError
-    naming ``lse``."""
-    _check_same_device("lse", lse, problem)
-    if tuple(lse.shape) != problem.lse_shape:
-        raise ValueError(
-            f"flashgen: lse must have shape (batch, heads, seqlen_q) = "
-            f"{_fmt_shape(problem.lse_shape)}, got {_fmt_shape(lse.shape)}"
-        )
-    if lse.dtype != "fp32":
-        raise TypeError(f"flashgen: lse must have dtype float32, got {lse.dtype_repr}")
-    if 0 in problem.lse_shape:
-        return
-    if not is_c_contiguous(lse.shape, lse.strides):
-        raise ValueError(
-            f"flashgen: lse must be C-contiguous, got strides {tuple(lse.strides)} for shape "
-            f"{_fmt_shape(lse.shape)}"
-        )
-    if ptr is not None and ptr % 4:
-        raise ValueError(f"flashgen: lse's base address 0x{ptr:x} is not 4-byte aligned")
+    naming ``lse``, :class:`InputError` for both kinds; every problem is listed."""
+    raise_problems(lse_problems(lse, problem, ptr))
 
 
 def is_c_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -405,8 +476,7 @@ def is_c_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def _check_same_device(name: str, a: ArrayInfo, problem: Problem) -> None:
-    if not a.is_cuda or a.device != problem.device:
-        raise ValueError(
-            f"flashgen: {name} must be on q's CUDA device {problem.device}, got {a.device_repr}"
-        )
+def _device_problems(name: str, a: ArrayInfo, problem: Problem) -> list:
+    if a.is_cuda and a.device == problem.device:
+        return []
+    return [(ValueError, f"{name} must be on q's CUDA device {problem.device}, got {a.device_repr}")]

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from . import dispatch
 from . import launch
-from ._validate import ELEMENT_SIZE, ArrayInfo
+from ._validate import ELEMENT_SIZE, ArrayInfo, InputError, raise_problems
 from .core import TensorArg
 from .manifest import Variant
 
@@ -33,7 +33,9 @@ __all__ = [
     "CombineProblem",
     "CombineArgumentError",
     "check_combine",
+    "combine_problems",
     "check_combine_lse",
+    "combine_lse_problems",
     "use_vec4",
     "attention_combine",
 ]
@@ -50,10 +52,12 @@ _LP_LAYOUT = "(num_splits, batch, seqlen, heads)"
 _OUT_LAYOUT = "(batch, seqlen, heads, head_dim)"
 
 
-class CombineArgumentError(TypeError, ValueError):
-    """Raised when one call has both dtype problems (TypeError) and shape/device/layout problems
-    (ValueError): the message lists all of them, and ``except TypeError`` and
-    ``except ValueError`` both catch it."""
+#: The exception for several kinds of problems in one call: :class:`flashgen._validate.InputError`
+#: (a ValueError and a TypeError), under the name this module has always exported.
+CombineArgumentError = InputError
+
+#: What follows ``"flashgen: "`` in every message of the combine checks (both APIs).
+CONTEXT = "flash_attn_combine: "
 
 
 class CombineProblem(NamedTuple):
@@ -110,21 +114,8 @@ def _may_overlap(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return False
 
 
-def _raise(problems: list) -> None:
-    """Raise one exception listing every problem: TypeError if all are dtype problems,
-    ValueError if none is, CombineArgumentError (both) otherwise."""
-    if not problems:
-        return
-    kinds = {k for k, _ in problems}
-    cls = TypeError if kinds == {TypeError} else ValueError if kinds == {ValueError} else CombineArgumentError
-    if len(problems) == 1:
-        raise cls(f"flashgen: flash_attn_combine: {problems[0][1]}")
-    lines = "\n".join(f"  - {m}" for _, m in problems)
-    raise cls(f"flashgen: flash_attn_combine: {len(problems)} problems with the arguments:\n{lines}")
-
-
 def check_combine(out_partial: ArrayInfo, lse_partial: ArrayInfo, out_dtype: str,
-                  out: Optional[ArrayInfo] = None) -> CombineProblem:
+                  out: Optional[ArrayInfo] = None, also: Sequence[tuple] = ()) -> CombineProblem:
     """Check the arguments of a combine call and return its sizes; raises before any device work.
 
     Args:
@@ -138,6 +129,8 @@ def check_combine(out_partial: ArrayInfo, lse_partial: ArrayInfo, out_dtype: str
             e.g. a framework's spelling of another dtype, is reported as a TypeError).
         out: optional caller-provided output ``(batch, seqlen, heads, head_dim)`` of out_dtype
             on out_partial's device, last dim contiguous, no two elements at one address.
+        also: problems found elsewhere in the same call (``(exception class, message)`` pairs,
+            see :func:`flashgen._validate.raise_problems`), reported in the same exception.
 
     Returns:
         :class:`CombineProblem`. batch, seqlen and heads may be 0 (nothing to compute).
@@ -148,39 +141,55 @@ def check_combine(out_partial: ArrayInfo, lse_partial: ArrayInfo, out_dtype: str
         ValueError: not CUDA arrays or not on one device; wrong rank; lse_partial's shape not
             out_partial's first four dims; num_splits or head_dim out of range; a last dim
             not contiguous; out's shape wrong or its elements overlapping; a size above 2^31 - 1.
-        CombineArgumentError: both kinds at once (a subclass of TypeError and ValueError).
-        Every problem found is listed in the one message, not only the first.
+        CombineArgumentError: both kinds at once (:class:`flashgen._validate.InputError`, a
+            subclass of TypeError and ValueError).
+        Every problem found is listed in the one message, not only the first (see
+        :func:`combine_problems`); the message starts with ``"flashgen: flash_attn_combine: "``.
+    """
+    raise_problems(combine_problems(out_partial, lse_partial, out_dtype, out) + list(also), CONTEXT)
+    num_splits, batch, seqlen, heads, head_dim = (int(n) for n in out_partial.shape)
+    return CombineProblem(num_splits, batch, seqlen, heads, head_dim, out_dtype, out_partial.device)
+
+
+def combine_problems(out_partial: Optional[ArrayInfo], lse_partial: Optional[ArrayInfo], out_dtype: Optional[str],
+                     out: Optional[ArrayInfo] = None) -> list:
+    """Everything wrong with the arguments of :func:`check_combine`, as ``(exception class,
+    message)`` pairs (see :func:`flashgen._validate.raise_problems`); empty when they are valid.
+
+    None for out_partial, lse_partial or out_dtype stands for an argument the caller already
+    reported wrong (no array at all, no dtype): the checks that need it are skipped, the
+    others still run. So is any check whose inputs failed an earlier one (shape comparisons
+    need the ranks right); every independent problem is listed.
     """
     P: list = []
     V, T = ValueError, TypeError
+    op, lp = out_partial, lse_partial
     # devices
-    if not out_partial.is_cuda:
-        P.append((V, f"out_partial must be a CUDA tensor/array, got one on {out_partial.device_repr}"))
-    if not lse_partial.is_cuda:
-        P.append((V, f"lse_partial must be a CUDA tensor/array, got one on {lse_partial.device_repr}"))
-    elif out_partial.is_cuda and lse_partial.device != out_partial.device:
-        P.append((V, f"lse_partial must be on out_partial's device {out_partial.device_repr}, "
-                     f"got {lse_partial.device_repr}"))
+    if op is not None and not op.is_cuda:
+        P.append((V, f"out_partial must be a CUDA tensor/array, got one on {op.device_repr}"))
+    if lp is not None and not lp.is_cuda:
+        P.append((V, f"lse_partial must be a CUDA tensor/array, got one on {lp.device_repr}"))
+    elif lp is not None and op is not None and op.is_cuda and lp.device != op.device:
+        P.append((V, f"lse_partial must be on out_partial's device {op.device_repr}, got {lp.device_repr}"))
     # dtypes
-    for name, a in (("out_partial", out_partial), ("lse_partial", lse_partial)):
-        if a.dtype != "fp32":
+    for name, a in (("out_partial", op), ("lse_partial", lp)):
+        if a is not None and a.dtype != "fp32":
             P.append((T, f"{name} must have dtype float32 (split-KV partials are fp32), got {a.dtype_repr}"))
     dtype_ok = out_dtype in OUT_DTYPES
-    if not dtype_ok:
+    if out_dtype is not None and not dtype_ok:
         P.append((T, f"out_dtype must be {_OUT_DTYPE_SPELLING} (flashgen names fp32, bf16, fp16), "
                      f"got {out_dtype}"))
     # shapes
-    op_shape = tuple(out_partial.shape)
-    lp_shape = tuple(lse_partial.shape)
+    op_shape = () if op is None else tuple(op.shape)
+    lp_shape = () if lp is None else tuple(lp.shape)
     op_ok = len(op_shape) == 5
-    if not op_ok:
+    if op is not None and not op_ok:
         P.append((V, f"out_partial must be 5-D {_OP_LAYOUT}, got {len(op_shape)}-D shape {_fmt_shape(op_shape)}"))
-    if len(lp_shape) != 4:
+    if lp is not None and len(lp_shape) != 4:
         P.append((V, f"lse_partial must be 4-D {_LP_LAYOUT}, got {len(lp_shape)}-D shape {_fmt_shape(lp_shape)}"))
-    elif op_ok and lp_shape != op_shape[:4]:
+    elif lp is not None and op_ok and lp_shape != op_shape[:4]:
         P.append((V, f"lse_partial must have shape {_LP_LAYOUT} = {_fmt_shape(op_shape[:4])} to match "
                      f"out_partial {_fmt_shape(op_shape)}, got {_fmt_shape(lp_shape)}"))
-    num_splits = batch = seqlen = heads = head_dim = 0
     if op_ok:
         num_splits, batch, seqlen, heads, head_dim = (int(n) for n in op_shape)
         if not 1 <= num_splits <= MAX_SPLITS:
@@ -190,13 +199,13 @@ def check_combine(out_partial: ArrayInfo, lse_partial: ArrayInfo, out_dtype: str
         for what, n in (("batch", batch), ("seqlen", seqlen), ("heads", heads)):
             if n > _INT32_MAX:
                 P.append((V, f"{what} must be at most {_INT32_MAX}, got {n}"))
-        if head_dim > 1 and 0 not in op_shape and out_partial.strides[-1] != 1:
+        if head_dim > 1 and 0 not in op_shape and op.strides[-1] != 1:
             P.append((V, f"out_partial's last dim (head_dim) must be contiguous (stride 1), got strides "
-                         f"{tuple(out_partial.strides)}; pass out_partial.contiguous()"))
+                         f"{tuple(op.strides)}; pass out_partial.contiguous()"))
     # out
     if out is not None:
-        if not out.is_cuda or (out_partial.is_cuda and out.device != out_partial.device):
-            P.append((V, f"out must be on out_partial's CUDA device {out_partial.device_repr}, got {out.device_repr}"))
+        if op is not None and (not out.is_cuda or (op.is_cuda and out.device != op.device)):
+            P.append((V, f"out must be on out_partial's CUDA device {op.device_repr}, got {out.device_repr}"))
         if dtype_ok and out.dtype != out_dtype:
             P.append((T, f"out has dtype {out.dtype_repr} but out_dtype is {out_dtype} (the default is float32): "
                          f"pass out_dtype= the dtype of out, or an out of dtype {out_dtype}"))
@@ -204,7 +213,9 @@ def check_combine(out_partial: ArrayInfo, lse_partial: ArrayInfo, out_dtype: str
         if op_ok and o_shape != (batch, seqlen, heads, head_dim):
             P.append((V, f"out must have shape {_OUT_LAYOUT} = {_fmt_shape((batch, seqlen, heads, head_dim))}, "
                          f"got {_fmt_shape(o_shape)}"))
-        elif len(o_shape) == 4 and 0 not in o_shape:  # an empty array's strides are arbitrary
+        elif len(o_shape) != 4:  # out_partial's shape is unusable: out's rank can still be checked
+            P.append((V, f"out must be 4-D {_OUT_LAYOUT}, got {len(o_shape)}-D shape {_fmt_shape(o_shape)}"))
+        elif 0 not in o_shape:  # an empty array's strides are arbitrary
             if o_shape[-1] > 1 and out.strides[-1] != 1:
                 P.append((V, f"out's last dim (head_dim) must be contiguous (stride 1), got strides "
                              f"{tuple(out.strides)}"))
@@ -212,10 +223,7 @@ def check_combine(out_partial: ArrayInfo, lse_partial: ArrayInfo, out_dtype: str
                 P.append((V, f"out's elements may share memory (shape {_fmt_shape(o_shape)}, strides "
                              f"{tuple(out.strides)}: a broadcast/expanded view?); every output element needs "
                              "its own address"))
-        elif not op_ok:
-            P.append((V, f"out must be 4-D {_OUT_LAYOUT}, got {len(o_shape)}-D shape {_fmt_shape(o_shape)}"))
-    _raise(P)
-    return CombineProblem(num_splits, batch, seqlen, heads, head_dim, out_dtype, out_partial.device)
+    return P
 
 
 def _lse_buffer_layout_ok(shape: tuple, strides: tuple, p: CombineProblem) -> bool:
@@ -238,7 +246,13 @@ def check_combine_lse(lse: ArrayInfo, p: CombineProblem, ptr: Optional[int] = No
     """Check a caller-provided merged-LSE array (DLPack entry): float32 on the problem's device,
     the ``(batch, seqlen, heads)`` transposed view of a contiguous ``(batch, heads, seqlen)``
     buffer (what flash_attn_combine returns), or that buffer itself; base address (bytes, when
-    given) 4-byte aligned. TypeError for the dtype, ValueError otherwise, listing every problem."""
+    given) 4-byte aligned. TypeError for the dtype, ValueError otherwise, CombineArgumentError
+    for both; every problem is listed (see :func:`combine_lse_problems`)."""
+    raise_problems(combine_lse_problems(lse, p, ptr), CONTEXT)
+
+
+def combine_lse_problems(lse: ArrayInfo, p: CombineProblem, ptr: Optional[int] = None) -> list:
+    """The problems (``(exception class, message)`` pairs) of :func:`check_combine_lse`'s ``lse``."""
     P: list = []
     if not lse.is_cuda or lse.device != p.device:
         P.append((ValueError, f"lse must be on out_partial's CUDA device cuda:{p.device}, got {lse.device_repr}"))
@@ -254,7 +268,7 @@ def check_combine_lse(lse: ArrayInfo, p: CombineProblem, ptr: Optional[int] = No
                               f"{(p.heads * p.seqlen, p.seqlen, 1)}), got strides {tuple(lse.strides)}"))
     if ptr is not None and ptr % 4:
         P.append((ValueError, f"lse's base address 0x{ptr:x} is not 4-byte aligned"))
-    _raise(P)
+    return P
 
 
 def use_vec4(out_partial: TensorArg, out: TensorArg) -> bool:

@@ -126,18 +126,44 @@ def _c_strides(shape) -> tuple:
     return tuple(reversed(out))
 
 
+def _not_dlpack(name: str, obj: Any) -> list:
+    """[(TypeError, message)] when ``obj`` is not a DLPack array, else []."""
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return []
+    return [(TypeError, f"{name} must be a DLPack array (with __dlpack__ and __dlpack_device__, "
+                        f"e.g. a CuPy, JAX or torch array), got {type(obj).__name__}")]
+
+
+def _read_all(named, dl_stream: int) -> tuple:
+    """``(arrays, problems)`` for ``(name, obj)`` pairs: ``{name: _Array}`` for each obj that is
+    a DLPack array, and a TypeError problem naming each that is not."""
+    arrays, problems = {}, []
+    for name, obj in named:
+        why = _not_dlpack(name, obj)
+        problems += why
+        if not why:
+            arrays[name] = _read(name, obj, dl_stream)
+    return arrays, problems
+
+
+def _readonly(a: _Array) -> list:
+    """[(ValueError, message)] when the output ``a`` is read-only, else []."""
+    if a.view is not None and getattr(a.view, "readonly", False):
+        return [(ValueError, f"{a.name} is read-only; pass a writable array")]
+    return []
+
+
 def _read(name: str, obj: Any, dl_stream: int) -> _Array:
-    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
-        raise TypeError(
-            f"flashgen: {name} must be a DLPack array (with __dlpack__ and __dlpack_device__, "
-            f"e.g. a CuPy, JAX or torch array), got {type(obj).__name__}"
-        )
+    _v.raise_problems(_not_dlpack(name, obj))
     dev_type, dev_id = obj.__dlpack_device__()
     dev_type, dev_id = int(dev_type), int(dev_id)
     if dev_type not in _CUDA_DEVICE_TYPES:
+        # Not read (the memory is of no use to us): shape and dtype from the object's own
+        # attributes, so that the other problems of this array are reported with the device.
         shape = tuple(getattr(obj, "shape", ()))
+        spelled = str(getattr(obj, "dtype", "?"))
         where = f"DLPack device type {dev_type} ({_DEVICE_TYPE_NAMES.get(dev_type, '?')})"
-        info = _v.ArrayInfo(shape, _c_strides(shape), None, str(getattr(obj, "dtype", "?")),
+        info = _v.ArrayInfo(shape, _c_strides(shape), _DTYPE_BY_NAME.get(spelled.rsplit(".", 1)[-1]), spelled,
                             False, None, where)
         return _Array(name, obj, info, None, None)
     # The producer makes the data ready for work on our stream (DLPack stream handshake);
@@ -299,38 +325,55 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             lse with the wrong shape, dtype, device, layout, or read-only.
         RuntimeError: GPU not compute capability 9.x.
         NotImplementedError: fp8 dtypes.
+        flashgen.InputError: problems of several of the kinds above at once (it is both a
+            ValueError and a TypeError).
         flashgen.core.MissingVariantError: no built variant serves the request; the message
             names the ``flashgen add-variant`` command that builds it.
+
+    Every problem found is listed in the one error, one line each, with the same messages
+    as flash_attn_func's: first those of q, k, v and softmax_scale; once those are valid,
+    those of the layouts of q, k, v and of out / lse (which depend on q, k, v).
     """
-    handle = _stream_handle(stream)
+    handle = _stream_handle(stream)  # first: reading the arrays needs it (DLPack handshake)
     dl_stream = _dlpack_stream(handle)
-    qa, ka, va = (_read(n, x, dl_stream) for n, x in (("q", q), ("k", k), ("v", v)))
-    p = _v.check_inputs(qa.info, ka.info, va.info)
+    # Every problem of q, k, v and softmax_scale in one error (the same as flash_attn_func's).
+    arrays, not_arrays = _read_all((("q", q), ("k", k), ("v", v)), dl_stream)
+    scale_problems = _v.softmax_scale_problems(softmax_scale)
+    if not_arrays:
+        infos = [arrays[name].info if name in arrays else None for name in ("q", "k", "v")]
+        _v.raise_problems(not_arrays + _v.input_problems(*infos) + scale_problems)
+    qa, ka, va = arrays["q"], arrays["k"], arrays["v"]
+    p = _v.check_inputs(qa.info, ka.info, va.info, also=scale_problems)
     scale = _v.check_softmax_scale(softmax_scale, p.head_dim)
     causal = bool(causal)
     _v.check_capability(_core.device_capability(p.device), p.device)
-    empty = p.nothing_to_compute or p.seqlen_k == 0
-    if not empty:
+    # Then what depends on valid q, k, v (their layouts; the outputs' expected shapes and
+    # dtype), in one error: checked before any output is allocated.
+    problems = []
+    if not (p.nothing_to_compute or p.seqlen_k == 0):
         es = _v.ELEMENT_SIZE[p.dtype]
         for a in (qa, ka, va):
             why = _v.tma_layout_problem(a.info.shape, a.info.strides, es, a.ptr)
             if why:
-                raise ValueError(
-                    f"flashgen: {a.name} cannot be read by TMA: {why}. The DLPack entry makes no "
-                    f"copies: pass {a.name} with a contiguous last dim and 16-byte-aligned other "
-                    "strides and base address (e.g. a contiguous copy)"
-                )
-    # Outputs: validate the caller's, allocate the missing ones.
+                problems.append((ValueError,
+                                 f"{a.name} cannot be read by TMA: {why}. The DLPack entry makes no copies: pass "
+                                 f"{a.name} with a contiguous last dim and 16-byte-aligned other strides and base "
+                                 "address (e.g. a contiguous copy)"))
+    arrays, not_arrays = _read_all([(n, x) for n, x in (("out", out), ("lse", lse)) if x is not None], dl_stream)
+    problems += not_arrays
+    oa, la = arrays.get("out"), arrays.get("lse")
+    if oa is not None:
+        problems += _readonly(oa) + _v.out_problems(oa.info, p, oa.ptr)
+    if la is not None:
+        problems += _readonly(la) + _v.lse_problems(la.info, p, la.ptr)
+    _v.raise_problems(problems)
+    # Missing outputs: allocated (right by construction).
     if out is None or lse is None:
         new_out, new_lse = _allocate(q, p, handle)
-        out = new_out if out is None else out
-        lse = new_lse if lse is None else lse
-    oa, la = _read("out", out, dl_stream), _read("lse", lse, dl_stream)
-    for a in (oa, la):
-        if a.view is not None and getattr(a.view, "readonly", False):
-            raise ValueError(f"flashgen: {a.name} is read-only; pass a writable array")
-    _v.check_out(oa.info, p, oa.ptr)
-    _v.check_lse(la.info, p, la.ptr)
+        if out is None:
+            out, oa = new_out, _read("out", new_out, dl_stream)
+        if lse is None:
+            lse, la = new_lse, _read("lse", new_lse, dl_stream)
     if p.nothing_to_compute:
         return out, lse
     if p.seqlen_k == 0:
@@ -457,28 +500,43 @@ def flash_attn_combine_dlpack(out_partial, lse_partial, *, out: Any = None, lse:
             no allocator for missing outputs, or a bf16 out to allocate with CuPy.
         ValueError: arrays not in CUDA memory or not on one device; shapes, ranges or layouts
             (see flash_attn_combine); lse not of the layout above; an output read-only.
-        flashgen.combine.CombineArgumentError: dtype and shape problems together.
+        flashgen.InputError (alias flashgen.combine.CombineArgumentError): dtype and shape
+            problems together (both a TypeError and a ValueError).
         RuntimeError: GPU not compute capability 9.x.
         flashgen.dispatch.MissingVariantError: no combine variant for out_dtype is built.
+
+    Every problem found is listed in the one error, one line each, with the same messages as
+    flash_attn_combine's: first those of out_partial, lse_partial, out_dtype and out; once
+    those are valid, those of lse (whose expected shape comes from out_partial).
     """
     handle = _stream_handle(stream)
     dl_stream = _dlpack_stream(handle)
-    opa = _read("out_partial", out_partial, dl_stream)
-    lpa = _read("lse_partial", lse_partial, dl_stream)
-    oa = None if out is None else _read("out", out, dl_stream)
-    p = _combine.check_combine(opa.info, lpa.info, _combine_out_dtype(out_dtype), None if oa is None else oa.info)
+    # Every problem of out_partial, lse_partial, out_dtype and out in one error (as flash_attn_combine's).
+    given = [("out_partial", out_partial), ("lse_partial", lse_partial)] + ([("out", out)] if out is not None else [])
+    arrays, problems = _read_all(given, dl_stream)
+    opa, lpa, oa = (arrays.get(name) for name in ("out_partial", "lse_partial", "out"))
+    op_info, lp_info, out_info = (None if a is None else a.info for a in (opa, lpa, oa))
+    out_dtype = _combine_out_dtype(out_dtype)
+    if oa is not None:
+        problems += _readonly(oa)
+    if opa is None or lpa is None:
+        _v.raise_problems(problems + _combine.combine_problems(op_info, lp_info, out_dtype, out_info),
+                          _combine.CONTEXT)
+    p = _combine.check_combine(op_info, lp_info, out_dtype, out_info, also=problems)
     _v.check_capability(_core.device_capability(p.device), p.device)
+    if lse is not None:  # its expected shape and device come from the arguments checked above
+        arrays, problems = _read_all([("lse", lse)], dl_stream)
+        la = arrays.get("lse")
+        if la is not None:
+            problems += _readonly(la) + _combine.combine_lse_problems(la.info, p, la.ptr)
+        _v.raise_problems(problems, _combine.CONTEXT)
+    # Missing outputs: allocated (right by construction).
     if out is None or lse is None:
         new_out, new_lse = _combine_allocate(out_partial, p, handle, out is None, lse is None)
         if out is None:
-            out = new_out
-            oa = _read("out", out, dl_stream)
-        lse = new_lse if lse is None else lse
-    la = _read("lse", lse, dl_stream)
-    _combine.check_combine_lse(la.info, p, la.ptr)
-    for a in (oa, la):
-        if a.view is not None and getattr(a.view, "readonly", False):
-            raise ValueError(f"flashgen: flash_attn_combine_dlpack: {a.name} is read-only; pass a writable array")
+            out, oa = new_out, _read("out", new_out, dl_stream)
+        if lse is None:
+            lse, la = new_lse, _read("lse", new_lse, dl_stream)
     if p.nothing_to_compute:
         return out, lse
     dev = p.device

@@ -22,12 +22,25 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
+#: Message of the ImportError raised when this module (the torch API) is imported without torch.
+NO_TORCH = (
+    "flashgen: the torch API (flashgen.flash_attn_func, flashgen.flash_attn_combine, "
+    "flashgen.interface) needs PyTorch, which is not installed: pip install flashgen[torch] "
+    "(or install torch yourself). Without torch, use the DLPack API, which takes any DLPack "
+    "array (CuPy, JAX, ...): flashgen.flash_attn_forward and flashgen.flash_attn_combine_dlpack."
+)
+
+try:
+    import torch
+except ModuleNotFoundError as e:
+    if e.name != "torch":  # torch is there but broken: its own error says more
+        raise
+    raise ImportError(NO_TORCH, name="torch") from e
 
 from . import _validate as _v
 from . import core as _core
 
-__all__ = ["flash_attn_func", "BACKWARD_NOT_IMPLEMENTED"]
+__all__ = ["flash_attn_func", "BACKWARD_NOT_IMPLEMENTED", "NO_TORCH"]
 
 #: Message of the RuntimeError raised by backward through :func:`flash_attn_func`.
 BACKWARD_NOT_IMPLEMENTED = (
@@ -278,14 +291,16 @@ def flash_attn_func(
             softmax_scale NaN or infinite.
         RuntimeError: the GPU is not compute capability 9.x (Hopper).
         NotImplementedError: an FA3 feature not built yet (see above) or an fp8 dtype.
+        flashgen.InputError: problems of several of the kinds above at once (it is both a
+            ValueError and a TypeError). Every problem found is listed in the one error,
+            one line each, not only the first.
         flashgen.core.MissingVariantError: no built variant serves (dtype, head_dim,
             head_dim_v, causal); the message names the ``flashgen add-variant`` command.
         RuntimeError (in backward): gradients are not implemented yet.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flashgen: {name} must be a torch.Tensor, got {type(t).__name__}")
-    _v.check_features(
+    not_tensors = [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                   for name, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor)]
+    other = _v.softmax_scale_problems(softmax_scale) + _v.feature_problems(
         window_size=window_size,
         softcap=softcap,
         q_descale=q_descale,
@@ -294,6 +309,9 @@ def flash_attn_func(
         qv=qv,
         attention_chunk=attention_chunk,
     )
+    if not_tensors or other:  # one error naming q, k and v's problems too (else the op checks them)
+        infos = [_array_info(t) if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
+        _v.raise_problems(not_tensors + _v.input_problems(*infos) + other)
     head_dim = q.shape[-1] if q.dim() > 0 else 1
     scale = _v.check_softmax_scale(softmax_scale, head_dim)
     if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
@@ -449,20 +467,27 @@ def flash_attn_combine(
             not 4-D; lse_partial's shape not out_partial's first four dims; num_splits not in
             1..256; head_dim not in 1..256; a last dim not contiguous; out of the wrong shape or
             with overlapping elements.
-        flashgen.combine.CombineArgumentError: dtype and shape problems together (it is both
-            a TypeError and a ValueError). Every problem found is listed, not only the first.
+        flashgen.InputError (alias flashgen.combine.CombineArgumentError): dtype and shape
+            problems together (it is both a TypeError and a ValueError). Every problem found
+            is listed in the one error, one line each, not only the first.
         RuntimeError: the GPU is not compute capability 9.x (Hopper).
         flashgen.dispatch.MissingVariantError: no combine variant for out_dtype is built; the
             message names the ``flashgen add-variant`` command.
     """
-    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial), ("out", out)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"flashgen: flash_attn_combine: {name} must be a torch.Tensor, got {type(t).__name__}")
+    not_tensors = [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                   for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial), ("out", out))
+                   if t is not None and not isinstance(t, torch.Tensor)]
+    bad_dtype = []
     if out_dtype is None:
         out_dtype = torch.float32  # out_partial's dtype: the only one it may have
     elif not isinstance(out_dtype, torch.dtype):
-        raise TypeError(f"flashgen: flash_attn_combine: out_dtype must be a torch.dtype "
-                        f"(torch.float32, torch.bfloat16 or torch.float16), got {out_dtype!r}")
+        bad_dtype = [(TypeError, "out_dtype must be a torch.dtype (torch.float32, torch.bfloat16 or "
+                                 f"torch.float16), got {out_dtype!r}")]
+    if not_tensors or bad_dtype:  # one error naming the tensors' problems too
+        op_info, lp_info, out_info = (_array_info(t) if isinstance(t, torch.Tensor) else None
+                                      for t in (out_partial, lse_partial, out))
+        tensor_problems = _combine.combine_problems(op_info, lp_info, None, out_info)  # out_dtype: reported
+        _v.raise_problems(not_tensors + bad_dtype + tensor_problems, _combine.CONTEXT)
     tensors = (out_partial, lse_partial) if out is None else (out_partial, lse_partial, out)
     eager = (all(type(t) is torch.Tensor for t in tensors) and not torch.compiler.is_compiling()
              and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))

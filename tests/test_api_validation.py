@@ -444,6 +444,115 @@ def test_missing_variant_error_propagates(fake_gpu, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------
+# Every problem in one error
+# --------------------------------------------------------------------------------------
+
+def assert_problems(err: BaseException, *fragments: str) -> list:
+    """``err`` lists exactly len(fragments) problems, one line each after a
+    ``"flashgen: N problems with the arguments:"`` head, each fragment in its own line."""
+    head, *lines = str(err).split("\n")
+    assert head == f"flashgen: {len(fragments)} problems with the arguments:", str(err)
+    assert all(line.startswith("  - ") for line in lines), str(err)
+    for fragment in fragments:
+        assert sum(fragment in line for line in lines) == 1, (fragment, str(err))
+    return lines
+
+
+def _as_dlpack_message(torch_message: str) -> str:
+    """A torch-API message with the DLPack entry's spellings of host memory and dtypes."""
+    return torch_message.replace("on cpu", "on DLPack device type 1 (kDLCPU)").replace("torch.", "")
+
+
+def test_every_problem_of_q_k_v_in_one_error_in_both_apis():
+    q = torch.zeros(2, 5, 64)  # not CUDA, float32 and 3-D: three problems of q
+    _, k, v = qkv()  # host memory too: one problem each (no fake_gpu here)
+    with pytest.raises(V.InputError) as info:
+        flash_attn_func(q, k, v)
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, TypeError)
+    assert_problems(err,
+                    "q must be a CUDA tensor/array, got one on cpu",
+                    "k must be a CUDA tensor/array, got one on cpu",
+                    "v must be a CUDA tensor/array, got one on cpu",
+                    "q must have dtype float16 or bfloat16, got torch.float32",
+                    "q must be 4-D (batch, seqlen_q, heads, head_dim) (layout BSHD), got 3-D shape (2, 5, 64)")
+    with pytest.raises(V.InputError) as dl:
+        dlpack_api.flash_attn_forward(q.numpy(), k.numpy(), v.numpy())
+    assert str(dl.value) == _as_dlpack_message(str(err))  # the same checks, the same message
+
+
+def test_independent_problems_reported_dependent_checks_skipped(fake_gpu_dlpack):
+    q = torch.zeros(2, 5, 4, 64)  # float32
+    k = torch.zeros(2, 7, 3, 64, dtype=torch.float16)  # heads 4 not a multiple of heads_k 3
+    v = torch.zeros(2, 8, 3, 20, dtype=torch.float16)  # seqlen_k 8 != k's 7; head_dim_v 20
+    with pytest.raises(V.InputError) as info:
+        flash_attn_func(q, k, v)
+    assert_problems(info.value,
+                    "q must have dtype float16 or bfloat16, got torch.float32",
+                    "k and v must have the same seqlen_k (dim 1)",
+                    "heads of q (4) must be a multiple of heads_k of k/v (3)",
+                    "head_dim_v (dim 3 of v) must be a multiple of 8 between 8 and 256, got 20")
+    assert "same dtype" not in str(info.value)  # needs every dtype supported: skipped
+    with pytest.raises(V.InputError) as dl:
+        dlpack_api.flash_attn_forward(q.numpy(), k.numpy(), v.numpy())
+    assert str(dl.value) == _as_dlpack_message(str(info.value))
+    assert fake_gpu_dlpack.calls == [] and fake_gpu_dlpack.selected == []
+
+
+def test_rank_problem_skips_only_the_comparisons_with_that_array(fake_gpu):
+    q = torch.zeros(2, 5, 64, dtype=torch.float16)  # 3-D: its batch/heads/head_dim cannot be compared
+    k = torch.zeros(3, 7, 2, 64, dtype=torch.float16)
+    v = torch.zeros(3, 7, 1, 20, dtype=torch.float16)  # heads 1 != k's 2; head_dim_v 20
+    with pytest.raises(ValueError) as info:
+        flash_attn_func(q, k, v)
+    assert type(info.value) is ValueError  # several problems of one kind keep that kind
+    assert_problems(info.value,
+                    "q must be 4-D",
+                    "k and v must have the same number of heads (dim 2)",
+                    "head_dim_v (dim 3 of v) must be a multiple of 8 between 8 and 256, got 20")
+    assert "has batch" not in str(info.value)
+    assert fake_gpu.calls == []
+
+
+def test_not_a_tensor_scale_and_features_join_the_list(fake_gpu):
+    q, k, v = qkv()
+    with pytest.raises(V.InputError) as info:
+        flash_attn_func(q.float(), k.numpy(), v, softmax_scale=float("nan"), softcap=30.0)
+    assert_problems(info.value,
+                    "k must be a torch.Tensor, got ndarray",
+                    "q must have dtype float16 or bfloat16, got torch.float32",
+                    "softmax_scale must be a finite number, got nan",
+                    "softcap=30.0 is not supported yet")
+    assert fake_gpu.calls == [] and fake_gpu.selected == []
+
+
+def test_not_implemented_alone_or_mixed(fake_gpu):
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError) as info:  # only unsupported features: still NotImplementedError
+        flash_attn_func(q, k, v, window_size=(8, 0), softcap=1.0)
+    assert type(info.value) is NotImplementedError
+    assert_problems(info.value, "window_size=(8, 0)", "softcap=1.0")
+    fp8 = torch.float8_e4m3fn
+    with pytest.raises(V.InputError) as info:  # fp8 together with real errors: all of them
+        flash_attn_func(q.to(fp8), k.to(fp8), torch.zeros(2, 7, 2, 20, dtype=torch.float16))
+    assert_problems(info.value,
+                    "q has dtype torch.float8_e4m3fn: the fp8 forward is not supported yet",
+                    "k has dtype torch.float8_e4m3fn: the fp8 forward is not supported yet",
+                    "head_dim_v (dim 3 of v) must be a multiple of 8 between 8 and 256, got 20")
+
+
+def test_input_error_is_exported():
+    import flashgen
+
+    assert flashgen.InputError is V.InputError
+    assert issubclass(V.InputError, ValueError) and issubclass(V.InputError, TypeError)
+    with pytest.raises(TypeError, match="^flashgen: out must have q's dtype fp16, got bf16$") as info:
+        V.check_out(V.ArrayInfo((1, 2, 3, 8), (48, 24, 8, 1), "bf16", "bf16", True, 0, "cuda:0"),
+                    V.Problem(1, 2, 4, 3, 3, 8, 8, "fp16", 0))
+    assert type(info.value) is TypeError  # one problem: its own type and a one-line message
+
+
+# --------------------------------------------------------------------------------------
 # Autograd
 # --------------------------------------------------------------------------------------
 
@@ -714,6 +823,37 @@ def test_dlpack_host_arrays_rejected():
     q, k, v = _np_qkv()
     with pytest.raises(ValueError, match=r"q must be a CUDA tensor/array.*kDLCPU"):
         dlpack_api.flash_attn_forward(q, k, v)
+
+
+def test_dlpack_every_layout_and_output_problem_in_one_error(fake_gpu_dlpack):
+    q, k, v = _np_qkv()
+    q = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)  # last dim not contiguous
+    out = np.zeros((2, 4, 4, 64), np.float32)  # wrong shape, wrong dtype, read-only
+    out.flags.writeable = False
+    lse = np.zeros((2, 5, 4), np.float16)  # wrong shape, wrong dtype
+    with pytest.raises(V.InputError) as info:
+        dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse)
+    assert_problems(info.value,
+                    "q cannot be read by TMA: its last dim",
+                    "out is read-only",
+                    "out must have shape (batch, seqlen_q, heads, head_dim_v) = (2, 5, 4, 64), got (2, 4, 4, 64)",
+                    "out must have q's dtype fp16, got float32",
+                    "lse must have shape (batch, heads, seqlen_q) = (2, 4, 5), got (2, 5, 4)",
+                    "lse must have dtype float32, got float16")
+    assert fake_gpu_dlpack.calls == []
+
+
+def test_dlpack_not_an_array_and_other_problems(fake_gpu_dlpack):
+    q, k, _ = _np_qkv()
+    with pytest.raises(TypeError) as info:
+        dlpack_api.flash_attn_forward(q.astype(np.float32), k, [1, 2], softmax_scale="0.1")
+    assert type(info.value) is TypeError  # all three are type problems
+    assert_problems(info.value,
+                    "v must be a DLPack array (with __dlpack__ and __dlpack_device__, e.g. a CuPy, JAX or torch "
+                    "array), got list",
+                    "q must have dtype float16 or bfloat16, got float32",
+                    "softmax_scale must be a real number (float) or None, got str")
+    assert fake_gpu_dlpack.calls == []
 
 
 def test_dlpack_not_hopper(fake_gpu_dlpack, monkeypatch):

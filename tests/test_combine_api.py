@@ -502,6 +502,42 @@ def test_only_value_problems_raise_plain_value_error(fake_gpu):
     assert type(err) is ValueError
 
 
+def assert_problems(err: BaseException, *fragments: str) -> None:
+    """``err`` lists exactly len(fragments) problems, one line each after a
+    ``"flashgen: flash_attn_combine: N problems with the arguments:"`` head, each fragment in its own line."""
+    head, *lines = str(err).split("\n")
+    assert head == f"flashgen: flash_attn_combine: {len(fragments)} problems with the arguments:", str(err)
+    assert all(line.startswith("  - ") for line in lines), str(err)
+    for fragment in fragments:
+        assert sum(fragment in line for line in lines) == 1, (fragment, str(err))
+
+
+def test_combine_argument_error_is_input_error():
+    import flashgen
+
+    assert C.CombineArgumentError is V.InputError is flashgen.InputError
+
+
+def test_not_a_tensor_and_out_dtype_do_not_hide_other_problems(fake_gpu):
+    lp = torch.zeros(3, 2, 5, dtype=torch.float16)  # float16 and 3-D
+    out = torch.empty(2, 5, 4, 64, 1)  # 5-D
+    err = _raises(fake_gpu, V.InputError, "5 problems", np.zeros(3), lp, out=out, out_dtype="bf16")
+    assert_problems(err,
+                    "out_partial must be a torch.Tensor, got ndarray",
+                    "out_dtype must be a torch.dtype (torch.float32, torch.bfloat16 or torch.float16), got 'bf16'",
+                    "lse_partial must have dtype float32 (split-KV partials are fp32), got torch.float16",
+                    "lse_partial must be 4-D (num_splits, batch, seqlen, heads), got 3-D shape (3, 2, 5)",
+                    "out must be 4-D (batch, seqlen, heads, head_dim), got 5-D shape (2, 5, 4, 64, 1)")
+
+
+def test_empty_4d_out_is_not_called_wrong_rank(fake_gpu):
+    # out_partial 4-D: out's expected shape is unknown; a 4-D out (empty here) has no rank problem
+    err = _raises(fake_gpu, ValueError, "out_partial must be 5-D", torch.zeros(2, 5, 4, 64), torch.zeros(2, 5, 4, 1),
+                  out=torch.empty(0, 5, 4, 64))
+    assert str(err) == ("flashgen: flash_attn_combine: out_partial must be 5-D (num_splits, batch, seqlen, heads, "
+                        "head_dim), got 4-D shape (2, 5, 4, 64)")
+
+
 def test_ops_entry_points_validate(fake_gpu):
     op, lp = partials()
     with pytest.raises(ValueError, match="lse_partial must have shape"):
@@ -671,6 +707,46 @@ def test_dlpack_shared_validation(fake_gpu_dlpack):
     with pytest.raises(TypeError, match="out_partial must be a DLPack array"):
         dlpack_api.flash_attn_combine_dlpack([1.0], lp)
     assert fake_gpu_dlpack.calls == []
+
+
+def test_dlpack_every_problem_in_one_error(fake_gpu_dlpack):
+    lp = np.zeros((3, 2, 5), np.float16)
+    out = np.zeros((2, 5, 4, 64, 1), np.float32)  # 5-D, not bf16, read-only
+    out.flags.writeable = False
+    with pytest.raises(V.InputError) as info:
+        dlpack_api.flash_attn_combine_dlpack([1.0], lp, out=out, out_dtype="bf16")
+    assert_problems(info.value,
+                    "out_partial must be a DLPack array",
+                    "out is read-only",
+                    "lse_partial must have dtype float32 (split-KV partials are fp32), got float16",
+                    "lse_partial must be 4-D (num_splits, batch, seqlen, heads), got 3-D shape (3, 2, 5)",
+                    "out has dtype float32 but out_dtype is bf16",
+                    "out must be 4-D (batch, seqlen, heads, head_dim), got 5-D shape (2, 5, 4, 64, 1)")
+    assert fake_gpu_dlpack.calls == []
+
+
+def test_dlpack_every_lse_problem_in_one_error(fake_gpu_dlpack):
+    op, lp = _np_partials()
+    lse = np.zeros((2, 5, 5), np.float64)  # wrong shape, wrong dtype, read-only
+    lse.flags.writeable = False
+    with pytest.raises(V.InputError) as info:
+        dlpack_api.flash_attn_combine_dlpack(op, lp, out=np.empty((2, 5, 4, 64), np.float32), lse=lse)
+    assert_problems(info.value,
+                    "lse is read-only",
+                    "lse must have dtype float32, got float64",
+                    "lse must have shape (batch, seqlen, heads) = (2, 5, 4)")
+    assert fake_gpu_dlpack.calls == []
+
+
+def test_both_apis_give_the_same_message(fake_gpu_dlpack):
+    op = torch.zeros(3, 2, 5, 4, 64, dtype=torch.float16)
+    lp = torch.zeros(3, 2, 5, 7)
+    out = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(V.InputError) as t:
+        flash_attn_combine(op, lp, out=out, out_dtype=torch.float16)
+    with pytest.raises(V.InputError) as d:
+        dlpack_api.flash_attn_combine_dlpack(op.numpy(), lp.numpy(), out=out, out_dtype=torch.float16)
+    assert str(d.value) == str(t.value).replace("torch.float16", "float16")  # numpy's spelling of out_partial's dtype
 
 
 def test_dlpack_host_arrays_rejected():
