@@ -1,0 +1,160 @@
+"""Driver for scripts/sanitize.sh: small calls of every kernel family in the manifest, checked on the CPU.
+
+Meant to run under NVIDIA compute-sanitizer (memcheck, racecheck, synccheck, initcheck), also alone:
+
+    python3 scripts/sanitize_driver.py
+
+Cases (only those whose variant is built run; a family with no runnable case fails):
+  fwd      flash_attn_func, fp16 and bf16 x head_dim 64 and 128 x causal and not, batch 2,
+           seqlen_q 113, seqlen_k 239, heads 4 over heads_k 2 (GQA); k and v are KV-cache
+           prefixes of a longer cache.
+  combine  flash_attn_combine into fp32, bf16 and fp16 (5 splits, seqlen 113, head_dim 64), and
+           fp32 with head_dim 62 (the scalar path); FA3's transposed layouts cut from padded
+           buffers; splits 2.. of batch 0 saw no key (lse -inf).
+
+Inputs are drawn on the CPU from fixed seeds and copied in with plain host-to-device copies,
+results are copied out and checked on the CPU against tests/gpu/_ref.py (FA3's rule for the
+forward, the float64 merge for combine), so the GPU runs flashgen's kernels and copies only.
+Memory the kernels must not read is never written: the KV cache beyond seqlen_k, the padding of
+the combine buffers, and the partials of the splits with lse -inf (initcheck flags ordinary
+global loads of it, as in combine; TMA loads, as in the forward, are invisible to initcheck).
+With PYTORCH_NO_CUDA_MEMORY_CACHING=1 (sanitize.sh sets it for memcheck and initcheck) every
+tensor is its own cudaMalloc, so memcheck bounds each exactly.
+
+Every family in the manifest (flashgen.load_manifest().variants[i].family) must have an entry in
+CASES: a new family fails here until a case is written for it.
+
+Exit status: 0 when every case ran and matched its reference; 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+import flashgen
+from flashgen import flash_attn_combine, flash_attn_func
+from flashgen.dispatch import MissingVariantError, select_variant
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+from _ref import attention_ref, combine_ref, fa3_rule_ok  # noqa: E402
+
+NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def built(family: str, key: dict) -> bool:
+    try:
+        select_variant(family, key)
+        return True
+    except MissingVariantError:
+        return False
+
+
+def randn(*shape, seed: int, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def put(view: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy CPU ``src`` into the CUDA ``view`` block by contiguous block (host-to-device copies, no
+    kernel), leaving the memory between the blocks as it was (never written)."""
+    if view.is_contiguous():
+        view.copy_(src)
+    else:
+        for i in range(view.shape[0]):
+            put(view[i], src[i])
+
+
+def fwd_case(dtype, d: int, causal: bool, seed: int) -> None:
+    b, sq, sk, cap, h, hk = 2, 113, 239, 320, 4, 2
+    q, k, v = randn(b, sq, h, d, seed=seed, dtype=dtype), randn(b, sk, hk, d, seed=seed + 1, dtype=dtype), \
+        randn(b, sk, hk, d, seed=seed + 2, dtype=dtype)
+    q_dev = q.cuda()
+    k_cache = torch.empty(b, cap, hk, d, dtype=dtype, device="cuda")  # rows sk.. never written
+    v_cache = torch.empty(b, cap, hk, d, dtype=dtype, device="cuda")
+    put(k_cache[:, :sk], k)
+    put(v_cache[:, :sk], v)
+    out, lse = flash_attn_func(q_dev, k_cache[:, :sk], v_cache[:, :sk], causal=causal, return_attn_probs=True)
+    out, lse = out.cpu(), lse.cpu()
+    scale = d ** -0.5
+    ref, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True)
+    pt, _ = attention_ref(q, k, v, causal, scale, upcast=False)
+    ok, err, base = fa3_rule_ok(out, ref, pt)
+    assert ok, f"max|out - ref| {err:.3e} > 2 x low-precision error {base:.3e}"
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf pattern differs from the reference"
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-3, rtol=1e-4)
+
+
+def combine_case(out_dtype, d: int, seed: int) -> None:
+    ns, b, s, h, pad = 5, 2, 113, 3, 7
+    op = randn(ns, b, h, s, d, seed=seed)  # FA3's layouts: (.., heads, seqlen, ..) buffers, transposed
+    lp = randn(ns, b, h, s, seed=seed + 1)
+    lp[2:, 0] = -math.inf  # splits 2.. of batch 0 saw no key: their partials are never written
+    op_buf = torch.empty(ns, b, h, s + pad, d, device="cuda")  # seqlen padded: the pad is never written
+    lp_buf = torch.empty(ns, b, h, s + pad, device="cuda")
+    for i in range(ns):
+        for j in range(b):
+            if not (i >= 2 and j == 0):
+                put(op_buf[i, j, :, :s], op[i, j])
+    put(lp_buf[..., :s], lp)
+    out, lse = flash_attn_combine(op_buf[:, :, :, :s].transpose(2, 3), lp_buf[..., :s].transpose(2, 3),
+                                  out_dtype=out_dtype)
+    out, lse = out.cpu(), lse.transpose(1, 2).cpu().transpose(1, 2)  # lse: a (b, h, s) buffer, copied as is
+    ref, lse_ref = combine_ref(op.transpose(2, 3), lp.transpose(2, 3))
+    err = (out.double() - ref).abs().max().item()
+    rounding = (ref.to(out_dtype).double() - ref).abs().max().item()
+    assert err <= 2 * rounding + 1e-5, f"max|out - ref| {err:.3e} > 2 x rounding {rounding:.3e} + 1e-5"
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
+
+
+def fwd_cases():
+    for i, (dtype, d, causal) in enumerate((dt, d, c) for dt in (torch.float16, torch.bfloat16)
+                                           for d in (64, 128) for c in (False, True)):
+        key = {"dtype": NAME[dtype], "head_dim": d, "head_dim_v": d, "causal": causal}
+        if built("fwd", key):
+            yield f"fwd {NAME[dtype]} d{d} {'causal' if causal else 'full'} b2 q113 k239 h4/2", \
+                lambda dtype=dtype, d=d, causal=causal, i=i: fwd_case(dtype, d, causal, seed=10 * i)
+
+
+def combine_cases():
+    for i, (dtype, d) in enumerate(((torch.float32, 64), (torch.bfloat16, 64), (torch.float16, 64),
+                                    (torch.float32, 62))):
+        if built("combine", {"dtype": NAME[dtype]}):
+            yield f"combine {NAME[dtype]} splits5 b2 s113 h3 d{d}", \
+                lambda dtype=dtype, d=d, i=i: combine_case(dtype, d, seed=100 + 10 * i)
+
+
+#: family -> generator of (name, case); every family in the manifest needs an entry.
+CASES = {"fwd": fwd_cases, "combine": combine_cases}
+
+
+def main() -> int:
+    families = sorted({v.family for v in flashgen.load_manifest().variants})
+    failed = [f"family {f}: present in the manifest, no case in {Path(__file__).name} (add one to CASES)"
+              for f in families if f not in CASES]
+    ran = 0
+    for family in families:
+        cases = list(CASES.get(family, lambda: ())())
+        if family in CASES and not cases:
+            failed.append(f"family {family}: none of its cases' variants is built")
+        for name, case in cases:
+            ran += 1
+            try:
+                case()
+                torch.cuda.synchronize()
+                print(f"ok   {name}", flush=True)
+            except Exception as e:
+                failed.append(f"{name}: {type(e).__name__}: {e}")
+                print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+    for f in failed:
+        print(f"FAIL {f}", flush=True)
+    print(f"sanitize_driver: {ran} cases over families {', '.join(families)}; {len(failed)} failures", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
