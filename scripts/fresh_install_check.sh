@@ -2,7 +2,7 @@
 # "A fresh clone built with `pip install .` in a new venv runs flash_attn_func on the GPU."
 #   git archive -o .fresh.tar HEAD      (here: the committed tree, what a clone holds)
 #   bash scripts/fresh_install_check.sh [.fresh.tar] [wheel folder]
-# On the GPU machine (no network): unpack into a temp folder, make a venv that sees the system's
+# On the GPU machine (no network): unpack into a temp folder, make a venv that sees the machine's
 # torch, `pip install .` with build isolation on (the build backend compiles the default kernels;
 # its build requirements come from the wheel folder, e.g. .devwheels/ made with `pip download`),
 # then, from a folder that is not a checkout and with no FLASHGEN_* variables, check that the
@@ -12,7 +12,11 @@ tarball=$(realpath "${1:-.fresh.tar}")
 wheels=$(realpath "${2:-.devwheels}")
 tmp=$(mktemp -d)
 mkdir "$tmp/clone" && tar -xf "$tarball" -C "$tmp/clone"
-python3 -m venv --system-site-packages "$tmp/venv"
+python3 -m venv "$tmp/venv"
+# the new venv sees the machine's torch (and its CUDA libraries) through a .pth file; python3 may
+# itself be a venv, whose packages --system-site-packages would not show
+torch_site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+"$tmp/venv/bin/python" -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/_machine_torch.pth', 'w').write(sys.argv[1] + '\n')" "$torch_site"
 t0=$(date +%s)
 "$tmp/venv/bin/pip" install -q --no-index --find-links "$wheels" "$tmp/clone"
 echo "pip install . (fresh tree, new venv, build isolation): $(( $(date +%s) - t0 )) s"
