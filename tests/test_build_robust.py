@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from fgutil import cli, compiles, fake_cuda, make_project, read_manifest  # noqa: E402
+from fgutil import spawn_build, cli, compiles, fake_cuda, make_project, read_manifest  # noqa: E402
 
 from flashgen.generator.build import build  # noqa: E402
 from flashgen.generator.config import load_variants, select  # noqa: E402
@@ -106,18 +106,11 @@ def test_cache_entry_without_checksum_is_not_trusted(tmp_path, monkeypatch):
     assert len(_build(proj).compiled) == 1
 
 
-def _spawn_build(proj, env, tmp_path, tag):
-    out = open(tmp_path / f"{tag}.out", "w")
-    e = {**os.environ, "FLASHGEN_ROOT": str(proj.root), **env}
-    return subprocess.Popen([sys.executable, "-m", "flashgen.cli", "build", "-j", "2"], env=e, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def test_concurrent_builds_compile_each_variant_once(tmp_path, monkeypatch):
     proj = make_project(tmp_path)
     home, log = fake_cuda(tmp_path, monkeypatch)
     env = {"CUDA_HOME": str(home), "FAKE_NVCC_LOG": str(log), "FAKE_NVCC_SLEEP": "0.4"}
-    procs = [_spawn_build(proj, env, tmp_path, f"b{i}") for i in range(2)]
+    procs = [spawn_build(proj, env, tmp_path / f"b{i}.out") for i in range(2)]
     rcs = [p.wait(timeout=120) for p in procs]
     outs = [(tmp_path / f"b{i}.out").read_text() for i in range(2)]
     assert rcs == [0, 0], outs
@@ -136,7 +129,7 @@ def test_kill_9_of_a_build_kills_its_nvcc_children(tmp_path, monkeypatch):
     home, log = fake_cuda(tmp_path, monkeypatch)
     marker = f"{40 + os.getpid() % 1000}.{int(time.time() * 1000) % 997}"  # an unlikely sleep length
     env = {"CUDA_HOME": str(home), "FAKE_NVCC_LOG": str(log), "FAKE_NVCC_SLEEP": marker}
-    p = _spawn_build(proj, env, tmp_path, "killed")
+    p = spawn_build(proj, env, tmp_path / "killed.out")
     try:
         deadline = time.time() + 30
         while time.time() < deadline and len(_alive(f"sleep {marker}")) < 2:

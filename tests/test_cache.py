@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from fgutil import compiles, fake_cuda, make_project, read_manifest  # noqa: E402
+from fgutil import spawn_build, compiles, fake_cuda, make_project, read_manifest  # noqa: E402
 
 from flashgen.generator.build import NVCC_FLAGS, build  # noqa: E402
 from flashgen.generator.config import load_variants, select  # noqa: E402
@@ -100,18 +100,11 @@ def test_template_and_config_edits(tmp_path, monkeypatch):
     assert len(list(proj.fatbin_dir.glob("*.fatbin"))) == 8  # stale fatbins removed
 
 
-def _spawn_build(proj, env, tmp_path, tag):
-    out = open(tmp_path / f"{tag}.out", "w")
-    e = {**os.environ, "FLASHGEN_ROOT": str(proj.root), **env}
-    return subprocess.Popen([sys.executable, "-m", "flashgen.cli", "build", "-j", "2"], env=e, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def test_killed_build_leaves_no_corrupt_artifact(tmp_path, monkeypatch):
     proj = make_project(tmp_path)
     home, log = fake_cuda(tmp_path, monkeypatch)
     env = {"CUDA_HOME": str(home), "FAKE_NVCC_LOG": str(log), "FAKE_NVCC_SLEEP": "30"}
-    p = _spawn_build(proj, env, tmp_path, "killed")
+    p = spawn_build(proj, env, tmp_path / "killed.out")
     try:
         deadline = time.time() + 30
         while time.time() < deadline and not (log.exists() and log.read_text().count("start") >= 1):
@@ -141,7 +134,7 @@ def test_two_concurrent_builds(tmp_path, monkeypatch):
     proj = make_project(tmp_path)
     home, log = fake_cuda(tmp_path, monkeypatch)
     env = {"CUDA_HOME": str(home), "FAKE_NVCC_LOG": str(log), "FAKE_NVCC_SLEEP": "0.3"}
-    procs = [_spawn_build(proj, env, tmp_path, f"b{i}") for i in range(2)]
+    procs = [spawn_build(proj, env, tmp_path / f"b{i}.out") for i in range(2)]
     rcs = [p.wait(timeout=120) for p in procs]
     outs = [(tmp_path / f"b{i}.out").read_text() for i in range(2)]
     assert rcs == [0, 0], outs

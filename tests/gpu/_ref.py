@@ -55,3 +55,16 @@ def combine_ref(out_partial, lse_partial):
     scale = torch.where(total > 0, w / total, torch.zeros_like(w))[..., None]
     out = torch.where(scale != 0, scale * op, torch.zeros_like(op)).sum(0)
     return out, lse
+
+
+def check_fwd(q, k, v, causal: bool, out, lse, softmax_scale: float | None = None) -> None:
+    """Assert a forward's (out, lse) against the float32 reference on upcast inputs: FA3's rule for
+    out, lse -inf exactly where the reference's is and within 2e-3 elsewhere."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    ref, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True)
+    pt, _ = attention_ref(q, k, v, causal, scale, upcast=False)
+    ok, err, base = fa3_rule_ok(out, ref, pt)
+    assert ok, f"max|out - ref| = {err:.3e} > 2 x the low-precision baseline's {base:.3e}"
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf pattern differs from the reference"
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-3, rtol=1e-4)
