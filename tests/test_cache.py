@@ -133,11 +133,13 @@ def test_killed_build_leaves_no_corrupt_artifact(tmp_path, monkeypatch):
 def test_two_concurrent_builds(tmp_path, monkeypatch):
     proj = make_project(tmp_path)
     home, log = fake_cuda(tmp_path, monkeypatch)
-    env = {"CUDA_HOME": str(home), "FAKE_NVCC_LOG": str(log), "FAKE_NVCC_SLEEP": "0.3"}
+    env = {"CUDA_HOME": str(home), "FAKE_NVCC_LOG": str(log), "FAKE_NVCC_SLEEP": "0.4"}
     procs = [spawn_build(proj, env, tmp_path / f"b{i}.out") for i in range(2)]
     rcs = [p.wait(timeout=120) for p in procs]
     outs = [(tmp_path / f"b{i}.out").read_text() for i in range(2)]
     assert rcs == [0, 0], outs
+    assert sorted(compiles(log)) == sorted(set(compiles(log))) and len(compiles(log)) == 8, outs  # each once
+    assert any("built by a concurrent build" in o for o in outs), outs
     m = read_manifest(proj)  # valid JSON, complete
     assert len(m["variants"]) == 8
     import hashlib
