@@ -189,39 +189,42 @@ def _tensor_arg(a: _Array, dtype: str, device: int):
 # Outputs
 # --------------------------------------------------------------------------------------
 
-def _allocate(like: Any, p: _v.Problem, handle: int):
-    """(out, lse) allocated by q's framework when it is torch, else by CuPy, on ``handle``'s
-    stream so the allocator orders reuse of the memory after our kernel."""
+def _allocate(like: Any, device: int, handle: int, specs: list, caller: str = "") -> list:
+    """Arrays allocated by ``like``'s framework when it is torch, else by CuPy, on ``handle``'s
+    stream so the allocator orders reuse of the memory after our kernel.
+
+    ``specs``: per array ``(what, shape, dtype, perm)`` -- ``what`` says in messages what to pass
+    instead (e.g. ``"out= (bf16, shape (2, 3, 4, 64))"``), ``dtype`` one of fp32/fp16/bf16,
+    ``perm`` None or the axes the contiguous buffer is permuted to -- or None for an array not
+    wanted (None in its place). TypeError naming what to pass when there is no allocator for
+    ``like``'s framework, or when CuPy would have to make a bfloat16 array."""
     mod = type(like).__module__.split(".", 1)[0]
     if mod == "torch" and "torch" in sys.modules:
         import torch
 
-        dev = torch.device("cuda", p.device)
-        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
-        s = torch.cuda.default_stream(dev) if handle in (0, 1) else torch.cuda.ExternalStream(handle, device=dev)
-        with torch.cuda.stream(s):
-            out = torch.empty(p.out_shape, dtype=tdt, device=dev)
-            lse = torch.empty(p.lse_shape, dtype=torch.float32, device=dev)
-        return out, lse
+        dev = torch.device("cuda", device)
+        tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        st = torch.cuda.default_stream(dev) if handle in (0, 1) else torch.cuda.ExternalStream(handle, device=dev)
+        with torch.cuda.stream(st):
+            arrays = [None if sp is None else torch.empty(sp[1], dtype=tdt[sp[2]], device=dev) for sp in specs]
+        return [a if a is None or sp[3] is None else a.permute(*sp[3]) for a, sp in zip(arrays, specs)]
+    wanted = [sp for sp in specs if sp is not None]
     try:
         import cupy
     except ImportError:
         raise TypeError(
-            "flashgen: out and lse were not given and there is no allocator for "
-            f"{type(like).__name__} arrays: pass out= ({p.dtype}, shape {p.out_shape}) and "
-            f"lse= (float32, shape {p.lse_shape}) device arrays, or install CuPy"
-        ) from None
-    if p.dtype == "bf16":
-        raise TypeError(
-            "flashgen: CuPy cannot allocate bfloat16 arrays: pass out= (bfloat16, shape "
-            f"{p.out_shape}) and lse= (float32, shape {p.lse_shape}) device arrays"
-        )
-    with cupy.cuda.Device(p.device):
-        s = cupy.cuda.Stream.null if handle in (0, 1) else cupy.cuda.ExternalStream(handle, p.device)
-        with s:
-            out = cupy.empty(p.out_shape, dtype=cupy.float16)
-            lse = cupy.empty(p.lse_shape, dtype=cupy.float32)
-    return out, lse
+            f"flashgen: {caller}{' / '.join(sp[0].split('=')[0] for sp in wanted)} not given and there is no "
+            f"allocator for {type(like).__name__} arrays: pass {' and '.join(sp[0] for sp in wanted)} device "
+            "arrays, or install CuPy") from None
+    bf16 = [sp[0] for sp in wanted if sp[2] == "bf16"]
+    if bf16:
+        raise TypeError(f"flashgen: {caller}CuPy cannot allocate bfloat16 arrays: pass {' and '.join(bf16)}")
+    cdt = {"fp32": cupy.float32, "fp16": cupy.float16}
+    with cupy.cuda.Device(device):
+        st = cupy.cuda.Stream.null if handle in (0, 1) else cupy.cuda.ExternalStream(handle, device)
+        with st:
+            arrays = [None if sp is None else cupy.empty(sp[1], dtype=cdt[sp[2]]) for sp in specs]
+    return [a if a is None or sp[3] is None else a.transpose(*sp[3]) for a, sp in zip(arrays, specs)]
 
 
 # Driver memsets for the seqlen_k == 0 case (out = 0, lse = -inf), framework-neutral.
@@ -369,7 +372,9 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     _v.raise_problems(problems)
     # Missing outputs: allocated (right by construction).
     if out is None or lse is None:
-        new_out, new_lse = _allocate(q, p, handle)
+        new_out, new_lse = _allocate(q, p.device, handle, [
+            (f"out= ({p.dtype}, shape {p.out_shape})", p.out_shape, p.dtype, None),
+            (f"lse= (float32, shape {p.lse_shape})", p.lse_shape, "fp32", None)])
         if out is None:
             out, oa = new_out, _read("out", new_out, dl_stream)
         if lse is None:
@@ -418,45 +423,6 @@ def _combine_out_dtype(out_dtype: Any) -> str:
         if not isinstance(spelled, str):
             spelled = getattr(out_dtype, "__name__", None) or str(out_dtype)  # np.float32; torch.float32
     return _DTYPE_BY_NAME.get(spelled.rsplit(".", 1)[-1], spelled)
-
-
-def _combine_allocate(like: Any, p: "_combine.CombineProblem", handle: int, want_out: bool, want_lse: bool):
-    """(out or None, lse or None) allocated with ``like``'s framework when it is torch, else
-    with CuPy, on ``handle``'s stream. lse is the (batch, seqlen, heads) transposed view of a
-    contiguous (batch, heads, seqlen) float32 buffer in both frameworks."""
-    mod = type(like).__module__.split(".", 1)[0]
-    b, s, h = p.batch, p.seqlen, p.heads
-    if mod == "torch" and "torch" in sys.modules:
-        import torch
-
-        dev = torch.device("cuda", p.device)
-        tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.out_dtype]
-        st = torch.cuda.default_stream(dev) if handle in (0, 1) else torch.cuda.ExternalStream(handle, device=dev)
-        with torch.cuda.stream(st):
-            out = torch.empty(p.out_shape, dtype=tdt, device=dev) if want_out else None
-            lse = torch.empty((b, h, s), dtype=torch.float32, device=dev).transpose(1, 2) if want_lse else None
-        return out, lse
-    try:
-        import cupy
-    except ImportError:
-        raise TypeError(
-            "flashgen: flash_attn_combine_dlpack: out / lse were not given and there is no allocator for "
-            f"{type(like).__name__} arrays: pass out= ({p.out_dtype}, shape {p.out_shape}) and lse= (float32, "
-            f"the (batch, seqlen, heads) = {p.lse_shape} transpose of a contiguous {p.lse_buffer_shape} "
-            "buffer) device arrays, or install CuPy"
-        ) from None
-    if want_out and p.out_dtype == "bf16":
-        raise TypeError(
-            "flashgen: flash_attn_combine_dlpack: CuPy cannot allocate bfloat16 arrays: pass out= "
-            f"(bfloat16, shape {p.out_shape})"
-        )
-    with cupy.cuda.Device(p.device):
-        st = cupy.cuda.Stream.null if handle in (0, 1) else cupy.cuda.ExternalStream(handle, p.device)
-        with st:
-            out = cupy.empty(p.out_shape, dtype={"fp32": cupy.float32, "fp16": cupy.float16}[p.out_dtype]) \
-                if want_out else None
-            lse = cupy.empty((b, h, s), dtype=cupy.float32).transpose(0, 2, 1) if want_lse else None
-    return out, lse
 
 
 def flash_attn_combine_dlpack(out_partial, lse_partial, *, out: Any = None, lse: Any = None,
@@ -532,7 +498,12 @@ def flash_attn_combine_dlpack(out_partial, lse_partial, *, out: Any = None, lse:
         _v.raise_problems(problems, _combine.CONTEXT)
     # Missing outputs: allocated (right by construction).
     if out is None or lse is None:
-        new_out, new_lse = _combine_allocate(out_partial, p, handle, out is None, lse is None)
+        b, sq, h = p.batch, p.seqlen, p.heads
+        new_out, new_lse = _allocate(out_partial, p.device, handle, [
+            (f"out= ({p.out_dtype}, shape {p.out_shape})", p.out_shape, p.out_dtype, None) if out is None else None,
+            (f"lse= (float32, the (batch, seqlen, heads) = {p.lse_shape} transpose of a contiguous "
+             f"{p.lse_buffer_shape} buffer)", (b, h, sq), "fp32", (0, 2, 1)) if lse is None else None,
+        ], caller="flash_attn_combine_dlpack: ")
         if out is None:
             out, oa = new_out, _read("out", new_out, dl_stream)
         if lse is None:
