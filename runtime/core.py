@@ -70,7 +70,7 @@ def _bshd_map(t: TensorArg, box_rows: int):
     b, s, h, d = t.shape
     es = ELEMENT_SIZE[t.dtype]
     return launch.tensor_map(t.ptr, t.dtype, (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es),
-                             (64, box_rows, 1, 1), 128)
+                             (64, box_rows, 1, 1), 128, device=t.device)
 
 
 def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,

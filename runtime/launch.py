@@ -268,14 +268,18 @@ _tmaps: dict[tuple, object] = {}
 _TMAP_CACHE_MAX = 4096
 
 
-def tensor_map(ptr: int, dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int = 128):
+def tensor_map(ptr: int, dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int = 128,
+               device: int | None = None):
     """A tiled TMA descriptor (cuTensorMapEncodeTiled) of rank len(dims) <= 5.
 
     dims: extents innermost first; strides_bytes: byte strides of dims 1.. (multiples of 16);
     box: tile extent per dim (innermost box bytes <= the swizzle width when swizzled); dtype one of
     fp16, bf16, e4m3, fp32; swizzle 0, 32, 64 or 128 bytes. Out-of-range elements load as zeros.
     The map is immutable and cached by all arguments (the address included): calls on any thread
-    may share it. ValueError for a bad dtype, swizzle or rank; CudaError if the driver refuses."""
+    may share it. ``device``: the ordinal the memory lives on; the driver encodes a map only with a
+    context current, so a new map is encoded inside :class:`device_context` (pass it whenever the
+    calling thread may have no context, i.e. always from an API path). ValueError for a bad dtype,
+    swizzle or rank; CudaError if the driver refuses."""
     key = (ptr, dtype, dims, strides_bytes, box, swizzle)
     tmap = _tmaps.get(key)
     if tmap is not None:
@@ -289,6 +293,9 @@ def tensor_map(ptr: int, dtype: str, dims: tuple, strides_bytes: tuple, box: tup
         raise ValueError(f"flashgen: tensor_map needs rank 1..5 with len(box) = rank and rank - 1 strides; "
                          f"got dims {dims}, strides {strides_bytes}, box {box}")
     d = _driver()
+    if device is not None:
+        with device_context(device):
+            return tensor_map(ptr, dtype, dims, strides_bytes, box, swizzle)
     tmap = check(
         d.cuTensorMapEncodeTiled(
             getattr(d.CUtensorMapDataType, _TMA_DTYPES[dtype][0]),
