@@ -207,6 +207,7 @@ def drop_corrupt(plan: Plan, log=print) -> None:
     """If the plan's cache entry exists but fails its check, say so in one line and delete it."""
     why = plan.entry_problem()
     if why is None or why == "missing":
+        plan._valid = why is None  # checked: cached() need not hash the fatbin again
         return
     log(f"cache: {plan.name}: entry {plan.key[:12]} is corrupt ({why}); rebuilding it")
     trash = plan.entry.with_name(f".tmp-corrupt-{os.getpid()}-{uuid.uuid4().hex[:8]}")

@@ -227,6 +227,19 @@ def _allocate(like: Any, device: int, handle: int, specs: list, caller: str = ""
     return [a if a is None or sp[3] is None else a.transpose(*sp[3]) for a, sp in zip(arrays, specs)]
 
 
+def _allocate_missing(like: Any, device: int, handle: int, dl_stream: int, out: tuple, lse: tuple,
+                      specs: tuple, caller: str = "") -> tuple:
+    """``(out, out _Array, lse, lse _Array)``: the caller's ``out`` / ``lse`` pairs (array, read
+    view) where given, else arrays made by :func:`_allocate` from ``specs`` (out's, lse's) and read
+    back; only the missing ones are allocated."""
+    missing = [spec if given[0] is None else None for given, spec in zip((out, lse), specs)]
+    if any(missing):
+        made = _allocate(like, device, handle, missing, caller)
+        out, lse = ((a, _read(name, a, dl_stream)) if a is not None else given
+                    for a, given, name in zip(made, (out, lse), ("out", "lse")))
+    return (*out, *lse)
+
+
 # Driver memsets for the seqlen_k == 0 case (out = 0, lse = -inf), framework-neutral.
 # Module-level so CPU tests can replace them with host memsets.
 
@@ -371,14 +384,9 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         problems += _readonly(la) + _v.lse_problems(la.info, p, la.ptr)
     _v.raise_problems(problems)
     # Missing outputs: allocated (right by construction).
-    if out is None or lse is None:
-        new_out, new_lse = _allocate(q, p.device, handle, [
-            (f"out= ({p.dtype}, shape {p.out_shape})", p.out_shape, p.dtype, None),
-            (f"lse= (float32, shape {p.lse_shape})", p.lse_shape, "fp32", None)])
-        if out is None:
-            out, oa = new_out, _read("out", new_out, dl_stream)
-        if lse is None:
-            lse, la = new_lse, _read("lse", new_lse, dl_stream)
+    out, oa, lse, la = _allocate_missing(q, p.device, handle, dl_stream, (out, oa), (lse, la), (
+        (f"out= ({p.dtype}, shape {p.out_shape})", p.out_shape, p.dtype, None),
+        (f"lse= (float32, shape {p.lse_shape})", p.lse_shape, "fp32", None)))
     if p.nothing_to_compute:
         return out, lse
     if p.seqlen_k == 0:
@@ -490,6 +498,7 @@ def flash_attn_combine_dlpack(out_partial, lse_partial, *, out: Any = None, lse:
                           _combine.CONTEXT)
     p = _combine.check_combine(op_info, lp_info, out_dtype, out_info, also=problems)
     _v.check_capability(_core.device_capability(p.device), p.device)
+    la = None
     if lse is not None:  # its expected shape and device come from the arguments checked above
         arrays, problems = _read_all([("lse", lse)], dl_stream)
         la = arrays.get("lse")
@@ -497,17 +506,11 @@ def flash_attn_combine_dlpack(out_partial, lse_partial, *, out: Any = None, lse:
             problems += _readonly(la) + _combine.combine_lse_problems(la.info, p, la.ptr)
         _v.raise_problems(problems, _combine.CONTEXT)
     # Missing outputs: allocated (right by construction).
-    if out is None or lse is None:
-        b, sq, h = p.batch, p.seqlen, p.heads
-        new_out, new_lse = _allocate(out_partial, p.device, handle, [
-            (f"out= ({p.out_dtype}, shape {p.out_shape})", p.out_shape, p.out_dtype, None) if out is None else None,
-            (f"lse= (float32, the (batch, seqlen, heads) = {p.lse_shape} transpose of a contiguous "
-             f"{p.lse_buffer_shape} buffer)", (b, h, sq), "fp32", (0, 2, 1)) if lse is None else None,
-        ], caller="flash_attn_combine_dlpack: ")
-        if out is None:
-            out, oa = new_out, _read("out", new_out, dl_stream)
-        if lse is None:
-            lse, la = new_lse, _read("lse", new_lse, dl_stream)
+    out, oa, lse, la = _allocate_missing(out_partial, p.device, handle, dl_stream, (out, oa), (lse, la), (
+        (f"out= ({p.out_dtype}, shape {p.out_shape})", p.out_shape, p.out_dtype, None),
+        (f"lse= (float32, the (batch, seqlen, heads) = {p.lse_shape} transpose of a contiguous "
+         f"{p.lse_buffer_shape} buffer)", (p.batch, p.heads, p.seqlen), "fp32", (0, 2, 1))),
+        caller="flash_attn_combine_dlpack: ")
     if p.nothing_to_compute:
         return out, lse
     dev = p.device
