@@ -261,18 +261,10 @@ def _head_dim_problem(what: str, name: str, d: int) -> list:
                          f"between {HEAD_DIM_MULTIPLE} and {MAX_HEAD_DIM}, got {d}")]
 
 
-def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[ArrayInfo]) -> list:
-    """Everything wrong with q, k, v (see :func:`check_inputs`), as ``(exception class,
-    message)`` pairs (see :func:`raise_problems`); empty when they are valid.
-
-    None stands for an argument that is no array at all (the caller reports that): the
-    checks of the others still run. A check that needs another to pass first is skipped
-    when that one failed, and only then: the same-device check needs all three on CUDA,
-    the same-dtype check all three of a supported dtype, and each size comparison needs
-    the arrays it compares to be 4-D.
-    """
+def _device_dtype_rank_problems(arrays: dict) -> list:
+    """Devices, dtypes and ranks of the given q, k, v (``{name: ArrayInfo}``), for :func:`input_problems`."""
     P: list = []
-    arrays = {name: a for name, a in (("q", q), ("k", k), ("v", v)) if a is not None}
+    q, k, v = arrays.get("q"), arrays.get("k"), arrays.get("v")
     # devices
     for name, a in arrays.items():
         if not a.is_cuda:
@@ -296,24 +288,48 @@ def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[A
         if len(a.shape) != 4:
             P.append((ValueError, f"{name} must be 4-D {_LAYOUTS[name]} (layout BSHD), "
                                   f"got {len(a.shape)}-D shape {_fmt_shape(a.shape)}"))
+    return P
+
+
+def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[ArrayInfo]) -> list:
+    """Everything wrong with q, k, v (see :func:`check_inputs`), as ``(exception class,
+    message)`` pairs (see :func:`raise_problems`); empty when they are valid.
+
+    None stands for an argument that is no array at all (the caller reports that): the
+    checks of the others still run. A check that needs another to pass first is skipped
+    when that one failed, and only then: the same-device check needs all three on CUDA,
+    the same-dtype check all three of a supported dtype, and each size comparison needs
+    the arrays it compares to be 4-D.
+    """
+    P: list = []
+    arrays = {name: a for name, a in (("q", q), ("k", k), ("v", v)) if a is not None}
+    # the usual case (three CUDA arrays, one device, one served dtype, 4-D) skips to the sizes
+    usual = (len(arrays) == 3 and q.is_cuda and k.is_cuda and v.is_cuda and q.device == k.device == v.device
+             and q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype
+             and len(q.shape) == len(k.shape) == len(v.shape) == 4)
+    if not usual:
+        P += _device_dtype_rank_problems(arrays)
     is_4d = {name: name in arrays and len(arrays[name].shape) == 4 for name in _LAYOUTS}
-    qs, ks, vs = (_fmt_shape(a.shape) if a is not None else "" for a in (q, k, v))
     if is_4d["q"]:
         for name, a in (("k", k), ("v", v)):
             if is_4d[name] and a.shape[0] != q.shape[0]:
                 P.append((ValueError, f"{name} has batch {a.shape[0]} but q has batch {q.shape[0]} "
-                                      f"(q {qs}, {name} {_fmt_shape(a.shape)})"))
+                                      f"(q {_fmt_shape(q.shape)}, {name} {_fmt_shape(a.shape)})"))
     if is_4d["k"] and is_4d["v"]:
         if v.shape[1] != k.shape[1]:
-            P.append((ValueError, f"k and v must have the same seqlen_k (dim 1), got k {ks}, v {vs}"))
+            P.append((ValueError, "k and v must have the same seqlen_k (dim 1), got "
+                                  f"k {_fmt_shape(k.shape)}, v {_fmt_shape(v.shape)}"))
         if v.shape[2] != k.shape[2]:
-            P.append((ValueError, f"k and v must have the same number of heads (dim 2), got k {ks}, v {vs}"))
+            P.append((ValueError, "k and v must have the same number of heads (dim 2), got "
+                                  f"k {_fmt_shape(k.shape)}, v {_fmt_shape(v.shape)}"))
     if is_4d["q"] and is_4d["k"]:
         if k.shape[3] != q.shape[3]:
-            P.append((ValueError, f"k must have q's head_dim {q.shape[3]} (dim 3), got k {ks}, q {qs}"))
+            P.append((ValueError, f"k must have q's head_dim {q.shape[3]} (dim 3), got "
+                                  f"k {_fmt_shape(k.shape)}, q {_fmt_shape(q.shape)}"))
         heads, heads_k = q.shape[2], k.shape[2]
         if heads < 1 or heads_k < 1:
-            P.append((ValueError, f"heads and heads_k must be >= 1, got q {qs}, k {ks}"))
+            P.append((ValueError, f"heads and heads_k must be >= 1, got "
+                                  f"q {_fmt_shape(q.shape)}, k {_fmt_shape(k.shape)}"))
         elif heads % heads_k != 0:
             P.append((ValueError, f"heads of q ({heads}) must be a multiple of heads_k of k/v ({heads_k}) "
                                   "(GQA/MQA: each k/v head serves heads // heads_k query heads)"))
