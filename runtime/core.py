@@ -15,7 +15,8 @@ from .launch import device_capability
 from ._validate import ELEMENT_SIZE, tma_layout_problem
 from .manifest import Variant
 
-__all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "device_capability"]
+__all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "attention_backward",
+           "backward_workspace_bytes", "device_capability"]
 
 LOG2E = 1.4426950408889634
 
@@ -103,4 +104,114 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(out, 64))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     launch.launch(plan.kernel, (max(grid, 1), 1, 1), maps, params, stream)
+    return plan.variant
+
+
+# ------------------------------------------------------------------------------------- backward
+class _BwdPlan(NamedTuple):
+    variant: Variant
+    pre: launch.LoadedKernel
+    main: launch.LoadedKernel
+    post: launch.LoadedKernel
+    block_m: int
+    block_n: int
+    head_dim_padded: int
+    num_slices: int
+
+
+_bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
+
+
+def _bwd_plan(dtype: str, d: int, causal: bool, device: int, variant: Variant | None) -> _BwdPlan:
+    """The bwd variant serving (dtype, head_dim, causal) and its three loaded kernels, once per process."""
+    key = (variant.name if variant is not None else None, dtype, d, causal, device)
+    plan = _bwd_plans.get(key)
+    if plan is None:
+        var = variant if variant is not None else select_variant(
+            "bwd", {"dtype": dtype, "head_dim": d, "causal": causal})
+        p = var.params
+        pad = -(-p["head_dim"] // 64) * 64
+        plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
+                        p["block_m"], p["block_n"], pad, pad // p["slice"])
+        _bwd_plans[key] = plan
+    return plan
+
+
+_WS_ALIGN = 256
+
+
+def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int) -> tuple:
+    """(total bytes, offsets of lse_log2, dpsum, dq_accum, sem) of the backward's scratch memory:
+    fp32 (batch, heads, seqlen_q_pad) twice, fp32 (batch, heads, seqlen_q_pad, head_dim_padded),
+    int32 (batch, heads, num_m_blocks, num_slices); each region 256-byte aligned."""
+    num_m = -(-seqlen_q // plan.block_m)
+    rows = batch * heads * num_m * plan.block_m
+    sizes = (rows * 4, rows * 4, rows * plan.head_dim_padded * 4, batch * heads * num_m * plan.num_slices * 4)
+    offs, off = [], 0
+    for s in sizes:
+        offs.append(off)
+        off += -(-s // _WS_ALIGN) * _WS_ALIGN
+    return off, tuple(offs)
+
+
+def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int, head_dim: int, dtype: str,
+                             causal: bool, device: int, variant: Variant | None = None) -> int:
+    """Bytes of device scratch memory :func:`attention_backward` needs for this call (> 0).
+
+    Selects (and loads) the bwd variant; raises MissingVariantError when none serves
+    (dtype, head_dim, causal). heads_k is accepted for symmetry (the workspace does not depend on it)."""
+    plan = _bwd_plan(dtype, head_dim, bool(causal), device, variant)
+    return _bwd_workspace(plan, batch, seqlen_q, heads)[0]
+
+
+def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
+                       dq: TensorArg, dk: TensorArg, dv: TensorArg, softmax_scale: float, causal: bool,
+                       deterministic: bool, stream: int, workspace_ptr: int, variant: Variant | None = None) -> Variant:
+    """Launch the FA3 backward: dq, dk, dv of ``out = softmax(scale q k^T [+ causal mask]) v``.
+
+    Method: FlashAttention-2/3's backward (arXiv 2307.08691 Algorithm 2; FA3 arXiv 2407.08608 and
+    its hopper/ kernels): P is recomputed from the forward's LSE, dS = P ∘ (dP - rowsum(dO ∘ O)),
+    dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K; three kernels (templates/bwd.cu.j2).
+
+    dout, q, out, dq: (batch, seqlen_q, heads, head_dim); k, v, dk, dv: (batch, seqlen_k, heads_k,
+    head_dim); all of q's dtype (fp16/bf16) and TMA-addressable (last dim contiguous, other strides
+    and base 16-byte aligned); lse fp32 (batch, heads, seqlen_q) contiguous (the forward's).
+    batch, seqlen_q, seqlen_k >= 1. dk/dv of a GQA group are summed over its query heads.
+    ``workspace_ptr``: :func:`backward_workspace_bytes` of device memory, 256-byte aligned, any
+    contents, alive until the kernels have run (stream order). ``deterministic``: dQ's fp32
+    additions happen in a fixed order, so results are bitwise reproducible. Launches on ``stream``;
+    never synchronises. Raises MissingVariantError (no variant), ValueError (layouts, heads).
+    """
+    b, sq, h, d = q.shape
+    _, sk, hk, dv_dim = v.shape
+    if h % hk:
+        raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
+    if dv_dim != d:
+        raise ValueError(f"flashgen: the backward needs head_dim_v == head_dim (got {dv_dim} and {d})")
+    for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        _check_tma(name, t)
+    plan = _bwd_plan(q.dtype, d, bool(causal), q.device, variant)
+    bm, bn = plan.block_m, plan.block_n
+    num_m = -(-sq // bm)
+    _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"flashgen: softmax_scale must be finite, got {softmax_scale}")
+    w = int(workspace_ptr)
+    params = {
+        "o": out.ptr, "dout": dout.ptr, "lse": lse.ptr,
+        "lse_log2": w + o_lse, "dpsum": w + o_dpsum, "dq_accum": w + o_acc, "sem": w + o_sem, "dq": dq.ptr,
+        "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
+        "do_stride_batch": dout.strides[0], "do_stride_seq": dout.strides[1], "do_stride_head": dout.strides[2],
+        "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
+        "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d,
+        "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
+        "deterministic": 1 if deterministic else 0, "scale_log2": scale * LOG2E, "softmax_scale": scale,
+    }
+    rows_per_cta = plan.pre.record.threads // 32
+    launch.launch(plan.pre, (-(-num_m * bm // rows_per_cta), h, b), (), params, stream)
+    maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
+            _bshd_map(dv, 64))
+    launch.launch(plan.main, (-(-sk // bn), plan.num_slices * hk, b), maps, params, stream)
+    launch.launch(plan.post, (-(-sq // rows_per_cta), h, b), (), params, stream)
     return plan.variant

@@ -9,6 +9,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "flashgen/ptx.cuh"  // pack2
 
 namespace flashgen {
@@ -37,6 +39,27 @@ __device__ __forceinline__ float ldg_stream_f1_or_zero(const float* p, const flo
   float v;
   asm("ld.global.nc.L1::no_allocate.f32 %0, [%1];\n" : "=f"(v) : "l"(take ? p : fallback));
   return take ? v : 0.f;
+}
+
+// ---------------------------------------------------------------- 16-bit vectors
+// Dot product in fp32 of two vectors of 8 T (half or bfloat16) packed in 16 bytes each.
+template <typename T>
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
+  const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 x, y;
+    if constexpr (std::is_same_v<T, __half>) {
+      x = __half22float2(*reinterpret_cast<const __half2*>(&av[i]));
+      y = __half22float2(*reinterpret_cast<const __half2*>(&bv[i]));
+    } else {
+      x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&av[i]));
+      y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bv[i]));
+    }
+    s = fmaf(x.x, y.x, fmaf(x.y, y.y, s));
+  }
+  return s;
 }
 
 // ---------------------------------------------------------------- typed output stores

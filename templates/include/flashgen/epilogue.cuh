@@ -7,6 +7,24 @@
 
 namespace flashgen {
 
+// A warpgroup's m64nN accumulator, as packed 16-bit pairs (pair i = registers 2i, 2i + 1; `pair(i)`
+// returns it), -> rows [tile_row, tile_row + 64) of a swizzled tile: the generic-proxy stores only
+// (the caller fences and synchronises before an async-proxy reader). `pairs` = N / 4.
+template <typename Tile, typename Pair>
+__device__ __forceinline__ void stage_pairs(const Tile& tile, int tile_row, int pairs, Pair&& pair) {
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+#pragma unroll
+  for (int j = 0; j < pairs / 2; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = tile_row + warp * 16 + lane / 4 + 8 * h;
+      *reinterpret_cast<uint32_t*>(tile.ptr() + Tile::offset(r, 8 * j + 2 * (lane % 4))) = pair(2 * j + h);
+    }
+  }
+}
+
 // O (m64nN accumulator, R = N/2 registers, already normalised) -> rows [tile_row, tile_row + 64) of
 // `tile` -> TMA store to rows [row, row + 64) of the map (its box: 64 rows x one chunk), issued and
 // committed by the warpgroup's thread 0. bar_id: a named barrier of this warpgroup alone.
@@ -15,25 +33,16 @@ namespace flashgen {
 // finished its GEMMs on it, and `release` (thread 0) hands it back once this store has read it.
 template <typename T, bool OwnBuffer, int R, typename Tile, typename Release>
 __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, int tile_row, int bar_id,
-                                        const CUtensorMap* map, int row, int head, int batch, Release&& release) {
+                                        const CUtensorMap* map, int row, int head, int batch, Release&& release,
+                                        int col0 = 0) {
   const int tid = threadIdx.x % 128;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
   if (OwnBuffer && tid == 0) ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
   named_bar_sync(bar_id, 128);
-#pragma unroll
-  for (int j = 0; j < R / 4; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = tile_row + warp * 16 + lane / 4 + 8 * h;
-      *reinterpret_cast<uint32_t*>(tile.ptr() + Tile::offset(r, 8 * j + 2 * (lane % 4))) =
-          pack2<T>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
-    }
-  }
+  stage_pairs(tile, tile_row, R / 2, [&](int i) { return pack2<T>(o[2 * i], o[2 * i + 1]); });
   fence_proxy_async_smem();  // the generic-proxy stores above, before the TMA store reads them
   named_bar_sync(bar_id, 128);
   if (tid == 0) {
-    tile.tma_store(map, tile_row, row, head, batch);
+    tile.tma_store(map, tile_row, row, head, batch, col0);
     ptx::cp_async_bulk_commit_group();
     if constexpr (!OwnBuffer) {
       ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
@@ -41,6 +50,8 @@ __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, i
     }
   }
 }
+
+// (col0: the first column of the map the tile's column 0 goes to.)
 
 // Before the CTA exits: its TMA stores must have completed (one thread per warpgroup that stored).
 __device__ __forceinline__ void store_o_drain() { ptx::cp_async_bulk_wait_group(ptx::n32_t<0>{}); }

@@ -50,4 +50,36 @@ struct BlockMask {
   }
 };
 
+// The backward's view (FA3's backward, one CTA per K/V block): the transposed score block S^T
+// (rows are keys, columns queries) of key block n and query block m.
+template <int BlockM, int BlockN, bool Causal>
+struct BwdBlockMask {
+  int seqlen_q;
+  int seqlen_k;
+
+  // Key block n is seen by query blocks [m_block_begin(n), num_m_blocks): under the causal mask
+  // the first query row that sees key n * BlockN is n * BlockN - (seqlen_k - seqlen_q).
+  __device__ __forceinline__ int m_block_begin(int n) const {
+    if constexpr (Causal) {
+      const int first_row = n * BlockN - (seqlen_k - seqlen_q);
+      return first_row <= 0 ? 0 : first_row / BlockM;
+    }
+    return 0;
+  }
+
+  // Whether block (n, m) has a masked element: it crosses the sequence end or the diagonal.
+  __device__ __forceinline__ bool needs_mask(int n, int m) const {
+    const bool ragged = (n + 1) * BlockN > seqlen_k;
+    if constexpr (Causal) return ragged || ((n + 1) * BlockN - 1 > m * BlockM + seqlen_k - seqlen_q);
+    return ragged;
+  }
+
+  // Whether query `query` sees key `key` (both global rows; queries past seqlen_q are handled by
+  // their LSE, which the backward's preprocess sets to +inf).
+  __device__ __forceinline__ bool visible(int key, int query) const {
+    if constexpr (Causal) return key < seqlen_k && key <= query + seqlen_k - seqlen_q;
+    return key < seqlen_k;
+  }
+};
+
 }  // namespace flashgen

@@ -105,6 +105,32 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_addr, uin
   return d;
 }
 
+// ---------------------------------------------------------------- global reductions and flags
+// Two adjacent fp32 additions to global memory in one vector reduction (PTX ISA 8.1+, sm_90):
+// the backward's dQ accumulation. Relaxed, gpu scope; p 8-byte aligned.
+__device__ __forceinline__ void red_add_v2_f32(float* p, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
+// Spin until *flag >= target (acquire, gpu scope): the wait half of an ordered hand-off between CTAs.
+__device__ __forceinline__ void wait_flag_at_least(const int* flag, int target) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  } while (v < target);
+}
+
+// *flag += 1 with release semantics (gpu scope): the signal half; the caller fences its prior writes.
+__device__ __forceinline__ void signal_flag(int* flag) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
+}
+
+// 1-D bulk copy global -> shared (no tensor map) completing on `bar`; bytes a multiple of 16,
+// both addresses 16-byte aligned. One thread.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, dst, src, bytes, bar);
+}
+
 // Two fp32 values -> one 32-bit register holding two 16-bit values (low half = first).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);

@@ -36,6 +36,13 @@ struct SmemTileSW128 {
   // Tile s of a ring of such tiles laid out back to back from this one.
   __device__ __forceinline__ SmemTileSW128 stage(int s) const { return {addr + s * kBytes}; }
 
+  // The C columns from column chunk `chunk` on, as a tile of their own (same rows, same layout).
+  template <int C>
+  __device__ __forceinline__ SmemTileSW128<T, Rows, C> cols(int chunk) const {
+    static_assert(C % kChunkCols == 0 && C <= Cols, "whole chunks of this tile");
+    return {addr + chunk * kChunkBytes};
+  }
+
   // Byte offset of element (row, col) from the tile's first byte.
   __device__ __forceinline__ static int offset(int row, int col) {
     const int byte = (col % kChunkCols) * static_cast<int>(sizeof(T));
@@ -65,12 +72,13 @@ struct SmemTileSW128 {
       tma_load_4d(ptr() + ch * kChunkBytes, map, ch * kChunkCols, row, head, batch, bar);
   }
 
-  // TMA: store tile rows [tile_row, tile_row + box rows) to rows [row, ...) of a 4-D tensor map,
-  // one box per chunk (not committed). One thread.
-  __device__ __forceinline__ void tma_store(const CUtensorMap* map, int tile_row, int row, int head, int batch) const {
+  // TMA: store tile rows [tile_row, tile_row + box rows) to rows [row, ...) and columns [col0, ...)
+  // of a 4-D tensor map, one box per chunk (not committed). One thread.
+  __device__ __forceinline__ void tma_store(const CUtensorMap* map, int tile_row, int row, int head, int batch,
+                                            int col0 = 0) const {
 #pragma unroll
     for (int ch = 0; ch < kChunks; ++ch)
-      tma_store_4d(map, ptr() + ch * kChunkBytes + tile_row * kRowBytes, ch * kChunkCols, row, head, batch);
+      tma_store_4d(map, ptr() + ch * kChunkBytes + tile_row * kRowBytes, col0 + ch * kChunkCols, row, head, batch);
   }
 };
 

@@ -1,0 +1,176 @@
+"""The ``bwd`` family: FlashAttention-3 backward, fp16/bf16 (arXiv 2407.08608, §3 and FA3's
+``hopper/`` backward: one CTA per K/V block, five WGMMA GEMMs per query block).
+
+Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on one stream:
+
+- ``pre``: dPsum = rowsum(dO ∘ O) in fp32, LSE scaled to log2 (an empty row's -inf becomes +inf,
+  so its recomputed P is 0), the fp32 dQ accumulator and the deterministic-mode semaphores zeroed.
+  Rows past seqlen_q up to the padded length get dPsum 0 and LSE +inf.
+- ``main``: CTA (n_block, slice, head_k, batch). A producer warp loads the CTA's K and V block once
+  and streams Q, dO (TMA) and LSE, dPsum (bulk copies) per query block through a ``stages``-deep
+  mbarrier ring, over every query head of the K/V head's group (GQA/MQA: dK and dV are summed
+  over the group in registers, in a fixed order). Two consumer warpgroups own 64 key rows each:
+  S^T = K Q^T and dP^T = V dO^T (SS-WGMMA, K-major), P^T = exp2(S^T * scale_log2 - LSE_log2),
+  dS^T = P^T ∘ (dP^T - dPsum), dV += P^T dO and dK += dS^T Q (RS-WGMMA), dS^T staged in shared
+  memory, dQ = dS K (SS-WGMMA, both operands MN-major), added to the fp32 accumulator with
+  ``red.global.add`` (ordered across CTAs by per-(batch, head, m_block, slice) semaphores when
+  ``deterministic``). dK (times softmax_scale) and dV are TMA-stored through the K/V buffers.
+- ``post``: dQ = dQ_accum * softmax_scale, cast to the input dtype.
+
+Slices: the dK/dV/dQ columns a CTA produces (``slice`` of head_dim_padded). The dK and dV
+accumulators of 64 key rows x slice columns must fit in a consumer's registers beside S^T and
+dP^T; head dims above 128 split into slices, each CTA recomputing S^T and dP^T over the full
+head_dim (FA3 instead shrinks the tile). The dQ GEMM of a consumer is always 64 x 64: with
+block_m 64 each consumer takes half the slice's columns (slice 128), with block_m 128 each takes
+64 query rows of a 64-column slice.
+
+Feasibility (checked before anything is rendered):
+
+- head_dim in {64, 96, 128, 192, 256} (P = head_dim padded to 64; TMA zero-fills the padding).
+- block_n = 128 (2 consumer warpgroups x 64 key rows).
+- (block_m, slice) in {(64, 128), (128, 64)}; slice divides P.
+- Registers: S^T and dP^T (block_m/2 each) plus dK and dV (slice/2 each) <= 240 - 48 per
+  consumer thread.
+- Shared memory: K and V (block_n x P each), stages x (Q and dO, block_m x P each, and LSE and
+  dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), 1024 bytes of mbarriers and
+  1024 of alignment slack <= 227 KB. dS^T is double-buffered when that fits (one fewer barrier
+  per query block).
+"""
+from __future__ import annotations
+
+from ..abi import params_struct
+from . import Family, Key, KernelSpec
+
+SMEM_LIMIT = 232448  # 227 KB: the sm_90 per-block opt-in maximum of dynamic shared memory
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = ("bf16", "fp16")
+ELEM = 2
+BLOCK_N = 128
+CONSUMER_WGS = 2
+TILES = ((64, 128), (128, 64))  # (block_m, slice)
+STAGES = (1, 2)
+BARRIER_BYTES = 1024
+ALIGN_SLACK_BYTES = 1024
+PRODUCER_REGS, CONSUMER_REGS = 24, 240
+REG_HEADROOM = 48
+PRE_POST_THREADS = 256  # one warp per row
+
+PARAMS = params_struct(
+    "BwdParams",
+    ("o", "ptr", "const void*"),  # (batch, seqlen_q, heads, head_dim), q's dtype
+    ("dout", "ptr", "const void*"),  # same shape and dtype
+    ("lse", "ptr", "const float*"),  # (batch, heads, seqlen_q) fp32 contiguous, natural log
+    ("lse_log2", "ptr", "float*"),  # workspace (batch, heads, seqlen_q_pad)
+    ("dpsum", "ptr", "float*"),  # workspace (batch, heads, seqlen_q_pad)
+    ("dq_accum", "ptr", "float*"),  # workspace (batch, heads, seqlen_q_pad, head_dim_padded)
+    ("sem", "ptr", "int*"),  # workspace (batch, heads, num_m_blocks, num_slices)
+    ("dq", "ptr", "void*"),  # (batch, seqlen_q, heads, head_dim), q's dtype
+    ("o_stride_batch", "i64"), ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
+    ("do_stride_batch", "i64"), ("do_stride_seq", "i64"), ("do_stride_head", "i64"),
+    ("dq_stride_batch", "i64"), ("dq_stride_seq", "i64"), ("dq_stride_head", "i64"),
+    ("seqlen_q", "i32"),
+    ("seqlen_k", "i32"),
+    ("heads", "i32"),
+    ("heads_k", "i32"),  # divides heads (GQA/MQA)
+    ("batch", "i32"),
+    ("head_dim", "i32"),  # the real head_dim (a multiple of 8)
+    ("seqlen_q_pad", "i32"),  # num_m_blocks * block_m
+    ("num_m_blocks", "i32"),
+    ("num_slices", "i32"),  # head_dim_padded / slice
+    ("deterministic", "i32"),  # 1: dQ additions ordered by n_block (bitwise reproducible)
+    ("scale_log2", "f32"),  # softmax_scale * log2(e); any sign
+    ("softmax_scale", "f32"),
+)
+
+
+def _pad64(x: int) -> int:
+    return -(-int(x) // 64) * 64
+
+
+def smem_layout(params: dict, ds_buffers: int) -> dict:
+    """Shared-memory regions ``{name: {"offset", "bytes"}}`` of the main kernel, in address order."""
+    p, bm, st = _pad64(params["head_dim"]), int(params["block_m"]), int(params["stages"])
+    bn = int(params["block_n"])
+    sizes = {"k": bn * p * ELEM, "v": bn * p * ELEM, "q": st * bm * p * ELEM, "do": st * bm * p * ELEM,
+             "ds": ds_buffers * bn * bm * ELEM, "lse": st * bm * 4, "dpsum": st * bm * 4, "bars": BARRIER_BYTES}
+    out, off = {}, 0
+    for name, size in sizes.items():
+        out[name] = {"offset": off, "bytes": size}
+        off += size
+    return out
+
+
+def _smem_total(layout: dict) -> int:
+    return layout["bars"]["offset"] + layout["bars"]["bytes"] + ALIGN_SLACK_BYTES
+
+
+class BwdFamily(Family):
+    def resources(self, params):
+        """threads, smem (main kernel layout), smem_bytes, ds_buffers, producer/consumer regs,
+        head_dim_padded, num_slices."""
+        ds_buffers = 2
+        smem = smem_layout(params, 2)
+        if _smem_total(smem) > SMEM_LIMIT:
+            ds_buffers, smem = 1, smem_layout(params, 1)
+        p = _pad64(params["head_dim"])
+        return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
+                    producer_regs=PRODUCER_REGS, consumer_regs=CONSUMER_REGS, head_dim_padded=p,
+                    num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS)
+
+    def problems(self, params):
+        out = []
+        bm, sl, st = params["block_m"], params["slice"], params["stages"]
+        p = _pad64(params["head_dim"])
+        if (bm, sl) not in TILES:
+            out.append(("slice", sl, "128 with block_m 64, 64 with block_m 128 (each consumer's dQ GEMM is 64 x 64)"))
+        elif p % sl:
+            out.append(("slice", sl, f"a divisor of head_dim padded to 64 ({p})"))
+        if out:
+            return out
+        need = bm // 2 * 2 + sl // 2 * 2
+        if need > CONSUMER_REGS - REG_HEADROOM:
+            out.append(("block_m", bm, f"S^T, dP^T (block_m/2 each) + dK, dV (slice/2 each) = {need} registers > "
+                                       f"{CONSUMER_REGS - REG_HEADROOM}: lower block_m or slice"))
+        r = self.resources(params)
+        if r["smem_bytes"] > SMEM_LIMIT:
+            out.append(("stages", st, f"small enough for 227 KB of shared memory ({r['smem_bytes']} bytes needed: "
+                                      f"K, V {params['block_n']}x{p} + {st} x (Q, dO {bm}x{p}) + dS^T, 2 bytes each)"))
+        return out
+
+    def kernels(self, params, resources):
+        t = resources["pre_post_threads"]
+        return [
+            KernelSpec("pre", t, 0, PARAMS),
+            KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
+                       tensor_maps=("q", "k", "v", "dout", "dk", "dv"), sass=("HGMMA", "UTMALDG", "USETMAXREG")),
+            KernelSpec("post", t, 0, PARAMS),
+        ]
+
+    def name_parts(self, p):
+        return [p["dtype"], f"hd{p['head_dim']}", "causal" if p["causal"] else "noncausal",
+                f"m{p['block_m']}n{p['block_n']}", f"sl{p['slice']}", f"s{p['stages']}"]
+
+    def suggest(self, key):
+        """The tile of configs/bwd.yaml's table for the key's head_dim."""
+        p = _pad64(key["head_dim"])
+        bm, sl = (64, 128) if p in (128, 256) else (128, 64)
+        stages = 2 if p <= 128 else 1
+        return {**key, "block_m": bm, "block_n": BLOCK_N, "slice": sl, "stages": stages}
+
+
+FAMILY = BwdFamily(
+    name="bwd",
+    doc="FA3 backward (fp16/bf16): dQ, dK, dV",
+    keys=(
+        Key("dtype", str, "axis", allowed=DTYPES, doc="Q/K/V/O/dO element type (fp32 accumulation)"),
+        Key("head_dim", int, "axis", allowed=HEAD_DIMS, doc="head dim of Q, K and V"),
+        Key("causal", bool, "axis", doc="bottom-right aligned causal mask"),
+        Key("block_m", int, "tile", allowed=(64, 128), doc="query rows per step of the main loop"),
+        Key("block_n", int, "tile", allowed=(BLOCK_N,), doc="key rows per CTA (2 consumer warpgroups x 64)"),
+        Key("slice", int, "tile", allowed=(64, 128), doc="dK/dV/dQ columns per CTA"),
+        Key("stages", int, "knob", allowed=STAGES, default=2, doc="Q/dO ring depth"),
+    ),
+    tile_match=("head_dim", "dtype", "causal"),
+    tile_required=("head_dim", "block_m", "block_n", "slice"),
+    dispatch_keys=("dtype", "head_dim", "causal"),
+)
