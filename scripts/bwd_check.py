@@ -84,31 +84,32 @@ def correct():
             err = (g.float() - r).abs().max().item()
             base = (lp.float() - r).abs().max().item()
             noise = ((r + 0.3 - 0.3) - r).abs().max().item()
-            ok = err <= 2 * base + 2 * noise + 1e-5 and not torch.isnan(g).any().item()
+            ok = err <= 2 * base + 2 * noise + 1e-4 and not torch.isnan(g).any().item()
             msgs.append(f"{name} {err:.2e}/{base:.2e}{'' if ok else ' FAIL'}")
             bad += not ok
         print(f"{NAMES[dtype]} d{d} {'c' if causal else 'n'} sq{sq} sk{sk} b{b} h{h}/{hk}: " + ", ".join(msgs), flush=True)
     # determinism: 30 repeats bitwise equal (deterministic); default: report whether it varies
-    q = torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16)
-    k, v, dout = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
-    out, lse = fwd(q, k, v, False, 128 ** -0.5)
-    for det in (True, False):
-        first = bwd(dout, q, k, v, out, lse, False, 128 ** -0.5, det)
-        same = all(all(torch.equal(a, b) for a, b in zip(first, bwd(dout, q, k, v, out, lse, False, 128 ** -0.5, det)))
-                   for _ in range(30))
-        print(f"deterministic={det}: 30 repeats bitwise equal: {same}")
-        if det and not same:
-            bad += 1
+    for causal, d in ((False, 128), (True, 128), (True, 64), (False, 256)):
+        q = torch.randn(2, 2048, 8, d, device="cuda", dtype=torch.bfloat16)
+        k, v, dout = torch.randn_like(q[:, :1800]), torch.randn_like(q[:, :1800]), torch.randn_like(q)
+        out, lse = fwd(q, k, v, causal, d ** -0.5)
+        for det in (True, False):
+            first = bwd(dout, q, k, v, out, lse, causal, d ** -0.5, det)
+            same = all(all(torch.equal(a, b) for a, b in zip(first, bwd(dout, q, k, v, out, lse, causal, d ** -0.5, det)))
+                       for _ in range(30))
+            print(f"causal={causal} d{d} deterministic={det}: 30 repeats bitwise equal: {same}")
+            if det and not same:
+                bad += 1
     print(f"correct: {bad} failures")
     return bad
 
 
-def timing():
+def timing(points=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    rows = []
-    for d in (64, 128, 256):
-        for causal in (False, True):
-            for s in (512, 2048, 8192, 16384):
+    points = points or [(d, c, s) for d in (64, 128, 256) for c in (False, True) for s in (512, 2048, 8192, 16384)]
+    for d, causal, s in points:
+        if True:
+            if True:
                 b, h = 16384 // s, 2048 // d
                 q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
                 out, lse = fwd(q, k, v, causal, d ** -0.5)
@@ -135,4 +136,4 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "correct"
     if what == "correct":
         sys.exit(1 if correct() else 0)
-    timing()
+    timing([(64, False, 8192), (128, False, 8192), (128, True, 8192), (256, False, 8192)] if what == "quick" else None)

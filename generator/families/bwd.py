@@ -12,9 +12,14 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   over the group in registers, in a fixed order). Two consumer warpgroups own 64 key rows each:
   S^T = K Q^T and dP^T = V dO^T (SS-WGMMA, K-major), P^T = exp2(S^T * scale_log2 - LSE_log2),
   dS^T = P^T ∘ (dP^T - dPsum), dV += P^T dO and dK += dS^T Q (RS-WGMMA), dS^T staged in shared
-  memory, dQ = dS K (SS-WGMMA, both operands MN-major), added to the fp32 accumulator with
-  ``red.global.add`` (ordered across CTAs by per-(batch, head, m_block, slice) semaphores when
-  ``deterministic``). dK (times softmax_scale) and dV are TMA-stored through the K/V buffers.
+  memory, dQ = dS K (SS-WGMMA, both operands MN-major). Each consumer's 64 x 64 fp32 dQ tile goes
+  to shared memory and a reducer warp of the producer warpgroup adds it to the fp32 accumulator
+  with one bulk reduction (``cp.reduce.async.bulk .add.f32``, 16 KB); where shared memory has no
+  room for that staging tile (head_dim 192), the consumers add it themselves with ``red.global.add
+  .v4.f32``. The accumulator holds 64 x 64 tiles in WGMMA fragment order, so either way each
+  addition is contiguous. With ``deterministic``, per-(batch, head, m_block, slice) semaphores
+  order the additions across CTAs. dK (times softmax_scale) and dV are TMA-stored through the
+  K/V buffers.
 - ``post``: dQ = dQ_accum * softmax_scale, cast to the input dtype.
 
 Slices: the dK/dV/dQ columns a CTA produces (``slice`` of head_dim_padded). The dK and dV
@@ -32,9 +37,10 @@ Feasibility (checked before anything is rendered):
 - Registers: S^T and dP^T (block_m/2 each) plus dK and dV (slice/2 each) <= 240 - 48 per
   consumer thread.
 - Shared memory: K and V (block_n x P each), stages x (Q and dO, block_m x P each, and LSE and
-  dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), 1024 bytes of mbarriers and
-  1024 of alignment slack <= 227 KB. dS^T is double-buffered when that fits (one fewer barrier
-  per query block).
+  dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), dq_buffers x 16 KB of dQ
+  staging, 1024 bytes of mbarriers and 1024 of alignment slack <= 227 KB. dS^T is double-buffered
+  when that fits (one fewer barrier per query block); 2 dQ buffers let both consumers stage at
+  once, 1 makes them take turns, 0 falls back to the consumers' own reductions.
 """
 from __future__ import annotations
 
@@ -87,12 +93,16 @@ def _pad64(x: int) -> int:
     return -(-int(x) // 64) * 64
 
 
-def smem_layout(params: dict, ds_buffers: int) -> dict:
+DQ_TILE_BYTES = 64 * 64 * 4  # one consumer's fp32 dQ tile
+
+
+def smem_layout(params: dict, ds_buffers: int, dq_buffers: int) -> dict:
     """Shared-memory regions ``{name: {"offset", "bytes"}}`` of the main kernel, in address order."""
     p, bm, st = _pad64(params["head_dim"]), int(params["block_m"]), int(params["stages"])
     bn = int(params["block_n"])
     sizes = {"k": bn * p * ELEM, "v": bn * p * ELEM, "q": st * bm * p * ELEM, "do": st * bm * p * ELEM,
-             "ds": ds_buffers * bn * bm * ELEM, "lse": st * bm * 4, "dpsum": st * bm * 4, "bars": BARRIER_BYTES}
+             "ds": ds_buffers * bn * bm * ELEM, "dq": dq_buffers * DQ_TILE_BYTES, "lse": st * bm * 4,
+             "dpsum": st * bm * 4, "bars": BARRIER_BYTES}
     out, off = {}, 0
     for name, size in sizes.items():
         out[name] = {"offset": off, "bytes": size}
@@ -106,14 +116,16 @@ def _smem_total(layout: dict) -> int:
 
 class BwdFamily(Family):
     def resources(self, params):
-        """threads, smem (main kernel layout), smem_bytes, ds_buffers, producer/consumer regs,
-        head_dim_padded, num_slices."""
-        ds_buffers = 2
-        smem = smem_layout(params, 2)
-        if _smem_total(smem) > SMEM_LIMIT:
-            ds_buffers, smem = 1, smem_layout(params, 1)
+        """threads, smem (main kernel layout), smem_bytes, ds_buffers, dq_buffers, producer/consumer
+        regs, head_dim_padded, num_slices. The buffer counts are the first of (dS^T, dQ) = (2, 2),
+        (1, 2), (1, 1), (1, 0) that fits in shared memory."""
+        for ds_buffers, dq_buffers in ((2, 2), (1, 2), (1, 1), (1, 0)):
+            smem = smem_layout(params, ds_buffers, dq_buffers)
+            if _smem_total(smem) <= SMEM_LIMIT:
+                break
         p = _pad64(params["head_dim"])
         return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
+                    dq_buffers=dq_buffers,
                     producer_regs=PRODUCER_REGS, consumer_regs=CONSUMER_REGS, head_dim_padded=p,
                     num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS)
 

@@ -67,6 +67,16 @@ struct BwdBlockMask {
     return 0;
   }
 
+  // The last of the num_n key blocks whose CTA visits query block m (the inverse of
+  // m_block_begin: key block n visits m iff n <= last_n_block(m)).
+  __device__ __forceinline__ int last_n_block(int m, int num_n) const {
+    if constexpr (Causal) {
+      const int x = (m + 1) * BlockM + seqlen_k - seqlen_q;  // key blocks starting below x
+      return min(num_n - 1, (x + BlockN - 1) / BlockN - 1);
+    }
+    return num_n - 1;
+  }
+
   // Whether block (n, m) has a masked element: it crosses the sequence end or the diagonal.
   __device__ __forceinline__ bool needs_mask(int n, int m) const {
     const bool ragged = (n + 1) * BlockN > seqlen_k;

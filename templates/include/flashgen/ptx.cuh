@@ -106,10 +106,10 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_addr, uin
 }
 
 // ---------------------------------------------------------------- global reductions and flags
-// Two adjacent fp32 additions to global memory in one vector reduction (PTX ISA 8.1+, sm_90):
-// the backward's dQ accumulation. Relaxed, gpu scope; p 8-byte aligned.
-__device__ __forceinline__ void red_add_v2_f32(float* p, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+// Four adjacent fp32 additions to global memory in one vector reduction (PTX ISA 8.1+, sm_90):
+// the backward's dQ accumulation. Relaxed, gpu scope; p 16-byte aligned.
+__device__ __forceinline__ void red_add_v4_f32(float* p, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
 // Spin until *flag >= target (acquire, gpu scope): the wait half of an ordered hand-off between CTAs.
@@ -123,6 +123,14 @@ __device__ __forceinline__ void wait_flag_at_least(const int* flag, int target) 
 // *flag += 1 with release semantics (gpu scope): the signal half; the caller fences its prior writes.
 __device__ __forceinline__ void signal_flag(int* flag) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
+}
+
+// 1-D bulk reduction shared -> global: dst[i] += src[i] over `bytes` of fp32 (a multiple of 16,
+// both 16-byte aligned), committed as one bulk group. One thread; wait with
+// cp_async_bulk_wait_group_read (source read) or cp_async_bulk_wait_group (additions done).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, uint32_t bytes) {
+  ptx::cp_reduce_async_bulk(ptx::space_global, ptx::space_shared, ptx::op_add, dst, src, bytes);
+  ptx::cp_async_bulk_commit_group();
 }
 
 // 1-D bulk copy global -> shared (no tensor map) completing on `bar`; bytes a multiple of 16,
