@@ -1,10 +1,11 @@
-"""flashgen: FlashAttention-3 forward kernels for NVIDIA Hopper, built ahead of time as fatbins
-and launched through cuda-python (no C++ extension, no libtorch ABI).
+"""flashgen: FlashAttention-3 kernels (forward, backward, split-KV combine) for NVIDIA Hopper,
+built ahead of time as fatbins and launched through cuda-python (no C++ extension, no libtorch ABI).
 
-Torch users: ``from flashgen import flash_attn_func`` (FA3's ``flash_attn_interface`` names).
+Torch users: ``from flashgen import flash_attn_func`` (FA3's ``flash_attn_interface`` names;
+differentiable through torch autograd).
 Split-KV partials: ``flashgen.flash_attn_combine`` (torch, FA3's name).
-Other frameworks: ``flashgen.flash_attn_forward`` and ``flashgen.flash_attn_combine_dlpack``
-take DLPack arrays.
+Other frameworks: ``flashgen.flash_attn_forward``, ``flashgen.flash_attn_backward`` and
+``flashgen.flash_attn_combine_dlpack`` take DLPack arrays.
 Torch is imported only when the torch API is first used; without torch, using it raises an
 ImportError that says how to install it (``pip install flashgen[torch]``), while
 ``import flashgen`` and the DLPack API keep working.
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "flash_attn_func": ("interface", "flash_attn_func"),
     "flash_attn_forward": ("dlpack_api", "flash_attn_forward"),
+    "flash_attn_backward": ("dlpack_api", "flash_attn_backward"),
     "flash_attn_combine": ("interface", "flash_attn_combine"),
     "flash_attn_combine_dlpack": ("dlpack_api", "flash_attn_combine_dlpack"),
     "InputError": ("_validate", "InputError"),

@@ -1,8 +1,9 @@
-"""Framework-neutral argument checks for the flashgen forward entry points.
+"""Framework-neutral argument checks for the flashgen attention entry points.
 
-Both public entry points -- :func:`flashgen.interface.flash_attn_func` (torch) and
-:func:`flashgen.dlpack_api.flash_attn_forward` (any DLPack array) -- describe their arrays
-as :class:`ArrayInfo` records and run the same checks here, so the two raise the same
+The public entry points -- :func:`flashgen.interface.flash_attn_func` (torch, forward and
+its autograd backward) and :func:`flashgen.dlpack_api.flash_attn_forward` /
+:func:`flashgen.dlpack_api.flash_attn_backward` (any DLPack array) -- describe their arrays
+as :class:`ArrayInfo` records and run the same checks here, so they raise the same
 errors with the same messages, before any device work. Nothing in this module imports
 torch or touches the GPU.
 
@@ -17,6 +18,10 @@ the kernels' TMA requirements, docs/CONTRACTS.md §2):
 * a TMA descriptor can address an array when its last dim has stride 1, every other
   stride is a multiple of 16 bytes, no stride is negative or a broadcast 0, and its base
   address is 16-byte aligned (CUDA driver API, ``cuTensorMapEncodeTiled``).
+* the backward (:func:`backward_problems`) also takes dout and out, both of out's shape
+  ``(batch, seqlen_q, heads, head_dim_v)`` and q's dtype and device, and the forward's lse
+  (float32 ``(batch, heads, seqlen_q)``, C-contiguous); it needs head_dim_v == head_dim
+  (NotImplementedError otherwise). Its gradients dq, dk, dv have q's, k's and v's shapes.
 
 Errors: every check reports every problem it finds, not only the first. Each
 ``*_problems`` function returns ``(exception class, message)`` pairs and the matching
@@ -59,6 +64,9 @@ __all__ = [
     "out_problems",
     "check_lse",
     "lse_problems",
+    "array_problems",
+    "backward_problems",
+    "check_backward",
     "is_c_contiguous",
 ]
 
@@ -94,7 +102,7 @@ class ArrayInfo(NamedTuple):
 
 
 class Problem(NamedTuple):
-    """The validated sizes of one forward call (all ints)."""
+    """The validated sizes of one forward or backward call (all ints), from :func:`check_inputs`."""
 
     batch: int
     seqlen_q: int
@@ -110,6 +118,21 @@ class Problem(NamedTuple):
     def out_shape(self) -> tuple:
         """``(batch, seqlen_q, heads, head_dim_v)``: the output's shape."""
         return (self.batch, self.seqlen_q, self.heads, self.head_dim_v)
+
+    @property
+    def q_shape(self) -> tuple:
+        """``(batch, seqlen_q, heads, head_dim)``: q's shape (and dq's)."""
+        return (self.batch, self.seqlen_q, self.heads, self.head_dim)
+
+    @property
+    def k_shape(self) -> tuple:
+        """``(batch, seqlen_k, heads_k, head_dim)``: k's shape (and dk's)."""
+        return (self.batch, self.seqlen_k, self.heads_k, self.head_dim)
+
+    @property
+    def v_shape(self) -> tuple:
+        """``(batch, seqlen_k, heads_k, head_dim_v)``: v's shape (and dv's)."""
+        return (self.batch, self.seqlen_k, self.heads_k, self.head_dim_v)
 
     @property
     def lse_shape(self) -> tuple:
@@ -424,25 +447,38 @@ def tma_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple:
 
 
 # --------------------------------------------------------------------------------------
-# Caller-provided outputs (DLPack entry)
+# Arrays shaped by q, k, v: caller-provided outputs (DLPack entries), the backward's arrays
 # --------------------------------------------------------------------------------------
 
-def out_problems(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> list:
-    """The problems (see :func:`raise_problems`) of a caller-provided output (see :func:`check_out`)."""
-    P = _device_problems("out", out, problem)
-    shape_ok = tuple(out.shape) == problem.out_shape
+def array_problems(name: str, a: ArrayInfo, shape: tuple, dims: str, problem: Problem,
+                   ptr: Optional[int] = None, *, tma_write: bool = False) -> list:
+    """The problems (see :func:`raise_problems`) of an array that must have ``shape`` (named
+    ``dims`` in messages, e.g. ``"(batch, seqlen_q, heads, head_dim)"``), q's dtype and q's
+    device: ValueError for the shape or device, TypeError for the dtype.
+
+    ``tma_write``: the kernel writes it through TMA, so its layout must pass
+    :func:`tma_layout_problem` (checked once the shape is right and non-empty; ``ptr``, its
+    address in bytes, is checked too unless None): ValueError otherwise.
+    """
+    P = _device_problems(name, a, problem)
+    shape_ok = tuple(a.shape) == shape
     if not shape_ok:
-        P.append((ValueError, f"out must have shape (batch, seqlen_q, heads, head_dim_v) = "
-                              f"{_fmt_shape(problem.out_shape)}, got {_fmt_shape(out.shape)}"))
-    if out.dtype != problem.dtype:
-        P.append((TypeError, f"out must have q's dtype {problem.dtype}, got {out.dtype_repr}"))
-    if shape_ok and 0 not in problem.out_shape:
-        why = tma_layout_problem(out.shape, out.strides, ELEMENT_SIZE[problem.dtype], ptr)
+        P.append((ValueError, f"{name} must have shape {dims} = {_fmt_shape(shape)}, got {_fmt_shape(a.shape)}"))
+    if a.dtype != problem.dtype:
+        P.append((TypeError, f"{name} must have q's dtype {problem.dtype}, got {a.dtype_repr}"))
+    if tma_write and shape_ok and 0 not in shape:
+        why = tma_layout_problem(a.shape, a.strides, ELEMENT_SIZE[problem.dtype], ptr)
         if why:
-            P.append((ValueError, f"out cannot be written by the kernel's TMA store: {why}; pass an out whose "
+            P.append((ValueError, f"{name} cannot be written by the kernel's TMA store: {why}; pass a {name} whose "
                                   "last dim is contiguous and whose other strides and base address are "
                                   "16-byte aligned (a contiguous array always is)"))
     return P
+
+
+def out_problems(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> list:
+    """The problems (see :func:`raise_problems`) of a caller-provided output (see :func:`check_out`)."""
+    return array_problems("out", out, problem.out_shape, "(batch, seqlen_q, heads, head_dim_v)", problem, ptr,
+                          tma_write=True)
 
 
 def check_out(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> None:
@@ -478,6 +514,56 @@ def check_lse(lse: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> No
     ``ptr + ((b * heads + h) * seqlen_q + i) * 4``), 4-byte aligned. ValueError / TypeError
     naming ``lse``, :class:`InputError` for both kinds; every problem is listed."""
     raise_problems(lse_problems(lse, problem, ptr))
+
+
+# --------------------------------------------------------------------------------------
+# The backward's extra inputs
+# --------------------------------------------------------------------------------------
+
+def backward_problems(problem: Problem, dout: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
+                      lse_ptr: Optional[int] = None) -> list:
+    """The problems (see :func:`raise_problems`) of the backward's inputs besides q, k, v (see
+    :func:`check_backward`); ``problem`` comes from :func:`check_inputs` on q, k, v.
+
+    The usual call (everything right) returns at once, with no loop and no message formatted.
+    Layouts of dout and out are not checked here: the torch API copies what TMA cannot
+    read, the DLPack entry checks them (:func:`tma_layout_problem`) with q's, k's and v's.
+    """
+    shape = problem.out_shape
+    b, sq, h = problem.batch, problem.seqlen_q, problem.heads
+    if (problem.head_dim_v == problem.head_dim and dout.shape == shape and out.shape == shape
+            and dout.dtype == problem.dtype and out.dtype == problem.dtype and lse.dtype == "fp32"
+            and dout.is_cuda and out.is_cuda and lse.is_cuda
+            and dout.device == problem.device and out.device == problem.device and lse.device == problem.device
+            and lse.shape == (b, h, sq) and lse.strides == (h * sq, sq, 1) and (lse_ptr is None or lse_ptr % 4 == 0)):
+        return []
+    P: list = []
+    if problem.head_dim_v != problem.head_dim:
+        P.append((NotImplementedError,
+                  f"head_dim_v (dim 3 of v) is {problem.head_dim_v} but head_dim (dim 3 of q) is "
+                  f"{problem.head_dim}: the backward supports head_dim_v == head_dim only (no bwd variant "
+                  "implements head_dim_v != head_dim yet)"))
+    dims = "(batch, seqlen_q, heads, head_dim_v)"
+    P += array_problems("dout", dout, shape, dims, problem)
+    P += array_problems("out", out, shape, dims, problem)
+    P += lse_problems(lse, problem, lse_ptr)
+    return P
+
+
+def check_backward(problem: Problem, dout: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
+                   lse_ptr: Optional[int] = None) -> None:
+    """Check the backward's inputs besides q, k, v, for valid q, k, v (``problem`` from
+    :func:`check_inputs`):
+
+    * head_dim_v must equal head_dim: NotImplementedError naming head_dim_v;
+    * dout (the gradient of out) and out (the forward's output): shape
+      ``(batch, seqlen_q, heads, head_dim_v)``, q's dtype, q's device: ValueError / TypeError;
+    * lse (the forward's log-sum-exp): float32 ``(batch, heads, seqlen_q)`` on q's device,
+      C-contiguous, 4-byte aligned (``lse_ptr``, bytes; skipped when None), as :func:`check_lse`.
+
+    Every problem is listed in one exception (see :func:`raise_problems`).
+    """
+    raise_problems(backward_problems(problem, dout, out, lse, lse_ptr))
 
 
 def is_c_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:

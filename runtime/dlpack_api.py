@@ -1,12 +1,13 @@
-"""Framework-neutral entry of flashgen: the FA3 forward on any DLPack array (CuPy, JAX, torch...).
+"""Framework-neutral entry of flashgen: the FA3 forward and backward on any DLPack array (CuPy, JAX, torch...).
 
 Nothing here imports torch at module level, and nothing needs it: arrays are read through
 the DLPack protocol (``__dlpack__`` / ``__dlpack_device__``) with cuda.core's
 ``StridedMemoryView`` (NVIDIA's maintained DLPack / CUDA-array-interface reader), which
 gives the device address, shape, strides (elements), dtype and device of each array and
-performs the DLPack stream handshake with the producer. The launch goes through
-``flashgen.core.attention_forward``, the same path as the torch API. Method:
-FlashAttention-3 forward (arXiv 2407.08608, §3, Algorithms 1-2).
+performs the DLPack stream handshake with the producer. The launches go through
+``flashgen.core.attention_forward`` / ``attention_backward``, the same path as the torch API.
+Method: FlashAttention-3 forward (arXiv 2407.08608, §3, Algorithms 1-2); the
+FlashAttention-2/3 backward (P recomputed from the forward's LSE, dS = P∘(dP − rowsum(dO∘O))).
 
 Dependencies: ``cuda-core`` (for StridedMemoryView). bfloat16 arrays: cuda.core names
 their dtype through ``ml_dtypes``; without it flashgen falls back on the array's own
@@ -21,7 +22,7 @@ from typing import Any, Optional
 from . import _validate as _v
 from . import core as _core
 
-__all__ = ["flash_attn_forward"]
+__all__ = ["flash_attn_forward", "flash_attn_backward"]
 
 # DLPack DLDeviceType codes (dlpack.h).
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
@@ -185,6 +186,39 @@ def _tensor_arg(a: _Array, dtype: str, device: int):
     return _core.TensorArg(a.ptr, shape, _v.tma_strides(shape, a.info.strides), dtype, device)
 
 
+def _read_inputs(named, dl_stream: int, softmax_scale) -> tuple:
+    """``(arrays, Problem, scale)``: the first checks of both entries.
+
+    Reads the ``(name, obj)`` pairs (which include q, k and v) into ``{name: _Array}``; raises
+    one error naming every argument that is no DLPack array and every problem of q, k, v and
+    softmax_scale (the same messages as flash_attn_func's); then checks the GPU (Hopper).
+    ``scale``: softmax_scale as a float, None resolved to ``head_dim ** -0.5``."""
+    arrays, not_arrays = _read_all(named, dl_stream)
+    scale_problems = _v.softmax_scale_problems(softmax_scale)
+    if not_arrays:
+        infos = [arrays[name].info if name in arrays else None for name in ("q", "k", "v")]
+        _v.raise_problems(not_arrays + _v.input_problems(*infos) + scale_problems)
+    p = _v.check_inputs(arrays["q"].info, arrays["k"].info, arrays["v"].info, also=scale_problems)
+    scale = _v.check_softmax_scale(softmax_scale, p.head_dim)
+    _v.check_capability(_core.device_capability(p.device), p.device)
+    return arrays, p, scale
+
+
+def _tma_read_problems(arrays, p: _v.Problem) -> list:
+    """[(ValueError, message)] for each input ``_Array`` (of q's dtype) that TMA cannot read in
+    place; the DLPack entries make no copies."""
+    es = _v.ELEMENT_SIZE[p.dtype]
+    problems = []
+    for a in arrays:
+        why = _v.tma_layout_problem(a.info.shape, a.info.strides, es, a.ptr)
+        if why:
+            problems.append((ValueError,
+                             f"{a.name} cannot be read by TMA: {why}. The DLPack entry makes no copies: pass "
+                             f"{a.name} with a contiguous last dim and 16-byte-aligned other strides and base "
+                             "address (e.g. a contiguous copy)"))
+    return problems
+
+
 # --------------------------------------------------------------------------------------
 # Outputs
 # --------------------------------------------------------------------------------------
@@ -227,20 +261,33 @@ def _allocate(like: Any, device: int, handle: int, specs: list, caller: str = ""
     return [a if a is None or sp[3] is None else a.transpose(*sp[3]) for a, sp in zip(arrays, specs)]
 
 
-def _allocate_missing(like: Any, device: int, handle: int, dl_stream: int, out: tuple, lse: tuple,
-                      specs: tuple, caller: str = "") -> tuple:
-    """``(out, out _Array, lse, lse _Array)``: the caller's ``out`` / ``lse`` pairs (array, read
-    view) where given, else arrays made by :func:`_allocate` from ``specs`` (out's, lse's) and read
-    back; only the missing ones are allocated."""
-    missing = [spec if given[0] is None else None for given, spec in zip((out, lse), specs)]
-    if any(missing):
-        made = _allocate(like, device, handle, missing, caller)
-        out, lse = ((a, _read(name, a, dl_stream)) if a is not None else given
-                    for a, given, name in zip(made, (out, lse), ("out", "lse")))
-    return (*out, *lse)
+def _allocate_missing(like: Any, device: int, handle: int, dl_stream: int, outputs: list,
+                      caller: str = "") -> list:
+    """``[(array, _Array), ...]``, one per ``(name, array or None, its _Array or None, spec)`` of
+    ``outputs``: the caller's array and read view where given, else an array made by
+    :func:`_allocate` from ``spec`` and read back. Only the missing ones are allocated, in one call."""
+    missing = [spec if obj is None else None for _, obj, _, spec in outputs]
+    made = _allocate(like, device, handle, missing, caller) if any(missing) else missing
+    return [(obj, a) if m is None else (m, _read(name, m, dl_stream))
+            for (name, obj, a, _), m in zip(outputs, made)]
 
 
-# Driver memsets for the seqlen_k == 0 case (out = 0, lse = -inf), framework-neutral.
+def _workspace(like: Any, device: int, handle: int, dl_stream: int, nbytes: int, caller: str) -> tuple:
+    """``(array, address)``: ``nbytes`` of scratch device memory (a float32 array of
+    ``ceil(nbytes / 4)`` elements) from ``like``'s framework (torch) or CuPy, on ``handle``'s stream
+    (stream-ordered reuse, as the outputs); both allocators give 256-byte-aligned (512) blocks.
+    Keep the array referenced until the launches are enqueued. TypeError when there is no
+    allocator (the caller cannot pass a workspace)."""
+    try:
+        (ws,) = _allocate(like, device, handle, [("workspace", (-(-nbytes // 4),), "fp32", None)], caller)
+    except TypeError:  # the only cause for an fp32 array: neither torch arrays nor CuPy
+        raise TypeError(f"flashgen: {caller}needs {nbytes} bytes of scratch device memory and there is no "
+                        f"allocator for {type(like).__name__} arrays: install CuPy, or pass torch tensors") from None
+    return ws, _read("workspace", ws, dl_stream).ptr
+
+
+# Driver memsets for the empty cases (forward, seqlen_k == 0: out = 0, lse = -inf; backward: zero
+# gradients), framework-neutral.
 # Module-level so CPU tests can replace them with host memsets.
 
 def _memset(device: int, what: str, *args) -> None:
@@ -270,23 +317,32 @@ def _memset32(device: int, ptr: int, value: int, count: int, stream: int) -> Non
     _memset(device, "MemsetD32Async", d.CUdeviceptr(ptr), value, count, d.CUstream(stream))
 
 
+def _zero(a: _Array, p: _v.Problem, handle: int) -> None:
+    """Set a 4-D array of q's dtype whose last dim is contiguous (as TMA requires) to 0 on
+    ``handle``'s stream: one memset when it is C-contiguous, else one 2-D memset (or one per row)
+    per (batch, head). Nothing for an empty array."""
+    es = _v.ELEMENT_SIZE[p.dtype]
+    b, s, h, d = a.info.shape
+    if b * s * h * d == 0:
+        return
+    sb, ss, sh, _ = a.info.strides
+    if _v.is_c_contiguous(a.info.shape, a.info.strides):
+        _memset8(p.device, a.ptr, b * s * h * d * es, handle)
+        return
+    for ib in range(b):
+        for ih in range(h):
+            base = a.ptr + (ib * sb + ih * sh) * es
+            if s == 1 or ss < d:
+                for i in range(s):
+                    _memset8(p.device, base + i * ss * es, d * es, handle)
+            else:
+                _memset2d8(p.device, base, ss * es, d * es, s, handle)
+
+
 def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int) -> None:
     """out = 0 and lse = -inf on ``handle``'s stream (seqlen_k == 0: every row sees no key)."""
-    es = _v.ELEMENT_SIZE[p.dtype]
-    b, sq, h, dv = out.info.shape
-    sb, ss, sh, _ = out.info.strides
-    if _v.is_c_contiguous(out.info.shape, out.info.strides):
-        _memset8(p.device, out.ptr, b * sq * h * dv * es, handle)
-    else:
-        for ib in range(b):
-            for ih in range(h):
-                base = out.ptr + (ib * sb + ih * sh) * es
-                if sq == 1 or ss * es < dv * es:
-                    for i in range(sq):
-                        _memset8(p.device, base + i * ss * es, dv * es, handle)
-                else:
-                    _memset2d8(p.device, base, ss * es, dv * es, sq, handle)
-    _memset32(p.device, lse.ptr, _NEG_INF_F32_BITS, b * h * sq, handle)
+    _zero(out, p, handle)
+    _memset32(p.device, lse.ptr, _NEG_INF_F32_BITS, p.batch * p.heads * p.seqlen_q, handle)
 
 
 # --------------------------------------------------------------------------------------
@@ -353,28 +409,12 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     handle = _stream_handle(stream)  # first: reading the arrays needs it (DLPack handshake)
     dl_stream = _dlpack_stream(handle)
     # Every problem of q, k, v and softmax_scale in one error (the same as flash_attn_func's).
-    arrays, not_arrays = _read_all((("q", q), ("k", k), ("v", v)), dl_stream)
-    scale_problems = _v.softmax_scale_problems(softmax_scale)
-    if not_arrays:
-        infos = [arrays[name].info if name in arrays else None for name in ("q", "k", "v")]
-        _v.raise_problems(not_arrays + _v.input_problems(*infos) + scale_problems)
+    arrays, p, scale = _read_inputs((("q", q), ("k", k), ("v", v)), dl_stream, softmax_scale)
     qa, ka, va = arrays["q"], arrays["k"], arrays["v"]
-    p = _v.check_inputs(qa.info, ka.info, va.info, also=scale_problems)
-    scale = _v.check_softmax_scale(softmax_scale, p.head_dim)
     causal = bool(causal)
-    _v.check_capability(_core.device_capability(p.device), p.device)
     # Then what depends on valid q, k, v (their layouts; the outputs' expected shapes and
     # dtype), in one error: checked before any output is allocated.
-    problems = []
-    if not (p.nothing_to_compute or p.seqlen_k == 0):
-        es = _v.ELEMENT_SIZE[p.dtype]
-        for a in (qa, ka, va):
-            why = _v.tma_layout_problem(a.info.shape, a.info.strides, es, a.ptr)
-            if why:
-                problems.append((ValueError,
-                                 f"{a.name} cannot be read by TMA: {why}. The DLPack entry makes no copies: pass "
-                                 f"{a.name} with a contiguous last dim and 16-byte-aligned other strides and base "
-                                 "address (e.g. a contiguous copy)"))
+    problems = [] if p.nothing_to_compute or p.seqlen_k == 0 else _tma_read_problems((qa, ka, va), p)
     arrays, not_arrays = _read_all([(n, x) for n, x in (("out", out), ("lse", lse)) if x is not None], dl_stream)
     problems += not_arrays
     oa, la = arrays.get("out"), arrays.get("lse")
@@ -384,9 +424,9 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         problems += _readonly(la) + _v.lse_problems(la.info, p, la.ptr)
     _v.raise_problems(problems)
     # Missing outputs: allocated (right by construction).
-    out, oa, lse, la = _allocate_missing(q, p.device, handle, dl_stream, (out, oa), (lse, la), (
-        (f"out= ({p.dtype}, shape {p.out_shape})", p.out_shape, p.dtype, None),
-        (f"lse= (float32, shape {p.lse_shape})", p.lse_shape, "fp32", None)))
+    (out, oa), (lse, la) = _allocate_missing(q, p.device, handle, dl_stream, [
+        ("out", out, oa, (f"out= ({p.dtype}, shape {p.out_shape})", p.out_shape, p.dtype, None)),
+        ("lse", lse, la, (f"lse= (float32, shape {p.lse_shape})", p.lse_shape, "fp32", None))])
     if p.nothing_to_compute:
         return out, lse
     if p.seqlen_k == 0:
@@ -404,6 +444,123 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         handle,
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     return out, lse
+
+
+#: What each gradient is shaped like: (Problem property, the shape's dims for messages).
+_GRADS = (("dq", "q_shape", "(batch, seqlen_q, heads, head_dim)"),
+          ("dk", "k_shape", "(batch, seqlen_k, heads_k, head_dim)"),
+          ("dv", "v_shape", "(batch, seqlen_k, heads_k, head_dim_v)"))
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[float] = None, causal: bool = False,
+                        deterministic: bool = False, stream: Any = None, dq: Any = None, dk: Any = None,
+                        dv: Any = None):
+    """Gradients of the FlashAttention-3 forward on DLPack arrays; returns ``(dq, dk, dv)``.
+
+    For ``out = softmax(softmax_scale * q k^T [+ bottom-right causal mask]) v`` per (batch,
+    head) (:func:`flash_attn_forward`, GQA/MQA when heads_k divides heads) and the gradient
+    ``dout`` of a loss with respect to out, computes the loss's gradients with respect to q, k
+    and v. Method: the FlashAttention-2/3 backward (FA2 arXiv 2307.08691, Algorithm 2; FA3
+    arXiv 2407.08608): P is recomputed from the forward's lse, ``dV = P^T dO``,
+    ``dS = P ∘ (dP − rowsum(dO ∘ O))`` with ``dP = dO V^T``, ``dQ = scale dS K``,
+    ``dK = scale dS^T Q``, in fp32; dk and dv of a GQA group are summed over its query heads.
+    Three kernels run on ``stream``; nothing synchronises with the host.
+
+    Args:
+        dout: ``(batch, seqlen_q, heads, head_dim)`` CUDA array of q's dtype and device (any
+            object with ``__dlpack__`` / ``__dlpack_device__``: CuPy, JAX, torch, ...).
+        q, k, v: the forward's inputs, as in :func:`flash_attn_forward` (float16 or bfloat16),
+            with head_dim_v == head_dim (NotImplementedError otherwise).
+        out: the forward's output, ``(batch, seqlen_q, heads, head_dim)`` of q's dtype.
+        lse: the forward's log-sum-exp, float32 C-contiguous ``(batch, heads, seqlen_q)``.
+        softmax_scale, causal: the forward's (None means ``head_dim ** -0.5``).
+        deterministic: bitwise-reproducible gradients (dq's fp32 accumulation runs in a fixed
+            order, at some cost in speed); otherwise results may differ in the last bits from
+            run to run.
+        stream: where to launch, as in :func:`flash_attn_forward` (None = the legacy default
+            stream; also used for the DLPack stream handshake and for allocations).
+        dq, dk, dv: optional arrays written in place: dq of q's shape, dk of k's, dv of v's,
+            all of q's dtype and device, writable, with a contiguous last dim and 16-byte
+            aligned other strides and base address (TMA). Missing ones are allocated on
+            ``stream``, contiguous: with torch when q is a torch tensor, else with CuPy (which
+            has no bfloat16: pass them for bf16 from JAX).
+
+    Returns:
+        ``(dq, dk, dv)``: the given arrays, or the allocated ones.
+
+    Layouts: no copy is ever made. dout, q, k, v and out must have a contiguous last dim and
+    16-byte-aligned other strides and base address (ValueError otherwise). The kernels also
+    need scratch device memory (:func:`flashgen.core.backward_workspace_bytes` bytes), always
+    allocated here on ``stream`` (torch for torch tensors, else CuPy) and released once the
+    kernels are enqueued (stream-ordered). Empty problems launch no kernel: dq is set to 0
+    when seqlen_k is 0, dk and dv when batch or seqlen_q is 0 (driver memsets).
+
+    Raises:
+        TypeError: an argument is not a DLPack array; dtypes unsupported or mismatched (dout,
+            out, dq, dk, dv must have q's dtype; lse float32); softmax_scale not a number; no
+            allocator for missing gradients or the workspace (neither torch arrays nor CuPy).
+        ValueError: arrays not in CUDA memory or not on q's device; shapes of q, k, v (see
+            :func:`flashgen.interface.flash_attn_func`), of dout / out (q's), of lse, of dq /
+            dk / dv; layouts TMA cannot address; lse not C-contiguous; a gradient read-only.
+        NotImplementedError: head_dim_v != head_dim; fp8 dtypes.
+        RuntimeError: GPU not compute capability 9.x.
+        flashgen.InputError: problems of several of the kinds above at once (it is both a
+            ValueError and a TypeError).
+        flashgen.core.MissingVariantError: no built bwd variant serves (dtype, head_dim,
+            causal); the message names the ``flashgen add-variant`` command that builds it.
+
+    Every problem found is listed in the one error, one line each: first those of q, k, v,
+    softmax_scale and of any argument that is no DLPack array; once q, k, v are valid, those
+    of dout, out, lse, the layouts and dq, dk, dv (which depend on q, k, v).
+    """
+    caller = "flash_attn_backward: "
+    handle = _stream_handle(stream)  # first: reading the arrays needs it (DLPack handshake)
+    dl_stream = _dlpack_stream(handle)
+    names = ("dout", "q", "k", "v", "out", "lse")
+    arrays, p, scale = _read_inputs(tuple(zip(names, (dout, q, k, v, out, lse))), dl_stream, softmax_scale)
+    doa, qa, ka, va, oa, la = (arrays[name] for name in names)
+    causal, deterministic = bool(causal), bool(deterministic)
+    computes = not (p.nothing_to_compute or p.seqlen_k == 0)
+    # What depends on valid q, k, v, in one error, before any allocation.
+    problems = _v.backward_problems(p, doa.info, oa.info, la.info, la.ptr)
+    if computes:  # layouts of the inputs of q's dtype (a wrong dtype is reported above)
+        problems += _tma_read_problems([a for a in (doa, qa, ka, va, oa) if a.info.dtype == p.dtype], p)
+    given = {"dq": dq, "dk": dk, "dv": dv}
+    grads, not_arrays = _read_all([(name, x) for name, x in given.items() if x is not None], dl_stream)
+    problems += not_arrays
+    for name, shape_of, dims in _GRADS:
+        if name in grads:
+            a = grads[name]
+            problems += _readonly(a) + _v.array_problems(name, a.info, getattr(p, shape_of), dims, p, a.ptr,
+                                                         tma_write=True)
+    _v.raise_problems(problems)
+    if computes:  # the variant first (MissingVariantError before any allocation), then the workspace
+        nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
+                                                causal, p.device)
+        workspace, workspace_ptr = _workspace(q, p.device, handle, dl_stream, nbytes, caller)
+    # Missing gradients: allocated (right by construction).
+    made = _allocate_missing(q, p.device, handle, dl_stream, [
+        (name, given[name], grads.get(name),
+         (f"{name}= ({p.dtype}, shape {getattr(p, shape_of)})", getattr(p, shape_of), p.dtype, None))
+        for name, shape_of, _ in _GRADS], caller)
+    (dq, dqa), (dk, dka), (dv, dva) = made
+    if not computes:
+        for a in (dqa, dka, dva):  # the non-empty ones: dq (no key) or dk, dv (no query)
+            _zero(a, p, handle)
+        return dq, dk, dv
+    dev = p.device
+    _core.attention_backward(
+        *(_tensor_arg(a, p.dtype, dev) for a in (doa, qa, ka, va, oa)),
+        _core.TensorArg(la.ptr, la.info.shape, la.info.strides, "fp32", dev),
+        *(_tensor_arg(a, p.dtype, dev) for a in (dqa, dka, dva)),
+        scale,
+        causal,
+        deterministic,
+        handle,
+        workspace_ptr,
+    )  # three launches on `handle`; the workspace is released after them (stream-ordered)
+    del workspace
+    return dq, dk, dv
 
 
 # ======================================================================================
@@ -506,10 +663,10 @@ def flash_attn_combine_dlpack(out_partial, lse_partial, *, out: Any = None, lse:
             problems += _readonly(la) + _combine.combine_lse_problems(la.info, p, la.ptr)
         _v.raise_problems(problems, _combine.CONTEXT)
     # Missing outputs: allocated (right by construction).
-    out, oa, lse, la = _allocate_missing(out_partial, p.device, handle, dl_stream, (out, oa), (lse, la), (
-        (f"out= ({p.out_dtype}, shape {p.out_shape})", p.out_shape, p.out_dtype, None),
-        (f"lse= (float32, the (batch, seqlen, heads) = {p.lse_shape} transpose of a contiguous "
-         f"{p.lse_buffer_shape} buffer)", (p.batch, p.heads, p.seqlen), "fp32", (0, 2, 1))),
+    (out, oa), (lse, la) = _allocate_missing(out_partial, p.device, handle, dl_stream, [
+        ("out", out, oa, (f"out= ({p.out_dtype}, shape {p.out_shape})", p.out_shape, p.out_dtype, None)),
+        ("lse", lse, la, (f"lse= (float32, the (batch, seqlen, heads) = {p.lse_shape} transpose of a contiguous "
+                          f"{p.lse_buffer_shape} buffer)", (p.batch, p.heads, p.seqlen), "fp32", (0, 2, 1)))],
         caller="flash_attn_combine_dlpack: ")
     if p.nothing_to_compute:
         return out, lse

@@ -3,18 +3,25 @@
 Drop-in for FA3's ``flash_attn_interface.flash_attn_func`` (same names, same semantics,
 see ``shared/research/fa3.md`` §1): change the import, keep the call. The computation is
 the FlashAttention-3 forward (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao,
-arXiv 2407.08608, §3, Algorithms 1 and 2).
+arXiv 2407.08608, §3, Algorithms 1 and 2) and, for gradients, the FlashAttention-2/3
+backward (recompute P from the forward's LSE, ``dS = P ∘ (dP − rowsum(dO ∘ O))``).
 
-The op is registered as ``torch.ops.flashgen.fwd`` with ``torch.library.custom_op``,
-a fake (meta) implementation and an autograd formula, so that
+Two ops, registered with ``torch.library.custom_op``, each with a fake (meta)
+implementation:
 
-* ``torch.compile(fullgraph=True)`` traces through :func:`flash_attn_func` without graph
-  breaks (the op is opaque; its fake implementation gives shapes, dtypes and strides);
-* CUDA graphs capture it: the kernel is launched on ``torch.cuda.current_stream()``, the
-  outputs (and any layout copy) come from torch's caching allocator, and the call makes
-  no host synchronisation;
-* backward through it raises a clear RuntimeError (no backward kernel is built yet)
-  rather than returning a wrong or missing gradient.
+* ``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False) -> (out, lse)``,
+  whose autograd formula saves q, k, v, out and lse (no more) and calls
+* ``torch.ops.flashgen.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+  -> (dq, dk, dv)``.
+
+So that
+
+* ``torch.compile(fullgraph=True)`` traces through :func:`flash_attn_func`, forward and
+  backward, without graph breaks (the ops are opaque; their fake implementations give
+  shapes, dtypes and strides);
+* CUDA graphs capture both: the kernels are launched on ``torch.cuda.current_stream()``,
+  outputs, gradients, workspace and any layout copy come from torch's caching allocator,
+  and neither call makes a host synchronisation.
 """
 
 from __future__ import annotations
@@ -40,15 +47,7 @@ except ModuleNotFoundError as e:
 from . import _validate as _v
 from . import core as _core
 
-__all__ = ["flash_attn_func", "BACKWARD_NOT_IMPLEMENTED", "NO_TORCH"]
-
-#: Message of the RuntimeError raised by backward through :func:`flash_attn_func`.
-BACKWARD_NOT_IMPLEMENTED = (
-    "flashgen: the backward pass is not implemented yet (flashgen builds forward kernels "
-    "only), so no gradient flows through flash_attn_func. Call it under torch.no_grad() or "
-    "torch.inference_mode(), or pass q, k, v that do not require grad (e.g. .detach()); for "
-    "training use torch.nn.functional.scaled_dot_product_attention or FA3."
-)
+__all__ = ["flash_attn_func", "NO_TORCH"]
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 for _attr, _name in (
@@ -83,6 +82,16 @@ def _check_device_capability(device: int) -> None:
     _v.check_capability(_core.device_capability(device), device)
 
 
+def _workspace(like: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uninitialised uint8 scratch memory on ``like``'s device for the backward.
+
+    From torch's caching allocator on the current stream (blocks are 512-byte aligned, more
+    than the 256 the core needs), so it is CUDA-graph capturable, and freeing it once the
+    kernels are enqueued is stream-ordered: the memory is reused only by later work.
+    """
+    return like.new_empty((nbytes,), dtype=torch.uint8)
+
+
 # --------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------
@@ -102,6 +111,11 @@ def _array_info(t: torch.Tensor) -> _v.ArrayInfo:
 
 def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _v.Problem:
     return _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
+
+
+def _lse_arg(lse: torch.Tensor, p: _v.Problem) -> "_core.TensorArg":
+    """The core's view of a contiguous float32 ``(batch, heads, seqlen_q)`` lse."""
+    return _core.TensorArg(lse.data_ptr(), p.lse_shape, tuple(lse.stride()), "fp32", p.device)
 
 
 def _tma_arg(t: torch.Tensor, dtype: str, device: int) -> tuple:
@@ -130,15 +144,18 @@ def _tma_arg(t: torch.Tensor, dtype: str, device: int) -> tuple:
 # --------------------------------------------------------------------------------------
 
 def _fwd_impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal) -> (out, lse)``.
+    """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False) -> (out, lse)``.
 
     The registered op behind :func:`flash_attn_func`; same arguments (softmax_scale already
     resolved to a float), always returns ``(out, lse)``: out contiguous
     ``(batch, seqlen_q, heads, head_dim_v)`` of q's dtype, lse contiguous float32
     ``(batch, heads, seqlen_q)`` (natural log). Validates q, k, v itself (see
-    :func:`flash_attn_func`), so calling it directly is safe.
+    :func:`flash_attn_func`), so calling it directly is safe. ``deterministic`` does not
+    change the forward (always deterministic); it is an argument of the op so that its
+    autograd formula hands it to the backward, also in a torch.compile graph.
     """
     p = _check_tensors(q, k, v)
     _check_device_capability(p.device)
@@ -164,7 +181,7 @@ def _fwd_impl(
         ka,
         va,
         oa,
-        _core.TensorArg(lse.data_ptr(), p.lse_shape, tuple(lse.stride()), "fp32", dev),
+        _lse_arg(lse, p),
         float(softmax_scale),
         bool(causal),
         _current_stream(dev),
@@ -177,39 +194,93 @@ _fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=())
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
     p = _check_tensors(q, k, v)
     out = q.new_empty(p.out_shape)  # contiguous, q's dtype and device: as the real op
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
     return out, lse
 
 
-# Backward: a second op whose real implementation raises. Raising inside the op (and not
-# in the Python backward formula itself) keeps torch.compile able to trace the joint
-# forward+backward graph of a model that merely *could* need gradients; the error comes
-# when a backward actually runs.
-@torch.library.custom_op("flashgen::fwd_backward_unimplemented", mutates_args=())
-def _bwd_unimplemented(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+def _check_backward(dout, q, k, v, out, lse) -> tuple:
+    """``(Problem, lse)``: q, k, v checked (:func:`flashgen._validate.check_inputs`), then
+    dout, out and lse (:func:`flashgen._validate.check_backward`); lse is made contiguous
+    first (a copy only if it is not, as for any input the kernels cannot read in place)."""
+    lse = lse.contiguous()
+    p = _check_tensors(q, k, v)
+    _v.check_backward(p, _array_info(dout), _array_info(out), _array_info(lse))
+    return p, lse
+
+
+def _bwd_impl(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Always raises RuntimeError(:data:`BACKWARD_NOT_IMPLEMENTED`)."""
-    raise RuntimeError(BACKWARD_NOT_IMPLEMENTED)
+    """``torch.ops.flashgen.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+    -> (dq, dk, dv)``: the gradients of :func:`flash_attn_func`'s out with respect to q, k, v.
+
+    dout, out: ``(batch, seqlen_q, heads, head_dim)`` of q's dtype (out and lse are the
+    forward's outputs for the same q, k, v, softmax_scale and causal); lse: float32
+    ``(batch, heads, seqlen_q)``. q, k, v as in :func:`flash_attn_func`, with head_dim_v ==
+    head_dim. Returns contiguous dq, dk, dv of q's, k's and v's shapes and dtype (dk, dv of a
+    GQA group summed over its query heads). ``deterministic``: bitwise-reproducible results.
+
+    Inputs TMA cannot read in place (e.g. the stride-0 gradient of ``out.sum()``) are copied
+    first, as in the forward. Empty problems launch nothing: dq = 0 when seqlen_k is 0, and
+    dk = dv = 0 when batch or seqlen_q is 0. Validates its arguments (flashgen.InputError and
+    the rest as :func:`flash_attn_func`; NotImplementedError when head_dim_v != head_dim);
+    MissingVariantError when no bwd variant serves (dtype, head_dim, causal).
+    """
+    p, lse = _check_backward(dout, q, k, v, out, lse)
+    _check_device_capability(p.device)
+    if p.nothing_to_compute or p.seqlen_k == 0:
+        # nothing to launch: no key (dq = 0: out does not depend on q) or no query (dk = dv = 0)
+        return q.new_zeros(p.q_shape), k.new_zeros(p.k_shape), v.new_zeros(p.v_shape)
+    dev = p.device
+    causal = bool(causal)
+    # selects the variant (cached per key): MissingVariantError before any copy or allocation
+    nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
+                                            causal, dev)
+    inputs = [_tma_arg(t, p.dtype, dev) for t in (dout, q, k, v, out)]  # (tensor kept alive, TensorArg)
+    grads = (q.new_empty(p.q_shape), k.new_empty(p.k_shape), v.new_empty(p.v_shape))
+    workspace = _workspace(q, nbytes)
+    _core.attention_backward(
+        *(arg for _, arg in inputs),
+        _lse_arg(lse, p),
+        *(_tma_arg(g, p.dtype, dev)[1] for g in grads),  # fresh and contiguous: never copied
+        float(softmax_scale),
+        causal,
+        bool(deterministic),
+        _current_stream(dev),
+        workspace.data_ptr(),
+    )
+    del inputs, workspace  # layout copies and the workspace are released after the launches are enqueued
+    return grads
 
 
-@_bwd_unimplemented.register_fake
-def _bwd_unimplemented_fake(grad_out, q, k, v):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+_bwd = torch.library.custom_op("flashgen::bwd", _bwd_impl, mutates_args=())
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    p, _ = _check_backward(dout, q, k, v, out, lse)
+    return q.new_empty(p.q_shape), k.new_empty(p.k_shape), v.new_empty(p.v_shape)  # as the real op
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, _scale, _causal = inputs
-    ctx.save_for_backward(q, k, v)
+    """Saves what the backward needs, no more: q, k, v, out, lse and the scalars."""
+    q, k, v, softmax_scale, causal, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashgen.fwd_backward_unimplemented(grad_out, q, k, v)
-    return dq, dk, dv, None, None
+    """dq, dk, dv from grad_out through ``torch.ops.flashgen.bwd``. grad_lse is ignored, as FA3
+    does: a loss that uses lse gets no gradient through it."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashgen.bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                                        ctx.deterministic)
+    return dq, dk, dv, None, None, None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -239,12 +310,20 @@ def flash_attn_func(
     sm_margin: int = 0,
     return_attn_probs: bool = False,
 ):
-    """Scaled dot-product attention forward, FlashAttention-3 on Hopper (sm_90a).
+    """Scaled dot-product attention, FlashAttention-3 on Hopper (sm_90a); differentiable.
 
     ``out[b, i, h] = sum_j softmax_j(softmax_scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]``
     with ``g = heads // heads_k`` (GQA/MQA), computed by flashgen's FA3 forward kernels
     (arXiv 2407.08608, §3, Algorithms 1-2: tiled online softmax, fp32 accumulation), with
     the argument semantics of FA3's ``flash_attn_interface.flash_attn_func``.
+
+    Gradients: when q, k or v requires grad (and grad mode is on), backward through ``out``
+    gives dq, dk, dv of q's, k's and v's shapes and dtype, computed by flashgen's bwd kernels
+    (the FlashAttention-2/3 backward: P recomputed from the forward's lse,
+    ``dS = P ∘ (dP − rowsum(dO ∘ O))``, fp32 accumulation; dk, dv of a GQA group summed over
+    its query heads). The forward then saves q, k, v, out and lse for it, no more. As in FA3,
+    the gradient with respect to the returned lse is ignored (a loss through lse alone gives
+    zero gradients). The backward needs head_dim_v == head_dim.
 
     Args:
         q: ``(batch, seqlen_q, heads, head_dim)`` CUDA tensor, float16 or bfloat16.
@@ -262,7 +341,9 @@ def flash_attn_func(
             (None / (-1, -1) / 0) raises NotImplementedError naming the argument.
         num_splits, pack_gqa, sm_margin: FA3 scheduling hints; accepted and ignored (they
             never change the result).
-        deterministic: accepted; the forward is always deterministic.
+        deterministic: the backward gives bitwise-reproducible gradients (its dq
+            accumulation runs in a fixed order, at some cost in speed); the forward is
+            always deterministic.
         return_attn_probs: when True return ``(out, lse)`` (as FA3 does), else ``out``.
         The arguments after ``causal`` are keyword-only, so a positional call written for
         a different argument order fails loudly instead of binding wrongly.
@@ -281,6 +362,14 @@ def flash_attn_func(
     FA3, which calls ``.contiguous()`` when the last dim is not contiguous), at the cost
     of one extra read and write of that input. Empty problems (batch, seqlen_q or
     seqlen_k of 0) launch nothing: out is empty, or zeros with lse -inf when seqlen_k is 0.
+    The backward reads q, k, v and the gradient of out by the same rule (a broadcast
+    gradient such as that of ``out.sum()`` is copied) and returns contiguous gradients
+    (through autograd's views for sliced inputs); empty problems give zero gradients
+    (dq when seqlen_k is 0, dk and dv when seqlen_q is 0) without a launch.
+
+    torch.compile(fullgraph=True) traces forward and backward (ops ``torch.ops.flashgen.fwd``
+    and ``torch.ops.flashgen.bwd``); both run on the current stream with no host
+    synchronisation, so CUDA graphs capture them.
 
     Raises:
         TypeError: q, k or v not a torch.Tensor; dtype not float16/bfloat16; dtypes of
@@ -296,7 +385,8 @@ def flash_attn_func(
             one line each, not only the first.
         flashgen.core.MissingVariantError: no built variant serves (dtype, head_dim,
             head_dim_v, causal); the message names the ``flashgen add-variant`` command.
-        RuntimeError (in backward): gradients are not implemented yet.
+            In backward: no bwd variant serves (dtype, head_dim, causal).
+        NotImplementedError (in backward): head_dim_v != head_dim (the forward works).
     """
     not_tensors = [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
                    for name, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor)]
@@ -322,7 +412,7 @@ def flash_attn_func(
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
         out, lse = _fwd_impl(q, k, v, scale, bool(causal))
     else:
-        out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal))
+        out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal), bool(deterministic))
     if return_attn_probs:
         return out, lse
     return out

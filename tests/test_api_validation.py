@@ -1,6 +1,7 @@
 """CPU tests of flashgen's user-facing forward API (flashgen.interface, flashgen.dlpack_api,
 flashgen._validate): argument checks, copy/no-copy decisions, empty problems, the fake
-(meta) implementation, torch.compile tracing and the autograd error.
+(meta) implementation, torch.compile tracing and when autograd records the op. The backward
+(torch autograd and the DLPack entry) is tested in tests/test_bwd_api.py.
 
 No GPU here. The `fake_gpu` fixture makes CPU tensors pass the device checks and replaces
 the core's launch with an emulator that reads and writes memory through the TensorArg it
@@ -556,22 +557,17 @@ def test_input_error_is_exported():
 # Autograd
 # --------------------------------------------------------------------------------------
 
-def test_backward_raises_clear_error(fake_gpu):
+def test_grad_inputs_go_through_the_op_with_deterministic(fake_gpu, monkeypatch):
+    seen = []
+    real = interface._fwd_impl
+    monkeypatch.setattr(interface, "_fwd_impl", lambda *a: seen.append(("eager", a[5:])) or real(*a))
     q, k, v = qkv()
-    q.requires_grad_(True)
-    out = flash_attn_func(q, k, v)
-    assert out.requires_grad
-    with pytest.raises(RuntimeError, match="flashgen: the backward pass is not implemented yet"):
-        out.float().sum().backward()
-    assert q.grad is None
-
-
-def test_backward_through_lse_raises_too(fake_gpu):
-    q, k, v = qkv()
-    v.requires_grad_(True)
-    _, lse = flash_attn_func(q, k, v, return_attn_probs=True)
-    with pytest.raises(RuntimeError, match="backward pass is not implemented"):
-        torch.autograd.grad(lse.sum(), v)
+    out = flash_attn_func(q, k, v)  # no grad needed: the eager fast path, deterministic not passed
+    assert seen == [("eager", ())] and out.grad_fn is None
+    k.requires_grad_(True)
+    out = flash_attn_func(q, k, v, deterministic=True)  # recorded by autograd: through torch.ops.flashgen.fwd
+    assert len(seen) == 1 and out.requires_grad and out.grad_fn is not None
+    assert len(fake_gpu.calls) == 2
 
 
 def test_no_grad_inputs_give_plain_outputs(fake_gpu):
@@ -655,16 +651,6 @@ def test_compile_inductor_default_backend(fake_gpu):
     f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True).float() * 2, fullgraph=True)
     q, k, v = qkv()
     assert torch.equal(f(q, k, v), flash_attn_func(q, k, v, causal=True).float() * 2)
-
-
-def test_compile_with_grad_inputs_traces_then_backward_raises(fake_gpu):
-    torch._dynamo.reset()
-    q, k, v = qkv()
-    q.requires_grad_(True)
-    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v).float().sum(), fullgraph=True, backend="aot_eager")
-    loss = f(q, k, v)  # joint graph traced without error
-    with pytest.raises(RuntimeError, match="backward pass is not implemented"):
-        loss.backward()
 
 
 # --------------------------------------------------------------------------------------

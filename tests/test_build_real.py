@@ -160,3 +160,31 @@ def test_wheel_installs_without_nvcc_and_lists_variants(real_subset, tmp_path):
     for v in pick:
         assert v.name in r.stdout
     assert f"{len(pick)} variants ({len(pick)} built) from manifest" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def real_bwd(tmp_path_factory):
+    """Two backward variants of the real template (both tile shapes, one causal, both dtypes), built
+    into a temporary build dir. Returns (project, result, variants)."""
+    _toolchain()
+    out = tmp_path_factory.mktemp("realbwd")
+    proj = Project(REPO, build_override=out)
+    pick = select(load_variants(proj), "bwd_bf16_hd64_noncausal_*,bwd_fp16_hd256_causal_*")
+    assert len(pick) == 2
+    return proj, build(proj, pick, jobs=2, log=lambda s: None), pick
+
+
+def test_real_bwd_compiles_without_spills_and_uses_wgmma_and_tma(real_bwd):
+    """Each bwd variant: three kernels, 0 spill bytes, under the 30 s budget, and its main kernel's
+    SASS has HGMMA, UTMALDG and USETMAXREG (the fast path, not a fallback)."""
+    proj, res, pick = real_bwd
+    assert res.failed == [], res.failed
+    for e in read_manifest(proj)["variants"]:
+        assert [k["role"] for k in e["kernels"]] == ["pre", "main", "post"]
+        for k in e["kernels"]:
+            assert k["spill_bytes"] == 0 and k["stack_bytes"] == 0, k
+        report = json.loads((proj.cache_dir / e["key"] / "report.json").read_text())
+        assert report["compile_seconds"] < 30
+    for v in pick:
+        ops = sass.check(str(proj.fatbin_dir / f"{v.name}.fatbin"), {v.symbol(k.role): k.sass for k in v.kernels})
+        assert {"HGMMA", "UTMALDG", "USETMAXREG"} <= set(ops[v.symbol("main")])

@@ -184,15 +184,16 @@ def test_tile_table_most_specific_row_wins(tmp_path):
 def test_real_configs():
     proj = Project(REPO)
     vs = load_variants(proj)
-    assert {v.family for v in vs} == {"fwd", "combine"}
+    assert {v.family for v in vs} == {"fwd", "bwd", "combine"}
     combine = [v for v in vs if v.family == "combine"]
     assert {v.params["dtype"] for v in combine} == {"fp32", "bf16", "fp16"} and all(v.default for v in combine)
-    assert len(select(vs)) == 12 + 3  # + one combine variant per output dtype
+    assert len(select(vs)) == 20 + 20 + 3  # fwd, bwd, one combine variant per output dtype
+    keys = {(d, h, c) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256) for c in (False, True)}
+    for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
+        fam = [v for v in select(vs) if v.family == family]
+        assert all(v.default for v in fam)
+        assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"]) for v in fam} == keys
     default_set = [v for v in select(vs) if v.family == "fwd"]
-    assert len(default_set) == 12  # bf16/fp16 x 64/128/256 x causal
-    assert all(v.default for v in default_set)
-    assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"]) for v in default_set} == {
-        (d, h, c) for d in ("bf16", "fp16") for h in (64, 128, 256) for c in (False, True)}
     # every default variant takes block_m/block_n/consumer_wgs from its tile-table row (the most
     # specific one), whatever the tuned values are
     import yaml
@@ -204,7 +205,7 @@ def test_real_configs():
                  and r.get("causal", p["causal"]) == p["causal"]]
         best = max(match, key=lambda r: ("dtype" in r) + ("causal" in r))
         assert (p["block_m"], p["block_n"], p["consumer_wgs"]) == (best["block_m"], best["block_n"], best["consumer_wgs"])
-    assert {r["head_dim"] for r in rows} >= {64, 96, 128, 192, 256}  # 96/192 are one matrix edit away
+    assert {r["head_dim"] for r in rows} >= {64, 96, 128, 192, 256}
     abl = [v for v in vs if "configs/ablation.yaml" in " ".join(v.sources)]
     knobs = {(v.params["pingpong"], v.params["overlap"], v.params["persistent"], v.params["stages"], v.params["causal"])
              for v in abl if v.params["head_dim"] == 128 and v.params["dtype"] == "bf16"}
@@ -215,7 +216,7 @@ def test_real_configs():
     full = [v for v in vs if v.default and v.family == "fwd" and v.params["dtype"] == "bf16"
             and v.params["head_dim"] == 128 and not v.params["causal"]][0]
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
-    assert len(vs) == 12 + 3 + len([v for v in abl if not v.default])
+    assert len(vs) == 20 + 20 + 3 + len([v for v in abl if not v.default])
     assert len(select(vs, all_=True)) == len(vs)
 
 
@@ -236,7 +237,8 @@ def test_register_budget_rejects_hd96_on_three_wgs(tmp_path):
 
 def test_select_filter():
     vs = load_variants(Project(REPO))
-    assert len(select(vs, "*hd64*")) == 4
-    assert len(select(vs, "hd128_noncausal")) == 2  # substring, default set only
-    assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 2
-    assert len(select(vs, "*bf16_hd64*,*fp16_hd256_causal*")) == 3
+    assert len(select(vs, "fwd_*hd64*")) == 4
+    assert len(select(vs, "*hd64*")) == 8  # fwd and bwd
+    assert len(select(vs, "fwd_bf16_hd128_noncausal")) == 1  # substring, default set only
+    assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
+    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 3

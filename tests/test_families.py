@@ -25,11 +25,13 @@ from fgutil import REPO, SMALL_FWD, cli, compiles, fake_cuda, make_project, read
 from flashgen import launch  # noqa: E402
 from flashgen.dispatch import MissingVariantError, add_variant_command, select_variant  # noqa: E402
 from flashgen.generator import families  # noqa: E402
+from flashgen.generator.families import bwd as bwd_mod  # noqa: E402
 from flashgen.generator.families import combine as combine_mod  # noqa: E402
 from flashgen.generator.abi import TYPES, Field, params_struct, render_decls  # noqa: E402
 from flashgen.generator.build import build, plan_variants, write_outputs  # noqa: E402
 from flashgen.generator.config import load_variants  # noqa: E402
 from flashgen.generator.errors import ConfigError, ToolchainError  # noqa: E402
+from flashgen.generator.families import bwd as bwd_mod  # noqa: E402
 from flashgen.generator.families import combine as combine_mod  # noqa: E402
 from flashgen.generator.families import fwd as fwd_mod  # noqa: E402
 from flashgen.generator.project import Project  # noqa: E402
@@ -376,8 +378,8 @@ def test_families_registry():
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("family: attention\nmatrix: {dtype: bf16}\n", "family = 'attention': not allowed; allowed: combine, fwd"),
-    ("matrix: {dtype: bf16}\n", "missing required key 'family'; allowed: combine, fwd"),
+    ("family: attention\nmatrix: {dtype: bf16}\n", "family = 'attention': not allowed; allowed: bwd, combine, fwd"),
+    ("matrix: {dtype: bf16}\n", "missing required key 'family'; allowed: bwd, combine, fwd"),
 ])
 def test_unknown_family_in_config_exits_2(tmp_path, text, needle):
     proj = make_project(tmp_path, {"x.yaml": text})
@@ -411,6 +413,16 @@ def test_smem_layout_is_the_feasibility_layout():
     order, contiguous, smem_bytes = end of the last one + 1024, and infeasible exactly above the limit."""
     for v in load_variants(Project(REPO)):
         r = v.resources
+        if v.family == "bwd":
+            main = next(k for k in v.kernels if k.role == "main")
+            assert r["smem"] == bwd_mod.smem_layout(v.params, r["ds_buffers"], r["dq_buffers"])
+            end = 0
+            for region in r["smem"].values():
+                assert region["offset"] == end
+                end += region["bytes"]
+            assert r["smem_bytes"] == end + 1024 == main.smem_bytes <= bwd_mod.SMEM_LIMIT
+            assert all(k.smem_bytes == 0 for k in v.kernels if k.role != "main")
+            continue
         if v.family != "fwd":
             assert r["smem"] == {} and r["smem_bytes"] == 0 == v.kernels[0].smem_bytes
             continue

@@ -1,0 +1,635 @@
+"""CPU tests of flashgen's backward API: autograd through flash_attn_func (the ops
+torch.ops.flashgen.fwd / flashgen.bwd, their fakes, torch.compile), the DLPack entry
+flashgen.flash_attn_backward and the backward's checks in flashgen._validate.
+
+No GPU here. The forward runs on test_api_validation's emulated core (`fake_gpu`); the
+`gpu` fixture adds an emulated backward: `core.backward_workspace_bytes` and
+`core.attention_backward` (patched with raising=False, so these tests do not depend on the
+real ones) check what the kernels rely on (TensorArgs of the right shapes, TMA layouts, a
+contiguous fp32 lse, a workspace of at least the size asked for), then compute the gradients
+in float32 by the kernels' formula (from the given out and lse) through the memory the
+TensorArgs describe and write them there; the tests compare them with torch autograd of the
+reference attention. A wrong pointer, stride or argument order gives wrong gradients here,
+as on the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import flashgen.core as core
+import flashgen.dlpack_api as dlpack_api
+import flashgen.interface as interface
+from flashgen import _validate as V
+from flashgen.interface import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from fgutil import torch_allocates_on_cpu  # noqa: E402
+from test_api_validation import _view, assert_problems, fake_gpu, fake_gpu_dlpack, qkv, reference  # noqa: E402,F401
+
+STREAM = 1234  # test_api_validation's fake current stream
+
+
+# --------------------------------------------------------------------------------------
+# Reference and emulated backward
+# --------------------------------------------------------------------------------------
+
+def reference_grads(q, k, v, dout, scale, causal):
+    """float32 (dq, dk, dv) of the reference attention for the upstream gradient dout."""
+    qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    o, _ = reference(qf, kf, vf, scale, causal)
+    o.backward(dout.float())
+    return qf.grad, kf.grad, vf.grad
+
+
+def emulated_grads(q, k, v, out, lse, dout, scale, causal):
+    """float32 (dq, dk, dv) by the kernels' method, from the forward's out and lse: P = exp(S - lse),
+    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q; dk and dv
+    summed over each GQA group. (Not torch autograd: the core runs below the autograd dispatch key.)"""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    qf, dof, of = (t.float().transpose(1, 2) for t in (q, dout, out))  # (b, h, sq, d)
+    kf, vf = (t.float().repeat_interleave(g, dim=2).transpose(1, 2) for t in (k, v))  # (b, h, sk, d)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.arange(sk).view(1, -1) > torch.arange(sq).view(-1, 1) + sk - sq, -torch.inf)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see no key: lse -inf, P 0
+    ds = p * (dof @ vf.transpose(-1, -2) - (dof * of).sum(-1, keepdim=True))
+    dq = (ds @ kf) * scale
+    dk = ((ds.transpose(-1, -2) @ qf) * scale).view(b, hk, g, sk, d).sum(2)
+    dv = (p.transpose(-1, -2) @ dof).view(b, hk, g, sk, d).sum(2)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def assert_close(got, ref):
+    """One rounding of got's dtype away from the float32 reference."""
+    tol = 2e-3 if got.dtype == torch.float16 else 1.6e-2
+    assert got.shape == ref.shape
+    assert (got.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+class FakeBwd:
+    """Stand-ins for core.backward_workspace_bytes / core.attention_backward (see the module doc)."""
+
+    def __init__(self, fwd):
+        self.fwd = fwd  # test_api_validation.FakeCore: forward calls, variant selections
+        self.calls = []
+        self.workspaces = []  # (address, bytes) of every workspace the API allocated
+
+    @staticmethod
+    def nbytes(batch, seqlen_q, heads):
+        return 4 * batch * heads * seqlen_q * 67 + 1000  # an odd size: no element count passes for bytes
+
+    def backward_workspace_bytes(self, batch, seqlen_q, heads, heads_k, head_dim, dtype, causal, device,
+                                 variant=None):
+        assert min(batch, seqlen_q, heads, heads_k) >= 1 and type(causal) is bool
+        core.select_variant("bwd", {"dtype": dtype, "head_dim": head_dim, "causal": causal})  # may raise
+        return self.nbytes(batch, seqlen_q, heads)
+
+    def record_workspace(self, make, size_of):
+        """``make`` wrapped so that the workspaces it makes are recorded (``size_of(result) -> (ptr, bytes)``)."""
+        def wrapped(*a, **kw):
+            result = make(*a, **kw)
+            self.workspaces.append(size_of(result))
+            return result
+        return wrapped
+
+    def attention_backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+                           stream, workspace_ptr, variant=None):
+        b, sq, h, d = q.shape
+        arrays = dict(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
+        for name, a in arrays.items():
+            assert isinstance(a, core.TensorArg) and a.dtype == q.dtype and a.device == q.device, name
+            assert V.tma_layout_problem(a.shape, a.strides, V.ELEMENT_SIZE[a.dtype], a.ptr) is None, name
+        assert dout.shape == out.shape == dq.shape == q.shape and dk.shape == dv.shape == k.shape == v.shape
+        assert lse.dtype == "fp32" and lse.shape == (b, h, sq) and V.is_c_contiguous(lse.shape, lse.strides)
+        assert min(b, sq, k.shape[1]) >= 1
+        assert type(softmax_scale) is float and type(causal) is bool and type(deterministic) is bool
+        need = self.nbytes(b, sq, h)
+        assert any(p == workspace_ptr and n >= need for p, n in self.workspaces), "workspace missing or too small"
+        ctypes.memset(workspace_ptr, 0xAB, need)  # the kernels may use all of it
+        self.calls.append(dict(arrays, lse=lse, scale=softmax_scale, causal=causal, deterministic=deterministic,
+                               stream=stream, workspace_ptr=workspace_ptr, variant=variant))
+        grads = emulated_grads(*(_view(t) for t in (q, k, v, out, lse, dout)), softmax_scale, causal)
+        for arg, g in zip((dq, dk, dv), grads):
+            _view(arg).copy_(g)
+        return variant
+
+
+@pytest.fixture
+def gpu(fake_gpu, monkeypatch):
+    bwd = FakeBwd(fake_gpu)
+    monkeypatch.setattr(core, "backward_workspace_bytes", bwd.backward_workspace_bytes, raising=False)
+    monkeypatch.setattr(core, "attention_backward", bwd.attention_backward, raising=False)
+    monkeypatch.setattr(interface, "_workspace", bwd.record_workspace(
+        interface._workspace, lambda t: (t.data_ptr(), t.numel() * t.element_size())))
+    monkeypatch.setattr(dlpack_api, "_workspace", bwd.record_workspace(
+        dlpack_api._workspace, lambda r: (r[1], r[0].numel() * r[0].element_size())))
+    return bwd
+
+
+def grad_qkv(**kw):
+    return [t.requires_grad_(True) for t in qkv(**kw)]
+
+
+def bwd_selected(fc):
+    return [key for family, key in fc.fwd.selected if family == "bwd"]
+
+
+# --------------------------------------------------------------------------------------
+# Autograd through flash_attn_func
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("h,hk", [(4, 4), (4, 2), (4, 1)])
+def test_gradients_match_reference(gpu, causal, dtype, h, hk):
+    q, k, v = grad_qkv(sq=6, sk=9, h=h, hk=hk, dtype=dtype)
+    out = flash_attn_func(q, k, v, causal=causal)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    (out.float() * w.float()).sum().backward()
+    for t, ref in zip((q, k, v), reference_grads(q, k, v, w, 64 ** -0.5, causal)):
+        assert t.grad.dtype == dtype and t.grad.shape == t.shape
+        assert_close(t.grad, ref)
+    (call,) = gpu.calls
+    assert call["scale"] == pytest.approx(64 ** -0.5) and call["causal"] is causal
+    assert call["deterministic"] is False and call["stream"] == STREAM
+    assert call["q"].ptr == q.data_ptr() and call["k"].ptr == k.data_ptr() and call["v"].ptr == v.data_ptr()
+    assert call["q"].shape == (2, 6, h, 64) and call["k"].shape == call["dk"].shape == (2, 9, hk, 64)
+    for name in ("dq", "dk", "dv"):  # gradients allocated contiguous
+        assert call[name].strides == tuple(torch.empty(call[name].shape).stride())
+    assert bwd_selected(gpu) == [{"dtype": "fp16" if dtype == torch.float16 else "bf16", "head_dim": 64,
+                                  "causal": causal}]
+
+
+def test_scale_and_deterministic_reach_the_backward(gpu):
+    q, k, v = grad_qkv(d=32, h=2, hk=2)
+    flash_attn_func(q, k, v, softmax_scale=-0.3, causal=True, deterministic=True).float().sum().backward()
+    (call,) = gpu.calls
+    assert call["scale"] == -0.3 and call["deterministic"] is True and call["causal"] is True
+    dout = torch.ones(q.shape, dtype=q.dtype)
+    for t, ref in zip((q, k, v), reference_grads(q, k, v, dout, -0.3, True)):
+        assert_close(t.grad, ref)
+
+
+def test_broadcast_grad_of_sum_is_copied_for_tma(gpu):
+    q, k, v = grad_qkv()
+    out = flash_attn_func(q, k, v)
+    out.sum().backward()  # grad_out is ones expanded: every stride 0, TMA cannot read it
+    (call,) = gpu.calls
+    assert call["dout"].strides == tuple(torch.empty(q.shape).stride())
+    assert call["out"].ptr == out.data_ptr()  # the forward's saved output, used in place
+    for t, ref in zip((q, k, v), reference_grads(q, k, v, torch.ones(q.shape), 64 ** -0.5, False)):
+        assert_close(t.grad, ref)
+
+
+def test_packed_qkv_gradient_flows_into_the_packed_tensor(gpu):
+    b, s, h, d = 2, 9, 4, 64
+    packed = torch.randn(b, s, 3, h, d).half().requires_grad_(True)
+    q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    out = flash_attn_func(q, k, v, causal=True)
+    w = torch.randn(out.shape).half()
+    (out * w).sum().backward()
+    (call,) = gpu.calls
+    assert [call[n].ptr for n in "qkv"] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]  # no copies
+    assert packed.grad.shape == packed.shape
+    ref = torch.stack(reference_grads(q, k, v, w, d ** -0.5, True), dim=2)
+    assert_close(packed.grad, ref)
+
+
+def test_kv_cache_prefix_gradients(gpu):
+    k_cache = torch.randn(2, 32, 2, 64).half().requires_grad_(True)
+    v_cache = torch.randn(2, 32, 2, 64).half().requires_grad_(True)
+    q = torch.randn(2, 4, 4, 64).half().requires_grad_(True)
+    k, v = k_cache[:, :11], v_cache[:, :11]
+    flash_attn_func(q, k, v, causal=True).float().sum().backward()
+    ref = reference_grads(q, k, v, torch.ones(q.shape), 64 ** -0.5, True)
+    assert_close(q.grad, ref[0])
+    assert_close(k_cache.grad[:, :11], ref[1]) and assert_close(v_cache.grad[:, :11], ref[2])
+    assert not k_cache.grad[:, 11:].any() and not v_cache.grad[:, 11:].any()
+
+
+def test_grad_lse_is_ignored_as_in_fa3(gpu):
+    q, k, v = grad_qkv()
+    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    g_out = torch.autograd.grad(out.float().sum(), (q, k, v), retain_graph=True)
+    g_both = torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v), retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(g_out, g_both))
+    g_lse = torch.autograd.grad(lse.sum(), (q, k, v))  # dout materialised as zeros: zero gradients
+    assert all(not g.any() for g in g_lse)
+
+
+def test_forward_saves_q_k_v_out_lse_only(gpu):
+    q, k, v = grad_qkv()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert len(saved) == 5
+    assert [t.data_ptr() for t in saved] == [t.data_ptr() for t in (q, k, v, out, lse)]
+
+
+def test_only_the_inputs_that_need_grad_get_one(gpu):
+    q, k, v = qkv()
+    v.requires_grad_(True)
+    flash_attn_func(q, k, v).float().sum().backward()
+    assert q.grad is None and k.grad is None and v.grad is not None
+    assert_close(v.grad, reference_grads(q, k, v, torch.ones(q.shape), 64 ** -0.5, False)[2])
+
+
+def test_head_dim_v_differs_forward_works_backward_refused(gpu):
+    q, k, _ = qkv(d=128)
+    v = torch.randn(2, 7, 2, 64).half().requires_grad_(True)
+    out = flash_attn_func(q, k, v)  # the forward serves it
+    assert out.shape == (2, 5, 4, 64)
+    with pytest.raises(NotImplementedError, match=r"head_dim_v \(dim 3 of v\) is 64 but head_dim .* is 128"):
+        out.float().sum().backward()
+    assert gpu.calls == [] and bwd_selected(gpu) == [] and gpu.workspaces == []
+
+
+def test_missing_bwd_variant_raises_before_any_allocation(gpu, monkeypatch):
+    select = core.select_variant
+
+    def no_bwd(family, key, manifest=None):
+        if family == "bwd":
+            raise core.MissingVariantError("flashgen: no built bwd variant serves the call: flashgen add-variant bwd")
+        return select(family, key)
+
+    monkeypatch.setattr(core, "select_variant", no_bwd)
+    q, k, v = grad_qkv()
+    out = flash_attn_func(q, k, v)
+    with pytest.raises(core.MissingVariantError, match="add-variant bwd"):
+        out.float().sum().backward()
+    assert gpu.calls == [] and gpu.workspaces == []
+
+
+# --------------------------------------------------------------------------------------
+# Empty problems: no launch, zero or empty gradients
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("b,sq,sk", [(2, 5, 0), (2, 0, 7), (0, 5, 7), (2, 0, 0)])
+def test_empty_problems_launch_nothing(gpu, b, sq, sk):
+    q, k, v = qkv(b=b, sq=sq, sk=sk)
+    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    dout = torch.randn(out.shape).half()
+    dq, dk, dv = torch.ops.flashgen.bwd(dout, q, k, v, out, lse, 0.125, False, False)
+    for g, t in ((dq, q), (dk, k), (dv, v)):
+        assert g.shape == t.shape and g.dtype == t.dtype and g.is_contiguous()
+        assert not g.any()  # zeros (or empty)
+    assert gpu.calls == [] and gpu.workspaces == [] and bwd_selected(gpu) == []
+
+
+def test_seqlen_k_zero_through_autograd(gpu):
+    q, k, v = grad_qkv(sk=0)
+    q.grad = torch.full(q.shape, 7.0).half()  # accumulated into: must stay 7 (dq is 0)
+    flash_attn_func(q, k, v).float().sum().backward()
+    assert torch.equal(q.grad, torch.full(q.shape, 7.0).half())
+    assert k.grad.shape == k.shape == (2, 0, 2, 64) and gpu.calls == []
+
+
+# --------------------------------------------------------------------------------------
+# The op's checks
+# --------------------------------------------------------------------------------------
+
+def _fwd_outputs(scale=0.125, **kw):
+    """(dout, q, k, v, out, lse): random q, k, v and dout (qkv(**kw)), the forward's out and lse."""
+    q, k, v = qkv(**kw)
+    out, lse = torch.ops.flashgen.fwd(q, k, v, scale, False)
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype), q, k, v, out, lse
+
+
+def _bwd(dout, q, k, v, out, lse):
+    return torch.ops.flashgen.bwd(dout, q, k, v, out, lse, 0.125, False, False)
+
+
+@pytest.mark.parametrize("which,make,exc,match", [
+    ("dout", lambda t: t[:, :4], ValueError,
+     r"^flashgen: dout must have shape \(batch, seqlen_q, heads, head_dim_v\) = \(2, 5, 4, 64\), got \(2, 4, 4, 64\)$"),
+    ("dout", lambda t: t.float(), TypeError, r"^flashgen: dout must have q's dtype fp16, got torch.float32$"),
+    ("out", lambda t: t.bfloat16(), TypeError, r"^flashgen: out must have q's dtype fp16, got torch.bfloat16$"),
+    ("out", lambda t: t[..., :32], ValueError, r"out must have shape .* got \(2, 5, 4, 32\)$"),
+    ("lse", lambda t: t.half(), TypeError, r"^flashgen: lse must have dtype float32, got torch.float16$"),
+    ("lse", lambda t: t.transpose(1, 2), ValueError,
+     r"^flashgen: lse must have shape \(batch, heads, seqlen_q\) = \(2, 4, 5\), got \(2, 5, 4\)$"),
+])
+def test_bwd_op_argument_errors(gpu, which, make, exc, match):
+    args = dict(zip(("dout", "q", "k", "v", "out", "lse"), _fwd_outputs()))
+    args[which] = make(args[which])
+    with pytest.raises(exc, match=match) as info:
+        _bwd(**args)
+    assert type(info.value) is exc
+    assert gpu.calls == [] and bwd_selected(gpu) == []
+
+
+def test_bwd_op_every_problem_in_one_error(gpu):
+    dout, q, k, v, out, lse = _fwd_outputs()
+    with pytest.raises(V.InputError) as info:
+        _bwd(dout[:, :1].float(), q, k, v, out.bfloat16(), lse[:, :1])
+    assert_problems(info.value,
+                    "dout must have shape (batch, seqlen_q, heads, head_dim_v) = (2, 5, 4, 64), got (2, 1, 4, 64)",
+                    "dout must have q's dtype fp16, got torch.float32",
+                    "out must have q's dtype fp16, got torch.bfloat16",
+                    "lse must have shape (batch, heads, seqlen_q) = (2, 4, 5), got (2, 1, 5)")
+    with pytest.raises(ValueError, match=r"heads of q \(4\) must be a multiple of heads_k of k/v \(3\)"):
+        _bwd(dout, q, k[:, :, :1].expand(2, 7, 3, 64), v[:, :, :1].expand(2, 7, 3, 64), out, lse)  # q, k, v first
+    assert gpu.calls == []
+
+
+def test_bwd_op_non_contiguous_lse_is_copied(gpu):
+    dout, q, k, v, out, lse = _fwd_outputs()
+    lse_t = lse.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (b, h, sq) with strides of (b, sq, h)
+    assert not lse_t.is_contiguous()
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse_t)
+    (call,) = gpu.calls
+    assert call["lse"].ptr != lse_t.data_ptr() and call["lse"].strides == lse.stride()
+    assert_close(dq, reference_grads(q, k, v, dout, 0.125, False)[0])
+
+
+def test_bwd_op_needs_hopper(gpu, monkeypatch):
+    monkeypatch.setattr(core, "device_capability", lambda device: (8, 0))
+    with pytest.raises(RuntimeError, match=r"compute capability 9\.x.*8\.0"):
+        _bwd(*_fwd_outputs())
+
+
+# --------------------------------------------------------------------------------------
+# _validate.backward_problems: the usual case and each deviation
+# --------------------------------------------------------------------------------------
+
+def _info(shape, dtype="fp16", strides=None, device=0):
+    strides = tuple(torch.empty(shape).stride()) if strides is None else strides
+    return V.ArrayInfo(tuple(shape), strides, dtype, dtype, device is not None, device,
+                       "cpu" if device is None else f"cuda:{device}")
+
+
+P = V.Problem(batch=2, seqlen_q=5, seqlen_k=7, heads=4, heads_k=2, head_dim=64, head_dim_v=64, dtype="fp16", device=0)
+GOOD = dict(dout=_info((2, 5, 4, 64)), out=_info((2, 5, 4, 64)), lse=_info((2, 4, 5), "fp32"))
+
+
+def test_backward_problems_usual_case_is_empty():
+    assert V.backward_problems(P, **GOOD) == []
+    assert V.backward_problems(P, **GOOD, lse_ptr=0x1000) == []
+    odd = dict(GOOD, lse=_info((2, 1, 5), "fp32", strides=(5, 99, 1)))  # extent-1 dim: any stride (slow path)
+    assert V.backward_problems(P._replace(heads=1), dout=_info((2, 5, 1, 64)), out=_info((2, 5, 1, 64)),
+                               lse=odd["lse"]) == []
+    assert P.q_shape == (2, 5, 4, 64) and P.k_shape == (2, 7, 2, 64) and P.v_shape == (2, 7, 2, 64)
+
+
+@pytest.mark.parametrize("change,exc,fragment", [
+    (dict(dout=_info((2, 5, 4, 64), "bf16")), TypeError, "dout must have q's dtype fp16, got bf16"),
+    (dict(out=_info((2, 5, 4, 64), device=1)), ValueError, "out must be on q's CUDA device 0, got cuda:1"),
+    (dict(dout=_info((2, 5, 4, 64), device=None)), ValueError, "dout must be on q's CUDA device 0, got cpu"),
+    (dict(out=_info((2, 5, 4))), ValueError, "out must have shape (batch, seqlen_q, heads, head_dim_v)"),
+    (dict(lse=_info((2, 4, 5), "fp16")), TypeError, "lse must have dtype float32, got fp16"),
+    (dict(lse=_info((3, 4, 5), "fp32")), ValueError,  # strides (20, 5, 1) as the right shape's
+     "lse must have shape (batch, heads, seqlen_q) = (2, 4, 5), got (3, 4, 5)"),
+    (dict(lse=_info((2, 4, 5), "fp32", strides=(20, 1, 4))), ValueError, "lse must be C-contiguous"),
+    (dict(lse=_info((2, 4, 5), "fp32", device=1)), ValueError, "lse must be on q's CUDA device 0"),
+    (dict(lse_ptr=0x1002), ValueError, "lse's base address 0x1002 is not 4-byte aligned"),
+])
+def test_backward_problems_each_deviation(change, exc, fragment):
+    problems = V.backward_problems(P, **{**GOOD, **change})
+    assert problems == [(exc, problems[0][1])] and fragment in problems[0][1]
+
+
+def test_backward_problems_head_dim_v():
+    p = P._replace(head_dim=128)  # q's head_dim 128, v's 64: out and dout are (2, 5, 4, 64)
+    ((exc, msg),) = V.backward_problems(p, **GOOD)
+    assert exc is NotImplementedError and msg.startswith("head_dim_v (dim 3 of v) is 64 but head_dim")
+    with pytest.raises(NotImplementedError, match="head_dim_v"):
+        V.check_backward(p, **GOOD)
+
+
+# --------------------------------------------------------------------------------------
+# Fakes, opcheck, torch.compile
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(), dict(h=4, hk=1, d=128, sq=33, sk=19), dict(sq=0), dict(sk=0)])
+def test_bwd_fake_matches_real_metadata(gpu, kw):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real_args = _fwd_outputs(**kw)
+    real = _bwd(*real_args)
+    with FakeTensorMode() as mode:
+        fake = _bwd(*(mode.from_tensor(t) for t in real_args))
+    for r, f in zip(real, fake):
+        assert tuple(f.shape) == tuple(r.shape) and f.dtype == r.dtype and f.stride() == r.stride()
+
+
+def test_bwd_fake_validates(gpu):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = list(_fwd_outputs())
+    args[5] = args[5].half()  # lse
+    with FakeTensorMode() as mode:
+        with pytest.raises(TypeError, match="^flashgen: lse must have dtype float32, got torch.float16$"):
+            _bwd(*(mode.from_tensor(t) for t in args))
+
+
+def test_opcheck_bwd_and_fwd_autograd(gpu):
+    torch.library.opcheck(torch.ops.flashgen.bwd.default, (*_fwd_outputs(), 0.125, True, True))
+    q, k, v = grad_qkv()
+    torch.library.opcheck(torch.ops.flashgen.fwd.default, (q, k, v, 0.125, True, True))
+
+
+def test_compile_fullgraph_forward_and_backward(gpu):
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+
+    def loss_fn(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+        return (out.float() ** 2).sum()
+
+    eager_in, compiled_in = grad_qkv(), grad_qkv()
+    loss_fn(*eager_in).backward()
+    backend = AotEagerAndRecordGraphs()
+    torch.compile(loss_fn, fullgraph=True, backend=backend)(*compiled_in).backward()
+    for a, b in zip(eager_in, compiled_in):
+        assert torch.equal(a.grad, b.grad)
+    assert len(gpu.calls) == 2 and gpu.calls[1]["deterministic"] is True and gpu.calls[1]["causal"] is True
+    (fw,), (bw,) = backend.fw_graphs, backend.bw_graphs
+    assert "flashgen.fwd" in fw.code and "flashgen.bwd" in bw.code
+    assert "flashgen.bwd" not in fw.code
+
+
+def test_compile_inductor_forward_and_backward(gpu):
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v).float().sum() * 2, fullgraph=True)
+    eager_in, compiled_in = grad_qkv(), grad_qkv()
+    (flash_attn_func(*eager_in).float().sum() * 2).backward()
+    f(*compiled_in).backward()
+    for a, b in zip(eager_in, compiled_in):
+        assert torch.equal(a.grad, b.grad)
+
+
+# --------------------------------------------------------------------------------------
+# DLPack entry: flashgen.flash_attn_backward
+# --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def dl(gpu, fake_gpu_dlpack, monkeypatch):
+    """The DLPack entry on host arrays; numpy workspaces (CuPy is not here)."""
+    def numpy_workspace(like, device, handle, dl_stream, nbytes, caller):
+        ws = np.empty(nbytes, np.uint8)
+        return ws, ws.ctypes.data
+
+    assert fake_gpu_dlpack is gpu.fwd  # one FakeCore behind both fixtures
+    gpu.numpy_workspace = gpu.record_workspace(numpy_workspace, lambda r: (r[1], r[0].nbytes))
+    gpu.memsets = fake_gpu_dlpack.memsets
+    return gpu
+
+
+def _np_case(**kw):
+    """(dout, q, k, v, out, lse) as numpy arrays: the forward's out and lse."""
+    return [t.numpy() for t in _fwd_outputs(**kw)]
+
+
+def _np_grads(b=2, sq=5, sk=7, h=4, hk=2, d=64):
+    return (np.full((b, sq, h, d), np.nan, np.float16), np.full((b, sk, hk, d), np.nan, np.float16),
+            np.full((b, sk, hk, d), np.nan, np.float16))
+
+
+def test_dlpack_backward_given_gradients(dl, monkeypatch):
+    monkeypatch.setattr(dlpack_api, "_workspace", dl.numpy_workspace)
+    dout, q, k, v, out, lse = _np_case()
+    dq, dk, dv = _np_grads()
+    r = dlpack_api.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=0.125, deterministic=True,
+                                       stream=77, dq=dq, dk=dk, dv=dv)
+    assert r[0] is dq and r[1] is dk and r[2] is dv
+    ref = reference_grads(*(torch.from_numpy(t) for t in (q, k, v, dout)), 0.125, False)
+    for got, want in zip(r, ref):
+        assert_close(torch.from_numpy(got), want)
+    (call,) = dl.calls
+    assert call["stream"] == 77 and call["deterministic"] is True and call["scale"] == 0.125
+    assert call["dq"].ptr == dq.ctypes.data and call["dout"].ptr == dout.ctypes.data
+    assert len(dl.workspaces) == 1 and dl.workspaces[0][1] == FakeBwd.nbytes(2, 5, 4)
+
+
+def test_dlpack_backward_torch_arrays_allocate_with_torch(dl, monkeypatch):
+    torch_allocates_on_cpu(monkeypatch)
+    dout, q, k, v, out, lse = _fwd_outputs(dtype=torch.bfloat16, h=4, hk=1)
+    dq, dk, dv = dlpack_api.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=0.125, causal=False)
+    for got, t, want in zip((dq, dk, dv), (q, k, v), reference_grads(q, k, v, dout, 0.125, False)):
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and got.shape == t.shape
+        assert_close(got, want)
+    (call,) = dl.calls
+    assert call["stream"] == 0  # stream=None: the legacy default stream
+    (ws_ptr, ws_bytes), = dl.workspaces  # the real _workspace, through torch
+    assert call["workspace_ptr"] == ws_ptr and ws_bytes >= FakeBwd.nbytes(2, 5, 4)
+
+
+def test_dlpack_backward_default_scale(dl, monkeypatch):
+    monkeypatch.setattr(dlpack_api, "_workspace", dl.numpy_workspace)
+    dout, q, k, v, out, lse = _np_case(scale=128 ** -0.5, d=128)
+    dlpack_api.flash_attn_backward(dout, q, k, v, out, lse, dq=np.empty(q.shape, np.float16),
+                                   dk=np.empty(k.shape, np.float16), dv=np.empty(v.shape, np.float16))
+    assert dl.calls[0]["scale"] == 128 ** -0.5
+
+
+def test_dlpack_backward_every_problem_in_one_error(dl):
+    dout, q, k, v, out, lse = _np_case()
+    dout_t = np.ascontiguousarray(dout.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)  # last dim not contiguous
+    dq = np.zeros((2, 5, 4, 64), np.float16)
+    dq.flags.writeable = False
+    dk = np.zeros((2, 7, 2, 32), np.float16)
+    dv = np.zeros((2, 7, 2, 128), np.float16)[..., ::2]  # right shape, stride 2 on the last dim
+    with pytest.raises(V.InputError) as info:
+        dlpack_api.flash_attn_backward(dout_t, q, k, v, out.astype(np.float32), lse.astype(np.float16),
+                                       dq=dq, dk=dk, dv=dv)
+    assert_problems(info.value,
+                    "out must have q's dtype fp16, got float32",
+                    "lse must have dtype float32, got float16",
+                    "dout cannot be read by TMA: its last dim has stride 4, not 1",
+                    "dq is read-only",
+                    "dk must have shape (batch, seqlen_k, heads_k, head_dim) = (2, 7, 2, 64), got (2, 7, 2, 32)",
+                    "dv cannot be written by the kernel's TMA store: its last dim has stride 2")
+    assert dl.calls == [] and dl.workspaces == []
+
+
+def test_dlpack_backward_q_k_v_problems_come_first_with_non_arrays(dl):
+    dout, q, k, v, out, lse = _np_case()
+    with pytest.raises(TypeError) as info:
+        dlpack_api.flash_attn_backward([1.0], q.astype(np.float32), k, v, out, lse, softmax_scale="x")
+    assert type(info.value) is TypeError  # three type problems
+    assert_problems(info.value,
+                    "dout must be a DLPack array",
+                    "q must have dtype float16 or bfloat16, got float32",
+                    "softmax_scale must be a real number (float) or None, got str")
+    assert dl.calls == []
+
+
+def test_dlpack_backward_head_dim_v_not_implemented(dl):
+    q, k, _ = (t.numpy() for t in qkv(d=128))
+    v = np.zeros((2, 7, 2, 64), np.float16)
+    out = np.zeros((2, 5, 4, 64), np.float16)
+    lse = np.zeros((2, 4, 5), np.float32)
+    with pytest.raises(NotImplementedError, match=r"head_dim_v \(dim 3 of v\) is 64 but head_dim"):
+        dlpack_api.flash_attn_backward(out, q, k, v, out, lse)
+    assert dl.calls == []
+
+
+def test_dlpack_backward_missing_variant_before_allocation(dl, monkeypatch):
+    def no_variant(family, key, manifest=None):
+        raise core.MissingVariantError(f"flashgen: no {family} variant: flashgen add-variant {family}")
+
+    case = _np_case()  # the forward's out and lse first
+    monkeypatch.setattr(core, "select_variant", no_variant)
+    monkeypatch.setattr(dlpack_api, "_workspace", dl.numpy_workspace)
+    with pytest.raises(core.MissingVariantError, match="add-variant bwd"):
+        dlpack_api.flash_attn_backward(*case, dq=_np_grads()[0])
+    assert dl.workspaces == [] and dl.calls == []
+
+
+def test_dlpack_backward_without_an_allocator(dl, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    with pytest.raises(TypeError, match=r"flash_attn_backward: needs \d+ bytes of scratch device memory and there "
+                                        r"is no allocator for ndarray arrays: install CuPy"):
+        dlpack_api.flash_attn_backward(*_np_case(), dq=_np_grads()[0], dk=_np_grads()[1], dv=_np_grads()[2])
+    assert dl.calls == []
+
+
+def test_dlpack_backward_empty_problems_zero_with_memsets(dl):
+    dout, q, k, v, out, lse = _np_case(sk=0)  # dq = 0, dk and dv empty
+    big = np.full((2, 5, 4, 128), 7, np.float16)
+    dq = big[..., :64]  # strided: zeroed row block by row block, the rest untouched
+    r = dlpack_api.flash_attn_backward(dout, q, k, v, out, lse, dq=dq, dk=np.empty((2, 0, 2, 64), np.float16),
+                                       dv=np.empty((2, 0, 2, 64), np.float16), stream=5)
+    assert r[0] is dq and (dq == 0).all() and (big[..., 64:] == 7).all()
+    dout, q, k, v, out, lse = _np_case(sq=0)  # dq empty, dk = dv = 0
+    dk, dv = np.full((2, 7, 2, 64), 3, np.float16), np.full((2, 7, 2, 64), 3, np.float16)
+    dlpack_api.flash_attn_backward(dout, q, k, v, out, lse, dq=np.empty((2, 0, 4, 64), np.float16), dk=dk, dv=dv,
+                                   stream=5)
+    assert (dk == 0).all() and (dv == 0).all()
+    assert dl.calls == [] and dl.workspaces == [] and bwd_selected(dl) == []
+    assert dl.memsets and all(m[-1] == 5 for m in dl.memsets)
+
+
+def test_dlpack_backward_is_exported_and_torch_free():
+    import flashgen
+
+    assert flashgen.flash_attn_backward is dlpack_api.flash_attn_backward
+    code = ("import sys\nsys.modules['torch'] = None\nimport flashgen\n"
+            "try:\n    flashgen.flash_attn_backward([1], [2], [3], [4], [5], [6])\n"
+            "except TypeError as e:\n    assert 'dout must be a DLPack array' in str(e), e\n"
+            "else:\n    raise SystemExit('no error')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_compile_dynamic_shapes_forward_and_backward(gpu):
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True).float().sum(), fullgraph=True,
+                      dynamic=True, backend="aot_eager")
+    for sq, sk in ((64, 64), (7, 100), (3, 5)):
+        compiled_in, eager_in = grad_qkv(b=1, sq=sq, sk=sk, h=4, hk=2), grad_qkv(b=1, sq=sq, sk=sk, h=4, hk=2)
+        f(*compiled_in).backward()
+        flash_attn_func(*eager_in, causal=True).float().sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(compiled_in, eager_in))
+    assert len(gpu.calls) == 6
