@@ -42,7 +42,8 @@ test:
 test-gpu:
 	$(PYTHON) -m pytest -m gpu tests
 
-## bench: the FA3-protocol benchmark (needs a GPU); options: make bench BENCH_ARGS="..."
+## bench: the FA3-protocol benchmark, forward and backward (needs a GPU); options: make bench BENCH_ARGS="..."
+BENCH_ARGS ?= --backward
 bench:
 	$(PYTHON) -m flashgen.cli bench $(BENCH_ARGS)
 

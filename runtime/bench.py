@@ -10,6 +10,13 @@ Inputs are random normal.
 
 Also: the paper's ablation (bf16, batch 4, seqlen 8448, 16 heads, head_dim 128, non-causal) over
 every built variant of that key, and the Python overhead per call.
+
+Backward (``--backward``; ``--backward-only`` for it alone): the same grid, FLOPs = 2.5 x the
+forward's (FA3's convention: 5 matmuls to the forward's 2). Only the backward is timed, on a
+forward computed once: flashgen's backward op (``torch.ops.flashgen.bwd``, else the DLPack entry
+``flashgen.flash_attn_backward`` with preallocated dq/dk/dv, else autograd) with
+deterministic=False and True; SDPA's cuDNN and flash backends as
+``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)``, q/k/v BSHD leaves seen as BHSD.
 """
 
 from __future__ import annotations
@@ -119,6 +126,159 @@ def run_grid(seqlens, head_dims, dtypes, causals, attn=None, peers=True):
     return rows
 
 
+# --------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------
+
+#: Names the backward op's arguments may have, by what they carry (bound from its schema).
+_BWD_ARG_NAMES = {
+    "dout": ("dout", "grad_out", "do", "dO", "g", "grad"),
+    "q": ("q",), "k": ("k",), "v": ("v",), "out": ("out", "o"), "lse": ("lse", "softmax_lse"),
+    "softmax_scale": ("softmax_scale", "scale"), "causal": ("causal", "is_causal"),
+    "deterministic": ("deterministic",), "dq": ("dq",), "dk": ("dk",), "dv": ("dv",),
+}
+
+
+def _bwd_op_call(values: dict):
+    """``() -> result`` calling ``torch.ops.flashgen.bwd`` with ``values`` bound to its schema's
+    arguments by name (see _BWD_ARG_NAMES; arguments with defaults may stay unbound), and the
+    schema as text; (None, why) when the op is missing or an argument cannot be bound."""
+    import torch
+
+    try:
+        op = torch.ops.flashgen.bwd
+        schema = op.default._schema
+    except (AttributeError, RuntimeError) as e:
+        return None, f"no torch.ops.flashgen.bwd ({type(e).__name__})"
+    kwargs = {}
+    for arg in schema.arguments:
+        canon = next((c for c, names in _BWD_ARG_NAMES.items() if arg.name in names), None)
+        if canon is not None and values.get(canon) is not None:
+            kwargs[arg.name] = values[canon]
+        elif not arg.has_default_value():
+            return None, f"cannot bind argument {arg.name!r} of {schema}"
+    return (lambda: op(**kwargs)), str(schema)
+
+
+def _flashgen_bwd_fn(q, k, v, causal: bool, deterministic: bool):
+    """``(fn, path)``: fn runs flashgen's backward alone for (q, k, v) BSHD on a forward made once
+    here (out, lse from flash_attn_func; dout random); path names what is called: the op
+    ``torch.ops.flashgen.bwd`` bound by argument name, else ``flashgen.flash_attn_backward``
+    into preallocated dq/dk/dv on torch's current stream, else autograd.grad with retain_graph."""
+    import torch
+
+    from . import interface
+
+    with torch.no_grad():
+        out, lse = interface.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    scale = q.shape[-1] ** -0.5
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    values = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, softmax_scale=scale, causal=causal,
+                  deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    fn, why = _bwd_op_call(values)
+    if fn is not None:
+        return fn, "torch.ops.flashgen.bwd"
+    import flashgen
+
+    api = getattr(flashgen, "flash_attn_backward", None)
+    if api is not None:
+        stream = torch.cuda.current_stream()
+        return (lambda: api(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, deterministic=deterministic,
+                            stream=stream, dq=dq, dk=dk, dv=dv)), f"flashgen.flash_attn_backward ({why})"
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+    out = interface.flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
+    return (lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), f"autograd.grad ({why})"
+
+
+def _sdpa_bwd_fn(backend, q, k, v, causal):
+    """``fn`` timing SDPA's backward alone with ``backend``: the forward on BHSD views of BSHD
+    leaves is made once, fn is ``torch.autograd.grad(out, leaves, dout, retain_graph=True)``;
+    None where the backend refuses the shape/dtype."""
+    import torch
+    from torch.nn.attention import sdpa_kernel
+
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2) for x in leaves)
+    try:
+        with sdpa_kernel([backend]):
+            out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        dout = torch.randn_like(out)
+
+        def fn():
+            return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+        fn()
+        torch.cuda.synchronize()
+    except Exception:  # backend unavailable for this shape/dtype
+        return None
+    return fn
+
+
+def run_grid_bwd(seqlens, head_dims, dtypes, causals, peers=True):
+    """The FA3-protocol grid for the backward: TFLOP/s (2.5 x the forward's FLOPs per backward)
+    of flashgen's backward with deterministic False ("flashgen") and True ("flashgen_det") and,
+    with ``peers``, of SDPA's cuDNN and flash backends; ratio = flashgen / the best SDPA,
+    det_ratio = flashgen_det / flashgen. Returns (rows, the path flashgen was called through)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    rows, paths = [], set()
+    for dtype_name in dtypes:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        for d in head_dims:
+            for causal in causals:
+                for s in seqlens:
+                    b, h = 16384 // s, 2048 // d
+                    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
+                    fl = 2.5 * _flops(b, h, s, d, causal)
+                    res = {"dtype": dtype_name, "head_dim": d, "causal": causal, "seqlen": s, "batch": b, "heads": h}
+                    for col, det in (("flashgen", False), ("flashgen_det", True)):
+                        try:
+                            fn, path = _flashgen_bwd_fn(q, k, v, causal, det)
+                            paths.add(path)
+                            res[col] = fl / _time_ms(fn) / 1e9
+                        except Exception as e:  # a missing variant is reported, not fatal
+                            print(f"flashgen backward (deterministic={det}) failed at {res}: {e}", file=sys.stderr)
+                            res[col] = float("nan")
+                        fn = None
+                    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+                        fn = _sdpa_bwd_fn(backend, q, k, v, causal) if peers else None
+                        res[name] = fl / _time_ms(fn) / 1e9 if fn else float("nan")
+                        fn = None
+                    best = [x for x in (res["cudnn"], res["fa2"]) if x == x]
+                    res["ratio"] = res["flashgen"] / max(best) if best else float("nan")
+                    res["det_ratio"] = res["flashgen_det"] / res["flashgen"]
+                    rows.append(res)
+                    del q, k, v
+    return rows, "; ".join(sorted(paths)) or "none (every call failed)"
+
+
+def _print_bwd(rows, gpu, path):
+    print(f"\nbackward TFLOP/s on {gpu} (16k tokens, hidden 2048; FLOPs = 2.5 x forward; backward alone, "
+          f"forward precomputed; flashgen through {path})")
+    print(f"{'dtype':<5} {'hd':>3} {'causal':>6} {'seqlen':>6} {'flashgen':>9} {'det':>7} {'cuDNN':>7} {'FA2':>7} "
+          f"{'ratio':>6} {'det/def':>7}")
+    for r in rows:
+        print(f"{r['dtype']:<5} {r['head_dim']:>3} {str(r['causal']):>6} {r['seqlen']:>6} {r['flashgen']:9.1f} "
+              f"{r['flashgen_det']:7.1f} {r['cudnn']:7.1f} {r['fa2']:7.1f} {r['ratio']:6.2f} {r['det_ratio']:7.2f}")
+
+
+def _with_suffix(path: str, suffix: str) -> str:
+    """'bench.csv', '_bwd' -> 'bench_bwd.csv' (the backward's files sit next to the forward's)."""
+    import os
+
+    root, ext = os.path.splitext(path)
+    return f"{root}{suffix}{ext}"
+
+
+def _write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def run_ablation():
     import torch
 
@@ -201,7 +361,7 @@ def measure_overhead(n: int = 2000):
     return res
 
 
-def _plot(rows, path):
+def _plot(rows, path, names=("flashgen", "cudnn", "fa2")):
     try:
         import matplotlib
 
@@ -215,7 +375,7 @@ def _plot(rows, path):
     for ax, key in zip(axes[0], keys):
         sel = [r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) == key]
         xs = [str(r["seqlen"]) for r in sel]
-        for name in ("flashgen", "cudnn", "fa2"):
+        for name in names:
             ax.plot(xs, [r[name] for r in sel], marker="o", label=name)
         ax.set_title(f"{key[0]} hd{key[1]} {'causal' if key[2] else 'non-causal'}", fontsize=8)
         ax.set_xlabel("seqlen", fontsize=7)
@@ -227,7 +387,7 @@ def _plot(rows, path):
 
 
 def main(argv=None) -> int:
-    """Entry of `flashgen bench` / `make bench`. Prints the table last; writes CSV and PNG."""
+    """Entry of `flashgen bench` / `make bench`. Prints the table(s) last; writes CSV and PNG."""
     ap = argparse.ArgumentParser(prog="flashgen bench", description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--head-dims", default="64,128,256")
@@ -238,6 +398,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ablation", action="store_true")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--no-combine", action="store_true", help="skip the flash_attn_combine bandwidth table")
+    ap.add_argument("--backward", action="store_true",
+                    help="also time the backward alone (flashgen default and deterministic, SDPA cuDNN and flash) "
+                         "on the same grid; its table is printed last, CSV/PNG next to --csv/--png with _bwd added")
+    ap.add_argument("--backward-only", action="store_true",
+                    help="only the backward grid: --backward without the forward grid, ablation, overhead and "
+                         "combine tables (quick: --backward-only --seqlens 4096 --head-dims 128 --dtypes bf16)")
     a = ap.parse_args(argv)
     import torch
 
@@ -245,32 +411,40 @@ def main(argv=None) -> int:
         print("flashgen bench: no CUDA GPU", file=sys.stderr)
         return 2
     gpu = torch.cuda.get_device_name()
-    rows = run_grid([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.head_dims.split(",")],
-                    a.dtypes.split(","), [x.strip().lower() == "true" for x in a.causal.split(",")])
-    with open(a.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
-    _plot(rows, a.png)
-    if not a.no_overhead:
-        for name, us in measure_overhead().items():
-            print(f"python overhead per call, {name}: {us:.1f} us")
-    if not a.no_ablation:
-        print(f"\nablation ({gpu}; bf16, batch 4, seqlen 8448, 16 heads, hdim 128, non-causal):")
-        print(f"{'variant':<60} {'TFLOP/s':>8}")
-        for r in run_ablation():
-            print(f"{r['variant']:<60} {r['tflops']:8.1f}")
-    if not a.no_combine:
-        print(f"\nflash_attn_combine GB/s on {gpu} (bf16 out; inputs read once, outputs written once)")
-        print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'hd':>3} {'splits':>6} {'flashgen':>9} {'torch':>7}")
-        for r in run_combine():
-            print(f"{r['batch']:>5} {r['seqlen']:>6} {r['heads']:>5} {r['head_dim']:>3} {r['splits']:>6} "
-                  f"{r['flashgen']:9.0f} {r['torch']:7.0f}")
-    print(f"\nforward TFLOP/s on {gpu} (16k tokens, hidden 2048)")
-    print(f"{'dtype':<5} {'hd':>3} {'causal':>6} {'seqlen':>6} {'flashgen':>9} {'cuDNN':>7} {'FA2':>7} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['dtype']:<5} {r['head_dim']:>3} {str(r['causal']):>6} {r['seqlen']:>6} {r['flashgen']:9.1f} "
-              f"{r['cudnn']:7.1f} {r['fa2']:7.1f} {r['ratio']:6.2f}")
+    grid = ([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.head_dims.split(",")],
+            a.dtypes.split(","), [x.strip().lower() == "true" for x in a.causal.split(",")])
+    rows = None
+    if not a.backward_only:
+        rows = run_grid(*grid)
+        _write_csv(rows, a.csv)
+        _plot(rows, a.png)
+        if not a.no_overhead:
+            for name, us in measure_overhead().items():
+                print(f"python overhead per call, {name}: {us:.1f} us")
+        if not a.no_ablation:
+            print(f"\nablation ({gpu}; bf16, batch 4, seqlen 8448, 16 heads, hdim 128, non-causal):")
+            print(f"{'variant':<60} {'TFLOP/s':>8}")
+            for r in run_ablation():
+                print(f"{r['variant']:<60} {r['tflops']:8.1f}")
+        if not a.no_combine:
+            print(f"\nflash_attn_combine GB/s on {gpu} (bf16 out; inputs read once, outputs written once)")
+            print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'hd':>3} {'splits':>6} {'flashgen':>9} {'torch':>7}")
+            for r in run_combine():
+                print(f"{r['batch']:>5} {r['seqlen']:>6} {r['heads']:>5} {r['head_dim']:>3} {r['splits']:>6} "
+                      f"{r['flashgen']:9.0f} {r['torch']:7.0f}")
+    bwd_rows = None
+    if a.backward or a.backward_only:
+        bwd_rows, path = run_grid_bwd(*grid)
+        _write_csv(bwd_rows, _with_suffix(a.csv, "_bwd"))
+        _plot(bwd_rows, _with_suffix(a.png, "_bwd"), names=("flashgen", "flashgen_det", "cudnn", "fa2"))
+    if rows is not None:
+        print(f"\nforward TFLOP/s on {gpu} (16k tokens, hidden 2048)")
+        print(f"{'dtype':<5} {'hd':>3} {'causal':>6} {'seqlen':>6} {'flashgen':>9} {'cuDNN':>7} {'FA2':>7} {'ratio':>6}")
+        for r in rows:
+            print(f"{r['dtype']:<5} {r['head_dim']:>3} {str(r['causal']):>6} {r['seqlen']:>6} {r['flashgen']:9.1f} "
+                  f"{r['cudnn']:7.1f} {r['fa2']:7.1f} {r['ratio']:6.2f}")
+    if bwd_rows is not None:
+        _print_bwd(bwd_rows, gpu, path)
     return 0
 
 

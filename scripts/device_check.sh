@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session in one command (used with the device tool). Logs and CSVs go under $OUT.
-#   bash scripts/device_check.sh test      install, build every variant with all cores, GPU tests, combine/overhead bench
+#   bash scripts/device_check.sh test      install, build every variant with all cores, GPU tests (forward, backward,
+#                                          training), short forward + combine/overhead bench, short backward bench
 #   bash scripts/device_check.sh regress   forward grid of the base commit (.base/, made by scripts/make_base.sh)
 #                                          and of this tree, alternated twice, same harness; table printed last
-#   bash scripts/device_check.sh full      test, then `flashgen bench` (grid vs SDPA cuDNN/FA2, ablation, combine)
+#   bash scripts/device_check.sh full      test, then `flashgen bench --backward` (forward and backward grids vs SDPA
+#                                          cuDNN/FA2, ablation, combine; backward CSV/PNG as bench_bwd.*)
 set -uo pipefail
 mode=${1:-test}
 out=${OUT:-/tmp/flashgen-out}
@@ -19,11 +21,14 @@ python3 -m flashgen.generator.sass build/manifest.json | grep -c '^ok' | sed 's/
 
 case "$mode" in
 test|full)
-  timeout 480 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/test.log" | tail -40
+  timeout 480 python3 -m pytest -q -p no:cacheprovider -rs --durations=10 tests/gpu 2>&1 | tee "$out/test.log" | tail -60
+  # a kernel variant the tests needed and did not find (every bwd variant should be built)
+  echo "missing-variant skips: $(grep -c 'MISSING-[A-Z]*-VARIANT' "$out/test.log")"
   if [ "$mode" = full ]; then
-    flashgen bench --csv "$out/bench.csv" --png "$out/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+    flashgen bench --backward --csv "$out/bench.csv" --png "$out/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
   else
     flashgen bench --seqlens 4096 --head-dims 128 --dtypes bf16 --no-ablation --csv "$out/bench.csv" --png "$out/bench.png" 2>&1 | tail -16
+    flashgen bench --backward-only --seqlens 4096 --head-dims 64,128 --dtypes bf16 --csv "$out/bench.csv" --png "$out/bench.png" 2>&1 | tail -7
   fi
   ;;
 regress)

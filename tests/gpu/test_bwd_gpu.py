@@ -1,0 +1,472 @@
+"""GPU correctness of the backward pass (dQ, dK, dV) against a float32 reference, FA3's rule.
+
+Entry points: ``flashgen.flash_attn_func`` made differentiable (the custom op
+``torch.ops.flashgen.bwd`` behind its autograd formula) and the DLPack entry
+``flashgen.flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale, causal, deterministic,
+stream, dq, dk, dv) -> (dq, dk, dv)``, here called with torch tensors.
+
+Rule (FA3, hopper/test_flash_attn.py, gradients): for dx in dq, dk, dv,
+``max|dx - dx_ref| <= 2 max|dx_pt - dx_ref| + 2 max|(dx_ref + 0.3 - 0.3) - dx_ref| (+ 1e-6)``,
+with dx_ref the gradient of the float32 attention on upcast inputs (rounded once to the input
+dtype, as FA3's leaves are) and dx_pt the same computed entirely in the input dtype
+(_ref.attention_grads_ref, _ref.check_bwd).
+
+What is covered, and how each part can fail:
+
+* Grid: fp16 / bf16 x head_dim 64, 96, 128, 192, 256 x causal (bottom-right) or not x FA3's kinds
+  of (seqlen_q, seqlen_k) (1/1, 17/113, 113/17, 239/1, 1023/1024 ... plus odd lengths) with
+  batch 1..9 and heads_k ratios 1, 2, 3, 8 (MHA, GQA, MQA); both deterministic=False and True.
+  dq/dk/dv are handed to flash_attn_backward filled with NaN and torch's allocator is left with
+  NaN blocks (_ref.poison_cached_blocks) before every call: an element not written, or a scratch
+  accumulator not zeroed, shows as NaN. (4224, 4224) for a few combinations only (time).
+  out and lse come from flashgen's forward when its variant is built, else from the reference.
+* Outliers in q, k, v (a few values of N(0, 100)); any softmax_scale (0.3, -0.2, 0, 2).
+* Causal rows that see no key (seqlen_q > seqlen_k) get dq exactly 0 and whatever their dout
+  holds does not reach dk, dv; keys whose every seeing row has dout = 0 get dk = dv = 0 exactly.
+* deterministic=True: 100 repeated runs bitwise equal on a shape where 13 n-blocks add into each
+  dq row and two query heads into each dk/dv row; FA3's race test: 500 repeats of a (4224, 4224)
+  (and a (2000, 4000)) problem, every result bitwise equal to the first.
+* Layouts: packed qkv slices, BHSD tensors transposed to BSHD, inputs whose last dim is not
+  contiguous and a strided dout give the bits of the contiguous call, in the input's dtype/shape.
+* flash_attn_backward on torch tensors (allocating, and into caller buffers on a side stream)
+  gives the bits of autograd through flash_attn_func.
+* torch.compile(fullgraph=True) of a forward + backward step gives eager's bits; a CUDA graph
+  of a training step (forward + backward on static tensors) replays on new data correctly.
+
+A parameter combination is skipped only when no bwd variant serves it (select_variant('bwd', ...)
+raises MissingVariantError): the skip reason starts with MISSING-BWD-VARIANT. Every other test
+needs its variants and says so the same way. Skipped without an sm_90 GPU (conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
+    DTYPE_NAMES,
+    attention_ref,
+    bitwise_equal,
+    check_bwd,
+    make_qkv,
+    poison_cached_blocks,
+    randn,
+    variant_missing,
+)
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+HEAD_DIMS = [64, 96, 128, 192, 256]
+NAN = float("nan")
+
+
+# --------------------------------------------------------------------------------------
+# Variants
+# --------------------------------------------------------------------------------------
+
+def bwd_missing(dtype, d: int, causal: bool):
+    """None when a bwd variant serves (dtype, head_dim, causal), else the skip reason
+    (MISSING-BWD-VARIANT ...; see _ref.variant_missing)."""
+    return variant_missing("bwd", {"dtype": DTYPE_NAMES[dtype], "head_dim": d, "causal": bool(causal)})
+
+
+def need_bwd(dtype, d: int, causal: bool) -> None:
+    """Skip the test unless a bwd variant serves (dtype, head_dim, causal) (see bwd_missing)."""
+    why = bwd_missing(dtype, d, causal)
+    if why:
+        pytest.skip(why)
+
+
+def fwd_built(dtype, d: int, causal: bool) -> bool:
+    return variant_missing("fwd", {"dtype": DTYPE_NAMES[dtype], "head_dim": d, "head_dim_v": d,
+                                   "causal": bool(causal)}) is None
+
+
+def pick(dtype=None, causals=(False, True)):
+    """(dtype, head_dim) with a forward and a backward variant built for every causal in
+    ``causals`` (head_dim 128 first, then 64, 256, 96, 192; bf16 first); else skip, naming why."""
+    why = []
+    for d in (128, 64, 256, 96, 192):
+        for dt in ((dtype,) if dtype is not None else DTYPES):
+            missing = [f"fwd {DTYPE_NAMES[dt]} hd{d} causal={c}" for c in causals if not fwd_built(dt, d, c)]
+            missing += [m for m in (bwd_missing(dt, d, c) for c in causals) if m]
+            if not missing:
+                return dt, d
+            why += missing
+    pytest.skip("MISSING-BWD-VARIANT: no head_dim has both a forward and a backward variant built: "
+                + "; ".join(why[:4]))
+
+
+# --------------------------------------------------------------------------------------
+# Calls
+# --------------------------------------------------------------------------------------
+
+def as_torch(x):
+    return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+
+
+def forward_out_lse(q, k, v, causal: bool, scale: float):
+    """(out, lse) to feed the backward: flashgen's forward when its variant is built, else the
+    float32 reference (out rounded to q's dtype, lse float32 (batch, heads, seqlen_q)), so the
+    backward kernels of head dims without a forward variant are tested all the same."""
+    if fwd_built(q.dtype, q.shape[-1], causal):
+        with torch.no_grad():
+            return flashgen.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    out, lse = attention_ref(q, k, v, causal, scale, upcast=True)
+    return out, lse.contiguous()
+
+
+def nan_like(x):
+    """A contiguous NaN-filled tensor of x's shape, dtype and device."""
+    return torch.full(x.shape, NAN, dtype=x.dtype, device=x.device)
+
+
+def fg_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool = False,
+                bufs=None):
+    """flashgen.flash_attn_backward on torch's current stream into NaN-poisoned dq, dk, dv
+    (``bufs``, refilled with NaN, or new ones), after leaving NaN blocks in torch's allocator.
+    Checks that the given buffers are the ones returned; returns (dq, dk, dv)."""
+    if bufs is None:
+        bufs = tuple(nan_like(x) for x in (q, k, v))
+    else:
+        for t in bufs:
+            t.fill_(NAN)
+    poison_cached_blocks(8 * sum(x.numel() for x in (q, k, v)))
+    got = flashgen.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
+                                       deterministic=deterministic, stream=torch.cuda.current_stream(),
+                                       dq=bufs[0], dk=bufs[1], dv=bufs[2])
+    assert [as_torch(t).data_ptr() for t in got] == [t.data_ptr() for t in bufs], \
+        "flash_attn_backward did not return the dq, dk, dv it was given"
+    return bufs
+
+
+def autograd_grads(q, k, v, dout, causal: bool, scale=None, deterministic: bool = False):
+    """(out, (dq, dk, dv)): flash_attn_func on fresh leaves holding q, k, v's values (and
+    layouts), then torch.autograd.grad of out for ``dout``."""
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+    out = flashgen.flash_attn_func(*leaves, softmax_scale=scale, causal=causal, deterministic=deterministic)
+    return out, torch.autograd.grad(out, leaves, dout)
+
+
+def first_difference(a, b) -> str:
+    """Where two tensors of one shape differ: count, first index and the two values."""
+    diff = a.float() != b.float()  # NaN counts as different from everything
+    n = int(diff.sum())
+    if not n:
+        return "same values, different bits (signed zeros / NaN payloads)"
+    idx = tuple(int(i) for i in diff.nonzero()[0])
+    return f"{n} elements differ, first at {idx}: {a[idx].item()!r} vs {b[idx].item()!r}"
+
+
+# --------------------------------------------------------------------------------------
+# Correctness grid
+# --------------------------------------------------------------------------------------
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, heads, heads_k): FA3's kinds of lengths, odd ones, GQA 1/2/3/8
+    (1, 1, 1, 2, 2),
+    (9, 17, 113, 8, 1),      # MQA (ratio 8), batch 9
+    (3, 113, 17, 4, 2),      # GQA 2; causal: 96 rows see no key
+    (2, 239, 1, 6, 6),       # one key: causal rows 0..237 see nothing
+    (4, 799, 3, 6, 2),       # GQA 3
+    (5, 113, 203, 4, 4),
+    (7, 384, 256, 8, 2),     # GQA 4, batch 7
+    (2, 1023, 1024, 8, 1),   # MQA: many n-blocks into each dq row, 8 heads into each dk row
+    (1, 1024, 1023, 6, 3),
+]
+
+
+def _check_shape(dtype, d, causal, shape, seed, outliers=False, scale=None):
+    """One backward problem through flash_attn_backward, both deterministic modes, each against
+    the reference by FA3's rule."""
+    need_bwd(dtype, d, causal)
+    b, sq, sk, h, hk = shape
+    scale = d ** -0.5 if scale is None else scale
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=seed, outliers=outliers)
+    dout = randn(b, sq, h, d, dtype=dtype, seed=seed + 3)
+    out, lse = forward_out_lse(q, k, v, causal, scale)
+    got = {f"deterministic={det}": fg_backward(dout, q, k, v, out, lse, causal, scale, deterministic=det)
+           for det in (False, True)}
+    torch.cuda.synchronize()
+    check_bwd(q, k, v, dout, causal, got, scale)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=lambda d: f"hd{d}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_backward_matches_reference(dtype, d, causal, shape):
+    _check_shape(dtype, d, causal, shape, seed=shape[1] * 7 + shape[2] + d)
+
+
+@pytest.mark.parametrize("dtype,d,causal", [
+    (torch.bfloat16, 128, False), (torch.bfloat16, 128, True), (torch.float16, 64, False),
+    (torch.bfloat16, 256, True), (torch.float16, 192, True),
+], ids=lambda x: DTYPE_NAMES.get(x, str(x)) if isinstance(x, torch.dtype) else str(x))
+def test_backward_long_4224(dtype, d, causal):
+    """FA3's longest case, (4224, 4224): 33 blocks of 128 plus one partial, GQA 3."""
+    _check_shape(dtype, d, causal, (1, 4224, 4224, 6, 2), seed=d)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"hd{d}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_backward_outliers(dtype, d, causal):
+    _check_shape(dtype, d, causal, (2, 777, 1299, 4, 2), seed=100 + d, outliers=True)
+
+
+@pytest.mark.parametrize("scale", [0.3, -0.2, 0.0, 2.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_backward_any_softmax_scale(scale, causal):
+    _check_shape(torch.bfloat16, 128, causal, (2, 129, 257, 4, 2), seed=7, scale=scale)
+
+
+# --------------------------------------------------------------------------------------
+# Rows and keys that get no gradient
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 300, 129, 4, 2), (3, 129, 300, 4, 1)],
+                         ids=["q300_k129_blind_rows", "q129_k300"])
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=lambda d: f"hd{d}")
+def test_causal_rows_and_keys_without_gradient(d, shape):
+    """Bottom-right causal: row i sees keys j <= i + seqlen_k - seqlen_q.
+
+    * seqlen_q > seqlen_k: rows i < seqlen_q - seqlen_k see no key (out 0, lse -inf): their dq
+      must be exactly 0, and their dout must not reach dk, dv (a kernel forming exp(s - lse) with
+      lse = -inf gets inf/NaN there): replacing it by values of 1e3 changes no bit of dq, dk, dv.
+    * The last row sees every key, so no key goes unseen; keys j >= seqlen_k - 37 are seen only by
+      the last 37 rows, and with dout = 0 on those rows nothing flows into them: dk = dv = 0
+      exactly (masked P is exactly 0, and dS = P (dP - D) with dP = D = 0 on zero-dout rows).
+    """
+    dtype, causal = torch.bfloat16, True
+    need_bwd(dtype, d, causal)
+    b, sq, sk, h, hk = shape
+    blind, r = max(sq - sk, 0), 37
+    scale = d ** -0.5
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=d + sq)
+    dout = randn(b, sq, h, d, dtype=dtype, seed=d + sq + 3)
+    dout[:, sq - r:] = 0
+    out, lse = forward_out_lse(q, k, v, causal, scale)
+    dq, dk, dv = fg_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True)
+    torch.cuda.synchronize()
+    check_bwd(q, k, v, dout, causal, (dq, dk, dv), scale)
+    if blind:
+        nz = int((dq[:, :blind] != 0).sum())
+        assert nz == 0, f"{nz} dq elements of the {blind} rows that see no key are not 0"
+    for name, g in (("dk", dk), ("dv", dv)):
+        nz = int((g[:, sk - r:] != 0).sum())
+        assert nz == 0, f"{nz} {name} elements of the last {r} keys (whose rows all have dout 0) are not 0"
+    if blind:
+        loud = dout.clone()
+        loud[:, :blind] = 1e3 * randn(b, blind, h, d, dtype=dtype, seed=d + 9)
+        dq2, dk2, dv2 = fg_backward(loud, q, k, v, out, lse, causal, scale, deterministic=True)
+        torch.cuda.synchronize()
+        for name, a, a2 in (("dq", dq, dq2), ("dk", dk, dk2), ("dv", dv, dv2)):
+            assert torch.equal(a, a2), (f"{name} changed with the dout of rows that see no key: "
+                                        f"{first_difference(a, a2)}")
+
+
+# --------------------------------------------------------------------------------------
+# Deterministic mode
+# --------------------------------------------------------------------------------------
+
+def _repeat_bitwise(dtype, d, causal, shape, repeats, seed):
+    """Run the deterministic backward ``repeats`` more times into the same NaN-refilled buffers;
+    every result must carry the first one's bits. The first is checked against the reference."""
+    need_bwd(dtype, d, causal)
+    b, sq, sk, h, hk = shape
+    scale = d ** -0.5
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=seed)
+    dout = randn(b, sq, h, d, dtype=dtype, seed=seed + 3)
+    out, lse = forward_out_lse(q, k, v, causal, scale)
+    first = tuple(t.clone() for t in fg_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True))
+    torch.cuda.synchronize()
+    check_bwd(q, k, v, dout, causal, first, scale)
+    bufs = tuple(nan_like(x) for x in (q, k, v))
+    for i in range(repeats):
+        fg_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True, bufs=bufs)
+        for name, a, a2 in zip(("dq", "dk", "dv"), first, bufs):
+            assert bitwise_equal(a, a2), f"run {i + 1} of {repeats}: {name} differs from run 0: {first_difference(a, a2)}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, d) for d in HEAD_DIMS] + [(torch.float16, 128)],
+                         ids=[f"bf16_hd{d}" for d in HEAD_DIMS] + ["fp16_hd128"])
+def test_deterministic_100_runs_bitwise_equal(dtype, d, causal):
+    """seqlen 1537 = 12 x 128 + 1: every dq row sums 13 n-blocks' contributions, every dk/dv row
+    two query heads' (GQA 2), so an unordered accumulation would show within 100 runs."""
+    _repeat_bitwise(dtype, d, causal, (2, 1537, 1537, 4, 2), repeats=100, seed=d)
+
+
+@pytest.mark.parametrize("d,causal,shape", [
+    (128, False, (2, 4224, 4224, 6, 2)),
+    (128, True, (2, 4224, 4224, 6, 2)),
+    (64, False, (2, 4224, 4224, 6, 2)),
+    (64, True, (2, 4224, 4224, 6, 2)),
+    (128, False, (2, 2000, 4000, 6, 1)),
+], ids=["hd128_4224", "hd128_4224_causal", "hd64_4224", "hd64_4224_causal", "hd128_2000x4000_mqa"])
+def test_deterministic_race_big(d, causal, shape):
+    """FA3's race test (tests/cute/test_flash_attn_race_condition.py) in short: 500 repeats of a
+    big problem with GQA/MQA on the deterministic path, every result bitwise equal to the first."""
+    _repeat_bitwise(torch.bfloat16, d, causal, shape, repeats=500, seed=d + 1)
+
+
+# --------------------------------------------------------------------------------------
+# Layouts, dtypes and shapes of the gradients
+# --------------------------------------------------------------------------------------
+
+def _leaves(layout, b, s, h, hk, d, dtype, seed):
+    """(q, k, v views for flash_attn_func, leaves to read .grad from, grads -> (dq, dk, dv) as
+    (b, s, heads, d) tensors) for one input layout."""
+    if layout == "packed_qkv":  # (b, s, 3, h, d): q, k, v are strided slices (h == hk)
+        packed = randn(b, s, 3, h, d, dtype=dtype, seed=seed).requires_grad_()
+        return packed.unbind(2), (packed,), lambda: packed.grad.unbind(2)
+    if layout == "bhsd":  # (b, heads, s, d) tensors seen as BSHD through transpose(1, 2)
+        lv = [randn(b, n, s, d, dtype=dtype, seed=seed + i).requires_grad_() for i, n in enumerate((h, hk, hk))]
+        return tuple(x.transpose(1, 2) for x in lv), lv, lambda: tuple(x.grad.transpose(1, 2) for x in lv)
+    if layout == "last_dim_strided":  # last dim not contiguous: the API must copy, grads still in this layout's shape
+        lv = [randn(b, s, n, d, dtype=dtype, seed=seed + i).transpose(-1, -2).contiguous().transpose(-1, -2)
+              .requires_grad_() for i, n in enumerate((h, hk, hk))]
+        return tuple(lv), lv, lambda: tuple(x.grad for x in lv)
+    lv = list(make_qkv(b, s, s, h, hk, d, dtype, seed=seed))  # contiguous, with a strided dout
+    lv = [x.requires_grad_() for x in lv]
+    return tuple(lv), lv, lambda: tuple(x.grad for x in lv)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("layout", ["packed_qkv", "bhsd", "last_dim_strided", "strided_dout"])
+def test_strided_inputs_give_the_contiguous_gradients(layout, causal):
+    """Autograd through flash_attn_func(deterministic=True) on each layout gives the same bits as
+    on contiguous copies of the same values; gradients come back in the input's dtype and shape."""
+    dtype, d = pick(causals=(causal,))
+    b, s, h = 2, 333, 4
+    hk = h if layout == "packed_qkv" else 2
+    (q, k, v), leaves, grads_of = _leaves(layout, b, s, h, hk, d, dtype, seed=17)
+    dout = randn(b, s, h, d, dtype=dtype, seed=21)
+    if layout == "strided_dout":  # e.g. the gradient of a transpose downstream: BHSD memory
+        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not dout.is_contiguous()
+    out = flashgen.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+    out.backward(dout)
+    for leaf in leaves:
+        assert leaf.grad is not None and leaf.grad.dtype == dtype and leaf.grad.shape == leaf.shape
+    got = grads_of()
+    out_c, want = autograd_grads(*(x.detach().contiguous() for x in (q, k, v)), dout.contiguous(), causal,
+                                 deterministic=True)
+    assert torch.equal(out, out_c), "forward output differs from the contiguous call"
+    for name, x, g, w in zip(("dq", "dk", "dv"), (q, k, v), got, want):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{name}: {tuple(g.shape)} {g.dtype}"
+        assert bitwise_equal(g.contiguous(), w), f"{layout}: {name} differs from the contiguous call's: " \
+                                                 f"{first_difference(g, w)}"
+    check_bwd(q.detach(), k.detach(), v.detach(), dout, causal, want)
+
+
+# --------------------------------------------------------------------------------------
+# DLPack entry vs autograd
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_dlpack_entry_matches_autograd(dtype, causal):
+    """flash_attn_backward(dout, q, k, v, out, lse) with torch tensors, allocating its outputs,
+    and again into caller buffers on a side stream, gives autograd's bits (deterministic=True,
+    softmax_scale 0.1, GQA 4, out and lse from flash_attn_func(return_attn_probs=True))."""
+    dtype, d = pick(dtype=dtype, causals=(causal,))
+    q, k, v = make_qkv(2, 333, 257, 8, 2, d, dtype, seed=31)
+    dout = randn(2, 333, 8, d, dtype=dtype, seed=34)
+    leaves = tuple(x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = flashgen.flash_attn_func(*leaves, softmax_scale=0.1, causal=causal, deterministic=True,
+                                        return_attn_probs=True)
+    want = torch.autograd.grad(out, leaves, dout)  # lse is an output too: its gradient is None
+    out, lse = out.detach(), lse.detach()
+    got = flashgen.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=0.1, causal=causal,
+                                       deterministic=True, stream=torch.cuda.current_stream())
+    got = [as_torch(t) for t in got]
+    torch.cuda.synchronize()
+    for name, x, g, w in zip(("dq", "dk", "dv"), (q, k, v), got, want):
+        assert g.shape == x.shape and g.dtype == x.dtype and g.device == x.device, f"{name}: {g.shape} {g.dtype}"
+        assert bitwise_equal(g, w), f"allocating call: {name} differs from autograd's: {first_difference(g, w)}"
+    side = torch.cuda.Stream()
+    bufs = tuple(nan_like(x) for x in (q, k, v))
+    side.wait_stream(torch.cuda.current_stream())  # inputs and the NaN fill are ordered before the launch
+    torch.cuda._sleep(2_000_000)  # keep the current stream busy: a launch sent there would finish late
+    flashgen.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=0.1, causal=causal, deterministic=True,
+                                 stream=side, dq=bufs[0], dk=bufs[1], dv=bufs[2])
+    side.synchronize()
+    for name, g, w in zip(("dq", "dk", "dv"), bufs, want):
+        assert bitwise_equal(g, w), f"side stream, caller buffers: {name} differs: {first_difference(g, w)}"
+    torch.cuda.synchronize()
+    check_bwd(q, k, v, dout, causal, tuple(want), 0.1)
+
+
+# --------------------------------------------------------------------------------------
+# torch.compile and CUDA graphs
+# --------------------------------------------------------------------------------------
+
+def test_torch_compile_fullgraph_forward_backward():
+    """A step (scale q, attention, float32 weighted sum) compiled with fullgraph=True: the loss
+    matches eager and its gradients through torch.ops.flashgen.bwd have eager's bits (the same
+    kernels on the same values; deterministic=True), for two shapes (a recompile)."""
+    torch._dynamo.reset()
+    dtype, d = pick(causals=(True,))
+
+    def step(q, k, v, w):
+        out = flashgen.flash_attn_func(q * 1.5, k, v, causal=True, deterministic=True)
+        return (out.float() * w).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seed, sq in ((0, 128), (1, 77)):
+        q, k, v = make_qkv(2, sq, 200, 4, 2, d, dtype, seed=seed)
+        w = randn(2, sq, 4, d, dtype=torch.float32, seed=seed + 5)
+        eager_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        comp_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        loss_e = step(*eager_leaves, w)
+        loss_e.backward()
+        loss_c = compiled(*comp_leaves, w)
+        loss_c.backward()
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-3)
+        for name, a, b in zip(("dq", "dk", "dv"), comp_leaves, eager_leaves):
+            assert a.grad is not None, f"compiled step gave no {name}"
+            assert bitwise_equal(a.grad, b.grad), f"seqlen_q {sq}: compiled {name} differs from eager: " \
+                                                  f"{first_difference(a.grad, b.grad)}"
+
+
+def test_cuda_graph_training_step_replays_on_new_data():
+    """Forward + backward of flash_attn_func on static tensors captured in one CUDA graph (the
+    gradients allocated during capture, as in PyTorch's whole-network capture); replayed after
+    copying new values into the static inputs, the static gradients carry the bits of an eager
+    step on those values and pass the reference rule."""
+    dtype, d = pick(causals=(True,))
+    b, s, h, hk = 2, 257, 4, 2
+    q, k, v = (x.requires_grad_() for x in make_qkv(b, s, s, h, hk, d, dtype, seed=40))
+    g = randn(b, s, h, d, dtype=dtype, seed=43)
+
+    def step():
+        flashgen.flash_attn_func(q, k, v, causal=True, deterministic=True).backward(g)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture (kernel loading, allocator)
+        for _ in range(2):
+            step()
+            for t in (q, k, v):
+                t.grad = None
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    static = (q.grad, k.grad, v.grad)
+    for seed in (50, 60):
+        nq, nk, nv = make_qkv(b, s, s, h, hk, d, dtype, seed=seed)
+        ng = randn(b, s, h, d, dtype=dtype, seed=seed + 3)
+        with torch.no_grad():
+            for dst, src in ((q, nq), (k, nk), (v, nv), (g, ng)):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        _, want = autograd_grads(nq, nk, nv, ng, True, deterministic=True)
+        for name, a, w in zip(("dq", "dk", "dv"), static, want):
+            assert bitwise_equal(a, w), f"replay (seed {seed}): {name} differs from eager: {first_difference(a, w)}"
+        check_bwd(nq, nk, nv, ng, True, static)
