@@ -8,6 +8,10 @@ Cases (only those whose variant is built run; a family with no runnable case fai
   fwd      flash_attn_func, fp16 and bf16 x head_dim 64 and 128 x causal and not, batch 2,
            seqlen_q 113, seqlen_k 239, heads 4 over heads_k 2 (GQA); k and v are KV-cache
            prefixes of a longer cache.
+  bwd      flash_attn_backward (DLPack entry, torch tensors) into NaN-free gradients: bf16 d64 causal,
+           fp16 d128 full (both: dQ staged for the reducer warp), bf16 d256 causal, fp16 d192 full
+           (both: the consumers' own dQ reductions), the first two deterministic; same shapes as
+           fwd; out and lse from the float32 reference.
   combine  flash_attn_combine into fp32, bf16 and fp16 (5 splits, seqlen 113, head_dim 64), and
            fp32 with head_dim 62 (the scalar path); FA3's transposed layouts cut from padded
            buffers; splits 2.. of batch 0 saw no key (lse -inf).
@@ -41,7 +45,7 @@ from flashgen import flash_attn_combine, flash_attn_func
 from flashgen.dispatch import MissingVariantError, select_variant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
-from _ref import check_fwd, combine_ref  # noqa: E402
+from _ref import attention_ref, check_bwd, check_fwd, combine_ref  # noqa: E402
 
 NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -82,6 +86,18 @@ def fwd_case(dtype, d: int, causal: bool, seed: int) -> None:
     check_fwd(q, k, v, causal, out, lse)
 
 
+def bwd_case(dtype, d: int, causal: bool, deterministic: bool, seed: int) -> None:
+    b, sq, sk, h, hk = 2, 113, 239, 4, 2
+    q, k, v = randn(b, sq, h, d, seed=seed, dtype=dtype), randn(b, sk, hk, d, seed=seed + 1, dtype=dtype), \
+        randn(b, sk, hk, d, seed=seed + 2, dtype=dtype)
+    dout = randn(b, sq, h, d, seed=seed + 3, dtype=dtype)
+    out, lse = attention_ref(q, k, v, causal, d ** -0.5)
+    dev = [x.cuda() for x in (dout, q, k, v, out, lse)]
+    grads = flashgen.flash_attn_backward(*dev, causal=causal, deterministic=deterministic)
+    torch.cuda.synchronize()
+    check_bwd(q, k, v, dout, causal, tuple(g.cpu() for g in grads))
+
+
 def combine_case(out_dtype, d: int, seed: int) -> None:
     ns, b, s, h, pad = 5, 2, 113, 3, 7
     op = randn(ns, b, h, s, d, seed=seed)  # FA3's layouts: (.., heads, seqlen, ..) buffers, transposed
@@ -113,6 +129,15 @@ def fwd_cases():
                 lambda dtype=dtype, d=d, causal=causal, i=i: fwd_case(dtype, d, causal, seed=10 * i)
 
 
+def bwd_cases():
+    for i, (dtype, d, causal, det) in enumerate(((torch.bfloat16, 64, True, True), (torch.float16, 128, False, True),
+                                                 (torch.bfloat16, 256, True, False),
+                                                 (torch.float16, 192, False, False))):
+        if built("bwd", {"dtype": NAME[dtype], "head_dim": d, "causal": causal}):
+            yield f"bwd {NAME[dtype]} d{d} {'causal' if causal else 'full'}{' det' if det else ''} b2 q113 k239 h4/2", \
+                lambda dtype=dtype, d=d, causal=causal, det=det, i=i: bwd_case(dtype, d, causal, det, seed=200 + 10 * i)
+
+
 def combine_cases():
     for i, (dtype, d) in enumerate(((torch.float32, 64), (torch.bfloat16, 64), (torch.float16, 64),
                                     (torch.float32, 62))):
@@ -122,7 +147,7 @@ def combine_cases():
 
 
 #: family -> generator of (name, case); every family in the manifest needs an entry.
-CASES = {"fwd": fwd_cases, "combine": combine_cases}
+CASES = {"fwd": fwd_cases, "bwd": bwd_cases, "combine": combine_cases}
 
 
 def main() -> int:
