@@ -91,16 +91,11 @@ def _flops(b, h, s, d, causal):
     return f / 2 if causal else f
 
 
-def run_grid(seqlens, head_dims, dtypes, causals, attn=None, peers=True):
-    """The FA3-protocol grid: TFLOP/s of ``attn`` (default flashgen's flash_attn_func; any
-    function with its signature) and, with ``peers``, of SDPA's cuDNN and flash backends."""
+def _grid(seqlens, head_dims, dtypes, causals):
+    """The FA3-protocol points (16k tokens, hidden 2048): yields (q, k, v, forward FLOPs, row) per
+    (dtype, head_dim, causal, seqlen), q/k/v random normal BSHD, row the point's identifying columns."""
     import torch
-    from torch.nn.attention import SDPBackend
 
-    if attn is None:
-        from .interface import flash_attn_func as attn
-
-    rows = []
     for dtype_name in dtypes:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
         for d in head_dims:
@@ -108,21 +103,34 @@ def run_grid(seqlens, head_dims, dtypes, causals, attn=None, peers=True):
                 for s in seqlens:
                     b, h = 16384 // s, 2048 // d
                     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
-                    fl = _flops(b, h, s, d, causal)
-                    res = {"dtype": dtype_name, "head_dim": d, "causal": causal, "seqlen": s, "batch": b, "heads": h}
-                    try:
-                        ms = _time_ms(lambda: attn(q, k, v, causal=causal))
-                        res["flashgen"] = fl / ms / 1e9
-                    except Exception as e:  # a missing variant is reported, not fatal
-                        print(f"flashgen failed at {res}: {e}", file=sys.stderr)
-                        res["flashgen"] = float("nan")
-                    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-                        fn = _sdpa_fn(backend, q, k, v, causal) if peers else None
-                        res[name] = fl / _time_ms(fn) / 1e9 if fn else float("nan")
-                    peers = [x for x in (res["cudnn"], res["fa2"]) if x == x]
-                    res["ratio"] = res["flashgen"] / max(peers) if peers else float("nan")
-                    rows.append(res)
-                    del q, k, v
+                    yield q, k, v, _flops(b, h, s, d, causal), {
+                        "dtype": dtype_name, "head_dim": d, "causal": causal, "seqlen": s, "batch": b, "heads": h}
+
+
+def run_grid(seqlens, head_dims, dtypes, causals, attn=None, peers=True):
+    """The FA3-protocol grid: TFLOP/s of ``attn`` (default flashgen's flash_attn_func; any
+    function with its signature) and, with ``peers``, of SDPA's cuDNN and flash backends."""
+    from torch.nn.attention import SDPBackend
+
+    if attn is None:
+        from .interface import flash_attn_func as attn
+
+    rows = []
+    for q, k, v, fl, res in _grid(seqlens, head_dims, dtypes, causals):
+        causal = res["causal"]
+        try:
+            ms = _time_ms(lambda: attn(q, k, v, causal=causal))
+            res["flashgen"] = fl / ms / 1e9
+        except Exception as e:  # a missing variant is reported, not fatal
+            print(f"flashgen failed at {res}: {e}", file=sys.stderr)
+            res["flashgen"] = float("nan")
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+            fn = _sdpa_fn(backend, q, k, v, causal) if peers else None
+            res[name] = fl / _time_ms(fn) / 1e9 if fn else float("nan")
+        best = [x for x in (res["cudnn"], res["fa2"]) if x == x]
+        res["ratio"] = res["flashgen"] / max(best) if best else float("nan")
+        rows.append(res)
+        del q, k, v
     return rows
 
 
@@ -220,37 +228,29 @@ def run_grid_bwd(seqlens, head_dims, dtypes, causals, peers=True):
     of flashgen's backward with deterministic False ("flashgen") and True ("flashgen_det") and,
     with ``peers``, of SDPA's cuDNN and flash backends; ratio = flashgen / the best SDPA,
     det_ratio = flashgen_det / flashgen. Returns (rows, the path flashgen was called through)."""
-    import torch
     from torch.nn.attention import SDPBackend
 
     rows, paths = [], set()
-    for dtype_name in dtypes:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-        for d in head_dims:
-            for causal in causals:
-                for s in seqlens:
-                    b, h = 16384 // s, 2048 // d
-                    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
-                    fl = 2.5 * _flops(b, h, s, d, causal)
-                    res = {"dtype": dtype_name, "head_dim": d, "causal": causal, "seqlen": s, "batch": b, "heads": h}
-                    for col, det in (("flashgen", False), ("flashgen_det", True)):
-                        try:
-                            fn, path = _flashgen_bwd_fn(q, k, v, causal, det)
-                            paths.add(path)
-                            res[col] = fl / _time_ms(fn) / 1e9
-                        except Exception as e:  # a missing variant is reported, not fatal
-                            print(f"flashgen backward (deterministic={det}) failed at {res}: {e}", file=sys.stderr)
-                            res[col] = float("nan")
-                        fn = None
-                    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-                        fn = _sdpa_bwd_fn(backend, q, k, v, causal) if peers else None
-                        res[name] = fl / _time_ms(fn) / 1e9 if fn else float("nan")
-                        fn = None
-                    best = [x for x in (res["cudnn"], res["fa2"]) if x == x]
-                    res["ratio"] = res["flashgen"] / max(best) if best else float("nan")
-                    res["det_ratio"] = res["flashgen_det"] / res["flashgen"]
-                    rows.append(res)
-                    del q, k, v
+    for q, k, v, fl, res in _grid(seqlens, head_dims, dtypes, causals):
+        causal, fl = res["causal"], 2.5 * fl
+        for col, det in (("flashgen", False), ("flashgen_det", True)):
+            try:
+                fn, path = _flashgen_bwd_fn(q, k, v, causal, det)
+                paths.add(path)
+                res[col] = fl / _time_ms(fn) / 1e9
+            except Exception as e:  # a missing variant is reported, not fatal
+                print(f"flashgen backward (deterministic={det}) failed at {res}: {e}", file=sys.stderr)
+                res[col] = float("nan")
+            fn = None
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+            fn = _sdpa_bwd_fn(backend, q, k, v, causal) if peers else None
+            res[name] = fl / _time_ms(fn) / 1e9 if fn else float("nan")
+            fn = None
+        best = [x for x in (res["cudnn"], res["fa2"]) if x == x]
+        res["ratio"] = res["flashgen"] / max(best) if best else float("nan")
+        res["det_ratio"] = res["flashgen_det"] / res["flashgen"]
+        rows.append(res)
+        del q, k, v
     return rows, "; ".join(sorted(paths)) or "none (every call failed)"
 
 
