@@ -14,6 +14,13 @@
 
 namespace flashgen {
 
+// The first 1024-byte-aligned address of the dynamic shared memory (the SW128 tiles' alignment;
+// each kernel's layout reserves 1024 bytes of slack for it).
+__device__ __forceinline__ uint8_t* align_1024(uint8_t* smem_raw) {
+  const uint32_t raw_addr = smem_u32(smem_raw);
+  return smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
+}
+
 template <typename T, int Rows, int Cols>
 struct SmemTileSW128 {
   static_assert(sizeof(T) == 1 || sizeof(T) == 2, "16-bit (f16/bf16) or 8-bit (e4m3/e5m2) elements");
