@@ -10,7 +10,8 @@ declared by the family module (generator/families/<family>.py, its ``keys``):
                    ``--all``); false for sets only ``--all`` / ``make build-all`` builds
 ``defaults``       knob defaults (the family's ``knob`` keys; built-in defaults otherwise)
 ``matrix``         the family's ``axis`` keys: lists (or one scalar); every combination is a point
-                   whose tile keys come from ``tiles``
+                   whose tile keys come from ``tiles``. An axis with a default (e.g. fwd's ``softcap``,
+                   false) may be left out: it then takes its default alone
 ``tiles``          list of rows keyed by the family's ``tile_match`` axes (each optional, to narrow the
                    match) giving its ``tile`` keys and optional knob overrides; the family's
                    ``tile_required`` keys must be in every row. The most specific matching row wins.
@@ -18,7 +19,8 @@ declared by the family module (generator/families/<family>.py, its ``keys``):
                    ``"default": true`` in the manifest.
 ``exclude``        list of rules; a matrix point whose params match every key of a rule (a value or a
                    list of values) is dropped
-``extra``          list of explicit points, each with any of the family's keys; the axes are required;
+``extra``          list of explicit points, each with any of the family's keys; the axes are required
+                   (those with a default may be left out);
                    keys left out come from the matching ``tiles`` row, then ``defaults``.
                    ``flashgen add-variant`` appends here.
 
@@ -203,11 +205,11 @@ def _validate_doc(doc: _Doc, problems: list) -> bool:
             for i, v in enumerate(vs):
                 _check_value(fam, k, v, f"{f}: matrix.{k}[{i}]", problems)
         for k in axes:
-            if k not in d["matrix"]:
+            if k not in d["matrix"] and fam.key(k).default is None:
                 problems.append(f"{f}: matrix: missing required key {k!r}")
     tile_keys = fam.tile_match + fam.names("tile", "knob")
     for sect, allowed, required in (("tiles", tile_keys, fam.tile_required), ("exclude", point_keys, ()),
-                                    ("extra", point_keys, axes)):
+                                    ("extra", point_keys, tuple(k for k in axes if fam.key(k).default is None))):
         if sect not in d or d[sect] is None:
             d[sect] = []
             continue
@@ -256,13 +258,14 @@ def _expand_doc(doc: _Doc, problems: list) -> list[Variant]:
     f, d, fam = doc.label, doc.data, doc.fam
     axes, match = fam.names("axis"), fam.tile_match
     given = d.get("defaults") or {}
+    axis_defaults = {k.name: k.default for k in fam.keys if k.role == "axis" and k.default is not None}
     defaults = {**fam.knob_defaults(), **given}
     default_src = {k: (f"defaults.{k}" if k in given else "built-in default") for k in fam.names("knob")}
     tile_given = fam.names("tile")
     points = []  # (params, provenance, is_default, source)
     m = d.get("matrix")
     if m:
-        for combo in itertools.product(*[_as_list(m[k]) for k in axes]):
+        for combo in itertools.product(*[_as_list(m[k] if k in m else axis_defaults[k]) for k in axes]):
             point = dict(zip(axes, combo))
             desc = ", ".join(f"{k}={_fmt(v)}" for k, v in point.items())
             i, row = _match_tile(doc, point)
@@ -280,7 +283,7 @@ def _expand_doc(doc: _Doc, problems: list) -> list[Variant]:
             points.append((params, prov, True, f"{f}: matrix ({desc})" + (f" with tiles[{i}]" if row else "")))
     for j, pt in enumerate(d["extra"]):
         i, row = _match_tile(doc, pt)
-        params = {"family": fam.name, **defaults}
+        params = {"family": fam.name, **axis_defaults, **defaults}
         prov = dict(default_src)
         for k, v in (row or {}).items():
             if k not in match:

@@ -14,11 +14,13 @@ from . import families
 
 
 def canonical_params(params: dict) -> dict:
-    """The params with exactly the family's keys, in its canonical order, as plain int/bool/str."""
+    """The params with exactly the family's keys, in its canonical order, as plain int/bool/str (an
+    axis with a default, e.g. fwd's softcap, may be left out)."""
     fam = families.get(params["family"])
     out = {"family": fam.name}
     for k in fam.keys:
-        out[k.name] = k.type(params[k.name])
+        v = params[k.name] if k.name in params or k.role != "axis" or k.default is None else k.default
+        out[k.name] = k.type(v)
     return out
 
 

@@ -16,7 +16,7 @@ from ._validate import ELEMENT_SIZE, tma_layout_problem
 from .manifest import Variant
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "attention_backward",
-           "backward_workspace_bytes", "device_capability"]
+           "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec", "softmax_constants"]
 
 LOG2E = 1.4426950408889634
 
@@ -37,6 +37,52 @@ def _check_tma(name: str, t: TensorArg) -> None:
         raise ValueError(f"flashgen: TMA cannot address {name}: {problem}")
 
 
+class MaskSpec(NamedTuple):
+    """The mask a call runs with: ``banded`` (served by the ``causal`` variants, which apply a
+    band with runtime bounds) and the band's sides, query row i seeing keys
+    ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``, both >= 0 (an unbounded
+    side is seqlen_k for left, seqlen_q for right). Unbanded: only the sequence end is masked."""
+
+    banded: bool
+    left: int
+    right: int
+
+
+def mask_spec(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> MaskSpec:
+    """FA3's mask semantics (hopper/flash_api.cpp), bottom-right aligned: ``window_size = (left,
+    right)`` with -1 (or None) unbounded; ``causal`` sets right = 0; a side that reaches every key
+    (left >= seqlen_k - 1, right >= seqlen_q - 1) is unbounded; with both sides unbounded the call
+    is unmasked (so causal with seqlen_q == 1 runs the unmasked kernel, as in FA3).
+    window_size values must be ints >= -1 or None (checked by the callers' validation)."""
+    left, right = (-1 if x is None else int(x) for x in window_size)
+    if causal:
+        right = 0
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1:
+        right = -1
+    if left < 0 and right < 0:
+        return MaskSpec(False, seqlen_k, seqlen_q)
+    return MaskSpec(True, left if left >= 0 else seqlen_k, right if right >= 0 else seqlen_q)
+
+
+def softmax_constants(softmax_scale: float, softcap: float) -> tuple:
+    """``(scale_log2, softcap_scale)`` of the kernels' params: without softcap (0),
+    ``(softmax_scale * log2 e, 0)``; with softcap c > 0 (FA3's: logits = c * tanh(scale q.k / c)),
+    ``(c * log2 e, softmax_scale / c)``. ValueError for a non-finite scale or softcap, or softcap < 0."""
+    scale, cap = float(softmax_scale), float(softcap)
+    if not math.isfinite(scale):
+        raise ValueError(f"flashgen: softmax_scale must be finite, got {softmax_scale}")
+    if not (math.isfinite(cap) and cap >= 0.0):
+        raise ValueError(f"flashgen: softcap must be a finite float >= 0 (0 = off), got {softcap}")
+    if cap > 0.0:
+        return cap * LOG2E, scale / cap
+    return scale * LOG2E, 0.0
+
+
+_ROUND_UP = ("head_dim", "head_dim_v")  # a variant built for a larger head dim serves (TMA zero fill)
+
+
 class _Plan(NamedTuple):
     variant: Variant
     kernel: launch.LoadedKernel
@@ -48,16 +94,17 @@ class _Plan(NamedTuple):
 _plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent calls may share them
 
 
-def _plan(dtype: str, d: int, dv: int, causal: bool, device: int, variant: Variant | None) -> _Plan:
+def _plan(dtype: str, d: int, dv: int, banded: bool, softcap: bool, device: int, variant: Variant | None) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
 
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
-    key = (variant.name if variant is not None else None, dtype, d, dv, causal, device)
+    key = (variant.name if variant is not None else None, dtype, d, dv, banded, softcap, device)
     plan = _plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
-            "fwd", {"dtype": dtype, "head_dim": d, "head_dim_v": dv, "causal": causal})
+            "fwd", {"dtype": dtype, "head_dim": d, "head_dim_v": dv, "causal": banded, "softcap": softcap},
+            round_up=_ROUND_UP)
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
         plan = _Plan(var, launch.get_kernel(var, "main", device), p["block_m"], p["block_n"], sms)
@@ -75,14 +122,20 @@ def _bshd_map(t: TensorArg, box_rows: int):
 
 
 def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
-                      softmax_scale: float, causal: bool, stream: int, variant: Variant | None = None) -> Variant:
-    """Launch the FA3 forward: out = softmax(scale * q k^T [+ causal mask]) v, lse = logsumexp rows.
+                      softmax_scale: float, causal: bool, stream: int, variant: Variant | None = None, *,
+                      window_size=(-1, -1), softcap: float = 0.0, sink: int = 0) -> Variant:
+    """Launch the FA3 forward: out = softmax(logits [+ mask]) v, lse = logsumexp of each row.
 
+    logits = softmax_scale * q k^T, or with ``softcap`` c > 0 c * tanh(softmax_scale * q k^T / c).
+    Mask (:func:`mask_spec`, bottom-right aligned): ``causal`` and/or ``window_size=(left, right)``.
+    ``sink``: 0, or the device address of learnable_sink, fp32 (heads,) contiguous: one logit per
+    head added to every row's softmax denominator (not to out); lse includes it.
     q (batch, seqlen_q, heads, head_dim), k/v (batch, seqlen_k, heads_k, head_dim[_v]),
     out (batch, seqlen_q, heads, head_dim_v) of q's dtype, lse fp32 (batch, heads, seqlen_q) contiguous.
-    Causal is bottom-right aligned. Launches on `stream` (CUstream as int); returns the variant used.
-    Raises MissingVariantError when no built variant serves the call, ValueError for layouts TMA
-    cannot address. User-facing argument checks live in interface.py / dlpack_api.py.
+    Head dims with no variant of their own run on the smallest built larger one. Launches on
+    `stream` (CUstream as int); returns the variant used. Raises MissingVariantError when no built
+    variant serves the call, ValueError for layouts TMA cannot address or a bad softmax_scale /
+    softcap. User-facing argument checks live in interface.py / dlpack_api.py.
     """
     b, sq, h, d = q.shape
     _, sk, hk, dv = v.shape
@@ -90,17 +143,19 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
         raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         _check_tma(name, t)
-    plan = _plan(q.dtype, d, dv, bool(causal), q.device, variant)
+    mask = mask_spec(causal, window_size, sq, sk)
+    scale = float(softmax_scale)
+    if scale == 0.0 and not softcap:
+        scale = 1e-30  # exp2(0 * -inf) would be NaN for masked keys; a tiny scale gives the same uniform weights
+    scale_log2, softcap_scale = softmax_constants(scale, softcap)
+    plan = _plan(q.dtype, d, dv, mask.banded, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     num_tiles = num_m * h * b
-    scale = float(softmax_scale)
-    if scale == 0.0 or not math.isfinite(scale):
-        if not math.isfinite(scale):
-            raise ValueError(f"flashgen: softmax_scale must be finite, got {softmax_scale}")
-        scale = 1e-30  # exp2(0 * -inf) would be NaN for masked keys; a tiny scale gives the same uniform weights
     params = {"lse": lse.ptr, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b,
-              "num_m_blocks": num_m, "num_tiles": num_tiles, "scale_log2": scale * LOG2E, "softmax_scale": scale}
+              "num_m_blocks": num_m, "num_tiles": num_tiles, "scale_log2": scale_log2, "softmax_scale": scale,
+              "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
+              "sink": int(sink)}
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(out, 64))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     launch.launch(plan.kernel, (max(grid, 1), 1, 1), maps, params, stream)
@@ -122,13 +177,14 @@ class _BwdPlan(NamedTuple):
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
 
 
-def _bwd_plan(dtype: str, d: int, causal: bool, device: int, variant: Variant | None) -> _BwdPlan:
-    """The bwd variant serving (dtype, head_dim, causal) and its three loaded kernels, once per process."""
-    key = (variant.name if variant is not None else None, dtype, d, causal, device)
+def _bwd_plan(dtype: str, d: int, banded: bool, softcap: bool, device: int, variant: Variant | None) -> _BwdPlan:
+    """The bwd variant serving (dtype, head_dim, banded, softcap) and its three loaded kernels, once
+    per process (head_dim rounds up to the smallest built size that covers it)."""
+    key = (variant.name if variant is not None else None, dtype, d, banded, softcap, device)
     plan = _bwd_plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
-            "bwd", {"dtype": dtype, "head_dim": d, "causal": causal})
+            "bwd", {"dtype": dtype, "head_dim": d, "causal": banded, "softcap": softcap}, round_up=_ROUND_UP)
         p = var.params
         pad = -(-p["head_dim"] // 64) * 64
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
@@ -155,19 +211,29 @@ def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int) -> tup
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int, head_dim: int, dtype: str,
-                             causal: bool, device: int, variant: Variant | None = None) -> int:
+                             causal: bool, device: int, variant: Variant | None = None, *, seqlen_k: int | None = None,
+                             window_size=(-1, -1), softcap: float = 0.0) -> int:
     """Bytes of device scratch memory :func:`attention_backward` needs for this call (> 0).
 
-    Selects (and loads) the bwd variant; raises MissingVariantError when none serves
-    (dtype, head_dim, causal). heads_k is accepted for symmetry (the workspace does not depend on it)."""
-    plan = _bwd_plan(dtype, head_dim, bool(causal), device, variant)
+    Selects (and loads) the bwd variant the same call of :func:`attention_backward` uses; raises
+    MissingVariantError when none serves (dtype, head_dim, mask, softcap). ``seqlen_k`` is needed
+    with a window (:func:`mask_spec`); heads_k is accepted for symmetry (the workspace does not
+    depend on it)."""
+    if seqlen_k is None:
+        if tuple(-1 if x is None else x for x in window_size) != (-1, -1):
+            raise ValueError("flashgen: backward_workspace_bytes needs seqlen_k with a window_size")
+        banded = bool(causal) and seqlen_q > 1
+    else:
+        banded = mask_spec(causal, window_size, seqlen_q, seqlen_k).banded
+    plan = _bwd_plan(dtype, head_dim, banded, softcap > 0, device, variant)
     return _bwd_workspace(plan, batch, seqlen_q, heads)[0]
 
 
 def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
                        dq: TensorArg, dk: TensorArg, dv: TensorArg, softmax_scale: float, causal: bool,
-                       deterministic: bool, stream: int, workspace_ptr: int, variant: Variant | None = None) -> Variant:
-    """Launch the FA3 backward: dq, dk, dv of ``out = softmax(scale q k^T [+ causal mask]) v``.
+                       deterministic: bool, stream: int, workspace_ptr: int, variant: Variant | None = None, *,
+                       window_size=(-1, -1), softcap: float = 0.0) -> Variant:
+    """Launch the FA3 backward: dq, dk, dv of ``out = softmax(logits [+ mask]) v``.
 
     Method: FlashAttention-2/3's backward (arXiv 2307.08691 Algorithm 2; FA3 arXiv 2407.08608 and
     its hopper/ kernels): P is recomputed from the forward's LSE, dS = P ∘ (dP - rowsum(dO ∘ O)),
@@ -179,8 +245,12 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     batch, seqlen_q, seqlen_k >= 1. dk/dv of a GQA group are summed over its query heads.
     ``workspace_ptr``: :func:`backward_workspace_bytes` of device memory, 256-byte aligned, any
     contents, alive until the kernels have run (stream order). ``deterministic``: dQ's fp32
-    additions happen in a fixed order, so results are bitwise reproducible. Launches on ``stream``;
-    never synchronises. Raises MissingVariantError (no variant), ValueError (layouts, heads).
+    additions happen in a fixed order, so results are bitwise reproducible. ``causal``,
+    ``window_size``, ``softcap``: the forward's (:func:`attention_forward`); with softcap, dS is
+    scaled by the tanh's derivative. A learnable sink needs nothing here (lse includes it); its
+    gradient is ``-sum_rows exp(sink - lse) * rowsum(dout * out)``, left to the caller.
+    Launches on ``stream``; never synchronises. Raises MissingVariantError (no variant),
+    ValueError (layouts, heads, softmax_scale / softcap).
     """
     b, sq, h, d = q.shape
     _, sk, hk, dv_dim = v.shape
@@ -190,13 +260,13 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         raise ValueError(f"flashgen: the backward needs head_dim_v == head_dim (got {dv_dim} and {d})")
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         _check_tma(name, t)
-    plan = _bwd_plan(q.dtype, d, bool(causal), q.device, variant)
+    mask = mask_spec(causal, window_size, sq, sk)
+    scale = float(softmax_scale)
+    scale_log2, softcap_scale = softmax_constants(scale, softcap)
+    plan = _bwd_plan(q.dtype, d, mask.banded, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)
-    scale = float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"flashgen: softmax_scale must be finite, got {softmax_scale}")
     w = int(workspace_ptr)
     params = {
         "o": out.ptr, "dout": dout.ptr, "lse": lse.ptr,
@@ -206,7 +276,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
         "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d,
         "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
-        "deterministic": 1 if deterministic else 0, "scale_log2": scale * LOG2E, "softmax_scale": scale,
+        "deterministic": 1 if deterministic else 0, "scale_log2": scale_log2, "softmax_scale": scale,
+        "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
     }
     rows_per_cta = plan.pre.record.threads // 32
     launch.launch(plan.pre, (-(-num_m * bm // rows_per_cta), h, b), (), params, stream)

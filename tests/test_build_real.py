@@ -38,16 +38,18 @@ def _toolchain():
 
 @pytest.fixture(scope="module")
 def real_subset(tmp_path_factory):
-    """The real template's bf16 hd64 non-causal, fp16 hd128 causal and bf16 hd256 causal variants,
-    built into a temporary build dir. Returns (project, result, variants)."""
+    """The real template's bf16 hd64 non-causal, fp16 hd128 causal, bf16 hd256 causal, bf16 hd256
+    causal softcap and fp16 hd192/head_dim_v 128 variants, built into a temporary build dir.
+    Returns (project, result, variants)."""
     _toolchain()
     if not (REPO / "templates" / "fwd.cu.j2").exists():
         pytest.skip("templates/fwd.cu.j2 not written yet")
     out = tmp_path_factory.mktemp("realbuild")
     proj = Project(REPO, build_override=out)
     vs = load_variants(proj)
-    pick = select(vs, "fwd_bf16_hd64_noncausal_*,fwd_fp16_hd128_causal_*,fwd_bf16_hd256_causal_*")
-    assert len(pick) == 3
+    pick = select(vs, "fwd_bf16_hd64_noncausal_m*,fwd_fp16_hd128_causal_m*,fwd_bf16_hd256_causal_m*,"
+                      "fwd_bf16_hd256_causal_softcap_*,fwd_fp16_hd192v128_noncausal_m*")
+    assert len(pick) == 5
     lines = []
     t0 = time.monotonic()
     res = build(proj, pick, jobs=2, log=lines.append)
@@ -169,7 +171,7 @@ def real_bwd(tmp_path_factory):
     _toolchain()
     out = tmp_path_factory.mktemp("realbwd")
     proj = Project(REPO, build_override=out)
-    pick = select(load_variants(proj), "bwd_bf16_hd64_noncausal_*,bwd_fp16_hd256_causal_*")
+    pick = select(load_variants(proj), "bwd_bf16_hd64_noncausal_m*,bwd_fp16_hd256_causal_softcap_*")
     assert len(pick) == 2
     return proj, build(proj, pick, jobs=2, log=lambda s: None), pick
 

@@ -86,8 +86,10 @@ def test_layout_natural_alignment_and_tail_padding():
 
 def test_family_structs_layouts():
     fwd = fwd_mod.PARAMS.layout()
-    assert fwd["struct"] == "FwdParams" and fwd["size"] == 48
-    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-1] == ["softmax_scale", "f32", 40]
+    assert fwd["struct"] == "FwdParams" and fwd["size"] == 64
+    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-1] == ["sink", "ptr", 56]
+    offs = {n: o for n, _, o in fwd["fields"]}
+    assert (offs["softmax_scale"], offs["softcap_scale"], offs["window_left"], offs["window_right"]) == (40, 44, 48, 52)
     comb = combine_mod.PARAMS.layout()
     assert comb["struct"] == "CombineParams" and comb["size"] == 144
     offs = {n: o for n, _, o in comb["fields"]}
@@ -166,9 +168,11 @@ def test_params_packer_bytes_match_struct_offsets():
     fl = fwd_mod.PARAMS.layout()
     fb = launch.ParamsPacker(fl).pack({"lse": 0xDEAD0000, "seqlen_q": 5, "seqlen_k": 7, "heads": 4, "heads_k": 2,
                                        "batch": 2, "num_m_blocks": 1, "num_tiles": 8, "scale_log2": 0.5,
-                                       "softmax_scale": 0.25})
-    assert len(fb) == 48 and struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
-    assert struct.unpack_from("<i", fb, 20) == (2,) and struct.unpack_from("<ff", fb, 36) == (0.5, 0.25)
+                                       "softmax_scale": 0.25, "softcap_scale": 0.125, "window_left": 3,
+                                       "window_right": -4, "sink": 0xBEEF00})
+    assert len(fb) == 64 and struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
+    assert struct.unpack_from("<i", fb, 20) == (2,) and struct.unpack_from("<fff", fb, 36) == (0.5, 0.25, 0.125)
+    assert struct.unpack_from("<iiQ", fb, 48) == (3, -4, 0xBEEF00)
 
 
 def test_params_packer_errors():
@@ -285,7 +289,7 @@ def test_runtime_dispatches_from_the_built_manifest(two_family_build, monkeypatc
     monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(proj.build_dir))
     v = select_variant("combine", {"dtype": "bf16"})
     assert v.family == "combine" and v.params["dtype"] == "bf16" and load_manifest().path == proj.manifest_path
-    w = select_variant("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": True})
+    w = select_variant("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": True, "softcap": False})
     assert w.family == "fwd" and (w.params["block_m"], w.params["consumer_wgs"]) == (192, 3)
     with pytest.raises(MissingVariantError, match="flashgen add-variant combine --dtype fp16"):
         select_variant("combine", {"dtype": "fp16"})
@@ -341,9 +345,9 @@ def test_missing_variant_error_names_family_key_and_command():
 
 
 @pytest.mark.parametrize("family,key", [
-    ("fwd", {"dtype": "bf16", "head_dim": 256, "head_dim_v": 256, "causal": True}),
-    ("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": False}),
-    ("fwd", {"dtype": "bf16", "head_dim": 192, "head_dim_v": 192, "causal": False}),
+    ("fwd", {"dtype": "bf16", "head_dim": 256, "head_dim_v": 256, "causal": True, "softcap": False}),
+    ("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": False, "softcap": False}),
+    ("fwd", {"dtype": "bf16", "head_dim": 192, "head_dim_v": 192, "causal": False, "softcap": True}),
     ("combine", {"dtype": "fp16"}),
 ])
 def test_suggested_command_runs_and_serves_the_key(tmp_path, monkeypatch, family, key):

@@ -33,7 +33,7 @@ class Key:
     role: str
     allowed: tuple | None = None
     check: Callable | None = None
-    default: object = None  # knobs only
+    default: object = None  # knobs; an axis with a default may be left out of a config
     doc: str = ""
 
     def problem(self, value) -> str | None:

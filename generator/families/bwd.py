@@ -25,6 +25,13 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   K/V buffers.
 - ``post``: dQ = dQ_accum * softmax_scale, cast to the input dtype.
 
+Masks and softcap, as in the forward family: ``causal`` variants apply the banded mask with
+runtime bounds (causal and sliding windows; a CTA visits only the query blocks its key block's
+band reaches), ``softcap`` variants recompute t = tanh(S * softcap_scale), P = exp2(t *
+scale_log2 - LSE_log2) and scale dS by the tanh's derivative 1 - t^2 (FA3's softcap backward).
+Learnable sinks need nothing here: the forward's LSE includes the sink, and its gradient is
+-sum(exp(sink - LSE) * dPsum), computed by the caller.
+
 Slices: the dK/dV/dQ columns a CTA produces (``slice`` of head_dim_padded). The dK and dV
 accumulators of 64 key rows x slice columns must fit in a consumer's registers beside S^T and
 dP^T; head dims above 128 split into slices, each CTA recomputing S^T and dP^T over the full
@@ -87,8 +94,11 @@ PARAMS = params_struct(
     ("num_m_blocks", "i32"),
     ("num_slices", "i32"),  # head_dim_padded / slice
     ("deterministic", "i32"),  # 1: dQ additions ordered by n_block (bitwise reproducible)
-    ("scale_log2", "f32"),  # softmax_scale * log2(e); any sign
+    ("scale_log2", "f32"),  # softmax_scale * log2(e), any sign; softcap variants: softcap * log2(e)
     ("softmax_scale", "f32"),
+    ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused
+    ("window_left", "i32"),  # causal (banded) variants: the forward's band (fwd.py); both >= 0
+    ("window_right", "i32"),
 )
 
 
@@ -163,10 +173,12 @@ class BwdFamily(Family):
 
     def name_parts(self, p):
         return [p["dtype"], f"hd{p['head_dim']}", "causal" if p["causal"] else "noncausal",
-                f"m{p['block_m']}n{p['block_n']}", f"sl{p['slice']}", f"s{p['stages']}"]
+                *(["softcap"] if p["softcap"] else []), f"m{p['block_m']}n{p['block_n']}", f"sl{p['slice']}", f"s{p['stages']}"]
 
     def suggest(self, key):
-        """The tile of configs/bwd.yaml's table for the key's head_dim."""
+        """The tile of configs/bwd.yaml's table for the key's head_dim (rounded up to a built size)."""
+        if isinstance(key.get("head_dim"), int):
+            key = {**key, "head_dim": min((h for h in HEAD_DIMS if h >= key["head_dim"]), default=key["head_dim"])}
         p = _pad64(key["head_dim"])
         bm, sl = (64, 128) if p in (128, 256) else (128, 64)
         stages = 2 if p <= 128 else 1
@@ -179,13 +191,15 @@ FAMILY = BwdFamily(
     keys=(
         Key("dtype", str, "axis", allowed=DTYPES, doc="Q/K/V/O/dO element type (fp32 accumulation)"),
         Key("head_dim", int, "axis", allowed=HEAD_DIMS, doc="head dim of Q, K and V"),
-        Key("causal", bool, "axis", doc="bottom-right aligned causal mask"),
+        Key("causal", bool, "axis",
+            doc="banded mask with runtime bounds: causal (bottom-right aligned) and sliding windows"),
+        Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
         Key("block_m", int, "tile", allowed=(64, 128), doc="query rows per step of the main loop"),
         Key("block_n", int, "tile", allowed=(BLOCK_N,), doc="key rows per CTA (2 consumer warpgroups x 64)"),
         Key("slice", int, "tile", allowed=(64, 128), doc="dK/dV/dQ columns per CTA"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="Q/dO ring depth"),
     ),
-    tile_match=("head_dim", "dtype", "causal"),
+    tile_match=("head_dim", "dtype", "causal", "softcap"),
     tile_required=("head_dim", "block_m", "block_n", "slice"),
-    dispatch_keys=("dtype", "head_dim", "causal"),
+    dispatch_keys=("dtype", "head_dim", "causal", "softcap"),
 )

@@ -7,7 +7,13 @@ warpgroups (64 query rows each) running S = Q K^T (SS-WGMMA), the online softmax
 
 Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
 
-- head_dim in {64, 96, 128, 192, 256}; head_dim_v == head_dim for now.
+- head_dim and head_dim_v in {64, 96, 128, 192, 256} (each padded to a multiple of 64; a call with
+  a smaller head dim is served by a larger built one, TMA zero-filling the columns past it).
+- ``causal`` variants apply FA3's banded mask with runtime bounds (``window_left``,
+  ``window_right``): they serve causal (the band (unbounded, 0)) and every sliding window;
+  non-causal variants mask only the sequence end.
+- ``softcap`` (FA3's, Gemma 2's logit soft-capping) is compiled in: S <- tanh(S * softcap_scale)
+  before masking, with softcap_scale = softmax_scale / softcap and scale_log2 = softcap * log2(e).
 - block_n a multiple of 16 in [16, 256]: the N of the S = Q K^T WGMMA (N <= 256) and the PV GEMM
   steps k16 over it.
 - consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
@@ -49,8 +55,12 @@ PARAMS = params_struct(
     ("batch", "i32"),
     ("num_m_blocks", "i32"),  # ceil(seqlen_q / block_m)
     ("num_tiles", "i32"),  # num_m_blocks * heads * batch
-    ("scale_log2", "f32"),  # softmax_scale * log2(e); any sign
+    ("scale_log2", "f32"),  # softmax_scale * log2(e), any sign; softcap variants: softcap * log2(e)
     ("softmax_scale", "f32"),
+    ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused
+    ("window_left", "i32"),  # causal (banded) variants: query i sees keys [i + seqlen_k - seqlen_q - window_left,
+    ("window_right", "i32"),  #   i + seqlen_k - seqlen_q + window_right]; both >= 0 (unbounded: seqlen_k, seqlen_q)
+    ("sink", "ptr", "const float*"),  # learnable_sink (heads,) fp32 logits, or null
 )
 
 
@@ -111,8 +121,6 @@ class FwdFamily(Family):
         out = []
         hd, hdv = params["head_dim"], params["head_dim_v"]
         bm, bn, wgs, st = params["block_m"], params["block_n"], params["consumer_wgs"], params["stages"]
-        if hdv != hd:
-            out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) for now"))
         if wgs in CONSUMER_WGS and bm != 64 * wgs:
             out.append(("block_m", bm, f"64 * consumer_wgs = {64 * wgs} (consumer_wgs is {wgs})"))
         if out:
@@ -149,12 +157,16 @@ class FwdFamily(Family):
 
     def name_parts(self, p):
         hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")
-        return [p["dtype"], hd, "causal" if p["causal"] else "noncausal", f"m{p['block_m']}n{p['block_n']}",
+        return [p["dtype"], hd, "causal" if p["causal"] else "noncausal", *(["softcap"] if p["softcap"] else []),
+                f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops"]
 
     def suggest(self, key):
-        """FA3's published tiles (DESIGN.md §4) as the starting point for a missing key."""
+        """FA3's published tiles (DESIGN.md §4) as the starting point for a missing key (head dims
+        rounded up to a built size: a call with a smaller one is served by it)."""
+        key = {**key, **{k: min((h for h in HEAD_DIMS if h >= key[k]), default=key[k])
+                         for k in ("head_dim", "head_dim_v") if isinstance(key.get(k), int)}}
         d = max(key["head_dim"], key.get("head_dim_v", key["head_dim"]))
         if d <= 64:
             bm, bn = 192, 128
@@ -174,7 +186,9 @@ FAMILY = FwdFamily(
         Key("dtype", str, "axis", allowed=DTYPES, doc="Q/K/V/O element type (fp32 accumulation)"),
         Key("head_dim", int, "axis", allowed=HEAD_DIMS, doc="Q/K head dim"),
         Key("head_dim_v", int, "derived", allowed=HEAD_DIMS, doc="V/O head dim (default: head_dim)"),
-        Key("causal", bool, "axis", doc="bottom-right aligned causal mask"),
+        Key("causal", bool, "axis",
+            doc="banded mask with runtime bounds: causal (bottom-right aligned) and sliding windows"),
+        Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
         Key("block_m", int, "tile", allowed=(128, 192), doc="query rows per CTA tile (64 x consumer_wgs)"),
         Key("block_n", int, "tile", check=_block_n, doc="key rows per K/V stage"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="K/V ring depth"),
@@ -183,7 +197,7 @@ FAMILY = FwdFamily(
         Key("overlap", bool, "knob", default=True, doc="intra-warpgroup GEMM/softmax overlap (Algorithm 2)"),
         Key("persistent", bool, "knob", default=True, doc="persistent grid (#SMs CTAs)"),
     ),
-    tile_match=("head_dim", "dtype", "causal"),
+    tile_match=("head_dim", "dtype", "causal", "softcap"),
     tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),
-    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal"),
+    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal", "softcap"),
 )

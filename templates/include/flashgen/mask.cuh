@@ -1,7 +1,12 @@
-// Sequence-end and causal masking of the score block S of FA3's Algorithm 1 (arXiv 2407.08608),
-// as in FlashAttention-2: K/V blocks fully past the diagonal are never loaded, only blocks that
-// cross it or the sequence end are masked. Causal is bottom-right aligned: query row i sees keys
-// up to i + seqlen_k - seqlen_q.
+// Masking of the score block S of FA3's Algorithm 1 (arXiv 2407.08608), as in FlashAttention-2/3:
+// K/V blocks entirely outside a row block's mask are never loaded, only blocks that cross a mask
+// edge or the sequence end are masked element by element.
+//
+// Banded masks (FA3's causal and local, bottom-right aligned): with off = seqlen_k - seqlen_q,
+// query row i sees the keys j < seqlen_k with i + off - left <= j <= i + off + right. Causal is
+// (left, right) = (unbounded, 0); an unbounded side is passed as seqlen_k (left) or seqlen_q
+// (right), which reaches past every key. The runtime normalises FA3's window_size into (left,
+// right) (flashgen.core.mask_spec). Unbanded variants mask only the sequence end.
 //
 // Accumulator layout (m64nN fp32, one thread of a warpgroup): rows row0 and row0 + 8, where row0 is
 // the warp's 16-row slice + lane / 4; columns 8j + 2(lane % 4) + e at register 4j + 2 * half + e.
@@ -9,41 +14,88 @@
 
 namespace flashgen {
 
-template <int BlockM, int BlockN, bool Causal>
-struct BlockMask {
+// floor(a / b) for b > 0 and any a.
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((b - 1 - a) / b); }
+
+struct IndexRange {
+  int begin;
+  int end;  // exclusive; end <= begin: empty
+  __device__ __forceinline__ int count() const { return max(0, end - begin); }
+};
+
+// The band of keys each query row sees (see the top of this file).
+struct Band {
   int seqlen_q;
   int seqlen_k;
+  int left;
+  int right;
 
-  // Tile m attends to K/V blocks [0, n_blocks(m)).
-  __device__ __forceinline__ int n_blocks(int m) const {
-    int n = (seqlen_k + BlockN - 1) / BlockN;
-    if constexpr (Causal) {
-      const int x = (m + 1) * BlockM + seqlen_k - seqlen_q;
-      n = min(n, x <= 0 ? 0 : (x + BlockN - 1) / BlockN);
-    }
-    return n;
+  __device__ __forceinline__ int key_lo(int query) const { return query + seqlen_k - seqlen_q - left; }
+  __device__ __forceinline__ int key_hi(int query) const { return query + seqlen_k - seqlen_q + right; }  // inclusive
+
+  // Blocks [begin, end) of size B along one axis overlapping the band of the rows [r0, r1] of the
+  // other block size: the key blocks of query rows [r0, r1], or (transposed) the query blocks of
+  // key rows [r0, r1], whose band is the inverse one (lo = r0 - off - right, hi = r1 - off + left).
+  template <int B>
+  __device__ __forceinline__ IndexRange key_blocks(int q0, int q1, int num_blocks) const {
+    return {max(0, floor_div(key_lo(q0), B)), min(num_blocks, floor_div(key_hi(q1), B) + 1)};
+  }
+  template <int B>
+  __device__ __forceinline__ IndexRange query_blocks(int k0, int k1, int num_blocks) const {
+    const int off = seqlen_k - seqlen_q;
+    return {max(0, floor_div(k0 - off - right, B)), min(num_blocks, floor_div(k1 - off + left, B) + 1)};
   }
 
-  // Whether block n of tile m has a masked element: it crosses the sequence end or the diagonal.
+  // Whether the block of query rows [q0, q1] and keys [k0, k1] crosses an edge of the band.
+  __device__ __forceinline__ bool crosses(int q0, int q1, int k0, int k1) const {
+    return k1 > key_hi(q0) || k0 < key_lo(q1);
+  }
+  __device__ __forceinline__ bool visible(int key, int query) const {
+    return key < seqlen_k && key >= key_lo(query) && key <= key_hi(query);
+  }
+};
+
+// The forward's view: S (rows queries, columns keys) of query block m and key block n.
+template <int BlockM, int BlockN, bool Banded>
+struct BlockMask {
+  Band band;
+
+  // Tile m attends to K/V blocks [begin, end).
+  __device__ __forceinline__ IndexRange n_range(int m) const {
+    const int num_n = (band.seqlen_k + BlockN - 1) / BlockN;
+    if constexpr (Banded) return band.key_blocks<BlockN>(m * BlockM, (m + 1) * BlockM - 1, num_n);
+    return {0, num_n};
+  }
+
+  // Whether block n of tile m has a masked element: it crosses the sequence end or a band edge
+  // (rows past seqlen_q do not count: their output is never stored).
   __device__ __forceinline__ bool needs_mask(int n, int m) const {
-    const bool ragged = (n + 1) * BlockN > seqlen_k;
-    if constexpr (Causal) return ragged || ((n + 1) * BlockN - 1 > m * BlockM + seqlen_k - seqlen_q);
+    const bool ragged = (n + 1) * BlockN > band.seqlen_k;
+    if constexpr (Banded)
+      return ragged || band.crosses(m * BlockM, min((m + 1) * BlockM, band.seqlen_q) - 1, n * BlockN, (n + 1) * BlockN - 1);
     return ragged;
   }
 
-  // S[i][j] = -inf where key j is past the sequence end or (causal) after query i's diagonal.
-  // row0: this thread's first query row (global), n: the K/V block of S.
+  // S[i][j] = -inf where key j is past the sequence end or outside query i's band.
+  // row0: this thread's first query row (global), n: the K/V block of S. (The band test is on
+  // col - row against two constants, so no per-row bound stays live across the main loop: with
+  // per-row bounds hoisted, head_dim 256 spilled.)
   __device__ __forceinline__ void apply(float (&s)[BlockN / 2], int n, int row0, int lane) const {
     const int col0 = n * BlockN + 2 * (lane % 4);
+    const int diag = col0 - row0;  // col - row of register 0
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      int limit = seqlen_k;
-      if constexpr (Causal) limit = min(limit, row0 + 8 * h + 1 + seqlen_k - seqlen_q);
 #pragma unroll
       for (int j = 0; j < BlockN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          if (col0 + 8 * j + e >= limit) s[4 * j + 2 * h + e] = -INFINITY;
+          const int col = col0 + 8 * j + e;
+          bool out = col >= band.seqlen_k;
+          if constexpr (Banded) {
+            const int d = diag + 8 * j + e - 8 * h;  // key - query
+            out = out || d > band.seqlen_k - band.seqlen_q + band.right || d < band.seqlen_k - band.seqlen_q - band.left;
+          }
+          if (out) s[4 * j + 2 * h + e] = -INFINITY;
         }
       }
     }
@@ -52,43 +104,35 @@ struct BlockMask {
 
 // The backward's view (FA3's backward, one CTA per K/V block): the transposed score block S^T
 // (rows are keys, columns queries) of key block n and query block m.
-template <int BlockM, int BlockN, bool Causal>
+template <int BlockM, int BlockN, bool Banded>
 struct BwdBlockMask {
-  int seqlen_q;
-  int seqlen_k;
+  Band band;
 
-  // Key block n is seen by query blocks [m_block_begin(n), num_m_blocks): under the causal mask
-  // the first query row that sees key n * BlockN is n * BlockN - (seqlen_k - seqlen_q).
-  __device__ __forceinline__ int m_block_begin(int n) const {
-    if constexpr (Causal) {
-      const int first_row = n * BlockN - (seqlen_k - seqlen_q);
-      return first_row <= 0 ? 0 : first_row / BlockM;
-    }
-    return 0;
+  // Key block n (of num_m query blocks) is seen by query blocks [begin, end).
+  __device__ __forceinline__ IndexRange m_range(int n, int num_m) const {
+    if constexpr (Banded) return band.query_blocks<BlockM>(n * BlockN, (n + 1) * BlockN - 1, num_m);
+    return {0, num_m};
   }
 
-  // The last of the num_n key blocks whose CTA visits query block m (the inverse of
-  // m_block_begin: key block n visits m iff n <= last_n_block(m)).
-  __device__ __forceinline__ int last_n_block(int m, int num_n) const {
-    if constexpr (Causal) {
-      const int x = (m + 1) * BlockM + seqlen_k - seqlen_q;  // key blocks starting below x
-      return min(num_n - 1, (x + BlockN - 1) / BlockN - 1);
-    }
-    return num_n - 1;
+  // The key blocks (of num_n) whose CTAs visit query block m: the inverse of m_range (key block n
+  // visits m iff n is in n_range(m), padded query rows included, as m_range counts them).
+  __device__ __forceinline__ IndexRange n_range(int m, int num_n) const {
+    if constexpr (Banded) return band.key_blocks<BlockN>(m * BlockM, (m + 1) * BlockM - 1, num_n);
+    return {0, num_n};
   }
 
-  // Whether block (n, m) has a masked element: it crosses the sequence end or the diagonal.
+  // Whether block (n, m) has a masked element: it crosses the sequence end or a band edge.
   __device__ __forceinline__ bool needs_mask(int n, int m) const {
-    const bool ragged = (n + 1) * BlockN > seqlen_k;
-    if constexpr (Causal) return ragged || ((n + 1) * BlockN - 1 > m * BlockM + seqlen_k - seqlen_q);
+    const bool ragged = (n + 1) * BlockN > band.seqlen_k;
+    if constexpr (Banded) return ragged || band.crosses(m * BlockM, (m + 1) * BlockM - 1, n * BlockN, (n + 1) * BlockN - 1);
     return ragged;
   }
 
   // Whether query `query` sees key `key` (both global rows; queries past seqlen_q are handled by
   // their LSE, which the backward's preprocess sets to +inf).
   __device__ __forceinline__ bool visible(int key, int query) const {
-    if constexpr (Causal) return key < seqlen_k && key <= query + seqlen_k - seqlen_q;
-    return key < seqlen_k;
+    if constexpr (Banded) return band.visible(key, query);
+    return key < band.seqlen_k;
   }
 };
 

@@ -105,6 +105,14 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_addr, uin
   return d;
 }
 
+// ---------------------------------------------------------------- math
+// tanh(x) by the MUFU unit (PTX tanh.approx.f32, sm_75+; max relative error about 2^-11): softcap.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---------------------------------------------------------------- global reductions and flags
 // Four adjacent fp32 additions to global memory in one vector reduction (PTX ISA 8.1+, sm_90):
 // the backward's dQ accumulation. Relaxed, gpu scope; p 16-byte aligned.

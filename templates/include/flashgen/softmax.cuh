@@ -21,6 +21,15 @@ __device__ __forceinline__ void negate_if(float (&s)[R], bool neg) {
   }
 }
 
+// Softcap (FA3; Gemma 2's logit soft-capping): S <- tanh(S * softcap_scale), softcap_scale =
+// softmax_scale / softcap, before masking; the softmax then runs with scale_log2 = softcap * log2(e),
+// so the logits are softcap * tanh(softmax_scale * q.k / softcap).
+template <int R>
+__device__ __forceinline__ void apply_softcap(float (&s)[R], float softcap_scale) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) s[i] = tanh_approx(s[i] * softcap_scale);
+}
+
 // Multiply each row of an m64nN accumulator (R = N/2 registers) by its factor.
 template <int R>
 __device__ __forceinline__ void rescale_rows(float (&acc)[R], const float (&f)[2]) {
@@ -75,17 +84,29 @@ struct OnlineSoftmax {
   }
 
   // End of the row: O /= row sum (reduced over the quad) and lse = natural-log sum-exp of the
-  // scaled scores. A row with nothing attended (or a NaN sum) gets O = 0 and lse = -inf.
+  // scaled scores. sink_log2: a learnable sink's logit times log2(e) (-inf: none), one more term
+  // exp(sink) of every row's denominator that adds nothing to O (gpt-oss; FA4's learnable_sink).
+  // A row with nothing attended and no sink (or a NaN sum) gets O = 0 and lse = -inf; with a sink,
+  // O = 0 and lse = sink.
   template <int R>
-  __device__ __forceinline__ void finalize(float (&o)[R], float scale_log2, float (&lse)[2]) {
+  __device__ __forceinline__ void finalize(float (&o)[R], float scale_log2, float (&lse)[2],
+                                           float sink_log2 = -INFINITY) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = row_sum[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
+      float m = row_max[h] == -INFINITY ? -INFINITY : row_max[h] * scale_log2;
+      float a = 1.f;  // O's and l's factor for the new maximum max(m, sink)
+      if (sink_log2 != -INFINITY) {
+        const float mx = fmaxf(m, sink_log2);
+        a = exp2f(m - mx);  // 0 when m = -inf
+        l = l * a + exp2f(sink_log2 - mx);
+        m = mx;
+      }
       const bool empty = !(l > 0.f);
-      scale[h] = empty ? 0.f : 1.f / l;
-      lse[h] = empty ? -INFINITY : (row_max[h] * scale_log2 + __log2f(l)) * 0.6931471805599453f;
+      scale[h] = empty ? 0.f : a / l;
+      lse[h] = empty ? -INFINITY : (m + __log2f(l)) * 0.6931471805599453f;
     }
     rescale_rows(o, scale);
   }
