@@ -18,6 +18,11 @@ the kernels' TMA requirements, docs/CONTRACTS.md §2):
 * a TMA descriptor can address an array when its last dim has stride 1, every other
   stride is a multiple of 16 bytes, no stride is negative or a broadcast 0, and its base
   address is 16-byte aligned (CUDA driver API, ``cuTensorMapEncodeTiled``).
+* ``window_size`` (FA3's sliding window): a pair (left, right) of ints >= -1 or None;
+  ``softcap``: a finite real >= 0 (0 = off); ``learnable_sink``: float32 ``(heads,)`` on q's
+  device (:func:`window_size_problems`, :func:`softcap_problems`,
+  :func:`learnable_sink_problems`). qv, fp8 descales and attention_chunk are refused with
+  NotImplementedError (:func:`feature_problems`).
 * the backward (:func:`backward_problems`) also takes dout and out, both of out's shape
   ``(batch, seqlen_q, heads, head_dim_v)`` and q's dtype and device, and the forward's lse
   (float32 ``(batch, heads, seqlen_q)``, C-contiguous); it needs head_dim_v == head_dim
@@ -53,6 +58,10 @@ __all__ = [
     "HEAD_DIM_MULTIPLE",
     "check_features",
     "feature_problems",
+    "window_size_problems",
+    "window_pair",
+    "softcap_problems",
+    "learnable_sink_problems",
     "check_softmax_scale",
     "softmax_scale_problems",
     "check_inputs",
@@ -186,6 +195,89 @@ def raise_problems(problems: Sequence[tuple], context: str = "") -> None:
 
 
 # --------------------------------------------------------------------------------------
+# Mask, softcap, learnable sink (FA3's window_size / softcap; gpt-oss / FA4 sinks)
+# --------------------------------------------------------------------------------------
+
+_WINDOW_EXPECTED = "a pair (left, right), each an int >= -1 or None (-1 / None: unbounded)"
+
+
+def _is_int(x) -> bool:
+    """An int, not a bool: Python / numpy ints, and torch's symbolic ints (``torch.SymInt``, what a
+    traced int argument becomes under ``torch.compile(dynamic=True)``; torch is not imported here)."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, numbers.Integral) or (type(x).__name__ == "SymInt" and type(x).__module__.startswith("torch"))
+
+
+def window_size_problems(window_size) -> list:
+    """The problems (see :func:`raise_problems`) of a ``window_size`` (FA3's sliding window).
+
+    Valid: a tuple or list ``(left, right)`` whose entries are each an int >= -1 or None (-1 and
+    None mean unbounded on that side; ``(-1, -1)`` is no window). TypeError for anything not a
+    tuple/list or an entry that is not an int (bools are refused), ValueError for a tuple/list
+    of another length or an entry < -1; each message names ``window_size``."""
+    if not isinstance(window_size, (tuple, list)):
+        return [(TypeError, f"window_size must be {_WINDOW_EXPECTED}, got {type(window_size).__name__} "
+                            f"{window_size!r}")]
+    if len(window_size) != 2:
+        return [(ValueError, f"window_size must be {_WINDOW_EXPECTED}, got {len(window_size)} entries: "
+                             f"{tuple(window_size)!r}")]
+    P: list = []
+    for i, (side, x) in enumerate(zip(("left", "right"), window_size)):
+        if x is None:
+            continue
+        if not _is_int(x):
+            P.append((TypeError, f"window_size[{i}] ({side}) must be an int >= -1 or None (-1 / None: "
+                                 f"unbounded), got {type(x).__name__} {x!r}"))
+        elif x < -1:
+            P.append((ValueError, f"window_size[{i}] ({side}) must be an int >= -1 or None (-1 / None: "
+                                  f"unbounded), got {x}"))
+    return P
+
+
+def window_pair(window_size) -> tuple:
+    """``(left, right)`` as Python ints, None -> -1, of a window_size that passed
+    :func:`window_size_problems` (the form of the ops' ``window_left`` / ``window_right``)."""
+    left, right = window_size
+    return (-1 if left is None else int(left), -1 if right is None else int(right))
+
+
+def softcap_problems(softcap) -> list:
+    """The problems (see :func:`raise_problems`) of a ``softcap`` (FA3 / Gemma 2 logit soft-capping).
+
+    Valid: a real number (int or float, not bool), finite and >= 0; 0 turns it off. TypeError for
+    a non-number, ValueError for NaN / inf / a negative value; each message names ``softcap``."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        return [(TypeError, f"softcap must be a real number (float) >= 0 (0 = off), got {type(softcap).__name__}")]
+    if not 0.0 <= float(softcap) < math.inf:  # NaN, inf, negative (comparisons only: traceable by torch.compile)
+        return [(ValueError, f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")]
+    return []
+
+
+def learnable_sink_problems(sink: ArrayInfo, problem: "Problem", ptr: Optional[int] = None, *,
+                            contiguous: bool = False) -> list:
+    """The problems (see :func:`raise_problems`) of a ``learnable_sink`` for valid q, k, v
+    (``problem`` from :func:`check_inputs`): float32 (TypeError), shape ``(heads,)`` and on q's
+    CUDA device (ValueError). ``contiguous`` (the DLPack entry, which makes no copies): it must
+    also be C-contiguous (stride 1) and its address ``ptr`` (bytes; skipped when None) 4-byte
+    aligned (ValueError). Each message names ``learnable_sink``."""
+    P = _device_problems("learnable_sink", sink, problem)
+    shape = (problem.heads,)
+    shape_ok = tuple(sink.shape) == shape
+    if not shape_ok:
+        P.append((ValueError, f"learnable_sink must have shape (heads,) = {_fmt_shape(shape)} (one logit per "
+                              f"query head), got {_fmt_shape(sink.shape)}"))
+    if sink.dtype != "fp32":
+        P.append((TypeError, f"learnable_sink must have dtype float32, got {sink.dtype_repr}"))
+    if contiguous and shape_ok and not is_c_contiguous(sink.shape, sink.strides):
+        P.append((ValueError, f"learnable_sink must be C-contiguous (stride 1), got strides {tuple(sink.strides)}; "
+                              "pass a contiguous copy"))
+    if contiguous and ptr is not None and ptr % 4:
+        P.append((ValueError, f"learnable_sink's base address 0x{ptr:x} is not 4-byte aligned"))
+    return P
+
+
+# --------------------------------------------------------------------------------------
 # Arguments no built variant serves yet
 # --------------------------------------------------------------------------------------
 
@@ -199,21 +291,10 @@ def feature_problems(
     qv=None,
     attention_chunk=0,
 ) -> list:
-    """The problems (see :func:`raise_problems`) of :func:`check_features`'s arguments."""
-    P: list = []
-    if window_size is not None:
-        try:
-            left, right = window_size
-        except (TypeError, ValueError):
-            P.append((TypeError, f"window_size must be a pair (left, right) of ints, got {window_size!r}"))
-        else:
-            if (left, right) != (-1, -1):
-                P.append((NotImplementedError,
-                          f"window_size={tuple(window_size)!r} (sliding-window / local attention) is not "
-                          "supported yet: no built variant implements it; use window_size=(-1, -1)"))
-    if softcap is not None and softcap != 0:
-        P.append((NotImplementedError, f"softcap={softcap!r} is not supported yet: no built variant "
-                                       "implements logit soft-capping; use softcap=0.0"))
+    """The problems (see :func:`raise_problems`) of :func:`check_features`'s arguments: those of
+    ``window_size`` (:func:`window_size_problems`) and ``softcap`` (:func:`softcap_problems`),
+    then NotImplementedError for each FA3 feature no variant implements yet."""
+    P: list = window_size_problems(window_size) + softcap_problems(softcap)
     for name, val in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if val is not None:
             P.append((NotImplementedError, f"{name} is not supported yet: descaling belongs to the fp8 "
@@ -227,15 +308,15 @@ def feature_problems(
 
 
 def check_features(**features) -> None:
-    """Refuse FA3 arguments that no flashgen variant implements yet.
+    """Check FA3's optional arguments; refuse those no flashgen variant implements yet.
 
     Keywords: ``window_size``, ``softcap``, ``q_descale``, ``k_descale``, ``v_descale``, ``qv``,
-    ``attention_chunk`` (see :func:`feature_problems`). Raises NotImplementedError naming the
-    argument for: ``window_size`` other than ``(-1, -1)`` (sliding-window / local attention),
-    ``softcap`` other than 0, any of ``q_descale`` / ``k_descale`` / ``v_descale`` (fp8
-    descaling), ``qv`` (absorbed MLA) and ``attention_chunk`` other than 0; TypeError for a
-    window_size that is not a pair; :class:`InputError` for both kinds at once. Every problem
-    is listed (see :func:`raise_problems`).
+    ``attention_chunk`` (see :func:`feature_problems`). ``window_size`` and ``softcap`` are
+    implemented and checked for type and value (TypeError / ValueError naming them, see
+    :func:`window_size_problems`, :func:`softcap_problems`). NotImplementedError naming the
+    argument for any of ``q_descale`` / ``k_descale`` / ``v_descale`` (fp8 descaling), ``qv``
+    (absorbed MLA) and ``attention_chunk`` other than 0; :class:`InputError` for several kinds
+    at once. Every problem is listed (see :func:`raise_problems`).
     """
     raise_problems(feature_problems(**features))
 

@@ -186,15 +186,17 @@ def _tensor_arg(a: _Array, dtype: str, device: int):
     return _core.TensorArg(a.ptr, shape, _v.tma_strides(shape, a.info.strides), dtype, device)
 
 
-def _read_inputs(named, dl_stream: int, softmax_scale) -> tuple:
+def _read_inputs(named, dl_stream: int, softmax_scale, window_size=(-1, -1), softcap=0.0) -> tuple:
     """``(arrays, Problem, scale)``: the first checks of both entries.
 
     Reads the ``(name, obj)`` pairs (which include q, k and v) into ``{name: _Array}``; raises
-    one error naming every argument that is no DLPack array and every problem of q, k, v and
-    softmax_scale (the same messages as flash_attn_func's); then checks the GPU (Hopper).
-    ``scale``: softmax_scale as a float, None resolved to ``head_dim ** -0.5``."""
+    one error naming every argument that is no DLPack array and every problem of q, k, v,
+    softmax_scale, window_size and softcap (the same messages as flash_attn_func's); then
+    checks the GPU (Hopper). ``scale``: softmax_scale as a float, None resolved to
+    ``head_dim ** -0.5``."""
     arrays, not_arrays = _read_all(named, dl_stream)
-    scale_problems = _v.softmax_scale_problems(softmax_scale)
+    scale_problems = (_v.softmax_scale_problems(softmax_scale) + _v.window_size_problems(window_size)
+                      + _v.softcap_problems(softcap))
     if not_arrays:
         infos = [arrays[name].info if name in arrays else None for name in ("q", "k", "v")]
         _v.raise_problems(not_arrays + _v.input_problems(*infos) + scale_problems)
@@ -286,12 +288,13 @@ def _workspace(like: Any, device: int, handle: int, dl_stream: int, nbytes: int,
     return ws, _read("workspace", ws, dl_stream).ptr
 
 
-# Driver memsets for the empty cases (forward, seqlen_k == 0: out = 0, lse = -inf; backward: zero
-# gradients), framework-neutral.
+# Driver memsets and copies for the empty cases (forward, seqlen_k == 0: out = 0, lse = -inf or the
+# sink; backward: zero gradients), framework-neutral.
 # Module-level so CPU tests can replace them with host memsets.
 
-def _memset(device: int, what: str, *args) -> None:
-    """One driver memset (``cu<what>``) in ``device``'s primary context; the caller's context is restored."""
+def _driver_op(device: int, what: str, *args) -> None:
+    """One asynchronous driver memset or copy (``cu<what>``) in ``device``'s primary context; the
+    caller's context is restored."""
     from . import launch
 
     d = launch._driver()
@@ -302,19 +305,19 @@ def _memset(device: int, what: str, *args) -> None:
 def _memset8(device: int, ptr: int, nbytes: int, stream: int) -> None:
     from cuda.bindings import driver as d
 
-    _memset(device, "MemsetD8Async", d.CUdeviceptr(ptr), 0, nbytes, d.CUstream(stream))
+    _driver_op(device, "MemsetD8Async", d.CUdeviceptr(ptr), 0, nbytes, d.CUstream(stream))
 
 
 def _memset2d8(device: int, ptr: int, pitch: int, width: int, height: int, stream: int) -> None:
     from cuda.bindings import driver as d
 
-    _memset(device, "MemsetD2D8Async", d.CUdeviceptr(ptr), pitch, 0, width, height, d.CUstream(stream))
+    _driver_op(device, "MemsetD2D8Async", d.CUdeviceptr(ptr), pitch, 0, width, height, d.CUstream(stream))
 
 
 def _memset32(device: int, ptr: int, value: int, count: int, stream: int) -> None:
     from cuda.bindings import driver as d
 
-    _memset(device, "MemsetD32Async", d.CUdeviceptr(ptr), value, count, d.CUstream(stream))
+    _driver_op(device, "MemsetD32Async", d.CUdeviceptr(ptr), value, count, d.CUstream(stream))
 
 
 def _zero(a: _Array, p: _v.Problem, handle: int) -> None:
@@ -339,10 +342,56 @@ def _zero(a: _Array, p: _v.Problem, handle: int) -> None:
                 _memset2d8(p.device, base, ss * es, d * es, s, handle)
 
 
-def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int) -> None:
-    """out = 0 and lse = -inf on ``handle``'s stream (seqlen_k == 0: every row sees no key)."""
+def _memcpy2d(device: int, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+              stream: int) -> None:
+    """Device-to-device copy of ``height`` rows of ``width`` bytes (row r from ``src + r * src_pitch``
+    to ``dst + r * dst_pitch``) on ``stream``."""
+    from cuda.bindings import driver as d
+
+    c = d.CUDA_MEMCPY2D()
+    c.srcMemoryType = c.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    c.srcDevice, c.srcPitch = d.CUdeviceptr(src), src_pitch
+    c.dstDevice, c.dstPitch = d.CUdeviceptr(dst), dst_pitch
+    c.WidthInBytes, c.Height = width, height
+    _driver_op(device, "Memcpy2DAsync", c, d.CUstream(stream))
+
+
+def _memcpy(device: int, dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Device-to-device copy of ``nbytes`` bytes on ``stream``."""
+    from cuda.bindings import driver as d
+
+    _driver_op(device, "MemcpyDtoDAsync", d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes, d.CUstream(stream))
+
+
+def _fill_lse_from_sink(device: int, lse_ptr: int, sink_ptr: int, batch: int, heads: int, seqlen_q: int,
+                        stream: int) -> None:
+    """``lse[b, h, i] = sink[h]`` for a C-contiguous float32 ``(batch, heads, seqlen_q)`` lse and a
+    contiguous float32 ``(heads,)`` sink, all on ``stream`` with device-to-device copies (no
+    kernel, no host round trip): sink into column 0 of batch 0, then the filled columns and the
+    filled batches doubled, 1 + ceil(log2 seqlen_q) + ceil(log2 batch) copies."""
+    row = seqlen_q * 4  # bytes per (b, h) row
+    _memcpy2d(device, lse_ptr, row, sink_ptr, 4, 4, heads, stream)  # lse[0, h, 0] = sink[h]
+    n = 1
+    while n < seqlen_q:  # columns [0, n) -> [n, n + w) of batch 0's rows
+        w = min(n, seqlen_q - n)
+        _memcpy2d(device, lse_ptr + n * 4, row, lse_ptr, row, w * 4, heads, stream)
+        n += w
+    slab = heads * row  # bytes per batch
+    m = 1
+    while m < batch:  # batches [0, m) -> [m, m + c)
+        c = min(m, batch - m)
+        _memcpy(device, lse_ptr + m * slab, lse_ptr, c * slab, stream)
+        m += c
+
+
+def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int, sink: Optional[_Array] = None) -> None:
+    """out = 0 and lse = -inf (or lse[b, h, :] = sink[h]) on ``handle``'s stream (seqlen_k == 0:
+    every row sees no key)."""
     _zero(out, p, handle)
-    _memset32(p.device, lse.ptr, _NEG_INF_F32_BITS, p.batch * p.heads * p.seqlen_q, handle)
+    if sink is None:
+        _memset32(p.device, lse.ptr, _NEG_INF_F32_BITS, p.batch * p.heads * p.seqlen_q, handle)
+    else:
+        _fill_lse_from_sink(p.device, lse.ptr, sink.ptr, p.batch, p.heads, p.seqlen_q, handle)
 
 
 # --------------------------------------------------------------------------------------
@@ -350,22 +399,34 @@ def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int) -
 # --------------------------------------------------------------------------------------
 
 def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal: bool = False,
+                       window_size=(-1, -1), softcap: float = 0.0, learnable_sink: Any = None,
                        stream: Any = None, out: Any = None, lse: Any = None):
     """FlashAttention-3 forward on DLPack arrays; returns ``(out, lse)``.
 
     Same computation, rules and errors as :func:`flashgen.interface.flash_attn_func`
     (FA3's ``flash_attn_func`` semantics; arXiv 2407.08608, §3, Algorithms 1-2), without
-    torch: ``out = softmax(softmax_scale * q k^T [+ bottom-right causal mask]) v`` per
-    (batch, head), GQA/MQA when heads_k divides heads.
+    torch: ``out = softmax(s [+ mask]) v`` per (batch, head), GQA/MQA when heads_k divides
+    heads, with logits ``s = softmax_scale * q k^T`` (``c * tanh(softmax_scale * q k^T / c)``
+    with softcap c > 0).
 
     Args:
         q: ``(batch, seqlen_q, heads, head_dim)`` CUDA array, float16 or bfloat16, any
             object with ``__dlpack__`` / ``__dlpack_device__`` (CuPy, JAX, torch, ...).
         k: ``(batch, seqlen_k, heads_k, head_dim)``; v: ``(batch, seqlen_k, heads_k,
-            head_dim_v)``; same dtype and device as q.
+            head_dim_v)``; same dtype and device as q. Head dims: multiples of 8 in 8..256,
+            served by the smallest built variant that covers them.
         softmax_scale: any finite float; None means ``head_dim ** -0.5``.
         causal: bottom-right aligned causal mask (row i sees keys ``j <= i + seqlen_k -
-            seqlen_q``; a row that sees no key gives 0 and lse -inf).
+            seqlen_q``; a row that sees no key gives 0 and lse -inf, or lse = sink).
+        window_size: ``(left, right)``, ints >= -1 or None (-1 / None: unbounded): FA3's
+            sliding window, bottom-right aligned: row i sees keys ``i + seqlen_k - seqlen_q -
+            left <= j <= i + seqlen_k - seqlen_q + right``; causal forces right = 0.
+        softcap: FA3 / Gemma 2 logit soft-capping, a finite float >= 0 (0 = off).
+        learnable_sink: None, or a float32 ``(heads,)`` C-contiguous array (stride 1; no copy
+            is made, so pass a contiguous one) on q's device: one logit per query head (gpt-oss;
+            FlashAttention-4), in the units of s, added to each row's softmax denominator only:
+            ``out_i = sum_j exp(s_ij - L_i) v_j``, ``L_i = log(exp(sink[h]) + sum_j exp(s_ij))``;
+            lse is L. Its gradient: see :func:`flash_attn_backward`.
         stream: where to launch: None (default) = the legacy default stream (handle 0, which
             synchronises with all blocking streams), an int CUstream handle, or a stream
             object (``__cuda_stream__``, torch.cuda.Stream, cupy.cuda.Stream). It is also
@@ -375,8 +436,8 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             device, written in place; its last dim must be contiguous and its other strides
             and base address 16-byte aligned (TMA store).
         lse: optional float32 C-contiguous ``(batch, heads, seqlen_q)`` array on q's
-            device, written in place (natural-log log-sum-exp of each row's scaled scores).
-            When out or lse is missing it is allocated: with torch when q is a torch
+            device, written in place (natural-log log-sum-exp of each row's logits, with the
+            sink). When out or lse is missing it is allocated: with torch when q is a torch
             tensor, else with CuPy (CuPy has no bfloat16: pass out for bf16 from JAX);
             without CuPy, pass both. Allocation happens on ``stream``.
 
@@ -387,14 +448,18 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     must have a contiguous last dim and 16-byte-aligned other strides and base address
     (TMA): packed-qkv slices and KV-cache prefixes qualify; other layouts raise ValueError
     (make them contiguous first). Empty problems (batch, seqlen_q or seqlen_k of 0) launch
-    no kernel (seqlen_k 0: out set to 0 and lse to -inf with driver memsets).
+    no kernel (seqlen_k 0: out set to 0 and lse to -inf with driver memsets, or lse[b, h, :]
+    to sink[h] with device-to-device copies).
 
     Raises:
         TypeError: an argument is not a DLPack array; dtypes unsupported or mismatched;
-            softmax_scale not a number; no allocator for missing outputs.
+            softmax_scale or softcap not a number; window_size not a tuple/list of ints or
+            None; learnable_sink not float32; no allocator for missing outputs.
         ValueError: arrays not in CUDA memory or not on one device; shapes (see
             :func:`flashgen.interface.flash_attn_func`); layouts TMA cannot address; out /
-            lse with the wrong shape, dtype, device, layout, or read-only.
+            lse with the wrong shape, dtype, device, layout, or read-only; softmax_scale /
+            softcap not finite, softcap < 0; window_size not of 2 entries or an entry < -1;
+            learnable_sink not of shape (heads,), not on q's device or not C-contiguous.
         RuntimeError: GPU not compute capability 9.x.
         NotImplementedError: fp8 dtypes.
         flashgen.InputError: problems of several of the kinds above at once (it is both a
@@ -403,25 +468,30 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             names the ``flashgen add-variant`` command that builds it.
 
     Every problem found is listed in the one error, one line each, with the same messages
-    as flash_attn_func's: first those of q, k, v and softmax_scale; once those are valid,
-    those of the layouts of q, k, v and of out / lse (which depend on q, k, v).
+    as flash_attn_func's: first those of q, k, v, softmax_scale, window_size and softcap;
+    once those are valid, those of the layouts of q, k, v, of out / lse and of
+    learnable_sink (which depend on q, k, v).
     """
     handle = _stream_handle(stream)  # first: reading the arrays needs it (DLPack handshake)
     dl_stream = _dlpack_stream(handle)
-    # Every problem of q, k, v and softmax_scale in one error (the same as flash_attn_func's).
-    arrays, p, scale = _read_inputs((("q", q), ("k", k), ("v", v)), dl_stream, softmax_scale)
+    # Every problem of q, k, v, softmax_scale, window_size and softcap in one error (as flash_attn_func's).
+    arrays, p, scale = _read_inputs((("q", q), ("k", k), ("v", v)), dl_stream, softmax_scale, window_size, softcap)
     qa, ka, va = arrays["q"], arrays["k"], arrays["v"]
     causal = bool(causal)
-    # Then what depends on valid q, k, v (their layouts; the outputs' expected shapes and
-    # dtype), in one error: checked before any output is allocated.
+    window, softcap = _v.window_pair(window_size), float(softcap)
+    # Then what depends on valid q, k, v (their layouts; the outputs' and the sink's expected
+    # shapes and dtype), in one error: checked before any output is allocated.
     problems = [] if p.nothing_to_compute or p.seqlen_k == 0 else _tma_read_problems((qa, ka, va), p)
-    arrays, not_arrays = _read_all([(n, x) for n, x in (("out", out), ("lse", lse)) if x is not None], dl_stream)
+    arrays, not_arrays = _read_all([(n, x) for n, x in (("out", out), ("lse", lse), ("learnable_sink", learnable_sink))
+                                    if x is not None], dl_stream)
     problems += not_arrays
-    oa, la = arrays.get("out"), arrays.get("lse")
+    oa, la, sa = arrays.get("out"), arrays.get("lse"), arrays.get("learnable_sink")
     if oa is not None:
         problems += _readonly(oa) + _v.out_problems(oa.info, p, oa.ptr)
     if la is not None:
         problems += _readonly(la) + _v.lse_problems(la.info, p, la.ptr)
+    if sa is not None:
+        problems += _v.learnable_sink_problems(sa.info, p, sa.ptr, contiguous=True)
     _v.raise_problems(problems)
     # Missing outputs: allocated (right by construction).
     (out, oa), (lse, la) = _allocate_missing(q, p.device, handle, dl_stream, [
@@ -430,7 +500,7 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     if p.nothing_to_compute:
         return out, lse
     if p.seqlen_k == 0:
-        _fill_attend_nothing(oa, la, p, handle)
+        _fill_attend_nothing(oa, la, p, handle, sa)
         return out, lse
     dev = p.device
     _core.attention_forward(
@@ -442,6 +512,9 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         scale,
         causal,
         handle,
+        window_size=window,
+        softcap=softcap,
+        sink=0 if sa is None else sa.ptr,
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     return out, lse
 
@@ -453,18 +526,28 @@ _GRADS = (("dq", "q_shape", "(batch, seqlen_q, heads, head_dim)"),
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[float] = None, causal: bool = False,
-                        deterministic: bool = False, stream: Any = None, dq: Any = None, dk: Any = None,
-                        dv: Any = None):
+                        window_size=(-1, -1), softcap: float = 0.0, deterministic: bool = False,
+                        stream: Any = None, dq: Any = None, dk: Any = None, dv: Any = None):
     """Gradients of the FlashAttention-3 forward on DLPack arrays; returns ``(dq, dk, dv)``.
 
-    For ``out = softmax(softmax_scale * q k^T [+ bottom-right causal mask]) v`` per (batch,
-    head) (:func:`flash_attn_forward`, GQA/MQA when heads_k divides heads) and the gradient
-    ``dout`` of a loss with respect to out, computes the loss's gradients with respect to q, k
-    and v. Method: the FlashAttention-2/3 backward (FA2 arXiv 2307.08691, Algorithm 2; FA3
-    arXiv 2407.08608): P is recomputed from the forward's lse, ``dV = P^T dO``,
-    ``dS = P ∘ (dP − rowsum(dO ∘ O))`` with ``dP = dO V^T``, ``dQ = scale dS K``,
-    ``dK = scale dS^T Q``, in fp32; dk and dv of a GQA group are summed over its query heads.
-    Three kernels run on ``stream``; nothing synchronises with the host.
+    For ``out = softmax(s [+ mask]) v`` per (batch, head) (:func:`flash_attn_forward`: logits
+    ``s = softmax_scale * q k^T``, or ``c * tanh(softmax_scale * q k^T / c)`` with softcap c;
+    bottom-right aligned causal / sliding-window mask; GQA/MQA when heads_k divides heads) and
+    the gradient ``dout`` of a loss with respect to out, computes the loss's gradients with
+    respect to q, k and v. Method: the FlashAttention-2/3 backward (FA2 arXiv 2307.08691,
+    Algorithm 2; FA3 arXiv 2407.08608): P is recomputed from the forward's lse, ``dV = P^T dO``,
+    ``dS = P ∘ (dP − rowsum(dO ∘ O))`` with ``dP = dO V^T`` (times the tanh's derivative
+    ``1 - (s / c)^2`` with softcap), ``dQ = scale dS K``, ``dK = scale dS^T Q``, in fp32; dk and
+    dv of a GQA group are summed over its query heads. Three kernels run on ``stream``; nothing
+    synchronises with the host.
+
+    Learnable sinks: a forward run with ``learnable_sink`` needs nothing more here (its lse
+    includes the sink, and dq, dk, dv follow from it). The sink's own gradient is not computed
+    here; callers who train sinks compute it from the same arrays (float32; rows with
+    lse = -inf contribute 0)::
+
+        dPsum[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d]
+        d_sink[h] = -sum_{b, i} exp(sink[h] - lse[b, h, i]) * dPsum[b, h, i]
 
     Args:
         dout: ``(batch, seqlen_q, heads, head_dim)`` CUDA array of q's dtype and device (any
@@ -473,7 +556,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[floa
             with head_dim_v == head_dim (NotImplementedError otherwise).
         out: the forward's output, ``(batch, seqlen_q, heads, head_dim)`` of q's dtype.
         lse: the forward's log-sum-exp, float32 C-contiguous ``(batch, heads, seqlen_q)``.
-        softmax_scale, causal: the forward's (None means ``head_dim ** -0.5``).
+        softmax_scale, causal, window_size, softcap: the forward's (softmax_scale None means
+            ``head_dim ** -0.5``; window_size and softcap checked as in
+            :func:`flash_attn_forward`).
         deterministic: bitwise-reproducible gradients (dq's fp32 accumulation runs in a fixed
             order, at some cost in speed); otherwise results may differ in the last bits from
             run to run.
@@ -497,29 +582,34 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[floa
 
     Raises:
         TypeError: an argument is not a DLPack array; dtypes unsupported or mismatched (dout,
-            out, dq, dk, dv must have q's dtype; lse float32); softmax_scale not a number; no
-            allocator for missing gradients or the workspace (neither torch arrays nor CuPy).
+            out, dq, dk, dv must have q's dtype; lse float32); softmax_scale or softcap not a
+            number; window_size not a tuple/list of ints or None; no allocator for missing
+            gradients or the workspace (neither torch arrays nor CuPy).
         ValueError: arrays not in CUDA memory or not on q's device; shapes of q, k, v (see
             :func:`flashgen.interface.flash_attn_func`), of dout / out (q's), of lse, of dq /
-            dk / dv; layouts TMA cannot address; lse not C-contiguous; a gradient read-only.
+            dk / dv; layouts TMA cannot address; lse not C-contiguous; a gradient read-only;
+            softmax_scale / softcap not finite, softcap < 0; window_size not of 2 entries or
+            an entry < -1.
         NotImplementedError: head_dim_v != head_dim; fp8 dtypes.
         RuntimeError: GPU not compute capability 9.x.
         flashgen.InputError: problems of several of the kinds above at once (it is both a
             ValueError and a TypeError).
         flashgen.core.MissingVariantError: no built bwd variant serves (dtype, head_dim,
-            causal); the message names the ``flashgen add-variant`` command that builds it.
+            mask, softcap); the message names the ``flashgen add-variant`` command that builds it.
 
     Every problem found is listed in the one error, one line each: first those of q, k, v,
-    softmax_scale and of any argument that is no DLPack array; once q, k, v are valid, those
+    softmax_scale, window_size, softcap and of any argument that is no DLPack array; once q, k, v are valid, those
     of dout, out, lse, the layouts and dq, dk, dv (which depend on q, k, v).
     """
     caller = "flash_attn_backward: "
     handle = _stream_handle(stream)  # first: reading the arrays needs it (DLPack handshake)
     dl_stream = _dlpack_stream(handle)
     names = ("dout", "q", "k", "v", "out", "lse")
-    arrays, p, scale = _read_inputs(tuple(zip(names, (dout, q, k, v, out, lse))), dl_stream, softmax_scale)
+    arrays, p, scale = _read_inputs(tuple(zip(names, (dout, q, k, v, out, lse))), dl_stream, softmax_scale,
+                                    window_size, softcap)
     doa, qa, ka, va, oa, la = (arrays[name] for name in names)
     causal, deterministic = bool(causal), bool(deterministic)
+    window, softcap = _v.window_pair(window_size), float(softcap)
     computes = not (p.nothing_to_compute or p.seqlen_k == 0)
     # What depends on valid q, k, v, in one error, before any allocation.
     problems = _v.backward_problems(p, doa.info, oa.info, la.info, la.ptr)
@@ -536,7 +626,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[floa
     _v.raise_problems(problems)
     if computes:  # the variant first (MissingVariantError before any allocation), then the workspace
         nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
-                                                causal, p.device)
+                                                causal, p.device, seqlen_k=p.seqlen_k, window_size=window,
+                                                softcap=softcap)
         workspace, workspace_ptr = _workspace(q, p.device, handle, dl_stream, nbytes, caller)
     # Missing gradients: allocated (right by construction).
     made = _allocate_missing(q, p.device, handle, dl_stream, [
@@ -558,6 +649,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[floa
         deterministic,
         handle,
         workspace_ptr,
+        window_size=window,
+        softcap=softcap,
     )  # three launches on `handle`; the workspace is released after them (stream-ordered)
     del workspace
     return dq, dk, dv

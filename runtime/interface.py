@@ -9,10 +9,12 @@ backward (recompute P from the forward's LSE, ``dS = P ∘ (dP − rowsum(dO ∘
 Two ops, registered with ``torch.library.custom_op``, each with a fake (meta)
 implementation:
 
-* ``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False) -> (out, lse)``,
-  whose autograd formula saves q, k, v, out and lse (no more) and calls
-* ``torch.ops.flashgen.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
-  -> (dq, dk, dv)``.
+* ``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
+  window_right=-1, softcap=0.0, learnable_sink=None) -> (out, lse)``, whose autograd formula
+  saves q, k, v, out and lse (and learnable_sink when given; no more) and calls
+* ``torch.ops.flashgen.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
+  window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``; the sink's gradient is
+  computed with torch ops (:func:`_sink_grad`).
 
 So that
 
@@ -140,32 +142,48 @@ def _tma_arg(t: torch.Tensor, dtype: str, device: int) -> tuple:
 
 
 # --------------------------------------------------------------------------------------
-# The op
+# The ops
 # --------------------------------------------------------------------------------------
+
+def _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink) -> _v.Problem:
+    """q, k, v, the window and softcap checked together (every problem in one error), then
+    learnable_sink (whose expected shape and device come from q); returns the Problem."""
+    p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v),
+                        also=_v.window_size_problems((window_left, window_right)) + _v.softcap_problems(softcap))
+    if learnable_sink is not None:
+        _v.raise_problems(_v.learnable_sink_problems(_array_info(learnable_sink), p))
+    return p
+
 
 def _fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-    deterministic: bool = False,
+    deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False) -> (out, lse)``.
+    """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
+    window_right=-1, softcap=0.0, learnable_sink=None) -> (out, lse)``.
 
     The registered op behind :func:`flash_attn_func`; same arguments (softmax_scale already
-    resolved to a float), always returns ``(out, lse)``: out contiguous
-    ``(batch, seqlen_q, heads, head_dim_v)`` of q's dtype, lse contiguous float32
-    ``(batch, heads, seqlen_q)`` (natural log). Validates q, k, v itself (see
-    :func:`flash_attn_func`), so calling it directly is safe. ``deterministic`` does not
-    change the forward (always deterministic); it is an argument of the op so that its
-    autograd formula hands it to the backward, also in a torch.compile graph.
+    resolved to a float; ``window_size`` as two ints, -1 unbounded), always returns
+    ``(out, lse)``: out contiguous ``(batch, seqlen_q, heads, head_dim_v)`` of q's dtype, lse
+    contiguous float32 ``(batch, heads, seqlen_q)`` (natural log; includes the sink). Validates
+    its arguments itself (see :func:`flash_attn_func`), so calling it directly is safe.
+    ``deterministic`` does not change the forward (always deterministic); it is an argument of
+    the op so that its autograd formula hands it to the backward, also in a torch.compile graph.
     """
-    p = _check_tensors(q, k, v)
+    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink)
     _check_device_capability(p.device)
     if p.nothing_to_compute or p.seqlen_k == 0:
         out = q.new_empty(p.out_shape)
         lse = q.new_empty(p.lse_shape, dtype=torch.float32)
         if not p.nothing_to_compute:
-            # seqlen_k == 0: every query attends to nothing: out 0, lse -inf (FA3's empty rows).
+            # seqlen_k == 0: every query attends to nothing: out 0, lse -inf (FA3's empty rows),
+            # or with a sink lse = log(exp(sink)) = sink[h] (the sink is the only term of the sum).
             out.zero_()
-            lse.fill_(-math.inf)
+            if learnable_sink is None:
+                lse.fill_(-math.inf)
+            else:
+                lse.copy_(learnable_sink.view(1, p.heads, 1).expand(p.lse_shape))
         return out, lse
     out = q.new_empty(p.out_shape)
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
@@ -176,6 +194,7 @@ def _fwd_impl(
     kc, ka = _tma_arg(k, p.dtype, dev)
     vc, va = _tma_arg(v, p.dtype, dev)
     _, oa = _tma_arg(out, p.dtype, dev)  # fresh and contiguous: never copied
+    sink = None if learnable_sink is None else learnable_sink.contiguous()  # a copy only if strided
     _core.attention_forward(
         qa,
         ka,
@@ -185,8 +204,11 @@ def _fwd_impl(
         float(softmax_scale),
         bool(causal),
         _current_stream(dev),
+        window_size=(int(window_left), int(window_right)),
+        softcap=float(softcap),
+        sink=0 if sink is None else sink.data_ptr(),
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
-    del qc, kc, vc  # any layout copies are released only after the launch is enqueued
+    del qc, kc, vc, sink  # any copies are released only after the launch is enqueued
     return out, lse
 
 
@@ -194,52 +216,61 @@ _fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=())
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
-    p = _check_tensors(q, k, v)
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+              learnable_sink=None):
+    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink)
     out = q.new_empty(p.out_shape)  # contiguous, q's dtype and device: as the real op
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
     return out, lse
 
 
-def _check_backward(dout, q, k, v, out, lse) -> tuple:
-    """``(Problem, lse)``: q, k, v checked (:func:`flashgen._validate.check_inputs`), then
-    dout, out and lse (:func:`flashgen._validate.check_backward`); lse is made contiguous
-    first (a copy only if it is not, as for any input the kernels cannot read in place)."""
+def _check_backward(dout, q, k, v, out, lse, window_left=-1, window_right=-1, softcap=0.0) -> tuple:
+    """``(Problem, lse)``: q, k, v, the window and softcap checked
+    (:func:`flashgen._validate.check_inputs`), then dout, out and lse
+    (:func:`flashgen._validate.check_backward`); lse is made contiguous first (a copy only if it
+    is not, as for any input the kernels cannot read in place)."""
     lse = lse.contiguous()
-    p = _check_tensors(q, k, v)
+    p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v),
+                        also=_v.window_size_problems((window_left, window_right)) + _v.softcap_problems(softcap))
     _v.check_backward(p, _array_info(dout), _array_info(out), _array_info(lse))
     return p, lse
 
 
 def _bwd_impl(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool,
+    lse: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
+    window_right: int = -1, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch.ops.flashgen.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
-    -> (dq, dk, dv)``: the gradients of :func:`flash_attn_func`'s out with respect to q, k, v.
+    """``torch.ops.flashgen.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
+    window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``: the gradients of
+    :func:`flash_attn_func`'s out with respect to q, k, v.
 
     dout, out: ``(batch, seqlen_q, heads, head_dim)`` of q's dtype (out and lse are the
-    forward's outputs for the same q, k, v, softmax_scale and causal); lse: float32
-    ``(batch, heads, seqlen_q)``. q, k, v as in :func:`flash_attn_func`, with head_dim_v ==
-    head_dim. Returns contiguous dq, dk, dv of q's, k's and v's shapes and dtype (dk, dv of a
-    GQA group summed over its query heads). ``deterministic``: bitwise-reproducible results.
+    forward's outputs for the same q, k, v, softmax_scale, causal, window and softcap); lse:
+    float32 ``(batch, heads, seqlen_q)``. q, k, v as in :func:`flash_attn_func`, with
+    head_dim_v == head_dim. Returns contiguous dq, dk, dv of q's, k's and v's shapes and dtype
+    (dk, dv of a GQA group summed over its query heads). ``deterministic``: bitwise-reproducible
+    results. A learnable sink needs nothing here (the forward's lse includes it); its gradient
+    is computed by the autograd formula (:func:`_sink_grad`).
 
     Inputs TMA cannot read in place (e.g. the stride-0 gradient of ``out.sum()``) are copied
     first, as in the forward. Empty problems launch nothing: dq = 0 when seqlen_k is 0, and
     dk = dv = 0 when batch or seqlen_q is 0. Validates its arguments (flashgen.InputError and
     the rest as :func:`flash_attn_func`; NotImplementedError when head_dim_v != head_dim);
-    MissingVariantError when no bwd variant serves (dtype, head_dim, causal).
+    MissingVariantError when no bwd variant serves (dtype, head_dim, mask, softcap).
     """
-    p, lse = _check_backward(dout, q, k, v, out, lse)
+    p, lse = _check_backward(dout, q, k, v, out, lse, window_left, window_right, softcap)
     _check_device_capability(p.device)
     if p.nothing_to_compute or p.seqlen_k == 0:
         # nothing to launch: no key (dq = 0: out does not depend on q) or no query (dk = dv = 0)
         return q.new_zeros(p.q_shape), k.new_zeros(p.k_shape), v.new_zeros(p.v_shape)
     dev = p.device
     causal = bool(causal)
+    window = (int(window_left), int(window_right))
+    softcap = float(softcap)
     # selects the variant (cached per key): MissingVariantError before any copy or allocation
     nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
-                                            causal, dev)
+                                            causal, dev, seqlen_k=p.seqlen_k, window_size=window, softcap=softcap)
     inputs = [_tma_arg(t, p.dtype, dev) for t in (dout, q, k, v, out)]  # (tensor kept alive, TensorArg)
     grads = (q.new_empty(p.q_shape), k.new_empty(p.k_shape), v.new_empty(p.v_shape))
     workspace = _workspace(q, nbytes)
@@ -252,6 +283,8 @@ def _bwd_impl(
         bool(deterministic),
         _current_stream(dev),
         workspace.data_ptr(),
+        window_size=window,
+        softcap=softcap,
     )
     del inputs, workspace  # layout copies and the workspace are released after the launches are enqueued
     return grads
@@ -261,26 +294,55 @@ _bwd = torch.library.custom_op("flashgen::bwd", _bwd_impl, mutates_args=())
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
-    p, _ = _check_backward(dout, q, k, v, out, lse)
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
+              softcap=0.0):
+    p, _ = _check_backward(dout, q, k, v, out, lse, window_left, window_right, softcap)
     return q.new_empty(p.q_shape), k.new_empty(p.k_shape), v.new_empty(p.v_shape)  # as the real op
 
 
+def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """The gradient of a loss with respect to ``learnable_sink``, given the gradient ``dout`` of
+    that loss with respect to out (the gradient through lse is ignored, as for q, k, v).
+
+    With ``L[b,h,i] = log(exp(sink[h]) + sum_j exp(s[b,h,i,j]))`` (lse) and
+    ``out[b,i,h] = sum_j exp(s[b,h,i,j] - L[b,h,i]) v_j``: ``d out / d sink[h] = -exp(sink[h] - L) out``,
+    so ``d_sink[h] = -sum_{b,i} exp(sink[h] - lse[b,h,i]) * dPsum[b,h,i]`` with
+    ``dPsum[b,h,i] = sum_d dout[b,i,h,d] * out[b,i,h,d]``, in float32; rows with lse = -inf
+    (no key and a sink of -inf) contribute 0. dout, out ``(batch, seqlen_q, heads, head_dim_v)``,
+    lse float32 ``(batch, heads, seqlen_q)``, sink ``(heads,)``; returns sink's dtype and shape.
+    Torch ops only, so torch.compile traces it into the backward graph."""
+    dpsum = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (batch, heads, seqlen_q)
+    lse = lse.float()
+    w = torch.exp(sink.float().reshape(1, -1, 1) - lse)
+    w = torch.where(lse == -math.inf, torch.zeros_like(w), w)  # exp(-inf - -inf) = nan: such rows add nothing
+    return (-(w * dpsum).sum(dim=(0, 2))).to(sink.dtype).reshape(sink.shape)
+
+
 def _setup_context(ctx, inputs, output):
-    """Saves what the backward needs, no more: q, k, v, out, lse and the scalars."""
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    """Saves what the backward needs, no more: q, k, v, out, lse (and learnable_sink when given)
+    and the scalars."""
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, sink = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.has_sink = sink is not None
+    if ctx.has_sink:
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+    else:
+        ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.window_left, ctx.window_right, ctx.softcap = window_left, window_right, softcap
 
 
 def _backward(ctx, grad_out, grad_lse):
-    """dq, dk, dv from grad_out through ``torch.ops.flashgen.bwd``. grad_lse is ignored, as FA3
-    does: a loss that uses lse gets no gradient through it."""
-    q, k, v, out, lse = ctx.saved_tensors
+    """dq, dk, dv from grad_out through ``torch.ops.flashgen.bwd``, and learnable_sink's gradient
+    (:func:`_sink_grad`) when it needs one. grad_lse is ignored, as FA3 does: a loss that uses
+    lse gets no gradient through it."""
+    q, k, v, out, lse, *rest = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashgen.bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                        ctx.deterministic)
-    return dq, dk, dv, None, None, None
+                                        ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap)
+    d_sink = None
+    if ctx.has_sink and ctx.needs_input_grad[9]:
+        d_sink = _sink_grad(grad_out, out, lse, rest[0])
+    return dq, dk, dv, None, None, None, None, None, None, d_sink
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -309,36 +371,57 @@ def flash_attn_func(
     deterministic: bool = False,
     sm_margin: int = 0,
     return_attn_probs: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention, FlashAttention-3 on Hopper (sm_90a); differentiable.
 
-    ``out[b, i, h] = sum_j softmax_j(softmax_scale * q[b, i, h] . k[b, j, h // g]) v[b, j, h // g]``
-    with ``g = heads // heads_k`` (GQA/MQA), computed by flashgen's FA3 forward kernels
-    (arXiv 2407.08608, §3, Algorithms 1-2: tiled online softmax, fp32 accumulation), with
-    the argument semantics of FA3's ``flash_attn_interface.flash_attn_func``.
+    ``out[b, i, h] = sum_j softmax_j(s[b, h, i, j]) v[b, j, h // g]`` with ``g = heads // heads_k``
+    (GQA/MQA) and the logits ``s = softmax_scale * q[b, i, h] . k[b, j, h // g]`` (with
+    ``softcap`` c > 0: ``s = c * tanh(softmax_scale * q . k / c)``), keys outside the mask
+    (``causal`` / ``window_size``) dropped. Computed by flashgen's FA3 forward kernels
+    (Shah et al., arXiv 2407.08608, §3, Algorithms 1-2: tiled online softmax, fp32
+    accumulation), with the argument names and semantics of FA3's
+    ``flash_attn_interface.flash_attn_func`` (plus ``learnable_sink``, as in gpt-oss / FA4).
 
-    Gradients: when q, k or v requires grad (and grad mode is on), backward through ``out``
-    gives dq, dk, dv of q's, k's and v's shapes and dtype, computed by flashgen's bwd kernels
-    (the FlashAttention-2/3 backward: P recomputed from the forward's lse,
-    ``dS = P ∘ (dP − rowsum(dO ∘ O))``, fp32 accumulation; dk, dv of a GQA group summed over
-    its query heads). The forward then saves q, k, v, out and lse for it, no more. As in FA3,
-    the gradient with respect to the returned lse is ignored (a loss through lse alone gives
-    zero gradients). The backward needs head_dim_v == head_dim.
+    Gradients: when q, k, v (or learnable_sink) require grad (and grad mode is on), backward
+    through ``out`` gives dq, dk, dv of q's, k's and v's shapes and dtype, computed by
+    flashgen's bwd kernels (the FlashAttention-2/3 backward: P recomputed from the forward's
+    lse, ``dS = P ∘ (dP − rowsum(dO ∘ O))``, fp32 accumulation; with softcap dS is scaled by the
+    tanh's derivative; dk, dv of a GQA group summed over its query heads), and d_sink (see
+    learnable_sink). The forward then saves q, k, v, out and lse (and learnable_sink) for it,
+    no more. As in FA3, the gradient with respect to the returned lse is ignored (a loss
+    through lse alone gives zero gradients). The backward needs head_dim_v == head_dim.
 
     Args:
         q: ``(batch, seqlen_q, heads, head_dim)`` CUDA tensor, float16 or bfloat16.
         k: ``(batch, seqlen_k, heads_k, head_dim)``, same dtype and device as q.
         v: ``(batch, seqlen_k, heads_k, head_dim_v)``, same dtype and device as q.
-            heads must be a multiple of heads_k; head_dim and head_dim_v multiples of 8,
-            at most 256 (a pair no built variant serves raises MissingVariantError).
+            heads must be a multiple of heads_k; head_dim and head_dim_v multiples of 8 in
+            8..256. A head dim with no variant of its own runs on the smallest built larger one
+            (zero padded, as FA3 rounds up to its compiled sizes); a call no built variant
+            covers raises MissingVariantError.
         softmax_scale: multiplies q.k before the softmax; None means ``head_dim ** -0.5``.
             Any finite float (FA3 accepts zero and negative scales too).
         causal: bottom-right aligned causal mask: query row i sees keys
-            ``j <= i + seqlen_k - seqlen_q`` (FA3's convention); a row that sees no key
-            outputs 0 with lse -inf.
-        qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap: FA3
-            arguments no built variant implements yet; anything but their defaults
-            (None / (-1, -1) / 0) raises NotImplementedError naming the argument.
+            ``j <= i + seqlen_k - seqlen_q`` (FA3's convention); same as ``window_size``'s right
+            side set to 0. A row that sees no key outputs 0 with lse -inf (or lse = sink).
+        window_size: ``(left, right)``, each an int >= -1 or None (-1 / None: unbounded):
+            sliding-window (local) attention, bottom-right aligned as in FA3: query row i sees
+            keys ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``.
+            ``causal=True`` forces right = 0, so ``causal=True, window_size=(L, -1)`` is a
+            causal sliding window of L keys before the diagonal (L + 1 with it).
+        softcap: logit soft-capping (FA3; Gemma 2): a finite float >= 0, 0 = off; with c > 0
+            the logits are ``c * tanh(softmax_scale * q.k / c)``, in (-c, c).
+        learnable_sink: None, or a float32 ``(heads,)`` CUDA tensor on q's device, any strides:
+            one logit per query head (gpt-oss; FlashAttention-4's ``learnable_sink``), in the
+            units of the logits s above (after softmax_scale and softcap), added to each row's
+            softmax denominator only: ``out_i = sum_j exp(s_ij - L_i) v_j`` with
+            ``L_i = log(exp(sink[h]) + sum_j exp(s_ij))``; the returned lse is L (includes the
+            sink). Differentiable: ``d_sink[h] = -sum_{b,i} exp(sink[h] - lse[b,h,i]) *
+            sum_d dout[b,i,h,d] out[b,i,h,d]`` (computed in float32 with torch ops).
+        qv, q_descale, k_descale, v_descale, attention_chunk: FA3 arguments no built variant
+            implements yet; anything but their defaults (None / 0) raises NotImplementedError
+            naming the argument.
         num_splits, pack_gqa, sm_margin: FA3 scheduling hints; accepted and ignored (they
             never change the result).
         deterministic: the backward gives bitwise-reproducible gradients (its dq
@@ -351,7 +434,7 @@ def flash_attn_func(
     Returns:
         out: ``(batch, seqlen_q, heads, head_dim_v)``, q's dtype, contiguous.
         lse (only with return_attn_probs): float32 ``(batch, heads, seqlen_q)``, the
-        natural-log log-sum-exp of the scaled scores of each query row.
+        natural-log log-sum-exp of the logits of each query row (with the sink if given).
 
     Layouts and copies: the kernels read q, k, v through TMA, which needs the last dim
     contiguous (stride 1), every other stride a multiple of 16 bytes, and a 16-byte
@@ -360,36 +443,45 @@ def flash_attn_func(
     head_dim)`` tensor, KV-cache prefixes ``k_cache[:, :seqlen_k]``, BHSD tensors
     transposed to BSHD. Any other layout is copied to a contiguous tensor first (like
     FA3, which calls ``.contiguous()`` when the last dim is not contiguous), at the cost
-    of one extra read and write of that input. Empty problems (batch, seqlen_q or
-    seqlen_k of 0) launch nothing: out is empty, or zeros with lse -inf when seqlen_k is 0.
+    of one extra read and write of that input (a strided learnable_sink is copied too).
+    Empty problems (batch, seqlen_q or seqlen_k of 0) launch nothing: out is empty, or
+    zeros when seqlen_k is 0, with lse -inf (lse = sink[h] with a learnable_sink).
     The backward reads q, k, v and the gradient of out by the same rule (a broadcast
     gradient such as that of ``out.sum()`` is copied) and returns contiguous gradients
     (through autograd's views for sliced inputs); empty problems give zero gradients
     (dq when seqlen_k is 0, dk and dv when seqlen_q is 0) without a launch.
 
     torch.compile(fullgraph=True) traces forward and backward (ops ``torch.ops.flashgen.fwd``
-    and ``torch.ops.flashgen.bwd``); both run on the current stream with no host
-    synchronisation, so CUDA graphs capture them.
+    and ``torch.ops.flashgen.bwd``, the sink gradient as torch ops); both run on the current
+    stream with no host synchronisation, so CUDA graphs capture them.
 
     Raises:
         TypeError: q, k or v not a torch.Tensor; dtype not float16/bfloat16; dtypes of
-            q, k, v differ; softmax_scale not a real number.
+            q, k, v differ; softmax_scale or softcap not a real number; window_size not a
+            tuple/list or an entry not an int or None; learnable_sink not a torch.Tensor or
+            not float32.
         ValueError: not CUDA tensors or not on one device; not 4-D; batch, seqlen or
             heads mismatched between q, k, v; head_dim of k differs from q's; heads not a
             multiple of heads_k; head_dim / head_dim_v not a multiple of 8 in 8..256;
-            softmax_scale NaN or infinite.
+            softmax_scale NaN or infinite; softcap NaN, infinite or negative; window_size
+            not of 2 entries or an entry < -1; learnable_sink not of shape (heads,) or not
+            on q's device.
         RuntimeError: the GPU is not compute capability 9.x (Hopper).
         NotImplementedError: an FA3 feature not built yet (see above) or an fp8 dtype.
         flashgen.InputError: problems of several of the kinds above at once (it is both a
             ValueError and a TypeError). Every problem found is listed in the one error,
-            one line each, not only the first.
+            one line each, not only the first (learnable_sink's shape, dtype and device are
+            checked once q, k, v are valid).
         flashgen.core.MissingVariantError: no built variant serves (dtype, head_dim,
-            head_dim_v, causal); the message names the ``flashgen add-variant`` command.
-            In backward: no bwd variant serves (dtype, head_dim, causal).
+            head_dim_v, mask, softcap); the message names the ``flashgen add-variant``
+            command. In backward: no bwd variant serves (dtype, head_dim, mask, softcap).
         NotImplementedError (in backward): head_dim_v != head_dim (the forward works).
     """
     not_tensors = [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
                    for name, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor)]
+    if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
+        not_tensors.append((TypeError, "learnable_sink must be None or a float32 (heads,) torch.Tensor, got "
+                                       f"{type(learnable_sink).__name__}"))
     other = _v.softmax_scale_problems(softmax_scale) + _v.feature_problems(
         window_size=window_size,
         softcap=softcap,
@@ -404,15 +496,21 @@ def flash_attn_func(
         _v.raise_problems(not_tensors + _v.input_problems(*infos) + other)
     head_dim = q.shape[-1] if q.dim() > 0 else 1
     scale = _v.check_softmax_scale(softmax_scale, head_dim)
+    window_left, window_right = _v.window_pair(window_size)
+    softcap = float(softcap)
+    sink = learnable_sink
     if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and (sink is None or type(sink) is torch.Tensor)
             and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                  or (sink is not None and sink.requires_grad)))):
         # Eager fast path: the op's own implementation without the custom-op dispatcher, which
         # costs more host time per call than the whole launch (measured on H200). Tracing,
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
-        out, lse = _fwd_impl(q, k, v, scale, bool(causal))
+        out, lse = _fwd_impl(q, k, v, scale, bool(causal), False, window_left, window_right, softcap, sink)
     else:
-        out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal), bool(deterministic))
+        out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal), bool(deterministic), window_left,
+                                          window_right, softcap, sink)
     if return_attn_probs:
         return out, lse
     return out

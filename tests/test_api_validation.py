@@ -40,21 +40,44 @@ _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Reference and emulated core
 # --------------------------------------------------------------------------------------
 
-def reference(q, k, v, scale, causal):
-    """float32 attention, bottom-right aligned causal; returns (out fp32, lse fp32 (b,h,sq))."""
+def mask(sq, sk, causal=False, window_size=(-1, -1)):
+    """Boolean (sq, sk) mask, True where query row i may see key j: FA3's rule, bottom-right
+    aligned, i + sk - sq - left <= j <= i + sk - sq + right (-1 / None unbounded; causal: right 0).
+    Written out here, independently of flashgen.core.mask_spec."""
+    left, right = (-1 if x is None else x for x in window_size)
+    if causal:
+        right = 0
+    i = torch.arange(sq).view(-1, 1)
+    j = torch.arange(sk).view(1, -1)
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i + sk - sq - left
+    if right >= 0:
+        ok &= j <= i + sk - sq + right
+    return ok
+
+
+def reference(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, sink=None):
+    """float32 attention (float64 for float64 inputs), bottom-right aligned causal / window,
+    FA3's softcap, gpt-oss's learnable sink; returns (out, lse (b,h,sq)). Differentiable in
+    q, k, v and sink. Rows that see no key: out 0, lse -inf (or the sink)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
-    qf = q.float().transpose(1, 2)  # b h sq d
-    kf = k.float().repeat_interleave(g, dim=2).transpose(1, 2)
-    vf = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    ft = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf = q.to(ft).transpose(1, 2)  # b h sq d
+    kf = k.to(ft).repeat_interleave(g, dim=2).transpose(1, 2)
+    vf = v.to(ft).repeat_interleave(g, dim=2).transpose(1, 2)
     s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        i = torch.arange(sq).view(-1, 1)
-        j = torch.arange(sk).view(1, -1)
-        s = s.masked_fill(j > i + sk - sq, -math.inf)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask(sq, sk, causal, window_size), -math.inf)
+    if sink is not None:
+        s = torch.cat([s, sink.to(ft).view(1, h, 1, 1).expand(b, h, sq, 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sink is not None:
+        p = p[..., :sk]
     return (p @ vf).transpose(1, 2), lse
 
 
@@ -79,17 +102,25 @@ class FakeCore:
         return Variant(name=f"fake_{key['dtype']}_{key['head_dim']}", family=family, params={"dtype": key["dtype"]},
                        dispatch=dict(key), kernels=())
 
-    def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None):
+    def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None, *,
+                          window_size=(-1, -1), softcap=0.0, sink=0):
         if variant is None:  # as the real core: select (MissingVariantError) before any launch
+            banded = core.mask_spec(causal, window_size, q.shape[1], k.shape[1]).banded
             variant = core.select_variant(
-                "fwd", {"dtype": q.dtype, "head_dim": q.shape[3], "head_dim_v": v.shape[3], "causal": causal})
+                "fwd", {"dtype": q.dtype, "head_dim": q.shape[3], "head_dim_v": v.shape[3], "causal": banded,
+                        "softcap": softcap > 0})
         for a in (q, k, v, out):
             assert isinstance(a, core.TensorArg)
             assert V.tma_layout_problem(a.shape, a.strides, V.ELEMENT_SIZE[a.dtype], a.ptr) is None
         assert lse.dtype == "fp32" and V.is_c_contiguous(lse.shape, lse.strides)
-        self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, scale=softmax_scale,
-                               causal=causal, stream=stream, variant=variant))
-        o, l = reference(_view(q), _view(k), _view(v), softmax_scale, causal)
+        assert type(window_size) is tuple and all(type(x) is int for x in window_size)
+        assert type(softcap) is float and type(sink) is int
+        heads = q.shape[2]
+        sink_t = None if sink == 0 else _view(core.TensorArg(sink, (heads,), (1,), "fp32", q.device)).clone()
+        self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, scale=softmax_scale, causal=causal, stream=stream,
+                               variant=variant, window_size=window_size, softcap=softcap, sink=sink,
+                               sink_values=sink_t))
+        o, l = reference(_view(q), _view(k), _view(v), softmax_scale, causal, window_size, softcap, sink_t)
         _view(out).copy_(o)
         _view(lse).copy_(l)
         return variant
@@ -141,7 +172,8 @@ def test_forward_matches_reference(fake_gpu, causal, dtype):
     assert call["causal"] is causal and call["stream"] == 1234
     assert call["scale"] == pytest.approx(64 ** -0.5)
     assert fake_gpu.selected == [("fwd", {"dtype": "fp16" if dtype == torch.float16 else "bf16", "head_dim": 64,
-                                          "head_dim_v": 64, "causal": causal})]
+                                          "head_dim_v": 64, "causal": causal, "softcap": False})]
+    assert call["window_size"] == (-1, -1) and call["softcap"] == 0.0 and call["sink"] == 0
     assert (call["q"].shape[1], call["k"].shape[1], call["v"].shape[1]) == (5, 7, 7)  # seqlen_q, seqlen_k
     assert call["variant"].name.startswith("fake_")
 
@@ -407,9 +439,6 @@ def test_softmax_scale_any_finite_real_accepted(fake_gpu):
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(window_size=(128, 0)), "window_size"),
-    (dict(window_size=(-1, 0)), "window_size"),
-    (dict(softcap=30.0), "softcap"),
     (dict(q_descale=torch.ones(2, 2)), "q_descale"),
     (dict(k_descale=torch.ones(2, 2)), "k_descale"),
     (dict(v_descale=torch.ones(2, 2)), "v_descale"),
@@ -518,21 +547,22 @@ def test_rank_problem_skips_only_the_comparisons_with_that_array(fake_gpu):
 def test_not_a_tensor_scale_and_features_join_the_list(fake_gpu):
     q, k, v = qkv()
     with pytest.raises(V.InputError) as info:
-        flash_attn_func(q.float(), k.numpy(), v, softmax_scale=float("nan"), softcap=30.0)
+        flash_attn_func(q.float(), k.numpy(), v, softmax_scale=float("nan"), softcap=-30.0, window_size=(1.5, 0))
     assert_problems(info.value,
                     "k must be a torch.Tensor, got ndarray",
                     "q must have dtype float16 or bfloat16, got torch.float32",
                     "softmax_scale must be a finite number, got nan",
-                    "softcap=30.0 is not supported yet")
+                    "window_size[0] (left) must be an int >= -1 or None (-1 / None: unbounded), got float 1.5",
+                    "softcap must be a finite number >= 0 (0 = off), got -30.0")
     assert fake_gpu.calls == [] and fake_gpu.selected == []
 
 
 def test_not_implemented_alone_or_mixed(fake_gpu):
     q, k, v = qkv()
     with pytest.raises(NotImplementedError) as info:  # only unsupported features: still NotImplementedError
-        flash_attn_func(q, k, v, window_size=(8, 0), softcap=1.0)
+        flash_attn_func(q, k, v, qv=q, attention_chunk=64)
     assert type(info.value) is NotImplementedError
-    assert_problems(info.value, "window_size=(8, 0)", "softcap=1.0")
+    assert_problems(info.value, "qv (absorbed MLA)", "attention_chunk=64")
     fp8 = torch.float8_e4m3fn
     with pytest.raises(V.InputError) as info:  # fp8 together with real errors: all of them
         flash_attn_func(q.to(fp8), k.to(fp8), torch.zeros(2, 7, 2, 20, dtype=torch.float16))
@@ -563,7 +593,7 @@ def test_grad_inputs_go_through_the_op_with_deterministic(fake_gpu, monkeypatch)
     monkeypatch.setattr(interface, "_fwd_impl", lambda *a: seen.append(("eager", a[5:])) or real(*a))
     q, k, v = qkv()
     out = flash_attn_func(q, k, v)  # no grad needed: the eager fast path, deterministic not passed
-    assert seen == [("eager", ())] and out.grad_fn is None
+    assert seen == [("eager", (False, -1, -1, 0.0, None))] and out.grad_fn is None
     k.requires_grad_(True)
     out = flash_attn_func(q, k, v, deterministic=True)  # recorded by autograd: through torch.ops.flashgen.fwd
     assert len(seen) == 1 and out.requires_grad and out.grad_fn is not None

@@ -32,7 +32,9 @@ from flashgen.interface import flash_attn_func
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from fgutil import torch_allocates_on_cpu  # noqa: E402
-from test_api_validation import _view, assert_problems, fake_gpu, fake_gpu_dlpack, qkv, reference  # noqa: E402,F401
+from test_api_validation import (  # noqa: E402,F401
+    _view, assert_problems, fake_gpu, fake_gpu_dlpack, mask, qkv, reference,
+)
 
 STREAM = 1234  # test_api_validation's fake current stream
 
@@ -41,28 +43,32 @@ STREAM = 1234  # test_api_validation's fake current stream
 # Reference and emulated backward
 # --------------------------------------------------------------------------------------
 
-def reference_grads(q, k, v, dout, scale, causal):
+def reference_grads(q, k, v, dout, scale, causal, window_size=(-1, -1), softcap=0.0, sink=None):
     """float32 (dq, dk, dv) of the reference attention for the upstream gradient dout."""
     qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
-    o, _ = reference(qf, kf, vf, scale, causal)
+    o, _ = reference(qf, kf, vf, scale, causal, window_size, softcap, sink)
     o.backward(dout.float())
     return qf.grad, kf.grad, vf.grad
 
 
-def emulated_grads(q, k, v, out, lse, dout, scale, causal):
+def emulated_grads(q, k, v, out, lse, dout, scale, causal, window_size=(-1, -1), softcap=0.0):
     """float32 (dq, dk, dv) by the kernels' method, from the forward's out and lse: P = exp(S - lse),
-    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q; dk and dv
-    summed over each GQA group. (Not torch autograd: the core runs below the autograd dispatch key.)"""
+    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)) (times 1 - (S / c)^2 with softcap c),
+    dQ = scale dS K, dK = scale dS^T Q; dk and dv summed over each GQA group. (Not torch
+    autograd: the core runs below the autograd dispatch key.)"""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
     qf, dof, of = (t.float().transpose(1, 2) for t in (q, dout, out))  # (b, h, sq, d)
     kf, vf = (t.float().repeat_interleave(g, dim=2).transpose(1, 2) for t in (k, v))  # (b, h, sk, d)
     s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.arange(sk).view(1, -1) > torch.arange(sq).view(-1, 1) + sk - sq, -torch.inf)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask(sq, sk, causal, window_size), -torch.inf)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see no key: lse -inf, P 0
     ds = p * (dof @ vf.transpose(-1, -2) - (dof * of).sum(-1, keepdim=True))
+    if softcap:
+        ds = ds * (1 - (s / softcap) ** 2).nan_to_num(0.0)  # masked keys: s -inf, p 0
     dq = (ds @ kf) * scale
     dk = ((ds.transpose(-1, -2) @ qf) * scale).view(b, hk, g, sk, d).sum(2)
     dv = (p.transpose(-1, -2) @ dof).view(b, hk, g, sk, d).sum(2)
@@ -82,6 +88,7 @@ class FakeBwd:
     def __init__(self, fwd):
         self.fwd = fwd  # test_api_validation.FakeCore: forward calls, variant selections
         self.calls = []
+        self.workspace_calls = []  # the arguments of each backward_workspace_bytes call
         self.workspaces = []  # (address, bytes) of every workspace the API allocated
 
     @staticmethod
@@ -89,9 +96,15 @@ class FakeBwd:
         return 4 * batch * heads * seqlen_q * 67 + 1000  # an odd size: no element count passes for bytes
 
     def backward_workspace_bytes(self, batch, seqlen_q, heads, heads_k, head_dim, dtype, causal, device,
-                                 variant=None):
+                                 variant=None, *, seqlen_k=None, window_size=(-1, -1), softcap=0.0):
         assert min(batch, seqlen_q, heads, heads_k) >= 1 and type(causal) is bool
-        core.select_variant("bwd", {"dtype": dtype, "head_dim": head_dim, "causal": causal})  # may raise
+        assert type(seqlen_k) is int and seqlen_k >= 1  # the API always passes it (needed with a window)
+        assert type(window_size) is tuple and all(type(x) is int for x in window_size) and type(softcap) is float
+        self.workspace_calls.append(dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
+                                         window_size=window_size, softcap=softcap))
+        banded = core.mask_spec(causal, window_size, seqlen_q, seqlen_k).banded  # as the real core
+        core.select_variant("bwd", {"dtype": dtype, "head_dim": head_dim, "causal": banded,
+                                    "softcap": softcap > 0})  # may raise
         return self.nbytes(batch, seqlen_q, heads)
 
     def record_workspace(self, make, size_of):
@@ -103,7 +116,7 @@ class FakeBwd:
         return wrapped
 
     def attention_backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                           stream, workspace_ptr, variant=None):
+                           stream, workspace_ptr, variant=None, *, window_size=(-1, -1), softcap=0.0):
         b, sq, h, d = q.shape
         arrays = dict(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
         for name, a in arrays.items():
@@ -113,12 +126,15 @@ class FakeBwd:
         assert lse.dtype == "fp32" and lse.shape == (b, h, sq) and V.is_c_contiguous(lse.shape, lse.strides)
         assert min(b, sq, k.shape[1]) >= 1
         assert type(softmax_scale) is float and type(causal) is bool and type(deterministic) is bool
+        assert type(window_size) is tuple and all(type(x) is int for x in window_size) and type(softcap) is float
         need = self.nbytes(b, sq, h)
         assert any(p == workspace_ptr and n >= need for p, n in self.workspaces), "workspace missing or too small"
         ctypes.memset(workspace_ptr, 0xAB, need)  # the kernels may use all of it
         self.calls.append(dict(arrays, lse=lse, scale=softmax_scale, causal=causal, deterministic=deterministic,
-                               stream=stream, workspace_ptr=workspace_ptr, variant=variant))
-        grads = emulated_grads(*(_view(t) for t in (q, k, v, out, lse, dout)), softmax_scale, causal)
+                               stream=stream, workspace_ptr=workspace_ptr, variant=variant, window_size=window_size,
+                               softcap=softcap))
+        grads = emulated_grads(*(_view(t) for t in (q, k, v, out, lse, dout)), softmax_scale, causal, window_size,
+                               softcap)
         for arg, g in zip((dq, dk, dv), grads):
             _view(arg).copy_(g)
         return variant
@@ -167,7 +183,8 @@ def test_gradients_match_reference(gpu, causal, dtype, h, hk):
     for name in ("dq", "dk", "dv"):  # gradients allocated contiguous
         assert call[name].strides == tuple(torch.empty(call[name].shape).stride())
     assert bwd_selected(gpu) == [{"dtype": "fp16" if dtype == torch.float16 else "bf16", "head_dim": 64,
-                                  "causal": causal}]
+                                  "causal": causal, "softcap": False}]
+    assert call["window_size"] == (-1, -1) and call["softcap"] == 0.0
 
 
 def test_scale_and_deterministic_reach_the_backward(gpu):
