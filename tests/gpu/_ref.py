@@ -8,11 +8,43 @@ import math
 import torch
 
 
-def attention_ref(q, k, v, causal: bool, softmax_scale: float, upcast: bool = True):
-    """softmax(scale q k^T + bottom-right causal mask) v, and the row logsumexp (natural log).
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1), device=None):
+    """FA3's mask (hopper/flash_api.cpp; test_util.construct_local_mask), bottom-right aligned:
+    bool ``(seqlen_q, seqlen_k)``, True where query row i sees key j, i.e.
+    ``i + sk - sq - left <= j <= i + sk - sq + right`` with ``window_size = (left, right)``; a side
+    of -1 (any negative) or None is unbounded; ``causal`` forces right = 0 (so causal with
+    (left, -1) is the causal sliding window). None when nothing is masked (both sides unbounded)."""
+    left, right = (-1 if x is None else int(x) for x in window_size)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    row = torch.arange(seqlen_q, device=device).view(-1, 1)
+    col = torch.arange(seqlen_k, device=device).view(1, -1)
+    diag = row + seqlen_k - seqlen_q
+    vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        vis &= col <= diag + right
+    if left >= 0:
+        vis &= col >= diag - left
+    return vis
+
+
+def attention_ref(q, k, v, causal: bool, softmax_scale: float, upcast: bool = True, *,
+                  window_size=(-1, -1), softcap: float = 0.0, sink=None):
+    """softmax(logits + mask) v, and the row logsumexp (natural log).
+
+    logits = scale q k^T, or with ``softcap`` c > 0 ``c * tanh(scale q k^T / c)`` (FA3, Gemma 2;
+    before masking). Mask: :func:`visible_mask` of ``causal`` and ``window_size`` (FA3's
+    semantics, bottom-right aligned). ``sink``: None or float32 ``(heads,)`` learnable sink logits
+    (gpt-oss; FA3's ``learnable_sink``) in the units of the final logits: a column of them is
+    concatenated to the logits before the softmax and dropped after (gpt-oss's reference), so
+    each row's denominator gets exp(sink_h) and lse includes it.
 
     upcast=True computes in float32 on upcast inputs; upcast=False computes in the input dtype
-    (FA3's `out_pt` baseline). GQA/MQA: k/v heads are repeated to q's heads.
+    (FA3's `out_pt` baseline, as hopper/test_util.attention_ref: scores and softcap's tanh in the
+    input dtype; with a sink the softmax runs in float32, as FA3's). GQA/MQA: k/v heads are
+    repeated to q's heads. Rows that see no key: out 0, lse -inf (with a sink: its logit).
     Returns (out in q's dtype, lse float32 (batch, heads, seqlen_q)).
     """
     dtype = q.dtype
@@ -22,21 +54,28 @@ def attention_ref(q, k, v, causal: bool, softmax_scale: float, upcast: bool = Tr
     if h != hk:
         k = k.repeat_interleave(h // hk, dim=2)
         v = v.repeat_interleave(h // hk, dim=2)
-    sq, sk = q.shape[1], k.shape[1]
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k)
-    if causal:
-        row = torch.arange(sq, device=q.device).view(-1, 1)
-        col = torch.arange(sk, device=q.device).view(1, -1)
-        scores = scores.masked_fill(col > row + sk - sq, float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)
-    attn = torch.softmax(scores, dim=-1)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    vis = visible_mask(sq, sk, causal, window_size, device=q.device)
+    if vis is not None:
+        scores = scores.masked_fill(~vis, float("-inf"))
+    if sink is None:
+        lse = torch.logsumexp(scores.float(), dim=-1)
+        attn = torch.softmax(scores, dim=-1)
+    else:
+        logits = torch.cat([scores.float(), sink.float().view(1, h, 1, 1).expand(b, h, sq, 1)], dim=-1)
+        lse = torch.logsumexp(logits, dim=-1)
+        attn = torch.softmax(logits, dim=-1)[..., :-1]
     attn = torch.nan_to_num(attn, nan=0.0)  # rows with nothing to attend to give 0
     out = torch.einsum("bhqk,bkhd->bqhd", attn.to(v.dtype), v)
     return out.to(dtype), lse
 
 
-def fa3_rule_ok(out, ref, out_lowprec, factor: float = 2.0):
-    """FA3's forward test rule: max|out-ref| <= factor*max|out_pt-ref| + 2*rounding noise of ref.
+def fa3_rule_ok(out, ref, out_lowprec, factor: float = 2.0, *, atol: float = 0.0):
+    """FA3's forward test rule: max|out-ref| <= factor*max|out_pt-ref| + 2*rounding noise of ref
+    (+ ``atol``: FA3 adds 3e-4 to the gradients' bound under softcap).
 
     The noise is FA3's ``(ref + 0.3 - 0.3) - ref`` as CUDA evaluates it for a half-precision
     ref: each op in float32 with the scalar kept in float32, the result rounded to ref's dtype
@@ -46,7 +85,7 @@ def fa3_rule_ok(out, ref, out_lowprec, factor: float = 2.0):
     base = (out_lowprec.float() - ref.float()).abs().max().item()
     dt = ref.dtype
     noise = ((((ref.float() + 0.3).to(dt).float() - 0.3).to(dt).float() - ref.float())).abs().max().item()
-    return err <= factor * base + 2 * noise + 1e-6, err, base
+    return err <= factor * base + 2 * noise + atol + 1e-6, err, base
 
 
 def combine_ref(out_partial, lse_partial):
@@ -64,17 +103,31 @@ def combine_ref(out_partial, lse_partial):
     return out, lse
 
 
-def check_fwd(q, k, v, causal: bool, out, lse, softmax_scale: float | None = None) -> None:
+def lse_atol(softcap: float = 0.0) -> float:
+    """Tolerance of a kernel's lse against the float32 reference: 2e-3, plus softcap * 2^-10 under
+    softcap (the kernels' tanh is PTX tanh.approx.f32, relative error about 2^-11, so each logit
+    c * tanh(.) may be off by c * 2^-11; twice that as margin)."""
+    return 2e-3 + (softcap * 2.0 ** -10 if softcap > 0 else 0.0)
+
+
+def check_fwd(q, k, v, causal: bool, out, lse, softmax_scale: float | None = None, *,
+              window_size=(-1, -1), softcap: float = 0.0, sink=None, factor: float | None = None) -> None:
     """Assert a forward's (out, lse) against the float32 reference on upcast inputs: FA3's rule for
-    out, lse -inf exactly where the reference's is and within 2e-3 elsewhere."""
+    out (factor 2, or 3 under softcap as in FA3's tests; ``factor`` overrides), no NaN in out,
+    lse -inf exactly where the reference's is and within :func:`lse_atol` elsewhere.
+    ``window_size``, ``softcap``, ``sink``: as :func:`attention_ref`."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    ref, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True)
-    pt, _ = attention_ref(q, k, v, causal, scale, upcast=False)
-    ok, err, base = fa3_rule_ok(out, ref, pt)
-    assert ok, f"max|out - ref| = {err:.3e} > 2 x the low-precision baseline's {base:.3e}"
+    feats = dict(window_size=window_size, softcap=softcap, sink=sink)
+    factor = factor if factor is not None else (3.0 if softcap > 0 else 2.0)
+    ref, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True, **feats)
+    pt, _ = attention_ref(q, k, v, causal, scale, upcast=False, **feats)
+    nan = int(torch.isnan(out).sum())
+    assert nan == 0, f"out has {nan} NaN elements (not written, or a NaN leaked)"
+    ok, err, base = fa3_rule_ok(out, ref, pt, factor)
+    assert ok, f"max|out - ref| = {err:.3e} > {factor} x the low-precision baseline's {base:.3e}"
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite), "lse: -inf pattern differs from the reference"
-    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=lse_atol(softcap), rtol=1e-4)
 
 
 # --------------------------------------------------------------------------------------
@@ -104,31 +157,62 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, seed: int = 0, outliers: bool = False, 
             randn(b, sk, hk, d, dtype=dtype, seed=seed + 2, outliers=outliers, device=device))
 
 
-def attention_grads_ref(q, k, v, dout, causal: bool, softmax_scale: float, upcast: bool = True):
+def attention_grads_ref(q, k, v, dout, causal: bool, softmax_scale: float, upcast: bool = True, *,
+                        window_size=(-1, -1), softcap: float = 0.0, sink=None):
     """(dq, dk, dv) of :func:`attention_ref`'s output for the incoming gradient ``dout``, by
     autograd, exactly as FA3's hopper/test_flash_attn.py forms dq_ref / dq_pt: the leaves are
     q, k, v in their own dtype (fp16/bf16), so with upcast=True the whole computation runs in
     float32 on the upcast inputs and each gradient is rounded to the input dtype once, at the
     end; upcast=False computes everything in the input dtype (FA3's PyTorch baseline ``_pt``).
     GQA/MQA: dk, dv are summed over the query heads sharing a key head (repeat_interleave's
-    backward). Shapes and dtypes are those of q, k, v; rows that see no key get dq = 0."""
+    backward). Shapes and dtypes are those of q, k, v; rows that see no key get dq = 0.
+
+    ``window_size``, ``softcap``: as :func:`attention_ref`. With ``sink`` (float32 ``(heads,)``,
+    a leaf too) the result is ``(dq, dk, dv, dsink)``, dsink float32 ``(heads,)``."""
     leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+    if sink is not None:
+        leaves += (sink.detach().float().requires_grad_(),)
     with torch.enable_grad():
-        out, _ = attention_ref(*leaves, causal, softmax_scale, upcast=upcast)
+        out, _ = attention_ref(*leaves[:3], causal, softmax_scale, upcast=upcast, window_size=window_size,
+                               softcap=softcap, sink=leaves[3] if sink is not None else None)
         return torch.autograd.grad(out, leaves, dout)
 
 
-def check_bwd(q, k, v, dout, causal: bool, grads, softmax_scale: float | None = None, factor: float = 2.0):
+def dsink_noise(q, k, v, dout, causal: bool, softmax_scale: float, sink, *, window_size=(-1, -1),
+                softcap: float = 0.0):
+    """Per head, the size of the error dsink gets from out's rounding: float32 ``(heads,)``.
+
+    dsink_h = -sum_rows exp(sink_h - lse) (dout . out), and a kernel forms it from its out in the
+    input dtype, whose elements are off by about eps = finfo(dtype).eps relative, independently
+    across the head dim and the rows; so the error has a standard deviation of about
+    ``eps * sqrt(sum_rows (exp(sink - lse) |dout o out|_2)^2)`` (out, lse: the reference's)."""
+    out, lse = attention_ref(q, k, v, causal, softmax_scale, upcast=True, window_size=window_size,
+                             softcap=softcap, sink=sink)
+    p = torch.exp(sink.float().view(1, -1, 1) - lse)  # (b, h, sq)
+    row = (dout.float() * out.float()).pow(2).sum(-1).sqrt().transpose(1, 2)  # (b, h, sq)
+    return torch.finfo(q.dtype).eps * (p * row).pow(2).sum((0, 2)).sqrt()
+
+
+def check_bwd(q, k, v, dout, causal: bool, grads, softmax_scale: float | None = None, factor: float = 2.0, *,
+              window_size=(-1, -1), softcap: float = 0.0, sink=None):
     """Assert flashgen's gradients ``grads = (dq, dk, dv)`` of attention(q, k, v) for ``dout``
     against the float32 reference with FA3's rule (hopper/test_flash_attn.py, gradients):
     ``max|dx - dx_ref| <= 2 max|dx_pt - dx_ref| + 2 max|(dx_ref + 0.3 - 0.3) - dx_ref| + 1e-6``
     for dx in dq, dk, dv, with dx_ref from :func:`attention_grads_ref` (upcast) and dx_pt from
     the same in the input dtype. Also: each gradient has its input's shape and dtype and holds
     no NaN / inf (outputs handed in NaN-poisoned must be fully written). ``grads`` may be a dict
-    name -> (dq, dk, dv) to check several results against one reference (computed once)."""
+    name -> (dq, dk, dv) to check several results against one reference (computed once).
+
+    ``window_size``, ``softcap``, ``sink``: as :func:`attention_ref`; under softcap the bound gets
+    FA3's + 3e-4. With ``sink``, each result may hold a 4th entry, dsink (float32 ``(heads,)``),
+    checked per head: ``|dsink - dsink_ref| <= factor max|dsink_pt - dsink_ref| + 6 noise + 1e-5``
+    with noise = :func:`dsink_noise` (a kernel's dsink comes from its rounded out: 6 standard
+    deviations of that effect)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    ref = attention_grads_ref(q, k, v, dout, causal, scale, upcast=True)
-    pt = attention_grads_ref(q, k, v, dout, causal, scale, upcast=False)
+    feats = dict(window_size=window_size, softcap=softcap, sink=sink)
+    ref = attention_grads_ref(q, k, v, dout, causal, scale, upcast=True, **feats)
+    pt = attention_grads_ref(q, k, v, dout, causal, scale, upcast=False, **feats)
+    atol = 3e-4 if softcap > 0 else 0.0
     results = grads if isinstance(grads, dict) else {"flashgen": grads}
     for label, got in results.items():
         for name, x, g, r, p in zip(("dq", "dk", "dv"), (q, k, v), got, ref, pt):
@@ -136,9 +220,27 @@ def check_bwd(q, k, v, dout, causal: bool, grads, softmax_scale: float | None = 
                 f"{label}: {name} is {tuple(g.shape)} {g.dtype}, its input {tuple(x.shape)} {x.dtype}")
             bad = (~torch.isfinite(g)).sum().item()
             assert bad == 0, f"{label}: {name} has {bad} NaN/inf elements (not written, or a NaN/inf leaked)"
-            ok, err, base = fa3_rule_ok(g, r, p, factor)
+            ok, err, base = fa3_rule_ok(g, r, p, factor, atol=atol)
             assert ok, (f"{label}: max|{name} - {name}_ref| = {err:.3e} > {factor} x the low-precision "
                         f"baseline's {base:.3e} + noise")
+        if sink is not None and len(got) > 3:
+            _check_dsink(label, got[3], ref[3], pt[3], factor,
+                         dsink_noise(q, k, v, dout, causal, scale, sink, window_size=window_size, softcap=softcap))
+
+
+def _check_dsink(label, ds, ds_ref, ds_pt, factor, noise) -> None:
+    assert ds is not None, f"{label}: no dsink (the sink's gradient is None)"
+    assert ds.shape == ds_ref.shape and ds.dtype == torch.float32, \
+        f"{label}: dsink is {tuple(ds.shape)} {ds.dtype}, not {tuple(ds_ref.shape)} float32"
+    assert bool(torch.isfinite(ds).all()), f"{label}: dsink has NaN/inf elements: {ds.tolist()}"
+    err = (ds - ds_ref).abs()
+    base = (ds_pt - ds_ref).abs().max().item()
+    bound = factor * base + 6 * noise + 1e-5
+    worst = int(torch.argmax(err - bound))
+    assert bool((err <= bound).all()), (
+        f"{label}: head {worst}: |dsink - dsink_ref| = {err[worst].item():.3e} > bound {bound[worst].item():.3e} "
+        f"(dsink {ds[worst].item():.6g}, ref {ds_ref[worst].item():.6g}; low-precision baseline's max error "
+        f"{base:.3e}, rounding noise {noise[worst].item():.3e})")
 
 
 def bitwise_equal(a, b) -> bool:
@@ -160,23 +262,32 @@ def poison_cached_blocks(nbytes: int, device="cuda") -> None:
         torch.full((n // 4,), float("nan"), dtype=torch.float32, device=device)
 
 
-def variant_missing(family: str, key: dict):
+def variant_missing(family: str, key: dict, *, round_up: tuple = ()):
     """None when a built variant of ``family`` serves the dispatch key ``key``, else why not: a
     skip reason starting ``MISSING-<FAMILY>-VARIANT`` (or saying there is no kernel manifest).
 
     flashgen.dispatch.select_variant decides; should the family's dispatch key hold more fields
-    than ``key`` gives, a built variant whose key contains all of ``key``'s items serves too."""
+    than ``key`` gives, a built variant whose key contains all of ``key``'s items serves too.
+    ``round_up``: keys (e.g. ``("head_dim", "head_dim_v")``) that a variant built for a larger
+    value serves too (select_variant's ``round_up``, as the runtime dispatches head dims)."""
     from flashgen.dispatch import MissingVariantError, select_variant
     from flashgen.manifest import load_manifest
 
     try:
-        select_variant(family, key)
+        if round_up:
+            select_variant(family, key, round_up=tuple(round_up))
+        else:
+            select_variant(family, key)
         return None
     except MissingVariantError as e:
         err = e
     except Exception as e:  # noqa: BLE001 -- no manifest at all
         return f"no kernel manifest ({e}); run flashgen build"
-    if any(v.family == family and all(v.dispatch.get(n) == x for n, x in key.items())
-           for v in load_manifest().variants):
+
+    def serves(d: dict) -> bool:
+        return all(d.get(n) == x or (n in round_up and isinstance(d.get(n), int) and d[n] >= x)
+                   for n, x in key.items())
+
+    if any(v.family == family and serves(v.dispatch) for v in load_manifest().variants):
         return None
     return f"MISSING-{family.upper()}-VARIANT {key}: select_variant raised MissingVariantError: {err}"

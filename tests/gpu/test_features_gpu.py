@@ -1,0 +1,515 @@
+"""GPU correctness of FA3's masking and logit features through ``flashgen.flash_attn_func``:
+sliding windows (``window_size``), logit soft-capping (``softcap``), learnable sinks
+(``learnable_sink``), head dims served by the next built size (and head_dim 192 / head_dim_v 128),
+forward and backward (autograd), deterministic backward, torch.compile.
+
+Semantics (FA3's, hopper/flash_api.cpp and test_util.py; gpt-oss for the sink), as the reference
+:func:`_ref.attention_ref` implements them:
+
+* ``window_size=(left, right)``, bottom-right aligned: query row i sees key j iff
+  ``i + sk - sq - left <= j <= i + sk - sq + right`` (-1 or None: that side unbounded);
+  ``causal=True`` forces right = 0. A row that sees no key: out 0, lse -inf.
+* ``softcap`` c > 0: logits = ``c * tanh(softmax_scale * q.k / c)``, before masking.
+* ``learnable_sink`` (float32, one logit per query head): every row's softmax denominator gets
+  ``exp(sink_h)``, out does not; lse includes it; a row that sees no key gets out 0, lse = sink.
+  Its gradient (d_sink) comes back through autograd.
+
+Rules. Forward: FA3's, ``max|out - ref| <= f max|out_pt - ref| + noise`` with f = 2, 3 under
+softcap (hopper/test_flash_attn.py), ref the float32 computation on upcast inputs, out_pt the same
+in the input dtype; lse -inf exactly where the reference's is, else within 2e-3 (+ softcap * 2^-10
+under softcap: the kernels' tanh.approx.f32); rows that see no key give out exactly 0.
+Backward: _ref.check_bwd (FA3's gradient rule, + 3e-4 under softcap as FA3), factor 2, and 3
+under softcap (``SOFTCAP_BWD_FACTOR``: FA3's test reuses its forward ``rtol`` for the gradients);
+d_sink per head within 2 x the low-precision baseline's error + 6 x its rounding noise
+(_ref.dsink_noise).
+
+Inputs are random (never zeros), lengths odd, FA3's kinds of (seqlen_q, seqlen_k); before every
+call torch's caching allocator is left with NaN blocks (_ref.poison_cached_blocks), so an output
+or scratch element the kernels do not write shows up as NaN.
+
+A test whose variant is not built skips with a reason starting MISSING-FWD-VARIANT /
+MISSING-BWD-VARIANT (_ref.variant_missing, with the runtime's head-dim rounding and its
+banded/softcap dispatch keys). Skipped without an sm_90 GPU (conftest.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from flashgen.core import mask_spec  # noqa: E402
+from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
+    DTYPE_NAMES,
+    attention_ref,
+    bitwise_equal,
+    check_bwd,
+    check_fwd,
+    make_qkv,
+    poison_cached_blocks,
+    randn,
+    variant_missing,
+    visible_mask,
+)
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+UNBOUNDED = (-1, -1)
+# FA3 (hopper/test_flash_attn.py) checks gradients with its forward's rtol: 2, and 3 under softcap.
+SOFTCAP_BWD_FACTOR = 3.0
+
+
+# --------------------------------------------------------------------------------------
+# Cases, variants, calls
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """One problem: shape, dtype and the features of the call."""
+
+    b: int
+    sq: int
+    sk: int
+    h: int
+    hk: int
+    d: int
+    dtype: torch.dtype = BF16
+    causal: bool = False
+    window: tuple = UNBOUNDED
+    softcap: float = 0.0
+    sink: bool | float = False  # True: make_sink's logits; a float: those plus this offset
+    scale: float | None = None
+    dv: int | None = None
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.dv or self.d
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.d ** -0.5
+
+    @property
+    def feats(self) -> dict:
+        """window_size / softcap keywords of the _ref functions (the sink is passed apart)."""
+        return dict(window_size=self.window, softcap=self.softcap)
+
+    def blind_rows(self):
+        """Bool (seqlen_q,) on the GPU: the query rows that see no key."""
+        vis = visible_mask(self.sq, self.sk, self.causal, self.window, device="cuda")
+        return torch.zeros(self.sq, dtype=torch.bool, device="cuda") if vis is None else ~vis.any(-1)
+
+
+def case_id(c: Case) -> str:
+    parts = [DTYPE_NAMES[c.dtype], f"hd{c.d}" + (f"v{c.dv}" if c.dv else ""),
+             f"b{c.b}_q{c.sq}_k{c.sk}_h{c.h}_hk{c.hk}"]
+    if c.causal:
+        parts.append("causal")
+    if c.window != UNBOUNDED:
+        parts.append("w{}_{}".format(*("inf" if x is None or x < 0 else x for x in c.window)))
+    if c.softcap:
+        parts.append(f"cap{c.softcap:g}")
+    if c.scale is not None:
+        parts.append(f"scale{c.scale:g}")
+    if c.sink is True:
+        parts.append("sink")
+    elif c.sink:
+        parts.append(f"sink+{c.sink:g}")
+    return "-".join(parts)
+
+
+def need(c: Case, backward: bool = False) -> None:
+    """Skip unless a fwd variant (and with ``backward`` a bwd variant) serves the call: the
+    dispatch keys the runtime forms (flashgen.core: ``causal`` is the banded mask of
+    mask_spec, ``softcap`` whether c > 0; head dims round up to a built size)."""
+    banded = mask_spec(c.causal, c.window, c.sq, c.sk).banded
+    base = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "causal": banded, "softcap": c.softcap > 0}
+    why = variant_missing("fwd", {**base, "head_dim_v": c.head_dim_v}, round_up=("head_dim", "head_dim_v"))
+    if why is None and backward:
+        why = variant_missing("bwd", base, round_up=("head_dim",))
+    if why:
+        pytest.skip(why)
+
+
+def make_sink(h: int, seed: int):
+    """float32 (h,) sink logits on the GPU: N(0, 4), the first one large (6: comparable to the
+    sum of exp(logits) of a row of a few hundred keys) and, from 3 heads on, the last one
+    negligible (-20)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    s = 2.0 * torch.randn(h, generator=g, device="cuda", dtype=torch.float32)
+    s[0] = 6.0
+    if h >= 3:
+        s[-1] = -20.0
+    return s
+
+
+def inputs(c: Case, seed: int):
+    """(q, k, v, sink or None) for a case: make_qkv's random inputs (v with head_dim_v); the
+    sink: make_sink's, plus the case's offset when it gives one (logits of a large scale and
+    softcap are near the cap: a sink must be of that size to matter)."""
+    q, k, v = make_qkv(c.b, c.sq, c.sk, c.h, c.hk, c.d, c.dtype, seed=seed)
+    if c.dv:
+        v = randn(c.b, c.sk, c.hk, c.dv, dtype=c.dtype, seed=seed + 2)
+    if c.sink is False:
+        return q, k, v, None
+    return q, k, v, make_sink(c.h, seed + 5) + (0.0 if c.sink is True else float(c.sink))
+
+
+def attn(c: Case, q, k, v, sink=None, **kw):
+    """flashgen.flash_attn_func with the case's features; (out, lse)."""
+    return flashgen.flash_attn_func(q, k, v, softmax_scale=c.scale, causal=c.causal, window_size=c.window,
+                                    softcap=c.softcap, learnable_sink=sink, return_attn_probs=True, **kw)
+
+
+def run_forward(c: Case, q, k, v, sink=None):
+    """(out, lse) of one forward, after leaving NaN blocks in torch's allocator (out and lse are
+    allocated from them: an element not written stays NaN); synchronised."""
+    poison_cached_blocks(q.element_size() * c.b * c.sq * c.h * c.head_dim_v + 4 * c.b * c.h * c.sq)
+    with torch.no_grad():
+        out, lse = attn(c, q, k, v, sink)
+    torch.cuda.synchronize()
+    assert out.shape == (c.b, c.sq, c.h, c.head_dim_v) and out.dtype == c.dtype, f"out: {out.shape} {out.dtype}"
+    assert lse.shape == (c.b, c.h, c.sq) and lse.dtype == torch.float32, f"lse: {lse.shape} {lse.dtype}"
+    return out, lse
+
+
+def check_forward(c: Case, seed: int):
+    """One forward against the reference (_ref.check_fwd), plus rows that see no key: out exactly
+    0 and lse -inf, or the sink's logit. Returns (q, k, v, sink, out, lse)."""
+    need(c)
+    q, k, v, sink = inputs(c, seed)
+    out, lse = run_forward(c, q, k, v, sink)
+    check_fwd(q, k, v, c.causal, out, lse, c.softmax_scale, sink=sink, **c.feats)
+    blind = c.blind_rows()
+    if blind.any():
+        nz = int((out[:, blind] != 0).sum())
+        assert nz == 0, f"{nz} out elements of the {int(blind.sum())} rows that see no key are not 0"
+        want = (sink.view(1, -1, 1) if sink is not None else torch.tensor(-math.inf, device="cuda")).expand(
+            c.b, c.h, int(blind.sum()))
+        torch.testing.assert_close(lse[:, :, blind], want, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"lse of the rows that see no key (want -inf or the sink): {m}")
+    return q, k, v, sink, out, lse
+
+
+def grads_of(c: Case, q, k, v, sink, dout, deterministic: bool = False):
+    """(out, (dq, dk, dv[, dsink])): flash_attn_func on fresh leaves (the sink a leaf too), then
+    torch.autograd.grad of out for ``dout`` after poisoning the allocator (the backward's dq
+    accumulator and workspace start as NaN)."""
+    leaves = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+    if sink is not None:
+        leaves += (sink.detach().clone().requires_grad_(),)
+    out, _ = attn(c, *leaves[:3], leaves[3] if sink is not None else None, deterministic=deterministic)
+    poison_cached_blocks(8 * sum(x.numel() for x in (q, k, v)))
+    grads = torch.autograd.grad(out, leaves, dout)
+    torch.cuda.synchronize()
+    return out.detach(), grads
+
+
+def first_difference(a, b) -> str:
+    diff = a.float() != b.float()
+    n = int(diff.sum())
+    if not n:
+        return "same values, different bits (signed zeros / NaN payloads)"
+    idx = tuple(int(i) for i in diff.nonzero()[0])
+    return f"{n} elements differ, first at {idx}: {a[idx].item()!r} vs {b[idx].item()!r}"
+
+
+def random_window(sq: int, sk: int) -> tuple:
+    """FA3's random window: torch.randint(0, seqlen_k, (2,)), from a generator seeded by the shape."""
+    g = torch.Generator().manual_seed(1000 * sq + sk)
+    return tuple(torch.randint(0, sk, (2,), generator=g).tolist())
+
+
+# --------------------------------------------------------------------------------------
+# Sliding windows, forward
+# --------------------------------------------------------------------------------------
+
+WINDOW_SHAPES = [  # (batch, seqlen_q, seqlen_k, heads, heads_k, head_dim): FA3's lengths, GQA, head dims
+    (2, 1, 1, 4, 4, 128),
+    (3, 17, 113, 4, 2, 64),
+    (3, 113, 17, 4, 1, 128),     # seqlen_q > seqlen_k: rows that see no key
+    (2, 239, 1, 4, 2, 96),       # one key
+    (1, 1023, 1024, 4, 2, 256),
+    (1, 1024, 1023, 6, 3, 192),
+]
+WINDOWS = [  # (window_size, causal); "random": FA3's torch.randint(0, seqlen_k, (2,))
+    ((0, 0), False),
+    ((1, -1), False),
+    ((-1, 0), False),            # the causal mask as a window
+    ((10, -1), False),
+    ((-1, 10), False),
+    ((3, 7), False),
+    ((128, 0), True),            # causal sliding window
+    ((50, 50), False),
+    ("random", False),
+    ("random", True),            # causal: the random right side is forced to 0
+]
+
+
+@pytest.mark.parametrize("shape", WINDOW_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}_hd{}".format(*s))
+@pytest.mark.parametrize("window,causal", WINDOWS,
+                         ids=[("causal_" if c else "") + ("random" if w == "random" else
+                                                          "w{}_{}".format(*(x if x >= 0 else "inf" for x in w)))
+                              for w, c in WINDOWS])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_window_forward(dtype, window, causal, shape):
+    """out by FA3's rule, lse (-inf pattern and values), rows that see no key give 0 / -inf."""
+    b, sq, sk, h, hk, d = shape
+    window = random_window(sq, sk) if window == "random" else window
+    check_forward(Case(b, sq, sk, h, hk, d, dtype, causal=causal, window=window), seed=sq + sk + d)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (777, 333)), (True, (1024, -1))],
+                         ids=["w777_333", "causal_w1024_inf"])
+def test_window_forward_4224(causal, window):
+    """FA3's longest length, (4224, 4224): 33 blocks of 128 and a partial one, GQA 2."""
+    check_forward(Case(1, 4224, 4224, 4, 2, 128, BF16, causal=causal, window=window), seed=4224)
+
+
+@pytest.mark.parametrize("shape", [(2, 300, 517, 4, 2), (2, 517, 300, 4, 4)], ids=["q300_k517", "q517_k300"])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_window_equivalent_spellings_bitwise(dtype, shape):
+    """Spellings of one mask give the same bits (FA3's normalisation): window (-1, 0) and
+    (None, 0) are causal; (-1, -1), (None, None) and a window reaching every key are no mask;
+    causal with (L, -1), causal with (L, 5) (right forced to 0) and the window (L, 0) are one
+    causal sliding window."""
+    b, sq, sk, h, hk = shape
+    base = Case(b, sq, sk, h, hk, 128, dtype)
+    q, k, v, _ = inputs(base, seed=sq)
+    groups = {
+        "causal": [(True, UNBOUNDED), (False, (-1, 0)), (False, (None, 0)), (True, (-1, 7))],
+        "no mask": [(False, UNBOUNDED), (False, (None, None)), (False, (sk + 5, sq + 5)), (False, (sk - 1, sq - 1))],
+        "causal window 64": [(True, (64, -1)), (True, (64, 5)), (False, (64, 0))],
+    }
+    for name, spellings in groups.items():
+        outs = []
+        for causal, window in spellings:
+            c = Case(b, sq, sk, h, hk, 128, dtype, causal=causal, window=window)
+            need(c)
+            outs.append(((causal, window), run_forward(c, q, k, v)))
+        (s0, (o0, l0)) = outs[0]
+        check_fwd(q, k, v, s0[0], o0, l0, window_size=s0[1])
+        for s, (o, lse) in outs[1:]:
+            assert bitwise_equal(o, o0), f"{name}: out of causal={s[0]}, window {s[1]} differs from {s0}: " \
+                                         f"{first_difference(o, o0)}"
+            assert bitwise_equal(lse, l0), f"{name}: lse of causal={s[0]}, window {s[1]} differs from {s0}"
+
+
+# --------------------------------------------------------------------------------------
+# Softcap, forward
+# --------------------------------------------------------------------------------------
+
+SOFTCAP_CASES = [  # softcap 15 at the default scale; 50 with scale 25, where tanh saturates
+    Case(2, 239, 387, 4, 2, 128, BF16, softcap=15.0),
+    Case(2, 239, 387, 4, 2, 128, FP16, causal=True, softcap=15.0),
+    Case(3, 113, 203, 4, 1, 64, BF16, window=(64, 32), softcap=15.0),
+    Case(1, 1023, 1024, 4, 2, 256, FP16, causal=True, window=(100, -1), softcap=15.0),
+    Case(2, 300, 129, 4, 2, 96, BF16, causal=True, softcap=15.0),            # rows that see no key
+    Case(2, 239, 387, 4, 2, 128, BF16, softcap=50.0, scale=25.0),
+    Case(2, 239, 387, 4, 4, 64, FP16, causal=True, softcap=50.0, scale=25.0),
+    Case(1, 777, 1299, 6, 2, 192, BF16, window=(30, 30), softcap=50.0, scale=25.0),
+]
+
+
+@pytest.mark.parametrize("c", SOFTCAP_CASES, ids=case_id)
+def test_softcap_forward(c):
+    """FA3's rule with factor 3 (FA3's softcap tolerance), lse within 2e-3 + softcap * 2^-10.
+    With scale 25 the test first checks that most logits are in tanh's flat part (|arg| > 2)."""
+    if c.scale is not None:
+        q, k, _, _ = inputs(c, seed=c.sq + c.d)
+        arg = c.softmax_scale * (q[0, :, 0].float() @ k[0, :, 0].float().T) / c.softcap
+        assert (arg.abs() > 2).float().mean() > 0.5, "test setup: softcap 50 at this scale does not saturate"
+    check_forward(c, seed=c.sq + c.d)
+
+
+# --------------------------------------------------------------------------------------
+# Learnable sink, forward
+# --------------------------------------------------------------------------------------
+
+SINK_CASES = [
+    Case(2, 113, 257, 8, 2, 128, BF16, sink=True),
+    Case(1, 1, 1, 4, 4, 64, FP16, sink=True),
+    Case(2, 300, 129, 4, 2, 64, FP16, causal=True, sink=True),            # 171 rows see no key
+    Case(2, 257, 100, 4, 4, 128, BF16, window=(0, 0), sink=True),        # 157 rows see no key
+    Case(2, 239, 387, 4, 2, 96, BF16, window=(-1, 10), sink=True),
+    Case(1, 1023, 1024, 4, 1, 256, FP16, causal=True, window=(200, -1), softcap=15.0, sink=True),
+    Case(2, 333, 517, 6, 2, 192, BF16, window=(64, 64), softcap=50.0, scale=25.0, sink=50.0),  # lse ~ 54
+]
+
+
+@pytest.mark.parametrize("c", SINK_CASES, ids=case_id)
+def test_learnable_sink_forward(c):
+    """out and lse against the reference with the sink's column in the softmax (lse includes
+    exp(sink)); rows that see no key give out 0 and lse = sink. Test setup: the sink matters (the
+    output without it differs by over 10 % of its largest element)."""
+    q, k, v, sink, out, _ = check_forward(c, seed=c.sq + c.sk)
+    without, _ = attention_ref(q, k, v, c.causal, c.softmax_scale, sink=None, **c.feats)
+    assert (out.float() - without.float()).abs().max() > 0.1 * without.float().abs().max(), \
+        "test setup: the sink changes (almost) nothing"
+
+
+# --------------------------------------------------------------------------------------
+# Head dims served by the next built size; head_dim 192 with head_dim_v 128
+# --------------------------------------------------------------------------------------
+
+ROUNDED_HEAD_DIMS = [8, 40, 72, 80, 104, 136, 160, 200, 224, 248]
+
+
+@pytest.mark.parametrize("dtype,causal,window", [(BF16, False, UNBOUNDED), (FP16, True, (96, -1))],
+                         ids=["bf16", "fp16_causal_w96"])
+@pytest.mark.parametrize("d", ROUNDED_HEAD_DIMS, ids=lambda d: f"hd{d}")
+def test_head_dim_rounded_up_forward(d, dtype, causal, window):
+    """A head dim with no variant of its own runs on the next built size (64, 96, 128, 192, 256;
+    the columns past it zero-filled): out (of the call's head dim) and lse by the usual rule."""
+    check_forward(Case(2, 173, 301, 4, 2, d, dtype, causal=causal, window=window), seed=d)
+
+
+@pytest.mark.parametrize("c", [
+    Case(2, 333, 517, 8, 2, 192, BF16, dv=128),
+    Case(2, 333, 517, 8, 2, 192, BF16, causal=True, dv=128),
+    Case(3, 517, 333, 4, 4, 192, FP16, dv=128),
+    Case(3, 517, 333, 4, 4, 192, FP16, causal=True, dv=128),             # rows that see no key
+    Case(1, 1023, 1024, 4, 1, 192, BF16, causal=True, window=(128, -1), softcap=15.0, sink=True, dv=128),
+], ids=case_id)
+def test_head_dim_192_v128_forward(c):
+    """DeepSeek's (192, 128) head dims, forward: out (batch, seqlen_q, heads, 128)."""
+    check_forward(c, seed=c.sq)
+
+
+def test_head_dim_v_differs_backward_not_implemented():
+    """The backward needs head_dim_v == head_dim: NotImplementedError (the forward works)."""
+    c = Case(1, 64, 64, 2, 2, 192, BF16, dv=128)
+    need(c)
+    q, k, v, _ = inputs(c, seed=3)
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError):
+        out = flashgen.flash_attn_func(q, k, v)
+        out.float().sum().backward()
+
+
+# --------------------------------------------------------------------------------------
+# Backward (autograd through flash_attn_func)
+# --------------------------------------------------------------------------------------
+
+BWD_CASES = [
+    Case(2, 333, 517, 4, 4, 128, BF16, window=(64, 32)),
+    Case(3, 113, 203, 4, 2, 64, FP16, window=(0, 0)),
+    Case(3, 400, 300, 4, 2, 96, BF16, causal=True, window=(128, -1)),    # rows that see no key
+    Case(2, 257, 100, 4, 4, 128, FP16, window=(-1, 10)),                  # rows that see no key
+    Case(1, 1023, 1024, 4, 1, 256, BF16, window=random_window(1023, 1024)),
+    Case(2, 239, 387, 4, 2, 128, BF16, softcap=15.0),
+    Case(2, 239, 387, 4, 2, 64, FP16, causal=True, softcap=15.0),
+    Case(2, 239, 387, 4, 2, 128, BF16, window=(50, 50), softcap=50.0, scale=25.0),
+    Case(2, 113, 257, 8, 2, 128, BF16, sink=True),
+    Case(2, 300, 129, 4, 2, 128, FP16, causal=True, sink=True),           # rows that see no key, with a sink
+    Case(2, 333, 517, 6, 3, 192, BF16, window=(100, 20), softcap=15.0, sink=True),
+    Case(2, 777, 1299, 8, 2, 128, BF16, window=(100, 50)),                # GQA 4
+    Case(2, 777, 1299, 8, 2, 64, FP16, causal=True, window=(256, -1), sink=True),  # GQA 4
+]
+
+
+def check_backward(c: Case, seed: int, deterministic: bool = False):
+    """Gradients of one autograd step against the reference (_ref.check_bwd with the case's
+    features; d_sink too); returns (q, k, v, sink, dout, grads)."""
+    need(c, backward=True)
+    q, k, v, sink = inputs(c, seed)
+    dout = randn(c.b, c.sq, c.h, c.head_dim_v, dtype=c.dtype, seed=seed + 3)
+    _, grads = grads_of(c, q, k, v, sink, dout, deterministic=deterministic)
+    factor = SOFTCAP_BWD_FACTOR if c.softcap > 0 else 2.0
+    check_bwd(q, k, v, dout, c.causal, grads, c.softmax_scale, factor, sink=sink, **c.feats)
+    return q, k, v, sink, dout, grads
+
+
+@pytest.mark.parametrize("c", BWD_CASES, ids=case_id)
+def test_backward_features(c):
+    """dq, dk, dv (and d_sink) by FA3's rule; rows that see no key get dq exactly 0."""
+    q, k, v, sink, dout, grads = check_backward(c, seed=c.sq + c.sk + c.d)
+    blind = c.blind_rows()
+    if blind.any():
+        nz = int((grads[0][:, blind] != 0).sum())
+        assert nz == 0, f"{nz} dq elements of the {int(blind.sum())} rows that see no key are not 0"
+
+
+@pytest.mark.parametrize("c", [
+    Case(2, 257, 311, 4, 2, 40, BF16),
+    Case(2, 257, 311, 4, 2, 72, FP16, causal=True),
+    Case(2, 257, 311, 4, 2, 136, BF16, window=(64, 64)),
+    Case(2, 257, 311, 4, 2, 200, FP16, causal=True, softcap=15.0),
+    Case(2, 257, 311, 4, 2, 248, BF16, sink=True),
+], ids=case_id)
+def test_head_dim_rounded_up_backward(c):
+    """Backward at head dims served by the next built size: gradients of the call's head dim."""
+    check_backward(c, seed=c.d)
+
+
+# --------------------------------------------------------------------------------------
+# Deterministic backward
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("c", [
+    Case(1, 2048, 2048, 4, 2, 128, BF16, window=(1000, 300)),
+    Case(1, 2048, 2048, 4, 2, 128, BF16, causal=True, window=(700, -1)),
+    Case(1, 2048, 2048, 4, 2, 64, FP16, window=(512, 512), softcap=30.0, sink=True),
+], ids=case_id)
+def test_deterministic_window_20_runs_bitwise_equal(c):
+    """deterministic=True with a window: 20 autograd runs give the first run's bits (dq, dk, dv
+    and d_sink); the first passes the reference rule. Each dq row sums about 10 key blocks of
+    the band, each dk/dv row two query heads (GQA 2)."""
+    q, k, v, sink, dout, first = check_backward(c, seed=c.d + 11, deterministic=True)
+    names = ("dq", "dk", "dv", "dsink")
+    for i in range(20):
+        _, again = grads_of(c, q, k, v, sink, dout, deterministic=True)
+        for name, a, b in zip(names, first, again):
+            assert bitwise_equal(a, b), f"run {i + 1} of 20: {name} differs from run 0: {first_difference(a, b)}"
+
+
+# --------------------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------------------
+
+def test_torch_compile_fullgraph_window_softcap_sink():
+    """A step (scale q, attention with a causal sliding window, softcap and a learnable sink,
+    float32 weighted sum) compiled with fullgraph=True, for two shapes: the loss matches eager,
+    dq, dk, dv have eager's bits (same kernels, deterministic=True), d_sink matches eager (a
+    float32 reduction the compiler may order differently); the compiled forward alone gives
+    eager's out and lse bits."""
+    torch._dynamo.reset()
+    c0 = Case(2, 128, 200, 4, 2, 128, BF16, causal=True, window=(64, -1), softcap=20.0, sink=True)
+    need(c0, backward=True)
+
+    def step(q, k, v, sink, w):
+        out = flashgen.flash_attn_func(q * 1.5, k, v, causal=True, window_size=(64, -1), softcap=20.0,
+                                       learnable_sink=sink, deterministic=True)
+        return (out.float() * w).sum()
+
+    def fwd(q, k, v, sink):
+        return flashgen.flash_attn_func(q, k, v, causal=True, window_size=(64, -1), softcap=20.0,
+                                        learnable_sink=sink, return_attn_probs=True)
+
+    compiled, compiled_fwd = torch.compile(step, fullgraph=True), torch.compile(fwd, fullgraph=True)
+    for seed, sq in ((0, 128), (1, 77)):
+        c = Case(2, sq, 200, 4, 2, 128, BF16, causal=True, window=(64, -1), softcap=20.0, sink=True)
+        q, k, v, sink = inputs(c, seed)
+        w = randn(2, sq, 4, 128, dtype=torch.float32, seed=seed + 7)
+        eager_leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+        comp_leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+        loss_e = step(*eager_leaves, w)
+        loss_e.backward()
+        loss_c = compiled(*comp_leaves, w)
+        loss_c.backward()
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-3)
+        for name, a, b in zip(("dq", "dk", "dv"), comp_leaves, eager_leaves):
+            assert a.grad is not None, f"compiled step gave no {name}"
+            assert bitwise_equal(a.grad, b.grad), f"seqlen_q {sq}: compiled {name} differs from eager: " \
+                                                  f"{first_difference(a.grad, b.grad)}"
+        assert comp_leaves[3].grad is not None, "compiled step gave no d_sink"
+        torch.testing.assert_close(comp_leaves[3].grad, eager_leaves[3].grad, rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            (oe, le), (oc, lc) = fwd(q, k, v, sink), compiled_fwd(q, k, v, sink)
+        assert bitwise_equal(oc, oe) and bitwise_equal(lc, le), "compiled forward differs from eager"
+        check_fwd(q, k, v, True, oe, le, sink=sink, window_size=(64, -1), softcap=20.0)
