@@ -216,6 +216,9 @@ def window_size_problems(window_size) -> list:
     None mean unbounded on that side; ``(-1, -1)`` is no window). TypeError for anything not a
     tuple/list or an entry that is not an int (bools are refused), ValueError for a tuple/list
     of another length or an entry < -1; each message names ``window_size``."""
+    if type(window_size) is tuple and len(window_size) == 2 and \
+            all(type(x) is int and x >= -1 for x in window_size):  # the common case, fast (host time per call)
+        return []
     if not isinstance(window_size, (tuple, list)):
         return [(TypeError, f"window_size must be {_WINDOW_EXPECTED}, got {type(window_size).__name__} "
                             f"{window_size!r}")]
@@ -247,6 +250,8 @@ def softcap_problems(softcap) -> list:
 
     Valid: a real number (int or float, not bool), finite and >= 0; 0 turns it off. TypeError for
     a non-number, ValueError for NaN / inf / a negative value; each message names ``softcap``."""
+    if type(softcap) is float and 0.0 <= softcap < math.inf:  # the common case, fast
+        return []
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         return [(TypeError, f"softcap must be a real number (float) >= 0 (0 = off), got {type(softcap).__name__}")]
     if not 0.0 <= float(softcap) < math.inf:  # NaN, inf, negative (comparisons only: traceable by torch.compile)

@@ -262,7 +262,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         _check_tma(name, t)
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
-    scale_log2, softcap_scale = softmax_constants(scale, softcap)
+    # the forward ran a zero scale as 1e-30 (masked -inf scores times 0 would be NaN); P must match it
+    scale_log2, softcap_scale = softmax_constants(1e-30 if scale == 0.0 and not softcap else scale, softcap)
     plan = _bwd_plan(q.dtype, d, mask.banded, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)

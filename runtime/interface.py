@@ -172,6 +172,12 @@ def _fwd_impl(
     the op so that its autograd formula hands it to the backward, also in a torch.compile graph.
     """
     p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink)
+    return _fwd_run(p, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink)
+
+
+def _fwd_run(p: _v.Problem, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+             learnable_sink) -> tuple:
+    """The forward for arguments already validated (``p``: their Problem): outputs, launch."""
     _check_device_capability(p.device)
     if p.nothing_to_compute or p.seqlen_k == 0:
         out = q.new_empty(p.out_shape)
@@ -507,7 +513,11 @@ def flash_attn_func(
         # Eager fast path: the op's own implementation without the custom-op dispatcher, which
         # costs more host time per call than the whole launch (measured on H200). Tracing,
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
-        out, lse = _fwd_impl(q, k, v, scale, bool(causal), False, window_left, window_right, softcap, sink)
+        # window_size and softcap were validated above: only q, k, v and the sink are left to check
+        p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
+        if sink is not None:
+            _v.raise_problems(_v.learnable_sink_problems(_array_info(sink), p))
+        out, lse = _fwd_run(p, q, k, v, scale, bool(causal), window_left, window_right, softcap, sink)
     else:
         out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal), bool(deterministic), window_left,
                                           window_right, softcap, sink)

@@ -588,15 +588,16 @@ def test_input_error_is_exported():
 # --------------------------------------------------------------------------------------
 
 def test_grad_inputs_go_through_the_op_with_deterministic(fake_gpu, monkeypatch):
-    seen = []
-    real = interface._fwd_impl
-    monkeypatch.setattr(interface, "_fwd_impl", lambda *a: seen.append(("eager", a[5:])) or real(*a))
+    seen, op = [], []  # every launch (_fwd_run), and the op's validation (_check_fwd: not on the fast path)
+    run, check = interface._fwd_run, interface._check_fwd
+    monkeypatch.setattr(interface, "_fwd_run", lambda *a: seen.append(a[6:]) or run(*a))
+    monkeypatch.setattr(interface, "_check_fwd", lambda *a: op.append(1) or check(*a))
     q, k, v = qkv()
-    out = flash_attn_func(q, k, v)  # no grad needed: the eager fast path, deterministic not passed
-    assert seen == [("eager", (False, -1, -1, 0.0, None))] and out.grad_fn is None
+    out = flash_attn_func(q, k, v)  # no grad needed: the eager fast path
+    assert seen == [(-1, -1, 0.0, None)] and op == [] and out.grad_fn is None
     k.requires_grad_(True)
     out = flash_attn_func(q, k, v, deterministic=True)  # recorded by autograd: through torch.ops.flashgen.fwd
-    assert len(seen) == 1 and out.requires_grad and out.grad_fn is not None
+    assert len(seen) == 2 and op and out.requires_grad and out.grad_fn is not None
     assert len(fake_gpu.calls) == 2
 
 

@@ -175,15 +175,29 @@ def test_empty_problems(spy, b, sq, sk):
         assert bool((lse == -math.inf).all())
 
 
-def test_missing_variant_error():
-    dtype, d = pick(False)
-    dv = 64 if d != 64 else 128
-    if (_NAME[dtype], d, dv, False) in _built_keys():
-        pytest.skip("a head_dim != head_dim_v variant is built")
-    q, k, _ = inputs(1, 8, 8, 2, 2, d, dtype)
-    v = rnd(1, 8, 2, dv, dtype=dtype)
-    with pytest.raises(core.MissingVariantError, match="flashgen add-variant"):
+def test_missing_variant_error(tmp_path, monkeypatch):
+    """A call no built variant serves (here: a kernel folder whose manifest keeps only the
+    head_dim 64 forwards, so head_dim 128 cannot round up to anything) raises MissingVariantError
+    naming the add-variant command; head_dim 40 rounds up to 64 and runs."""
+    import json
+    import os
+
+    m = load_manifest()
+    data = json.loads(m.path.read_text())
+    data["variants"] = [e for e in data["variants"] if e["family"] == "fwd" and e["params"]["head_dim"] == 64
+                        and e["params"]["head_dim_v"] == 64]
+    assert data["variants"], "no head_dim 64 forward built"
+    for e in data["variants"]:  # the fatbins stay where they are
+        e["fatbin"] = os.path.join(str(m.path.parent), e["fatbin"])
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(core, "_plans", {})  # resolved plans are per process: start from the subset
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[data["variants"][0]["params"]["dtype"]]
+    q, k, v = inputs(1, 8, 8, 2, 2, 128, dtype)
+    with pytest.raises(core.MissingVariantError, match="flashgen add-variant fwd .*--head-dim 128"):
         flash_attn_func(q, k, v)
+    q, k, v = inputs(1, 37, 45, 2, 2, 40, dtype)
+    assert_fa3_rule(flash_attn_func(q, k, v), q, k, v, False)
 
 
 def test_backward_gives_gradients():

@@ -50,9 +50,6 @@ struct Band {
   __device__ __forceinline__ bool crosses(int q0, int q1, int k0, int k1) const {
     return k1 > key_hi(q0) || k0 < key_lo(q1);
   }
-  __device__ __forceinline__ bool visible(int key, int query) const {
-    return key < seqlen_k && key >= key_lo(query) && key <= key_hi(query);
-  }
 };
 
 // The forward's view: S (rows queries, columns keys) of query block m and key block n.
@@ -128,11 +125,29 @@ struct BwdBlockMask {
     return ragged;
   }
 
-  // Whether query `query` sees key `key` (both global rows; queries past seqlen_q are handled by
-  // their LSE, which the backward's preprocess sets to +inf).
-  __device__ __forceinline__ bool visible(int key, int query) const {
-    if constexpr (Banded) return band.visible(key, query);
-    return key < band.seqlen_k;
+  // S^T[i][j] = -inf where query j does not see key i (key past the sequence end or outside the
+  // query's band). key0: this thread's first key row (global), m: the query block of S^T. Queries
+  // past seqlen_q are left alone: their LSE, which the backward's preprocess sets to +inf, gives
+  // P = 0. (As the forward's apply: the band test is on key - query against two constants.)
+  __device__ __forceinline__ void apply(float (&s)[BlockM / 2], int m, int key0, int lane) const {
+    const int col0 = m * BlockM + 2 * (lane % 4);  // query of register 0
+    const int diag = key0 - col0;                  // key - query of register 0
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool past_end = key0 + 8 * h >= band.seqlen_k;
+#pragma unroll
+      for (int j = 0; j < BlockM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          bool out = past_end;
+          if constexpr (Banded) {
+            const int d = diag + 8 * h - 8 * j - e;
+            out = out || d > band.seqlen_k - band.seqlen_q + band.right || d < band.seqlen_k - band.seqlen_q - band.left;
+          }
+          if (out) s[4 * j + 2 * h + e] = -INFINITY;
+        }
+      }
+    }
   }
 };
 
