@@ -38,12 +38,14 @@ def _check_tma(name: str, t: TensorArg) -> None:
 
 
 class MaskSpec(NamedTuple):
-    """The mask a call runs with: ``banded`` (served by the ``causal`` variants, which apply a
-    band with runtime bounds) and the band's sides, query row i seeing keys
-    ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``, both >= 0 (an unbounded
-    side is seqlen_k for left, seqlen_q for right). Unbanded: only the sequence end is masked."""
+    """The mask a call runs with, as the variant key names it: ``causal`` (keys up to the
+    bottom-right aligned diagonal), ``local`` (a band with runtime bounds: query row i sees keys
+    ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``), or neither (only the
+    sequence end is masked). ``left``/``right`` >= 0 (an unbounded side is seqlen_k for left,
+    seqlen_q for right; causal is (seqlen_k, 0))."""
 
-    banded: bool
+    causal: bool
+    local: bool
     left: int
     right: int
 
@@ -52,7 +54,8 @@ def mask_spec(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> MaskSp
     """FA3's mask semantics (hopper/flash_api.cpp), bottom-right aligned: ``window_size = (left,
     right)`` with -1 (or None) unbounded; ``causal`` sets right = 0; a side that reaches every key
     (left >= seqlen_k - 1, right >= seqlen_q - 1) is unbounded; with both sides unbounded the call
-    is unmasked (so causal with seqlen_q == 1 runs the unmasked kernel, as in FA3).
+    is unmasked (so causal with seqlen_q == 1 runs the unmasked kernel, as in FA3); an unbounded left
+    with right 0 is causal; any other band is local.
     window_size values must be ints >= -1 or None (checked by the callers' validation)."""
     left, right = (-1 if x is None else int(x) for x in window_size)
     if causal:
@@ -62,8 +65,10 @@ def mask_spec(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> MaskSp
     if right >= seqlen_q - 1:
         right = -1
     if left < 0 and right < 0:
-        return MaskSpec(False, seqlen_k, seqlen_q)
-    return MaskSpec(True, left if left >= 0 else seqlen_k, right if right >= 0 else seqlen_q)
+        return MaskSpec(False, False, seqlen_k, seqlen_q)
+    if left < 0 and right == 0:
+        return MaskSpec(True, False, seqlen_k, 0)
+    return MaskSpec(False, True, left if left >= 0 else seqlen_k, right if right >= 0 else seqlen_q)
 
 
 def softmax_constants(softmax_scale: float, softcap: float) -> tuple:
@@ -94,17 +99,17 @@ class _Plan(NamedTuple):
 _plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent calls may share them
 
 
-def _plan(dtype: str, d: int, dv: int, banded: bool, softcap: bool, device: int, variant: Variant | None) -> _Plan:
+def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
 
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
-    key = (variant.name if variant is not None else None, dtype, d, dv, banded, softcap, device)
+    key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device)
     plan = _plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
-            "fwd", {"dtype": dtype, "head_dim": d, "head_dim_v": dv, "causal": banded, "softcap": softcap},
-            round_up=_ROUND_UP)
+            "fwd", {"dtype": dtype, "head_dim": d, "head_dim_v": dv, "causal": mask.causal, "local": mask.local,
+                    "softcap": softcap}, round_up=_ROUND_UP)
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
         plan = _Plan(var, launch.get_kernel(var, "main", device), p["block_m"], p["block_n"], sms)
@@ -148,7 +153,7 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     if scale == 0.0 and not softcap:
         scale = 1e-30  # exp2(0 * -inf) would be NaN for masked keys; a tiny scale gives the same uniform weights
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _plan(q.dtype, d, dv, mask.banded, softcap > 0, q.device, variant)
+    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     num_tiles = num_m * h * b
@@ -177,14 +182,15 @@ class _BwdPlan(NamedTuple):
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
 
 
-def _bwd_plan(dtype: str, d: int, banded: bool, softcap: bool, device: int, variant: Variant | None) -> _BwdPlan:
-    """The bwd variant serving (dtype, head_dim, banded, softcap) and its three loaded kernels, once
+def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None) -> _BwdPlan:
+    """The bwd variant serving (dtype, head_dim, mask, softcap) and its three loaded kernels, once
     per process (head_dim rounds up to the smallest built size that covers it)."""
-    key = (variant.name if variant is not None else None, dtype, d, banded, softcap, device)
+    key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device)
     plan = _bwd_plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
-            "bwd", {"dtype": dtype, "head_dim": d, "causal": banded, "softcap": softcap}, round_up=_ROUND_UP)
+            "bwd", {"dtype": dtype, "head_dim": d, "causal": mask.causal, "local": mask.local, "softcap": softcap},
+            round_up=_ROUND_UP)
         p = var.params
         pad = -(-p["head_dim"] // 64) * 64
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
@@ -222,10 +228,10 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int
     if seqlen_k is None:
         if tuple(-1 if x is None else x for x in window_size) != (-1, -1):
             raise ValueError("flashgen: backward_workspace_bytes needs seqlen_k with a window_size")
-        banded = bool(causal) and seqlen_q > 1
+        mask = MaskSpec(bool(causal) and seqlen_q > 1, False, 0, 0)
     else:
-        banded = mask_spec(causal, window_size, seqlen_q, seqlen_k).banded
-    plan = _bwd_plan(dtype, head_dim, banded, softcap > 0, device, variant)
+        mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
+    plan = _bwd_plan(dtype, head_dim, mask, softcap > 0, device, variant)
     return _bwd_workspace(plan, batch, seqlen_q, heads)[0]
 
 
@@ -264,7 +270,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     scale = float(softmax_scale)
     # the forward ran a zero scale as 1e-30 (masked -inf scores times 0 would be NaN); P must match it
     scale_log2, softcap_scale = softmax_constants(1e-30 if scale == 0.0 and not softcap else scale, softcap)
-    plan = _bwd_plan(q.dtype, d, mask.banded, softcap > 0, q.device, variant)
+    plan = _bwd_plan(q.dtype, d, mask, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)

@@ -105,9 +105,10 @@ class FakeCore:
     def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None, *,
                           window_size=(-1, -1), softcap=0.0, sink=0):
         if variant is None:  # as the real core: select (MissingVariantError) before any launch
-            banded = core.mask_spec(causal, window_size, q.shape[1], k.shape[1]).banded
+            m = core.mask_spec(causal, window_size, q.shape[1], k.shape[1])
             variant = core.select_variant(
-                "fwd", {"dtype": q.dtype, "head_dim": q.shape[3], "head_dim_v": v.shape[3], "causal": banded,
+                "fwd", {"dtype": q.dtype, "head_dim": q.shape[3], "head_dim_v": v.shape[3], "causal": m.causal,
+                        "local": m.local,
                         "softcap": softcap > 0})
         for a in (q, k, v, out):
             assert isinstance(a, core.TensorArg)
@@ -172,7 +173,7 @@ def test_forward_matches_reference(fake_gpu, causal, dtype):
     assert call["causal"] is causal and call["stream"] == 1234
     assert call["scale"] == pytest.approx(64 ** -0.5)
     assert fake_gpu.selected == [("fwd", {"dtype": "fp16" if dtype == torch.float16 else "bf16", "head_dim": 64,
-                                          "head_dim_v": 64, "causal": causal, "softcap": False})]
+                                          "head_dim_v": 64, "causal": causal, "local": False, "softcap": False})]
     assert call["window_size"] == (-1, -1) and call["softcap"] == 0.0 and call["sink"] == 0
     assert (call["q"].shape[1], call["k"].shape[1], call["v"].shape[1]) == (5, 7, 7)  # seqlen_q, seqlen_k
     assert call["variant"].name.startswith("fake_")

@@ -102,8 +102,8 @@ class FakeBwd:
         assert type(window_size) is tuple and all(type(x) is int for x in window_size) and type(softcap) is float
         self.workspace_calls.append(dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
                                          window_size=window_size, softcap=softcap))
-        banded = core.mask_spec(causal, window_size, seqlen_q, seqlen_k).banded  # as the real core
-        core.select_variant("bwd", {"dtype": dtype, "head_dim": head_dim, "causal": banded,
+        m = core.mask_spec(causal, window_size, seqlen_q, seqlen_k)  # as the real core
+        core.select_variant("bwd", {"dtype": dtype, "head_dim": head_dim, "causal": m.causal, "local": m.local,
                                     "softcap": softcap > 0})  # may raise
         return self.nbytes(batch, seqlen_q, heads)
 
@@ -183,7 +183,7 @@ def test_gradients_match_reference(gpu, causal, dtype, h, hk):
     for name in ("dq", "dk", "dv"):  # gradients allocated contiguous
         assert call[name].strides == tuple(torch.empty(call[name].shape).stride())
     assert bwd_selected(gpu) == [{"dtype": "fp16" if dtype == torch.float16 else "bf16", "head_dim": 64,
-                                  "causal": causal, "softcap": False}]
+                                  "causal": causal, "local": False, "softcap": False}]
     assert call["window_size"] == (-1, -1) and call["softcap"] == 0.0
 
 

@@ -187,15 +187,16 @@ def test_real_configs():
     assert {v.family for v in vs} == {"fwd", "bwd", "combine"}
     combine = [v for v in vs if v.family == "combine"]
     assert {v.params["dtype"] for v in combine} == {"fp32", "bf16", "fp16"} and all(v.default for v in combine)
-    # fwd and bwd: {dtype} x {head_dim} x {causal} x {softcap}; fwd also head_dim 192 / head_dim_v 128
-    assert len(select(vs)) == 40 + 8 + 40 + 3
-    keys = {(d, h, c, sc) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256) for c in (False, True)
-            for sc in (False, True)}
+    # fwd and bwd: {dtype} x {head_dim} x {none, causal, local} x {softcap}; fwd also head_dim 192 / head_dim_v 128
+    assert len(select(vs)) == 60 + 8 + 60 + 3
+    keys = {(d, h, c, lo, sc) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
+            for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
         fam = [v for v in select(vs) if v.family == family and v.params["head_dim_v" if family == "fwd" else "head_dim"]
                == v.params["head_dim"]]
         assert all(v.default for v in fam)
-        assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["softcap"]) for v in fam} == keys
+        assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"])
+                for v in fam} == keys
     mla = [v for v in select(vs) if v.family == "fwd" and v.params["head_dim_v"] != v.params["head_dim"]]
     assert {(v.params["dtype"], v.params["head_dim"], v.params["head_dim_v"], v.params["causal"], v.params["softcap"])
             for v in mla} == {(d, 192, 128, c, sc) for d in ("bf16", "fp16") for c in (False, True) for sc in (False, True)}
@@ -220,9 +221,10 @@ def test_real_configs():
             (True, True, False, 2, False), (True, True, True, 3, False), (True, True, True, 2, True)} <= knobs
     assert all(not v.default_build for v in abl if not v.default)  # not in the default set
     full = [v for v in vs if v.default and v.family == "fwd" and v.params["dtype"] == "bf16"
-            and v.params["head_dim"] == 128 and not v.params["causal"]][0]
+            and v.params["head_dim"] == 128 and not v.params["causal"] and not v.params["local"]
+            and not v.params["softcap"]][0]
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
-    assert len(vs) == 40 + 8 + 40 + 3 + len([v for v in abl if not v.default])
+    assert len(vs) == 60 + 8 + 60 + 3 + len([v for v in abl if not v.default])
     assert len(select(vs, all_=True)) == len(vs)
 
 
@@ -231,7 +233,7 @@ def test_head_dims_96_192_are_one_line_away(tmp_path):
         "head_dim: [64, 128, 256]", "head_dim: [64, 96, 128, 192, 256]")})
     vs = load_variants(proj)
     base = [v for v in vs if v.params["head_dim_v"] == v.params["head_dim"]]
-    assert len(base) == 40  # {dtype} x {head_dim} x {causal} x {softcap}
+    assert len(base) == 60  # {dtype} x {head_dim} x {none, causal, local} x {softcap}
     assert {v.params["head_dim"] for v in base} == {64, 96, 128, 192, 256} and all(v.default for v in base)
 
 
@@ -244,8 +246,8 @@ def test_register_budget_rejects_hd96_on_three_wgs(tmp_path):
 
 def test_select_filter():
     vs = load_variants(Project(REPO))
-    assert len(select(vs, "fwd_*hd64*")) == 8  # {dtype} x {causal} x {softcap}
-    assert len(select(vs, "*hd64*")) == 16  # fwd and bwd
+    assert len(select(vs, "fwd_*hd64*")) == 12  # {dtype} x {none, causal, local} x {softcap}
+    assert len(select(vs, "*hd64*")) == 24  # fwd and bwd
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
-    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 6
+    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 8

@@ -289,7 +289,7 @@ def test_runtime_dispatches_from_the_built_manifest(two_family_build, monkeypatc
     monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(proj.build_dir))
     v = select_variant("combine", {"dtype": "bf16"})
     assert v.family == "combine" and v.params["dtype"] == "bf16" and load_manifest().path == proj.manifest_path
-    w = select_variant("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": True, "softcap": False})
+    w = select_variant("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": True, "local": False, "softcap": False})
     assert w.family == "fwd" and (w.params["block_m"], w.params["consumer_wgs"]) == (192, 3)
     with pytest.raises(MissingVariantError, match="flashgen add-variant combine --dtype fp16"):
         select_variant("combine", {"dtype": "fp16"})
@@ -345,9 +345,9 @@ def test_missing_variant_error_names_family_key_and_command():
 
 
 @pytest.mark.parametrize("family,key", [
-    ("fwd", {"dtype": "bf16", "head_dim": 256, "head_dim_v": 256, "causal": True, "softcap": False}),
-    ("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": False, "softcap": False}),
-    ("fwd", {"dtype": "bf16", "head_dim": 192, "head_dim_v": 192, "causal": False, "softcap": True}),
+    ("fwd", {"dtype": "bf16", "head_dim": 256, "head_dim_v": 256, "causal": True, "local": False, "softcap": False}),
+    ("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": False, "local": False, "softcap": False}),
+    ("fwd", {"dtype": "bf16", "head_dim": 192, "head_dim_v": 192, "causal": False, "local": True, "softcap": True}),
     ("combine", {"dtype": "fp16"}),
 ])
 def test_suggested_command_runs_and_serves_the_key(tmp_path, monkeypatch, family, key):

@@ -62,7 +62,7 @@ def test_core_mask_spec_matches_fa3_rule(sq, sk):
                 want = mask(sq, sk, causal, (left, right))
                 i = torch.arange(sq).view(-1, 1)
                 j = torch.arange(sk).view(1, -1)
-                got = ((j >= i + sk - sq - spec.left) & (j <= i + sk - sq + spec.right)) if spec.banded \
+                got = ((j >= i + sk - sq - spec.left) & (j <= i + sk - sq + spec.right)) if (spec.causal or spec.local) \
                     else torch.ones(sq, sk, dtype=torch.bool)
                 assert torch.equal(got, want), (causal, left, right, spec)
                 assert spec.left >= 0 and spec.right >= 0
@@ -282,7 +282,8 @@ def test_forward_features_reach_the_core_and_match_reference(fake_gpu, causal, w
         assert call["sink"] == 0
     ((family, key),) = fake_gpu.selected
     assert key["softcap"] is (softcap > 0)
-    assert key["causal"] is core.mask_spec(causal, window, 6, 9).banded
+    m = core.mask_spec(causal, window, 6, 9)
+    assert (key["causal"], key["local"]) == (m.causal, m.local) and not (m.causal and m.local)
     ref, ref_lse = reference(q, k, v, 64 ** -0.5, causal, window, softcap, sink)
     tol = 2e-3 if dtype == torch.float16 else 1.6e-2
     assert (out.float() - ref).abs().max().item() <= tol
@@ -392,7 +393,8 @@ def test_backward_features_reach_the_core(gpu, causal, window, softcap):
     (ws,) = gpu.workspace_calls
     assert ws == dict(batch=2, seqlen_q=6, seqlen_k=9, causal=causal, window_size=want_window, softcap=softcap)
     bwd_key = [key for family, key in gpu.fwd.selected if family == "bwd"]
-    assert bwd_key == [{"dtype": "fp16", "head_dim": 64, "causal": core.mask_spec(causal, window, 6, 9).banded,
+    m = core.mask_spec(causal, window, 6, 9)
+    assert bwd_key == [{"dtype": "fp16", "head_dim": 64, "causal": m.causal, "local": m.local,
                         "softcap": softcap > 0}]
     for t, ref in zip((q, k, v), reference_grads(q, k, v, w, 64 ** -0.5, causal, window, softcap)):
         assert_close(t.grad, ref)

@@ -25,9 +25,9 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   K/V buffers.
 - ``post``: dQ = dQ_accum * softmax_scale, cast to the input dtype.
 
-Masks and softcap, as in the forward family: ``causal`` variants apply the banded mask with
-runtime bounds (causal and sliding windows; a CTA visits only the query blocks its key block's
-band reaches), ``softcap`` variants recompute t = tanh(S * softcap_scale), P = exp2(t *
+Masks and softcap, as in the forward family: ``causal`` or ``local`` (a band with runtime
+bounds: sliding windows; a CTA visits only the query blocks its key block's band reaches),
+``softcap`` variants recompute t = tanh(S * softcap_scale), P = exp2(t *
 scale_log2 - LSE_log2) and scale dS by the tanh's derivative 1 - t^2 (FA3's softcap backward).
 Learnable sinks need nothing here: the forward's LSE includes the sink, and its gradient is
 -sum(exp(sink - LSE) * dPsum), computed by the caller.
@@ -97,7 +97,7 @@ PARAMS = params_struct(
     ("scale_log2", "f32"),  # softmax_scale * log2(e), any sign; softcap variants: softcap * log2(e)
     ("softmax_scale", "f32"),
     ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused
-    ("window_left", "i32"),  # causal (banded) variants: the forward's band (fwd.py); both >= 0
+    ("window_left", "i32"),  # local variants: the forward's band (fwd.py); both >= 0
     ("window_right", "i32"),
 )
 
@@ -146,6 +146,8 @@ class BwdFamily(Family):
         out = []
         bm, sl, st = params["block_m"], params["slice"], params["stages"]
         p = _pad64(params["head_dim"])
+        if params["causal"] and params.get("local", False):
+            out.append(("local", True, "false with causal: true (the local kernel serves causal with a window)"))
         if (bm, sl) not in TILES:
             out.append(("slice", sl, "128 with block_m 64, 64 with block_m 128 (each consumer's dQ GEMM is 64 x 64)"))
         elif p % sl:
@@ -172,7 +174,7 @@ class BwdFamily(Family):
         ]
 
     def name_parts(self, p):
-        return [p["dtype"], f"hd{p['head_dim']}", "causal" if p["causal"] else "noncausal",
+        return [p["dtype"], f"hd{p['head_dim']}", "causal" if p["causal"] else "local" if p["local"] else "noncausal",
                 *(["softcap"] if p["softcap"] else []), f"m{p['block_m']}n{p['block_n']}", f"sl{p['slice']}", f"s{p['stages']}"]
 
     def suggest(self, key):
@@ -191,15 +193,16 @@ FAMILY = BwdFamily(
     keys=(
         Key("dtype", str, "axis", allowed=DTYPES, doc="Q/K/V/O/dO element type (fp32 accumulation)"),
         Key("head_dim", int, "axis", allowed=HEAD_DIMS, doc="head dim of Q, K and V"),
-        Key("causal", bool, "axis",
-            doc="banded mask with runtime bounds: causal (bottom-right aligned) and sliding windows"),
+        Key("causal", bool, "axis", doc="bottom-right aligned causal mask"),
+        Key("local", bool, "axis", default=False,
+            doc="FA3's local mask: a band with runtime bounds (sliding windows, causal with a window)"),
         Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
         Key("block_m", int, "tile", allowed=(64, 128), doc="query rows per step of the main loop"),
         Key("block_n", int, "tile", allowed=(BLOCK_N,), doc="key rows per CTA (2 consumer warpgroups x 64)"),
         Key("slice", int, "tile", allowed=(64, 128), doc="dK/dV/dQ columns per CTA"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="Q/dO ring depth"),
     ),
-    tile_match=("head_dim", "dtype", "causal", "softcap"),
+    tile_match=("head_dim", "dtype", "causal", "local", "softcap"),
     tile_required=("head_dim", "block_m", "block_n", "slice"),
-    dispatch_keys=("dtype", "head_dim", "causal", "softcap"),
+    dispatch_keys=("dtype", "head_dim", "causal", "local", "softcap"),
 )

@@ -9,9 +9,10 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
 
 - head_dim and head_dim_v in {64, 96, 128, 192, 256} (each padded to a multiple of 64; a call with
   a smaller head dim is served by a larger built one, TMA zero-filling the columns past it).
-- ``causal`` variants apply FA3's banded mask with runtime bounds (``window_left``,
-  ``window_right``): they serve causal (the band (unbounded, 0)) and every sliding window;
-  non-causal variants mask only the sequence end.
+- Masks (mask.cuh): ``causal`` (bottom-right aligned) or ``local`` (FA3's local: a band with
+  runtime bounds ``window_left`` / ``window_right``, serving every sliding window, causal with a
+  window included), not both; neither masks only the sequence end. Causal is not served by the
+  local kernel: the band's per-element test cost the causal kernel 2-7 % (H200).
 - ``softcap`` (FA3's, Gemma 2's logit soft-capping) is compiled in: S <- tanh(S * softcap_scale)
   before masking, with softcap_scale = softmax_scale / softcap and scale_log2 = softcap * log2(e).
 - block_n a multiple of 16 in [16, 256]: the N of the S = Q K^T WGMMA (N <= 256) and the PV GEMM
@@ -58,7 +59,7 @@ PARAMS = params_struct(
     ("scale_log2", "f32"),  # softmax_scale * log2(e), any sign; softcap variants: softcap * log2(e)
     ("softmax_scale", "f32"),
     ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused
-    ("window_left", "i32"),  # causal (banded) variants: query i sees keys [i + seqlen_k - seqlen_q - window_left,
+    ("window_left", "i32"),  # local variants: query i sees keys [i + seqlen_k - seqlen_q - window_left,
     ("window_right", "i32"),  #   i + seqlen_k - seqlen_q + window_right]; both >= 0 (unbounded: seqlen_k, seqlen_q)
     ("sink", "ptr", "const float*"),  # learnable_sink (heads,) fp32 logits, or null
 )
@@ -121,6 +122,8 @@ class FwdFamily(Family):
         out = []
         hd, hdv = params["head_dim"], params["head_dim_v"]
         bm, bn, wgs, st = params["block_m"], params["block_n"], params["consumer_wgs"], params["stages"]
+        if params["causal"] and params.get("local", False):
+            out.append(("local", True, "false with causal: true (the local kernel serves causal with a window)"))
         if wgs in CONSUMER_WGS and bm != 64 * wgs:
             out.append(("block_m", bm, f"64 * consumer_wgs = {64 * wgs} (consumer_wgs is {wgs})"))
         if out:
@@ -157,7 +160,7 @@ class FwdFamily(Family):
 
     def name_parts(self, p):
         hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")
-        return [p["dtype"], hd, "causal" if p["causal"] else "noncausal", *(["softcap"] if p["softcap"] else []),
+        return [p["dtype"], hd, "causal" if p["causal"] else "local" if p["local"] else "noncausal", *(["softcap"] if p["softcap"] else []),
                 f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops"]
@@ -186,8 +189,9 @@ FAMILY = FwdFamily(
         Key("dtype", str, "axis", allowed=DTYPES, doc="Q/K/V/O element type (fp32 accumulation)"),
         Key("head_dim", int, "axis", allowed=HEAD_DIMS, doc="Q/K head dim"),
         Key("head_dim_v", int, "derived", allowed=HEAD_DIMS, doc="V/O head dim (default: head_dim)"),
-        Key("causal", bool, "axis",
-            doc="banded mask with runtime bounds: causal (bottom-right aligned) and sliding windows"),
+        Key("causal", bool, "axis", doc="bottom-right aligned causal mask"),
+        Key("local", bool, "axis", default=False,
+            doc="FA3's local mask: a band with runtime bounds (sliding windows, causal with a window)"),
         Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
         Key("block_m", int, "tile", allowed=(128, 192), doc="query rows per CTA tile (64 x consumer_wgs)"),
         Key("block_n", int, "tile", check=_block_n, doc="key rows per K/V stage"),
@@ -197,7 +201,7 @@ FAMILY = FwdFamily(
         Key("overlap", bool, "knob", default=True, doc="intra-warpgroup GEMM/softmax overlap (Algorithm 2)"),
         Key("persistent", bool, "knob", default=True, doc="persistent grid (#SMs CTAs)"),
     ),
-    tile_match=("head_dim", "dtype", "causal", "softcap"),
+    tile_match=("head_dim", "dtype", "causal", "local", "softcap"),
     tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),
-    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal", "softcap"),
+    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal", "local", "softcap"),
 )

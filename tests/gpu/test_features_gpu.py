@@ -125,10 +125,11 @@ def case_id(c: Case) -> str:
 
 def need(c: Case, backward: bool = False) -> None:
     """Skip unless a fwd variant (and with ``backward`` a bwd variant) serves the call: the
-    dispatch keys the runtime forms (flashgen.core: ``causal`` is the banded mask of
-    mask_spec, ``softcap`` whether c > 0; head dims round up to a built size)."""
-    banded = mask_spec(c.causal, c.window, c.sq, c.sk).banded
-    base = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "causal": banded, "softcap": c.softcap > 0}
+    dispatch keys the runtime forms (flashgen.core: ``causal`` / ``local`` from mask_spec,
+    ``softcap`` whether c > 0; head dims round up to a built size)."""
+    m = mask_spec(c.causal, c.window, c.sq, c.sk)
+    base = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "causal": m.causal, "local": m.local,
+            "softcap": c.softcap > 0}
     why = variant_missing("fwd", {**base, "head_dim_v": c.head_dim_v}, round_up=("head_dim", "head_dim_v"))
     if why is None and backward:
         why = variant_missing("bwd", base, round_up=("head_dim",))

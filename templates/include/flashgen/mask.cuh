@@ -2,11 +2,13 @@
 // K/V blocks entirely outside a row block's mask are never loaded, only blocks that cross a mask
 // edge or the sequence end are masked element by element.
 //
-// Banded masks (FA3's causal and local, bottom-right aligned): with off = seqlen_k - seqlen_q,
-// query row i sees the keys j < seqlen_k with i + off - left <= j <= i + off + right. Causal is
-// (left, right) = (unbounded, 0); an unbounded side is passed as seqlen_k (left) or seqlen_q
-// (right), which reaches past every key. The runtime normalises FA3's window_size into (left,
-// right) (flashgen.core.mask_spec). Unbanded variants mask only the sequence end.
+// Masks (FA3's causal and local, bottom-right aligned; off = seqlen_k - seqlen_q): causal: query
+// row i sees the keys j <= i + off; local (a band with runtime bounds, FA3's sliding window): the
+// keys j with i + off - left <= j <= i + off + right, an unbounded side passed as seqlen_k (left)
+// or seqlen_q (right), which reaches past every key. The runtime normalises FA3's window_size
+// into these (flashgen.core.mask_spec). Unmasked variants mask only the sequence end (keys j <
+// seqlen_k). Causal and local are separate kernels: the band's element test made the causal
+// kernels 2-7 % slower (H200, head_dim 64 and 256), so causal keeps its one-limit test.
 //
 // Accumulator layout (m64nN fp32, one thread of a warpgroup): rows row0 and row0 + 8, where row0 is
 // the warp's 16-row slice + lane / 4; columns 8j + 2(lane % 4) + e at register 4j + 2 * half + e.
@@ -53,42 +55,48 @@ struct Band {
 };
 
 // The forward's view: S (rows queries, columns keys) of query block m and key block n.
-template <int BlockM, int BlockN, bool Banded>
+template <int BlockM, int BlockN, bool Causal, bool Local>
 struct BlockMask {
-  Band band;
+  Band band;  // left / right are read by Local only
 
   // Tile m attends to K/V blocks [begin, end).
   __device__ __forceinline__ IndexRange n_range(int m) const {
     const int num_n = (band.seqlen_k + BlockN - 1) / BlockN;
-    if constexpr (Banded) return band.key_blocks<BlockN>(m * BlockM, (m + 1) * BlockM - 1, num_n);
+    if constexpr (Local) return band.key_blocks<BlockN>(m * BlockM, (m + 1) * BlockM - 1, num_n);
+    if constexpr (Causal) {
+      const int x = (m + 1) * BlockM + band.seqlen_k - band.seqlen_q;
+      return {0, min(num_n, x <= 0 ? 0 : (x + BlockN - 1) / BlockN)};
+    }
     return {0, num_n};
   }
 
-  // Whether block n of tile m has a masked element: it crosses the sequence end or a band edge
-  // (rows past seqlen_q do not count: their output is never stored).
+  // Whether block n of tile m has a masked element: it crosses the sequence end, the diagonal or
+  // a band edge (rows past seqlen_q do not count: their output is never stored).
   __device__ __forceinline__ bool needs_mask(int n, int m) const {
     const bool ragged = (n + 1) * BlockN > band.seqlen_k;
-    if constexpr (Banded)
+    if constexpr (Local)
       return ragged || band.crosses(m * BlockM, min((m + 1) * BlockM, band.seqlen_q) - 1, n * BlockN, (n + 1) * BlockN - 1);
+    if constexpr (Causal) return ragged || ((n + 1) * BlockN - 1 > m * BlockM + band.seqlen_k - band.seqlen_q);
     return ragged;
   }
 
-  // S[i][j] = -inf where key j is past the sequence end or outside query i's band.
-  // row0: this thread's first query row (global), n: the K/V block of S. (The band test is on
-  // col - row against two constants, so no per-row bound stays live across the main loop: with
-  // per-row bounds hoisted, head_dim 256 spilled.)
+  // S[i][j] = -inf where key j is past the sequence end or not seen by query i.
+  // row0: this thread's first query row (global), n: the K/V block of S. (Local tests col - row
+  // against two constants, so no per-row bound stays live across the main loop: with per-row
+  // bounds hoisted, head_dim 256 spilled.)
   __device__ __forceinline__ void apply(float (&s)[BlockN / 2], int n, int row0, int lane) const {
     const int col0 = n * BlockN + 2 * (lane % 4);
     const int diag = col0 - row0;  // col - row of register 0
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      int limit = band.seqlen_k;
+      if constexpr (Causal) limit = min(limit, row0 + 8 * h + 1 + band.seqlen_k - band.seqlen_q);
 #pragma unroll
       for (int j = 0; j < BlockN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int col = col0 + 8 * j + e;
-          bool out = col >= band.seqlen_k;
-          if constexpr (Banded) {
+          bool out = col0 + 8 * j + e >= limit;
+          if constexpr (Local) {
             const int d = diag + 8 * j + e - 8 * h;  // key - query
             out = out || d > band.seqlen_k - band.seqlen_q + band.right || d < band.seqlen_k - band.seqlen_q - band.left;
           }
@@ -101,46 +109,59 @@ struct BlockMask {
 
 // The backward's view (FA3's backward, one CTA per K/V block): the transposed score block S^T
 // (rows are keys, columns queries) of key block n and query block m.
-template <int BlockM, int BlockN, bool Banded>
+template <int BlockM, int BlockN, bool Causal, bool Local>
 struct BwdBlockMask {
-  Band band;
+  Band band;  // left / right are read by Local only
 
-  // Key block n (of num_m query blocks) is seen by query blocks [begin, end).
+  // Key block n (of num_m query blocks) is seen by query blocks [begin, end): under the causal
+  // mask the first query row that sees key n * BlockN is n * BlockN - (seqlen_k - seqlen_q).
   __device__ __forceinline__ IndexRange m_range(int n, int num_m) const {
-    if constexpr (Banded) return band.query_blocks<BlockM>(n * BlockN, (n + 1) * BlockN - 1, num_m);
+    if constexpr (Local) return band.query_blocks<BlockM>(n * BlockN, (n + 1) * BlockN - 1, num_m);
+    if constexpr (Causal) {
+      const int first_row = n * BlockN - (band.seqlen_k - band.seqlen_q);
+      return {first_row <= 0 ? 0 : first_row / BlockM, num_m};
+    }
     return {0, num_m};
   }
 
   // The key blocks (of num_n) whose CTAs visit query block m: the inverse of m_range (key block n
   // visits m iff n is in n_range(m), padded query rows included, as m_range counts them).
   __device__ __forceinline__ IndexRange n_range(int m, int num_n) const {
-    if constexpr (Banded) return band.key_blocks<BlockN>(m * BlockM, (m + 1) * BlockM - 1, num_n);
+    if constexpr (Local) return band.key_blocks<BlockN>(m * BlockM, (m + 1) * BlockM - 1, num_n);
+    if constexpr (Causal) {
+      const int x = (m + 1) * BlockM + band.seqlen_k - band.seqlen_q;  // key blocks starting below x
+      return {0, min(num_n, (x + BlockN - 1) / BlockN)};
+    }
     return {0, num_n};
   }
 
-  // Whether block (n, m) has a masked element: it crosses the sequence end or a band edge.
+  // Whether block (n, m) has a masked element: it crosses the sequence end, the diagonal or a band edge.
   __device__ __forceinline__ bool needs_mask(int n, int m) const {
     const bool ragged = (n + 1) * BlockN > band.seqlen_k;
-    if constexpr (Banded) return ragged || band.crosses(m * BlockM, (m + 1) * BlockM - 1, n * BlockN, (n + 1) * BlockN - 1);
+    if constexpr (Local) return ragged || band.crosses(m * BlockM, (m + 1) * BlockM - 1, n * BlockN, (n + 1) * BlockN - 1);
+    if constexpr (Causal) return ragged || ((n + 1) * BlockN - 1 > m * BlockM + band.seqlen_k - band.seqlen_q);
     return ragged;
   }
 
-  // S^T[i][j] = -inf where query j does not see key i (key past the sequence end or outside the
-  // query's band). key0: this thread's first key row (global), m: the query block of S^T. Queries
-  // past seqlen_q are left alone: their LSE, which the backward's preprocess sets to +inf, gives
-  // P = 0. (As the forward's apply: the band test is on key - query against two constants.)
+  // S^T[i][j] = -inf where query j does not see key i (key past the sequence end, or after the
+  // query's diagonal / outside its band). key0: this thread's first key row (global), m: the query
+  // block of S^T. Queries past seqlen_q are left alone: their LSE, which the backward's preprocess
+  // sets to +inf, gives P = 0.
   __device__ __forceinline__ void apply(float (&s)[BlockM / 2], int m, int key0, int lane) const {
     const int col0 = m * BlockM + 2 * (lane % 4);  // query of register 0
     const int diag = key0 - col0;                  // key - query of register 0
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const bool past_end = key0 + 8 * h >= band.seqlen_k;
+      int first = 0;  // causal: the first query that sees key key0 + 8h
+      if constexpr (Causal) first = key0 + 8 * h - (band.seqlen_k - band.seqlen_q);
 #pragma unroll
       for (int j = 0; j < BlockM / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           bool out = past_end;
-          if constexpr (Banded) {
+          if constexpr (Causal) out = out || col0 + 8 * j + e < first;
+          if constexpr (Local) {
             const int d = diag + 8 * h - 8 * j - e;
             out = out || d > band.seqlen_k - band.seqlen_q + band.right || d < band.seqlen_k - band.seqlen_q - band.left;
           }
