@@ -188,7 +188,7 @@ def test_real_configs():
     combine = [v for v in vs if v.family == "combine"]
     assert {v.params["dtype"] for v in combine} == {"fp32", "bf16", "fp16"} and all(v.default for v in combine)
     # fwd and bwd: {dtype} x {head_dim} x {none, causal, local} x {softcap}; fwd also head_dim 192 / head_dim_v 128
-    assert len(select(vs)) == 60 + 8 + 60 + 3
+    assert len(select(vs)) == 60 + 12 + 60 + 3
     keys = {(d, h, c, lo, sc) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
             for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
@@ -198,8 +198,10 @@ def test_real_configs():
         assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"])
                 for v in fam} == keys
     mla = [v for v in select(vs) if v.family == "fwd" and v.params["head_dim_v"] != v.params["head_dim"]]
-    assert {(v.params["dtype"], v.params["head_dim"], v.params["head_dim_v"], v.params["causal"], v.params["softcap"])
-            for v in mla} == {(d, 192, 128, c, sc) for d in ("bf16", "fp16") for c in (False, True) for sc in (False, True)}
+    assert {(v.params["dtype"], v.params["head_dim"], v.params["head_dim_v"], v.params["causal"], v.params["local"],
+             v.params["softcap"]) for v in mla} == {(d, 192, 128, c, lo, sc) for d in ("bf16", "fp16")
+                                                   for c, lo in ((False, False), (True, False), (False, True))
+                                                   for sc in (False, True)}
     default_set = [v for v in select(vs) if v.family == "fwd"]
     # every default variant takes block_m/block_n/consumer_wgs from its tile-table row (the most
     # specific one), whatever the tuned values are
@@ -224,7 +226,7 @@ def test_real_configs():
             and v.params["head_dim"] == 128 and not v.params["causal"] and not v.params["local"]
             and not v.params["softcap"]][0]
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
-    assert len(vs) == 60 + 8 + 60 + 3 + len([v for v in abl if not v.default])
+    assert len(vs) == 60 + 12 + 60 + 3 + len([v for v in abl if not v.default])
     assert len(select(vs, all_=True)) == len(vs)
 
 

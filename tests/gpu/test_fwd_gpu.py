@@ -69,7 +69,7 @@ def built(dtype, d, causal):
         m = load_manifest()
     except Exception:
         return False
-    return any(v.dispatch == {"dtype": DT[dtype], "head_dim": d, "head_dim_v": d, "causal": causal, "softcap": False}
+    return any(v.dispatch == {"dtype": DT[dtype], "head_dim": d, "head_dim_v": d, "causal": causal, "local": False, "softcap": False}
                for v in m.variants if v.family == "fwd")
 
 

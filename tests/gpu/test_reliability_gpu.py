@@ -96,7 +96,7 @@ def _built(family, key) -> bool:
 
 
 def _fwd_built(dtype, d, causal) -> bool:
-    return _built("fwd", {"dtype": _NAME[dtype], "head_dim": d, "head_dim_v": d, "causal": causal, "softcap": False})
+    return _built("fwd", {"dtype": _NAME[dtype], "head_dim": d, "head_dim_v": d, "causal": causal, "local": False, "softcap": False})
 
 
 def _combine_built(dtype) -> bool:
