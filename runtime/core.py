@@ -74,7 +74,9 @@ def mask_spec(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> MaskSp
 def softmax_constants(softmax_scale: float, softcap: float) -> tuple:
     """``(scale_log2, softcap_scale)`` of the kernels' params: without softcap (0),
     ``(softmax_scale * log2 e, 0)``; with softcap c > 0 (FA3's: logits = c * tanh(scale q.k / c)),
-    ``(c * log2 e, softmax_scale / c)``. ValueError for a non-finite scale or softcap, or softcap < 0."""
+    ``(c * log2 e, softmax_scale / c)``. A zero scale without softcap runs as 1e-30 (masked -inf
+    scores times 0 would be NaN; a tiny scale gives the same uniform weights), in the forward and
+    the backward alike. ValueError for a non-finite scale or softcap, or softcap < 0."""
     scale, cap = float(softmax_scale), float(softcap)
     if not math.isfinite(scale):
         raise ValueError(f"flashgen: softmax_scale must be finite, got {softmax_scale}")
@@ -82,7 +84,7 @@ def softmax_constants(softmax_scale: float, softcap: float) -> tuple:
         raise ValueError(f"flashgen: softcap must be a finite float >= 0 (0 = off), got {softcap}")
     if cap > 0.0:
         return cap * LOG2E, scale / cap
-    return scale * LOG2E, 0.0
+    return (scale if scale != 0.0 else 1e-30) * LOG2E, 0.0
 
 
 _ROUND_UP = ("head_dim", "head_dim_v")  # a variant built for a larger head dim serves (TMA zero fill)
@@ -150,8 +152,6 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
         _check_tma(name, t)
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
-    if scale == 0.0 and not softcap:
-        scale = 1e-30  # exp2(0 * -inf) would be NaN for masked keys; a tiny scale gives the same uniform weights
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
     plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
@@ -228,9 +228,8 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int
     if seqlen_k is None:
         if tuple(-1 if x is None else x for x in window_size) != (-1, -1):
             raise ValueError("flashgen: backward_workspace_bytes needs seqlen_k with a window_size")
-        mask = MaskSpec(bool(causal) and seqlen_q > 1, False, 0, 0)
-    else:
-        mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
+        seqlen_k = 0  # without a window, mask_spec does not depend on seqlen_k
+    mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
     plan = _bwd_plan(dtype, head_dim, mask, softcap > 0, device, variant)
     return _bwd_workspace(plan, batch, seqlen_q, heads)[0]
 
@@ -268,8 +267,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         _check_tma(name, t)
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
-    # the forward ran a zero scale as 1e-30 (masked -inf scores times 0 would be NaN); P must match it
-    scale_log2, softcap_scale = softmax_constants(1e-30 if scale == 0.0 and not softcap else scale, softcap)
+    scale_log2, softcap_scale = softmax_constants(scale, softcap)
     plan = _bwd_plan(q.dtype, d, mask, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
