@@ -1,7 +1,9 @@
 """Forward (and forward + backward) throughput of the mask and softcap variants on one shape, in one
 process: no mask, causal, FA3 sliding windows and softcap, timed like `flashgen bench` (L2 flushed
 between repetitions, median). FLOPs count only the visible (query, key) pairs, as FA3's benchmark
-does for local attention: 4 * d * visible pairs forward, 2.5 x that for the backward.
+does for local attention: 4 * d * visible pairs forward, 2.5 x that for the backward. PyTorch SDPA
+(cuDNN and flash backends) runs in the same process where it can express the case (no mask,
+causal; it has no window or softcap argument).
 Usage: python scripts/features_bench.py [--seqlen 16384] [--head-dim 128] [--backward]"""
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import argparse
 
 import torch
 
-from flashgen.bench import _time_ms
+from flashgen.bench import _sdpa_fn, _time_ms
 from flashgen.core import mask_spec
 from flashgen.interface import flash_attn_func
 
@@ -38,7 +40,11 @@ def main() -> None:
              ("window (4096, 0)", False, (4096, 0), 0.0), ("softcap 30", False, (-1, -1), 30.0),
              ("causal softcap 30", True, (-1, -1), 30.0)]
     print(f"{torch.cuda.get_device_name()} bf16 batch {b} seqlen {s} heads {h} head_dim {d}")
-    print(f"{'case':22s} {'fwd TFLOP/s':>12s}" + (f" {'fwd+bwd TFLOP/s':>16s}" if a.backward else ""))
+    from torch.nn.attention import SDPBackend
+
+    peers = {"cuDNN": SDPBackend.CUDNN_ATTENTION, "FA2": SDPBackend.FLASH_ATTENTION}
+    print(f"{'case':22s} {'fwd TFLOP/s':>12s}" + (f" {'fwd+bwd TFLOP/s':>16s}" if a.backward else "")
+          + "".join(f" {n + ' fwd':>10s}" + (f" {n + ' f+b':>10s}" if a.backward else "") for n in peers))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     for name, causal, window, cap in cases:
@@ -54,6 +60,16 @@ def main() -> None:
                 out.backward(do)
             ms2 = _time_ms(step)
             line += f" {3.5 * flops / ms2 / 1e9:16.1f}"
+        for backend in peers.values():
+            fn = _sdpa_fn(backend, q, k, v, causal) if window == (-1, -1) and not cap else None
+            if fn is None:
+                line += f" {'-':>10s}" + (f" {'-':>10s}" if a.backward else "")
+                continue
+            line += f" {flops / _time_ms(fn) / 1e9:10.1f}"
+            if a.backward:
+                qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+                fg = _sdpa_fn(backend, qg, kg, vg, causal)
+                line += f" {3.5 * flops / _time_ms(lambda: fg().backward(do.transpose(1, 2))) / 1e9:10.1f}"
         print(line)
 
 
