@@ -13,15 +13,17 @@ the kernels' TMA requirements, docs/CONTRACTS.md §2):
 * q is ``(batch, seqlen_q, heads, head_dim)``, k is ``(batch, seqlen_k, heads_k, head_dim)``,
   v is ``(batch, seqlen_k, heads_k, head_dim_v)`` (layout BSHD); heads % heads_k == 0
   (GQA/MQA); head_dim and head_dim_v are multiples of 8 and at most 256.
-* dtypes fp16 or bf16, the same for q, k and v; fp8 is recognised and refused with
-  NotImplementedError (no fp8 variant is built yet).
+* dtypes fp16, bf16 or fp8_e4m3 (out bf16), the same for q, k and v; fp8_e5m2 is recognised
+  and refused with NotImplementedError. FP8 takes q_descale / k_descale / v_descale
+  (:func:`descale_problems`) and has no window, softcap, sink, head_dim_v != head_dim or backward
+  yet (:func:`fp8_problems`).
 * a TMA descriptor can address an array when its last dim has stride 1, every other
   stride is a multiple of 16 bytes, no stride is negative or a broadcast 0, and its base
   address is 16-byte aligned (CUDA driver API, ``cuTensorMapEncodeTiled``).
 * ``window_size`` (FA3's sliding window): a pair (left, right) of ints >= -1 or None;
   ``softcap``: a finite real >= 0 (0 = off); ``learnable_sink``: float32 ``(heads,)`` on q's
   device (:func:`window_size_problems`, :func:`softcap_problems`,
-  :func:`learnable_sink_problems`). qv, fp8 descales and attention_chunk are refused with
+  :func:`learnable_sink_problems`). qv and attention_chunk are refused with
   NotImplementedError (:func:`feature_problems`).
 * the backward (:func:`backward_problems`) also takes dout and out, both of out's shape
   ``(batch, seqlen_q, heads, head_dim_v)`` and q's dtype and device, and the forward's lse
@@ -57,6 +59,9 @@ __all__ = [
     "MAX_HEAD_DIM",
     "HEAD_DIM_MULTIPLE",
     "check_features",
+    "descale_problems",
+    "fp8_problems",
+    "QUANT_BLOCK",
     "feature_problems",
     "window_size_problems",
     "window_pair",
@@ -82,9 +87,11 @@ __all__ = [
 #: Bytes per element of the dtypes flashgen knows by name.
 ELEMENT_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 #: Input dtypes some built variant may serve (docs/CONTRACTS.md §1).
-SUPPORTED_DTYPES = ("fp16", "bf16")
-#: Recognised, not served yet: NotImplementedError rather than TypeError.
+SUPPORTED_DTYPES = ("fp16", "bf16", "fp8_e4m3")
+#: The fp8 dtypes flashgen knows; those not in SUPPORTED_DTYPES raise NotImplementedError rather than TypeError.
 FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+#: FP8 block quantization: rows of Q / K per descale (the e4m3 kernels' K descale groups).
+QUANT_BLOCK = 64
 #: TMA: global address and every global stride but the innermost must be 16-byte multiples.
 TMA_ALIGN_BYTES = 16
 MAX_HEAD_DIM = 256
@@ -122,6 +129,11 @@ class Problem(NamedTuple):
     head_dim_v: int
     dtype: str
     device: int
+
+    @property
+    def out_dtype(self) -> str:
+        """The output's dtype: q's, except bf16 for fp8_e4m3 inputs (as FA3)."""
+        return "bf16" if self.dtype == "fp8_e4m3" else self.dtype
 
     @property
     def out_shape(self) -> tuple:
@@ -300,15 +312,70 @@ def feature_problems(
     ``window_size`` (:func:`window_size_problems`) and ``softcap`` (:func:`softcap_problems`),
     then NotImplementedError for each FA3 feature no variant implements yet."""
     P: list = window_size_problems(window_size) + softcap_problems(softcap)
-    for name, val in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if val is not None:
-            P.append((NotImplementedError, f"{name} is not supported yet: descaling belongs to the fp8 "
-                                           f"forward, and no fp8 variant is built; pass {name}=None"))
     if qv is not None:
         P.append((NotImplementedError, "qv (absorbed MLA) is not supported yet; pass qv=None"))
     if attention_chunk not in (0, None):
         P.append((NotImplementedError,
                   f"attention_chunk={attention_chunk!r} is not supported yet; pass attention_chunk=0"))
+    return P
+
+
+def descale_problems(problem: "Problem", descales: dict) -> list:
+    """The problems (see :func:`raise_problems`) of the FP8 descales for valid q, k, v
+    (``problem`` from :func:`check_inputs`). ``descales``: ``{"q_descale": ArrayInfo or None,
+    "k_descale": ..., "v_descale": ...}``.
+
+    With fp8_e4m3 inputs each may be None (a descale of 1) or a float32 array on q's device, any
+    strides, of shape: q_descale ``(batch, heads_k)`` (FA3's: one per GQA group) or ``(batch, heads,
+    ceil(seqlen_q / 64))`` (block quantization, :data:`QUANT_BLOCK` rows each, as
+    ``flashgen.quantize_fp8`` writes); k_descale ``(batch, heads_k)`` or ``(batch, heads_k,
+    ceil(seqlen_k / 64))``; v_descale ``(batch, heads_k)``. Values must be positive (not checked:
+    that would read the GPU). With 16-bit inputs any descale is a ValueError (they scale e4m3
+    inputs only). TypeError for a dtype, ValueError for a shape or device; each names the argument."""
+    given = {name: a for name, a in descales.items() if a is not None}
+    if not given:
+        return []
+    if problem.dtype != "fp8_e4m3":
+        return [(ValueError, f"{name} scales float8_e4m3fn inputs only; q, k, v have dtype {problem.dtype}: "
+                             f"pass {name}=None") for name in given]
+    b, h, hk = problem.batch, problem.heads, problem.heads_k
+    allowed = {"q_descale": [(b, hk), (b, h, -(-problem.seqlen_q // QUANT_BLOCK))],
+               "k_descale": [(b, hk), (b, hk, -(-problem.seqlen_k // QUANT_BLOCK))],
+               "v_descale": [(b, hk)]}
+    names = {"q_descale": ["(batch, heads_k)", f"(batch, heads, ceil(seqlen_q / {QUANT_BLOCK}))"],
+             "k_descale": ["(batch, heads_k)", f"(batch, heads_k, ceil(seqlen_k / {QUANT_BLOCK}))"],
+             "v_descale": ["(batch, heads_k)"]}
+    P: list = []
+    for name, a in given.items():
+        P += _device_problems(name, a, problem)
+        if a.dtype != "fp32":
+            P.append((TypeError, f"{name} must have dtype float32, got {a.dtype_repr}"))
+        if tuple(a.shape) not in allowed[name]:
+            want = " or ".join(f"{n} = {_fmt_shape(s)}" for n, s in zip(names[name], allowed[name]))
+            P.append((ValueError, f"{name} must have shape {want}, got {_fmt_shape(a.shape)}"))
+        elif any(st < 0 for st in a.strides) or any(abs(st) >= 2**31 for st in a.strides):
+            P.append((ValueError, f"{name} must have strides in [0, 2**31), got {tuple(a.strides)}"))
+    return P
+
+
+def fp8_problems(problem: "Problem", *, local: bool = False, softcap=0.0, learnable_sink=None) -> list:
+    """NotImplementedError (see :func:`raise_problems`) for what the FP8 (fp8_e4m3) forward does not
+    implement yet: a sliding window (``local``: the call's mask, ``flashgen.core.mask_spec``, is a
+    band; causal is served), ``softcap`` > 0, a ``learnable_sink``, head_dim_v != head_dim.
+    Empty for 16-bit inputs."""
+    if problem.dtype != "fp8_e4m3":
+        return []
+    P: list = []
+    if local:
+        P.append((NotImplementedError, "window_size: sliding windows are not supported with float8_e4m3fn inputs "
+                                       "yet (causal is); pass window_size=(-1, -1)"))
+    if softcap:
+        P.append((NotImplementedError, "softcap is not supported with float8_e4m3fn inputs yet; pass softcap=0.0"))
+    if learnable_sink is not None:
+        P.append((NotImplementedError, "learnable_sink is not supported with float8_e4m3fn inputs yet"))
+    if problem.head_dim_v != problem.head_dim:
+        P.append((NotImplementedError, f"head_dim_v ({problem.head_dim_v}) != head_dim ({problem.head_dim}) is not "
+                                       "supported with float8_e4m3fn inputs yet"))
     return P
 
 
@@ -383,11 +450,11 @@ def _device_dtype_rank_problems(arrays: dict) -> list:
                               f"q on {q.device_repr}, k on {k.device_repr}, v on {v.device_repr}"))
     # dtypes
     for name, a in arrays.items():
-        if a.dtype in FP8_DTYPES:
-            P.append((NotImplementedError, f"{name} has dtype {a.dtype_repr}: the fp8 forward is not supported "
-                                           "yet (no fp8 variant is built); pass float16 or bfloat16"))
+        if a.dtype in FP8_DTYPES and a.dtype not in SUPPORTED_DTYPES:
+            P.append((NotImplementedError, f"{name} has dtype {a.dtype_repr}: only float8_e4m3fn is served among "
+                                           "the fp8 dtypes; pass float8_e4m3fn, float16 or bfloat16"))
         elif a.dtype not in SUPPORTED_DTYPES:
-            P.append((TypeError, f"{name} must have dtype float16 or bfloat16, got {a.dtype_repr}"))
+            P.append((TypeError, f"{name} must have dtype float16, bfloat16 or float8_e4m3fn, got {a.dtype_repr}"))
     if (len(arrays) == 3 and all(a.dtype in SUPPORTED_DTYPES for a in arrays.values())
             and not (q.dtype == k.dtype == v.dtype)):
         P.append((TypeError, "q, k and v must have the same dtype, got "

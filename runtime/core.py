@@ -88,6 +88,8 @@ def softmax_constants(softmax_scale: float, softcap: float) -> tuple:
 
 
 _ROUND_UP = ("head_dim", "head_dim_v")  # a variant built for a larger head dim serves (TMA zero fill)
+_VARIANT_DTYPE = {"fp8_e4m3": "e4m3"}  # the configs' name of an input dtype, where it differs
+QUANT_BLOCK = 64  # FP8 block quantization: rows of Q / K per descale (generator/families/fwd.py)
 
 
 class _Plan(NamedTuple):
@@ -110,7 +112,7 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
     plan = _plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
-            "fwd", {"dtype": dtype, "head_dim": d, "head_dim_v": dv, "causal": mask.causal, "local": mask.local,
+            "fwd", {"dtype": _VARIANT_DTYPE.get(dtype, dtype), "head_dim": d, "head_dim_v": dv, "causal": mask.causal, "local": mask.local,
                     "softcap": softcap}, round_up=_ROUND_UP)
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
@@ -120,17 +122,40 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
 
 
 def _bshd_map(t: TensorArg, box_rows: int):
-    """128B-swizzled 4-D TMA map over a BSHD tensor, tiles of (box_rows x 64) elements:
-    dims innermost first (head_dim, seqlen, heads, batch)."""
+    """128B-swizzled 4-D TMA map over a BSHD tensor, tiles of box_rows x 128 bytes (64 16-bit or
+    128 8-bit elements): dims innermost first (head_dim, seqlen, heads, batch)."""
     b, s, h, d = t.shape
     es = ELEMENT_SIZE[t.dtype]
-    return launch.tensor_map(t.ptr, t.dtype, (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es),
-                             (64, box_rows, 1, 1), 128, device=t.device)
+    return launch.tensor_map(t.ptr, _VARIANT_DTYPE.get(t.dtype, t.dtype), (d, s, h, b),
+                             (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es),
+                             (128 // es, box_rows, 1, 1), 128, device=t.device)
+
+
+def _descale_params(name: str, t: TensorArg | None, heads: int, heads_k: int, blocks: bool) -> dict:
+    """The kernel's Descale fields (fp8.cuh) of one fp32 descale tensor: FA3's (batch, heads_k)
+    (query head h reads h // (heads / heads_k)), or with ``blocks`` a (batch, heads or heads_k,
+    64-row blocks) tensor; None: no descale (1)."""
+    f = {f"{name}_descale": 0, f"{name}_descale_stride_batch": 0, f"{name}_descale_stride_head": 0}
+    if name != "v":
+        f[f"{name}_descale_stride_block"] = 0
+    if name == "q":
+        f["q_descale_head_div"] = 1
+    if t is None:
+        return f
+    f[f"{name}_descale"] = t.ptr
+    f[f"{name}_descale_stride_batch"], f[f"{name}_descale_stride_head"] = t.strides[0], t.strides[1]
+    if len(t.shape) == 3 and blocks:
+        f[f"{name}_descale_stride_block"] = t.strides[2]
+    elif name == "q":
+        f["q_descale_head_div"] = heads // heads_k
+    return f
 
 
 def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
                       softmax_scale: float, causal: bool, stream: int, variant: Variant | None = None, *,
-                      window_size=(-1, -1), softcap: float = 0.0, sink: int = 0) -> Variant:
+                      window_size=(-1, -1), softcap: float = 0.0, sink: int = 0,
+                      q_descale: TensorArg | None = None, k_descale: TensorArg | None = None,
+                      v_descale: TensorArg | None = None) -> Variant:
     """Launch the FA3 forward: out = softmax(logits [+ mask]) v, lse = logsumexp of each row.
 
     logits = softmax_scale * q k^T, or with ``softcap`` c > 0 c * tanh(softmax_scale * q k^T / c).
@@ -138,7 +163,13 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     ``sink``: 0, or the device address of learnable_sink, fp32 (heads,) contiguous: one logit per
     head added to every row's softmax denominator (not to out); lse includes it.
     q (batch, seqlen_q, heads, head_dim), k/v (batch, seqlen_k, heads_k, head_dim[_v]),
-    out (batch, seqlen_q, heads, head_dim_v) of q's dtype, lse fp32 (batch, heads, seqlen_q) contiguous.
+    out (batch, seqlen_q, heads, head_dim_v) of q's dtype (bf16 for fp8_e4m3 inputs), lse fp32
+    (batch, heads, seqlen_q) contiguous.
+    FP8 (q, k, v fp8_e4m3; FA3 paper §3.3): the logits use q * q_descale and k * k_descale, and out
+    is softmax(...) (v * v_descale). Each descale is None (1) or an fp32 tensor: q_descale
+    (batch, heads_k) (FA3's shape: one per GQA group) or (batch, heads, ceil(seqlen_q / 64)) (block
+    quantization: one per 64 rows of each query head); k_descale (batch, heads_k) or (batch,
+    heads_k, ceil(seqlen_k / 64)); v_descale (batch, heads_k); any strides; positive values.
     Head dims with no variant of their own run on the smallest built larger one. Launches on
     `stream` (CUstream as int); returns the variant used. Raises MissingVariantError when no built
     variant serves the call, ValueError for layouts TMA cannot address or a bad softmax_scale /
@@ -150,6 +181,14 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
         raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         _check_tma(name, t)
+    fp8 = q.dtype == "fp8_e4m3"
+    descales = {"q": (q_descale, (b, h, -(-sq // QUANT_BLOCK))), "k": (k_descale, (b, hk, -(-sk // QUANT_BLOCK))),
+                "v": (v_descale, None)}
+    for name, (t, block_shape) in descales.items():
+        if t is not None and (not fp8 or tuple(t.shape) not in ((b, hk), block_shape)):
+            raise ValueError(f"flashgen: {name}_descale of shape {tuple(t.shape)} does not fit this call "
+                             f"(fp8_e4m3 inputs: (batch, heads_k) = {(b, hk)}"
+                             + (f" or {block_shape}" if block_shape else "") + ")")
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
@@ -160,7 +199,10 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     params = {"lse": lse.ptr, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b,
               "num_m_blocks": num_m, "num_tiles": num_tiles, "scale_log2": scale_log2, "softmax_scale": scale,
               "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
-              "sink": int(sink)}
+              "sink": int(sink), "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
+              "o_stride_head": out.strides[2], "head_dim_v": dv,
+              **_descale_params("q", q_descale, h, hk, True), **_descale_params("k", k_descale, h, hk, True),
+              **_descale_params("v", v_descale, h, hk, False)}
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(out, 64))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     launch.launch(plan.kernel, (max(grid, 1), 1, 1), maps, params, stream)

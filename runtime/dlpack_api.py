@@ -477,6 +477,9 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     # Every problem of q, k, v, softmax_scale, window_size and softcap in one error (as flash_attn_func's).
     arrays, p, scale = _read_inputs((("q", q), ("k", k), ("v", v)), dl_stream, softmax_scale, window_size, softcap)
     qa, ka, va = arrays["q"], arrays["k"], arrays["v"]
+    if p.dtype == "fp8_e4m3":
+        raise NotImplementedError("flashgen: flash_attn_forward (DLPack) does not take float8_e4m3fn inputs yet; "
+                                  "the torch API flashgen.flash_attn_func does (with q_descale/k_descale/v_descale)")
     causal = bool(causal)
     window, softcap = _v.window_pair(window_size), float(softcap)
     # Then what depends on valid q, k, v (their layouts; the outputs' and the sink's expected
@@ -608,6 +611,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[floa
     arrays, p, scale = _read_inputs(tuple(zip(names, (dout, q, k, v, out, lse))), dl_stream, softmax_scale,
                                     window_size, softcap)
     doa, qa, ka, va, oa, la = (arrays[name] for name in names)
+    if p.dtype == "fp8_e4m3":
+        raise NotImplementedError("flashgen: the FP8 (float8_e4m3fn) forward has no backward (FA3 has none either)")
     causal, deterministic = bool(causal), bool(deterministic)
     window, softcap = _v.window_pair(window_size), float(softcap)
     computes = not (p.nothing_to_compute or p.seqlen_k == 0)

@@ -52,6 +52,7 @@ from . import core as _core
 __all__ = ["flash_attn_func", "NO_TORCH"]
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_FP8_TORCH_DTYPES = tuple(getattr(torch, a) for a in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, a))
 for _attr, _name in (
     ("float8_e4m3fn", "fp8_e4m3"),
     ("float8_e4m3fnuz", "fp8_e4m3"),
@@ -145,42 +146,68 @@ def _tma_arg(t: torch.Tensor, dtype: str, device: int) -> tuple:
 # The ops
 # --------------------------------------------------------------------------------------
 
-def _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink) -> _v.Problem:
+def _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal=False, q_descale=None,
+               k_descale=None, v_descale=None) -> _v.Problem:
     """q, k, v, the window and softcap checked together (every problem in one error), then
-    learnable_sink (whose expected shape and device come from q); returns the Problem."""
+    learnable_sink and the FP8 descales (whose expected shapes and device come from q); returns
+    the Problem."""
     p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v),
                         also=_v.window_size_problems((window_left, window_right)) + _v.softcap_problems(softcap))
-    if learnable_sink is not None:
-        _v.raise_problems(_v.learnable_sink_problems(_array_info(learnable_sink), p))
+    _check_extras(p, causal, window_left, window_right, softcap, learnable_sink, q_descale, k_descale, v_descale)
     return p
+
+
+def _check_extras(p: _v.Problem, causal, window_left, window_right, softcap, learnable_sink, q_descale, k_descale,
+                  v_descale) -> None:
+    """learnable_sink, the FP8 descales and what the FP8 forward lacks, for valid q, k, v (``p``)."""
+    P = [] if learnable_sink is None else _v.learnable_sink_problems(_array_info(learnable_sink), p)
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if p.dtype == "fp8_e4m3" or any(t is not None for t in descales.values()):
+        P += _v.descale_problems(p, {n: None if t is None else _array_info(t) for n, t in descales.items()})
+        local = _core.mask_spec(bool(causal), (window_left, window_right), p.seqlen_q, p.seqlen_k).local
+        P += _v.fp8_problems(p, local=local, softcap=softcap, learnable_sink=learnable_sink)
+    _v.raise_problems(P)
 
 
 def _fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
     deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-    learnable_sink: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
-    window_right=-1, softcap=0.0, learnable_sink=None) -> (out, lse)``.
+    window_right=-1, softcap=0.0, learnable_sink=None, q_descale=None, k_descale=None,
+    v_descale=None) -> (out, lse)``.
 
     The registered op behind :func:`flash_attn_func`; same arguments (softmax_scale already
     resolved to a float; ``window_size`` as two ints, -1 unbounded), always returns
     ``(out, lse)``: out contiguous ``(batch, seqlen_q, heads, head_dim_v)`` of q's dtype, lse
-    contiguous float32 ``(batch, heads, seqlen_q)`` (natural log; includes the sink). Validates
+    contiguous float32 ``(batch, heads, seqlen_q)`` (natural log; includes the sink); out is
+    bf16 for float8_e4m3fn inputs (with their descales, see :func:`flash_attn_func`). Validates
     its arguments itself (see :func:`flash_attn_func`), so calling it directly is safe.
     ``deterministic`` does not change the forward (always deterministic); it is an argument of
     the op so that its autograd formula hands it to the backward, also in a torch.compile graph.
     """
-    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink)
-    return _fwd_run(p, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink)
+    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal, q_descale, k_descale,
+                   v_descale)
+    return _fwd_run(p, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink,
+                    (q_descale, k_descale, v_descale))
+
+
+_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _descale_arg(t: Optional[torch.Tensor], device: int) -> Optional["_core.TensorArg"]:
+    return None if t is None else _core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), "fp32", device)
 
 
 def _fwd_run(p: _v.Problem, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-             learnable_sink) -> tuple:
+             learnable_sink, descales=(None, None, None)) -> tuple:
     """The forward for arguments already validated (``p``: their Problem): outputs, launch."""
     _check_device_capability(p.device)
+    out_dtype = _TORCH_DTYPES[p.out_dtype]
     if p.nothing_to_compute or p.seqlen_k == 0:
-        out = q.new_empty(p.out_shape)
+        out = q.new_empty(p.out_shape, dtype=out_dtype)
         lse = q.new_empty(p.lse_shape, dtype=torch.float32)
         if not p.nothing_to_compute:
             # seqlen_k == 0: every query attends to nothing: out 0, lse -inf (FA3's empty rows),
@@ -191,7 +218,7 @@ def _fwd_run(p: _v.Problem, q, k, v, softmax_scale, causal, window_left, window_
             else:
                 lse.copy_(learnable_sink.view(1, p.heads, 1).expand(p.lse_shape))
         return out, lse
-    out = q.new_empty(p.out_shape)
+    out = q.new_empty(p.out_shape, dtype=out_dtype)
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
     dev = p.device
     # Copies (if any) stay referenced until the launch is enqueued; after that, freeing them
@@ -199,7 +226,7 @@ def _fwd_run(p: _v.Problem, q, k, v, softmax_scale, causal, window_left, window_
     qc, qa = _tma_arg(q, p.dtype, dev)
     kc, ka = _tma_arg(k, p.dtype, dev)
     vc, va = _tma_arg(v, p.dtype, dev)
-    _, oa = _tma_arg(out, p.dtype, dev)  # fresh and contiguous: never copied
+    _, oa = _tma_arg(out, p.out_dtype, dev)  # fresh and contiguous: never copied
     sink = None if learnable_sink is None else learnable_sink.contiguous()  # a copy only if strided
     _core.attention_forward(
         qa,
@@ -213,6 +240,9 @@ def _fwd_run(p: _v.Problem, q, k, v, softmax_scale, causal, window_left, window_
         window_size=(int(window_left), int(window_right)),
         softcap=float(softcap),
         sink=0 if sink is None else sink.data_ptr(),
+        q_descale=_descale_arg(descales[0], dev),
+        k_descale=_descale_arg(descales[1], dev),
+        v_descale=_descale_arg(descales[2], dev),
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     del qc, kc, vc, sink  # any copies are released only after the launch is enqueued
     return out, lse
@@ -223,9 +253,10 @@ _fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=())
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-              learnable_sink=None):
-    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink)
-    out = q.new_empty(p.out_shape)  # contiguous, q's dtype and device: as the real op
+              learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
+    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal, q_descale, k_descale,
+                   v_descale)
+    out = q.new_empty(p.out_shape, dtype=_TORCH_DTYPES[p.out_dtype])  # contiguous, on q's device: as the real op
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
     return out, lse
 
@@ -327,7 +358,7 @@ def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: t
 def _setup_context(ctx, inputs, output):
     """Saves what the backward needs, no more: q, k, v, out, lse (and learnable_sink when given)
     and the scalars."""
-    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, sink = inputs
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, sink, *_descales = inputs
     out, lse = output
     ctx.has_sink = sink is not None
     if ctx.has_sink:
@@ -348,7 +379,7 @@ def _backward(ctx, grad_out, grad_lse):
     d_sink = None
     if ctx.has_sink and ctx.needs_input_grad[9]:
         d_sink = _sink_grad(grad_out, out, lse, rest[0])
-    return dq, dk, dv, None, None, None, None, None, None, d_sink
+    return dq, dk, dv, None, None, None, None, None, None, d_sink, None, None, None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -399,7 +430,8 @@ def flash_attn_func(
     through lse alone gives zero gradients). The backward needs head_dim_v == head_dim.
 
     Args:
-        q: ``(batch, seqlen_q, heads, head_dim)`` CUDA tensor, float16 or bfloat16.
+        q: ``(batch, seqlen_q, heads, head_dim)`` CUDA tensor, float16, bfloat16 or
+            float8_e4m3fn (FP8: see q_descale; the output is then bfloat16).
         k: ``(batch, seqlen_k, heads_k, head_dim)``, same dtype and device as q.
         v: ``(batch, seqlen_k, heads_k, head_dim_v)``, same dtype and device as q.
             heads must be a multiple of heads_k; head_dim and head_dim_v multiples of 8 in
@@ -425,9 +457,17 @@ def flash_attn_func(
             ``L_i = log(exp(sink[h]) + sum_j exp(s_ij))``; the returned lse is L (includes the
             sink). Differentiable: ``d_sink[h] = -sum_{b,i} exp(sink[h] - lse[b,h,i]) *
             sum_d dout[b,i,h,d] out[b,i,h,d]`` (computed in float32 with torch ops).
-        qv, q_descale, k_descale, v_descale, attention_chunk: FA3 arguments no built variant
-            implements yet; anything but their defaults (None / 0) raises NotImplementedError
-            naming the argument.
+        q_descale, k_descale, v_descale: FP8 only (float8_e4m3fn q, k, v; FA3 paper §3.3):
+            None (1) or float32 CUDA tensors on q's device, any strides, positive: the
+            logits use ``q * q_descale`` and ``k * k_descale``, and out uses ``v * v_descale``.
+            Shapes: q_descale ``(batch, heads_k)`` (FA3's: one per GQA group) or
+            ``(batch, heads, ceil(seqlen_q / 64))`` (block quantization: one per 64 rows of each
+            query head); k_descale ``(batch, heads_k)`` or ``(batch, heads_k, ceil(seqlen_k /
+            64))``; v_descale ``(batch, heads_k)``. ``flashgen.quantize_fp8(q, k, v)`` makes e4m3
+            inputs and descales from fp16/bf16 ones. FP8 serves causal and non-causal masks,
+            head_dim_v == head_dim, no softcap, window, sink or backward yet.
+        qv, attention_chunk: FA3 arguments no built variant implements yet; anything but their
+            defaults (None / 0) raises NotImplementedError naming the argument.
         num_splits, pack_gqa, sm_margin: FA3 scheduling hints; accepted and ignored (they
             never change the result).
         deterministic: the backward gives bitwise-reproducible gradients (its dq
@@ -438,7 +478,8 @@ def flash_attn_func(
         a different argument order fails loudly instead of binding wrongly.
 
     Returns:
-        out: ``(batch, seqlen_q, heads, head_dim_v)``, q's dtype, contiguous.
+        out: ``(batch, seqlen_q, heads, head_dim_v)``, q's dtype (bfloat16 for FP8 inputs),
+            contiguous.
         lse (only with return_attn_probs): float32 ``(batch, heads, seqlen_q)``, the
         natural-log log-sum-exp of the logits of each query row (with the sink if given).
 
@@ -462,10 +503,10 @@ def flash_attn_func(
     stream with no host synchronisation, so CUDA graphs capture them.
 
     Raises:
-        TypeError: q, k or v not a torch.Tensor; dtype not float16/bfloat16; dtypes of
-            q, k, v differ; softmax_scale or softcap not a real number; window_size not a
-            tuple/list or an entry not an int or None; learnable_sink not a torch.Tensor or
-            not float32.
+        TypeError: q, k or v not a torch.Tensor; dtype not float16/bfloat16/float8_e4m3fn;
+            dtypes of q, k, v differ; softmax_scale or softcap not a real number; window_size
+            not a tuple/list or an entry not an int or None; learnable_sink or a descale not a
+            torch.Tensor or not float32.
         ValueError: not CUDA tensors or not on one device; not 4-D; batch, seqlen or
             heads mismatched between q, k, v; head_dim of k differs from q's; heads not a
             multiple of heads_k; head_dim / head_dim_v not a multiple of 8 in 8..256;
@@ -473,7 +514,9 @@ def flash_attn_func(
             not of 2 entries or an entry < -1; learnable_sink not of shape (heads,) or not
             on q's device.
         RuntimeError: the GPU is not compute capability 9.x (Hopper).
-        NotImplementedError: an FA3 feature not built yet (see above) or an fp8 dtype.
+        NotImplementedError: an FA3 feature not built yet (see above), float8_e5m2, FP8 with
+            a window, softcap, sink or inputs that require grad.
+        ValueError (descales): a descale of the wrong shape or device, or given with 16-bit inputs.
         flashgen.InputError: problems of several of the kinds above at once (it is both a
             ValueError and a TypeError). Every problem found is listed in the one error,
             one line each, not only the first (learnable_sink's shape, dtype and device are
@@ -488,6 +531,9 @@ def flash_attn_func(
     if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
         not_tensors.append((TypeError, "learnable_sink must be None or a float32 (heads,) torch.Tensor, got "
                                        f"{type(learnable_sink).__name__}"))
+    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            not_tensors.append((TypeError, f"{name} must be None or a float32 torch.Tensor, got {type(t).__name__}"))
     other = _v.softmax_scale_problems(softmax_scale) + _v.feature_problems(
         window_size=window_size,
         softcap=softcap,
@@ -505,22 +551,27 @@ def flash_attn_func(
     window_left, window_right = _v.window_pair(window_size)
     softcap = float(softcap)
     sink = learnable_sink
+    descales = (q_descale, k_descale, v_descale)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sink is not None and sink.requires_grad))
+    if grad and q.dtype in _FP8_TORCH_DTYPES:
+        raise NotImplementedError("flashgen: the FP8 (float8_e4m3fn) forward has no backward (FA3 has none either); "
+                                  "call it under torch.no_grad() or with inputs that do not require grad")
     if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
             and (sink is None or type(sink) is torch.Tensor)
-            and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                                  or (sink is not None and sink.requires_grad)))):
+            and all(t is None or type(t) is torch.Tensor for t in descales)
+            and not torch.compiler.is_compiling() and not grad):
         # Eager fast path: the op's own implementation without the custom-op dispatcher, which
         # costs more host time per call than the whole launch (measured on H200). Tracing,
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
         # window_size and softcap were validated above: only q, k, v and the sink are left to check
         p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
-        if sink is not None:
-            _v.raise_problems(_v.learnable_sink_problems(_array_info(sink), p))
-        out, lse = _fwd_run(p, q, k, v, scale, bool(causal), window_left, window_right, softcap, sink)
+        if sink is not None or p.dtype == "fp8_e4m3" or descales != (None, None, None):
+            _check_extras(p, causal, window_left, window_right, softcap, sink, *descales)
+        out, lse = _fwd_run(p, q, k, v, scale, bool(causal), window_left, window_right, softcap, sink, descales)
     else:
         out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal), bool(deterministic), window_left,
-                                          window_right, softcap, sink)
+                                          window_right, softcap, sink, *descales)
     if return_attn_probs:
         return out, lse
     return out

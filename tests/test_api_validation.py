@@ -33,7 +33,10 @@ from flashgen.manifest import Manifest, Variant
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from fgutil import torch_allocates_on_cpu  # noqa: E402
 
-_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from _ref import dequantize_fp8  # noqa: E402  (torch only: runs on the CPU)
+
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 # --------------------------------------------------------------------------------------
@@ -103,11 +106,12 @@ class FakeCore:
                        dispatch=dict(key), kernels=())
 
     def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None, *,
-                          window_size=(-1, -1), softcap=0.0, sink=0):
+                          window_size=(-1, -1), softcap=0.0, sink=0, q_descale=None, k_descale=None,
+                          v_descale=None):
         if variant is None:  # as the real core: select (MissingVariantError) before any launch
             m = core.mask_spec(causal, window_size, q.shape[1], k.shape[1])
             variant = core.select_variant(
-                "fwd", {"dtype": q.dtype, "head_dim": q.shape[3], "head_dim_v": v.shape[3], "causal": m.causal,
+                "fwd", {"dtype": core._VARIANT_DTYPE.get(q.dtype, q.dtype), "head_dim": q.shape[3], "head_dim_v": v.shape[3], "causal": m.causal,
                         "local": m.local,
                         "softcap": softcap > 0})
         for a in (q, k, v, out):
@@ -118,10 +122,15 @@ class FakeCore:
         assert type(softcap) is float and type(sink) is int
         heads = q.shape[2]
         sink_t = None if sink == 0 else _view(core.TensorArg(sink, (heads,), (1,), "fp32", q.device)).clone()
+        descales = {n: None if t is None else _view(t).clone()
+                    for n, t in (("q", q_descale), ("k", k_descale), ("v", v_descale))}
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, scale=softmax_scale, causal=causal, stream=stream,
                                variant=variant, window_size=window_size, softcap=softcap, sink=sink,
-                               sink_values=sink_t))
-        o, l = reference(_view(q), _view(k), _view(v), softmax_scale, causal, window_size, softcap, sink_t)
+                               sink_values=sink_t, descales=descales))
+        qv, kv, vv = _view(q), _view(k), _view(v)
+        if q.dtype == "fp8_e4m3":  # emulated: dequantized in float32
+            qv, kv, vv = (dequantize_fp8(x, descales[n]) for x, n in ((qv, "q"), (kv, "k"), (vv, "v")))
+        o, l = reference(qv, kv, vv, softmax_scale, causal, window_size, softcap, sink_t)
         _view(out).copy_(o)
         _view(lse).copy_(l)
         return variant
@@ -374,7 +383,7 @@ def test_not_hopper(fake_gpu, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
 def test_unsupported_dtype(fake_gpu, dtype):
     q, k, v = (t.to(dtype) for t in qkv())
-    _raises(fake_gpu, TypeError, r"q must have dtype float16 or bfloat16", q, k, v)
+    _raises(fake_gpu, TypeError, r"q must have dtype float16, bfloat16 or float8_e4m3fn", q, k, v)
 
 
 def test_dtypes_differ(fake_gpu):
@@ -382,10 +391,72 @@ def test_dtypes_differ(fake_gpu):
     _raises(fake_gpu, TypeError, r"same dtype.*k torch.bfloat16", q, k.bfloat16(), v)
 
 
-@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
-def test_fp8_not_implemented(fake_gpu, name):
-    q, k, v = (t.to(getattr(torch, name)) for t in qkv())
-    _raises(fake_gpu, NotImplementedError, "fp8", q, k, v)
+def test_e5m2_not_implemented(fake_gpu):
+    q, k, v = (t.to(torch.float8_e5m2) for t in qkv())
+    _raises(fake_gpu, NotImplementedError, "only float8_e4m3fn is served among the fp8 dtypes", q, k, v)
+
+
+# --------------------------------------------------------------------------------------
+# FP8 (e4m3): descales, output dtype, what is refused
+# --------------------------------------------------------------------------------------
+
+def _e4m3(*ts):
+    return [t.to(torch.float8_e4m3fn) for t in ts]
+
+
+@pytest.mark.parametrize("form", ["none", "head", "block"])
+def test_fp8_forward_with_descales(fake_gpu, form):
+    q, k, v = _e4m3(*qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64))
+    ds = {"none": (None, None, None),
+          "head": (torch.rand(2, 2) + 0.5, torch.rand(2, 2) + 0.5, torch.rand(2, 2) + 0.5),
+          "block": (torch.rand(2, 4, 2) + 0.5, torch.rand(2, 2, 3) + 0.5, torch.rand(2, 2) + 0.5)}[form]
+    out, lse = flash_attn_func(q, k, v, causal=True, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                               return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 70, 4, 64)
+    call = fake_gpu.calls[-1]
+    assert call["out"].dtype == "bf16" and call["q"].dtype == "fp8_e4m3"
+    assert fake_gpu.selected[-1][1]["dtype"] == "e4m3"
+    deq = [dequantize_fp8(x, d) for x, d in zip((q, k, v), ds)]
+    o_ref, l_ref = reference(*deq, 64 ** -0.5, True)
+    torch.testing.assert_close(out.float(), o_ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, l_ref, atol=1e-4, rtol=1e-4)
+    if form == "none":  # a descale of 1 is the same as none
+        ones = torch.ones(2, 2)
+        out1 = flash_attn_func(q, k, v, causal=True, q_descale=ones, k_descale=ones, v_descale=ones)
+        assert torch.equal(out1, out)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(q_descale=torch.ones(2, 4)), ValueError, r"q_descale must have shape \(batch, heads_k\) = \(2, 2\) or "
+                                                   r"\(batch, heads, ceil\(seqlen_q / 64\)\) = \(2, 4, 2\), got \(2, 4\)"),
+    (dict(k_descale=torch.ones(2, 2, 2)), ValueError, r"k_descale must have shape .* = \(2, 2, 3\), got \(2, 2, 2\)"),
+    (dict(v_descale=torch.ones(2, 4, 2)), ValueError, r"v_descale must have shape \(batch, heads_k\) = \(2, 2\)"),
+    (dict(v_descale=torch.ones(2, 2, dtype=torch.float16)), TypeError, "v_descale must have dtype float32"),
+    (dict(q_descale=[1.0]), TypeError, "q_descale must be None or a float32 torch.Tensor, got list"),
+    (dict(softcap=10.0), NotImplementedError, "softcap is not supported with float8_e4m3fn"),
+    (dict(window_size=(16, 0)), NotImplementedError, "sliding windows are not supported with float8_e4m3fn"),
+    (dict(learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink is not supported with float8"),
+])
+def test_fp8_argument_problems(fake_gpu, kwargs, exc, match):
+    q, k, v = _e4m3(*qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64))
+    _raises(fake_gpu, exc, match, q, k, v, **kwargs)
+
+
+def test_fp8_causal_spelled_as_a_window_is_served(fake_gpu):
+    q, k, v = _e4m3(*qkv(b=1, sq=40, sk=50, h=2, hk=2, d=64))
+    flash_attn_func(q, k, v, window_size=(-1, 0))  # = causal: no band
+    assert fake_gpu.selected[-1][1]["causal"] is True and fake_gpu.selected[-1][1]["local"] is False
+
+
+def test_descales_need_e4m3_inputs(fake_gpu):
+    _raises(fake_gpu, ValueError, "q_descale scales float8_e4m3fn inputs only", *qkv(), q_descale=torch.ones(2, 2))
+
+
+def test_fp8_needs_no_grad(fake_gpu):
+    q, k, v = qkv()
+    q8, k8, v8 = _e4m3(q, k, v)
+    q8.requires_grad_(True)
+    _raises(fake_gpu, NotImplementedError, "has no backward", q8, k8, v8)
 
 
 @pytest.mark.parametrize("which,shape,match", [
@@ -440,9 +511,6 @@ def test_softmax_scale_any_finite_real_accepted(fake_gpu):
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(q_descale=torch.ones(2, 2)), "q_descale"),
-    (dict(k_descale=torch.ones(2, 2)), "k_descale"),
-    (dict(v_descale=torch.ones(2, 2)), "v_descale"),
     (dict(qv=torch.ones(2, 5, 4, 64)), "qv"),
     (dict(attention_chunk=128), "attention_chunk"),
 ])
@@ -505,7 +573,7 @@ def test_every_problem_of_q_k_v_in_one_error_in_both_apis():
                     "q must be a CUDA tensor/array, got one on cpu",
                     "k must be a CUDA tensor/array, got one on cpu",
                     "v must be a CUDA tensor/array, got one on cpu",
-                    "q must have dtype float16 or bfloat16, got torch.float32",
+                    "q must have dtype float16, bfloat16 or float8_e4m3fn, got torch.float32",
                     "q must be 4-D (batch, seqlen_q, heads, head_dim) (layout BSHD), got 3-D shape (2, 5, 64)")
     with pytest.raises(V.InputError) as dl:
         dlpack_api.flash_attn_forward(q.numpy(), k.numpy(), v.numpy())
@@ -519,7 +587,7 @@ def test_independent_problems_reported_dependent_checks_skipped(fake_gpu_dlpack)
     with pytest.raises(V.InputError) as info:
         flash_attn_func(q, k, v)
     assert_problems(info.value,
-                    "q must have dtype float16 or bfloat16, got torch.float32",
+                    "q must have dtype float16, bfloat16 or float8_e4m3fn, got torch.float32",
                     "k and v must have the same seqlen_k (dim 1)",
                     "heads of q (4) must be a multiple of heads_k of k/v (3)",
                     "head_dim_v (dim 3 of v) must be a multiple of 8 between 8 and 256, got 20")
@@ -551,7 +619,7 @@ def test_not_a_tensor_scale_and_features_join_the_list(fake_gpu):
         flash_attn_func(q.float(), k.numpy(), v, softmax_scale=float("nan"), softcap=-30.0, window_size=(1.5, 0))
     assert_problems(info.value,
                     "k must be a torch.Tensor, got ndarray",
-                    "q must have dtype float16 or bfloat16, got torch.float32",
+                    "q must have dtype float16, bfloat16 or float8_e4m3fn, got torch.float32",
                     "softmax_scale must be a finite number, got nan",
                     "window_size[0] (left) must be an int >= -1 or None (-1 / None: unbounded), got float 1.5",
                     "softcap must be a finite number >= 0 (0 = off), got -30.0")
@@ -564,12 +632,12 @@ def test_not_implemented_alone_or_mixed(fake_gpu):
         flash_attn_func(q, k, v, qv=q, attention_chunk=64)
     assert type(info.value) is NotImplementedError
     assert_problems(info.value, "qv (absorbed MLA)", "attention_chunk=64")
-    fp8 = torch.float8_e4m3fn
-    with pytest.raises(V.InputError) as info:  # fp8 together with real errors: all of them
+    fp8 = torch.float8_e5m2
+    with pytest.raises(V.InputError) as info:  # unserved fp8 together with real errors: all of them
         flash_attn_func(q.to(fp8), k.to(fp8), torch.zeros(2, 7, 2, 20, dtype=torch.float16))
     assert_problems(info.value,
-                    "q has dtype torch.float8_e4m3fn: the fp8 forward is not supported yet",
-                    "k has dtype torch.float8_e4m3fn: the fp8 forward is not supported yet",
+                    "q has dtype torch.float8_e5m2: only float8_e4m3fn is served among the fp8 dtypes",
+                    "k has dtype torch.float8_e5m2: only float8_e4m3fn is served among the fp8 dtypes",
                     "head_dim_v (dim 3 of v) must be a multiple of 8 between 8 and 256, got 20")
 
 
@@ -595,7 +663,7 @@ def test_grad_inputs_go_through_the_op_with_deterministic(fake_gpu, monkeypatch)
     monkeypatch.setattr(interface, "_check_fwd", lambda *a: op.append(1) or check(*a))
     q, k, v = qkv()
     out = flash_attn_func(q, k, v)  # no grad needed: the eager fast path
-    assert seen == [(-1, -1, 0.0, None)] and op == [] and out.grad_fn is None
+    assert seen == [(-1, -1, 0.0, None, (None, None, None))] and op == [] and out.grad_fn is None
     k.requires_grad_(True)
     out = flash_attn_func(q, k, v, deterministic=True)  # recorded by autograd: through torch.ops.flashgen.fwd
     assert len(seen) == 2 and op and out.requires_grad and out.grad_fn is not None
@@ -828,7 +896,7 @@ def test_dlpack_shared_validation(fake_gpu_dlpack):
     q, k, v = _np_qkv()
     with pytest.raises(ValueError, match=r"k has batch 1"):
         dlpack_api.flash_attn_forward(q, k[:1], v[:1])
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
+    with pytest.raises(TypeError, match="float16, bfloat16 or float8_e4m3fn"):
         dlpack_api.flash_attn_forward(*(t.astype(np.float32) for t in (q, k, v)))
     with pytest.raises(ValueError, match="softmax_scale"):
         dlpack_api.flash_attn_forward(q, k, v, softmax_scale=float("nan"))
@@ -869,7 +937,7 @@ def test_dlpack_not_an_array_and_other_problems(fake_gpu_dlpack):
     assert_problems(info.value,
                     "v must be a DLPack array (with __dlpack__ and __dlpack_device__, e.g. a CuPy, JAX or torch "
                     "array), got list",
-                    "q must have dtype float16 or bfloat16, got float32",
+                    "q must have dtype float16, bfloat16 or float8_e4m3fn, got float32",
                     "softmax_scale must be a real number (float) or None, got str")
     assert fake_gpu_dlpack.calls == []
 

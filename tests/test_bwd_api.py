@@ -577,7 +577,7 @@ def test_dlpack_backward_q_k_v_problems_come_first_with_non_arrays(dl):
     assert type(info.value) is TypeError  # three type problems
     assert_problems(info.value,
                     "dout must be a DLPack array",
-                    "q must have dtype float16 or bfloat16, got float32",
+                    "q must have dtype float16, bfloat16 or float8_e4m3fn, got float32",
                     "softmax_scale must be a real number (float) or None, got str")
     assert dl.calls == []
 

@@ -188,12 +188,17 @@ def test_real_configs():
     combine = [v for v in vs if v.family == "combine"]
     assert {v.params["dtype"] for v in combine} == {"fp32", "bf16", "fp16"} and all(v.default for v in combine)
     # fwd and bwd: {dtype} x {head_dim} x {none, causal, local} x {softcap}; fwd also head_dim 192 / head_dim_v 128
-    assert len(select(vs)) == 60 + 12 + 60 + 3
+    # and e4m3 x {64, 128, 256} x causal (configs/fwd_fp8.yaml)
+    assert len(select(vs)) == 60 + 12 + 6 + 60 + 3
+    fp8 = [v for v in select(vs) if v.params["dtype"] == "e4m3"]
+    assert {(v.params["head_dim"], v.params["causal"]) for v in fp8} == {(h, c) for h in (64, 128, 256)
+                                                                         for c in (False, True)}
+    assert all(v.default and v.params["block_n"] % 64 == 0 for v in fp8)
     keys = {(d, h, c, lo, sc) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
             for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
         fam = [v for v in select(vs) if v.family == family and v.params["head_dim_v" if family == "fwd" else "head_dim"]
-               == v.params["head_dim"]]
+               == v.params["head_dim"] and v.params["dtype"] != "e4m3"]  # FP8 has no backward
         assert all(v.default for v in fam)
         assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"])
                 for v in fam} == keys
@@ -210,6 +215,8 @@ def test_real_configs():
     rows = yaml.safe_load((REPO / "configs" / "fwd.yaml").read_text())["tiles"]
     for v in default_set:
         p = v.params
+        if p["dtype"] == "e4m3":  # configs/fwd_fp8.yaml's own tiles
+            continue
         match = [r for r in rows if r["head_dim"] == p["head_dim"] and r.get("dtype", p["dtype"]) == p["dtype"]
                  and r.get("causal", p["causal"]) == p["causal"] and r.get("softcap", p["softcap"]) == p["softcap"]]
         best = max(match, key=lambda r: ("dtype" in r) + ("causal" in r) + ("softcap" in r))
@@ -226,7 +233,7 @@ def test_real_configs():
             and v.params["head_dim"] == 128 and not v.params["causal"] and not v.params["local"]
             and not v.params["softcap"]][0]
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
-    assert len(vs) == 60 + 12 + 60 + 3 + len([v for v in abl if not v.default])
+    assert len(vs) == 60 + 12 + 6 + 60 + 3 + len([v for v in abl if not v.default])
     assert len(select(vs, all_=True)) == len(vs)
 
 
@@ -248,8 +255,8 @@ def test_register_budget_rejects_hd96_on_three_wgs(tmp_path):
 
 def test_select_filter():
     vs = load_variants(Project(REPO))
-    assert len(select(vs, "fwd_*hd64*")) == 12  # {dtype} x {none, causal, local} x {softcap}
-    assert len(select(vs, "*hd64*")) == 24  # fwd and bwd
+    assert len(select(vs, "fwd_*hd64*")) == 14  # {bf16, fp16} x {none, causal, local} x {softcap}; e4m3 x causal
+    assert len(select(vs, "*hd64*")) == 26  # fwd and bwd
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
     assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 8

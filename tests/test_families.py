@@ -86,8 +86,9 @@ def test_layout_natural_alignment_and_tail_padding():
 
 def test_family_structs_layouts():
     fwd = fwd_mod.PARAMS.layout()
-    assert fwd["struct"] == "FwdParams" and fwd["size"] == 64
-    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-1] == ["sink", "ptr", 56]
+    assert fwd["struct"] == "FwdParams" and fwd["size"] == 168  # 64 + the e4m3 descales and direct-store O
+    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-1] == ["head_dim_v", "i32", 160]
+    assert ["sink", "ptr", 56] in fwd["fields"] and ["q_descale", "ptr", 64] in fwd["fields"]
     offs = {n: o for n, _, o in fwd["fields"]}
     assert (offs["softmax_scale"], offs["softcap_scale"], offs["window_left"], offs["window_right"]) == (40, 44, 48, 52)
     comb = combine_mod.PARAMS.layout()
@@ -169,8 +170,13 @@ def test_params_packer_bytes_match_struct_offsets():
     fb = launch.ParamsPacker(fl).pack({"lse": 0xDEAD0000, "seqlen_q": 5, "seqlen_k": 7, "heads": 4, "heads_k": 2,
                                        "batch": 2, "num_m_blocks": 1, "num_tiles": 8, "scale_log2": 0.5,
                                        "softmax_scale": 0.25, "softcap_scale": 0.125, "window_left": 3,
-                                       "window_right": -4, "sink": 0xBEEF00})
-    assert len(fb) == 64 and struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
+                                       "window_right": -4, "sink": 0xBEEF00, "q_descale": 0, "q_descale_stride_batch": 0,
+                                       "q_descale_stride_head": 0, "q_descale_stride_block": 0, "q_descale_head_div": 1,
+                                       "k_descale": 0, "k_descale_stride_batch": 0, "k_descale_stride_head": 0,
+                                       "k_descale_stride_block": 0, "v_descale": 0, "v_descale_stride_batch": 0,
+                                       "v_descale_stride_head": 0, "o": 0, "o_stride_batch": 0, "o_stride_seq": 0,
+                                       "o_stride_head": 0, "head_dim_v": 64})
+    assert len(fb) == 168 and struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
     assert struct.unpack_from("<i", fb, 20) == (2,) and struct.unpack_from("<fff", fb, 36) == (0.5, 0.25, 0.125)
     assert struct.unpack_from("<iiQ", fb, 48) == (3, -4, 0xBEEF00)
 
@@ -430,7 +436,11 @@ def test_smem_layout_is_the_feasibility_layout():
         if v.family != "fwd":
             assert r["smem"] == {} and r["smem_bytes"] == 0 == v.kernels[0].smem_bytes
             continue
-        assert r["smem"] == fwd_mod.smem_layout(v.params) and list(r["smem"]) == ["q", "k", "v", "o", "bars"]
+        regions = ["q", "k", "v", "vt", "o", "bars"] if v.params["dtype"] == "e4m3" else ["q", "k", "v", "o", "bars"]
+        assert r["smem"] == fwd_mod.smem_layout(v.params) and list(r["smem"]) == regions
+        if v.params["dtype"] == "e4m3":  # V^T ring: head_dim rows x block_n padded to 128 byte columns
+            assert r["smem"]["vt"]["bytes"] == v.params["stages"] * r["head_dim_v_padded"] * r["block_n_vt"]
+            assert r["smem"]["o"]["bytes"] == 0 and r["block_n_vt"] % 128 == 0
         end = 0
         for region in r["smem"].values():
             assert region["offset"] == end

@@ -321,7 +321,8 @@ def test_fast_path_passes_the_features(fake_gpu, monkeypatch):
     q, k, v = qkv()
     sink = sink_of()
     flash_attn_func(q, k, v, window_size=[None, 2], softcap=3, learnable_sink=sink)
-    ((wl, wr, cap, s),) = seen
+    ((wl, wr, cap, s, descales),) = seen
+    assert descales == (None, None, None)
     assert (wl, wr, cap) == (-1, 2, 3.0) and type(cap) is float and s is sink
     assert fake_gpu.calls[0]["softcap"] == 3.0 and fake_gpu.calls[0]["window_size"] == (-1, 2)
 
@@ -683,7 +684,7 @@ def test_dlpack_window_problems_join_the_q_k_v_list(fake_gpu_dlpack):
     q, k, v = _np(*qkv())
     with pytest.raises(V.InputError) as info:
         dlpack_api.flash_attn_forward(q.astype(np.float32), k, v, window_size=(0, -3), softcap=True)
-    assert_problems(info.value, "q must have dtype float16 or bfloat16, got float32",
+    assert_problems(info.value, "q must have dtype float16, bfloat16 or float8_e4m3fn, got float32",
                     "window_size[1] (right) must be an int >= -1 or None", "softcap must be a real number")
 
 

@@ -23,7 +23,7 @@ from flashgen.generator.toolchain import find_nvcc  # noqa: E402
 
 BASE = dict(family="fwd", dtype="bf16", head_dim=128, head_dim_v=128, causal=True, block_m=128, block_n=128,
             stages=2, consumer_wgs=2, pingpong=True, overlap=True, persistent=True)
-NAME_RE = re.compile(r"^fwd_(bf16|fp16)_hd\d+(v\d+)?_(causal|noncausal|local)_(softcap_)?m\d+n\d+_s\d_wg\d_(no)?pp_(no)?ov_(no)?ps_[0-9a-f]{8}$")
+NAME_RE = re.compile(r"^fwd_(bf16|fp16|e4m3)_hd\d+(v\d+)?_(causal|noncausal|local)_(softcap_)?m\d+n\d+_s\d_wg\d_(no)?pp_(no)?ov_(no)?ps_[0-9a-f]{8}$")
 COMBINE_NAME_RE = re.compile(r"^combine_(fp32|bf16|fp16)_m\d+_t\d+_[0-9a-f]{8}$")
 BWD_NAME_RE = re.compile(r"^bwd_(bf16|fp16)_hd\d+_(causal|noncausal|local)_(softcap_)?m\d+n\d+_sl\d+_s\d_[0-9a-f]{8}$")
 ROLES = {"fwd": ["main"], "combine": ["main"], "bwd": ["pre", "main", "post"]}

@@ -37,13 +37,17 @@ from . import Family, Key, KernelSpec
 
 SMEM_LIMIT = 232448  # 227 KB: the sm_90 per-block opt-in maximum of dynamic shared memory
 HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = ("bf16", "fp16")
-DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+DTYPES = ("bf16", "fp16", "e4m3")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
+OUT_DTYPE = {"bf16": "bf16", "fp16": "fp16", "e4m3": "bf16"}  # FP8 attention writes bf16 (FA3)
+QUANT_BLOCK = 64  # FP8 block quantization: one descale per 64 rows of Q and of K (runtime quantize_fp8)
 CONSUMER_WGS = (2, 3)
 STAGES = (1, 2, 3, 4)
 BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
 REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
+# e4m3: the producer warpgroup also transposes V (warps 1-3), which spilled at 24 registers.
+REG_SPLIT_FP8 = {2: (40, 232), 3: (32, 160)}
 ACC_REG_HEADROOM = 32
 
 PARAMS = params_struct(
@@ -62,6 +66,19 @@ PARAMS = params_struct(
     ("window_left", "i32"),  # local variants: query i sees keys [i + seqlen_k - seqlen_q - window_left,
     ("window_right", "i32"),  #   i + seqlen_k - seqlen_q + window_right]; both >= 0 (unbounded: seqlen_k, seqlen_q)
     ("sink", "ptr", "const float*"),  # learnable_sink (heads,) fp32 logits, or null
+    # e4m3 variants only (fp8.cuh: Descale). Each descale tensor is fp32, indexed
+    # [batch * stride_batch + (head / head_div) * stride_head + block64 * stride_block]; null = 1.
+    ("q_descale", "ptr", "const float*"),
+    ("q_descale_stride_batch", "i32"), ("q_descale_stride_head", "i32"), ("q_descale_stride_block", "i32"),
+    ("q_descale_head_div", "i32"),  # heads / heads_k for FA3's (batch, heads_k) shape, else 1
+    ("k_descale", "ptr", "const float*"),
+    ("k_descale_stride_batch", "i32"), ("k_descale_stride_head", "i32"), ("k_descale_stride_block", "i32"),
+    ("v_descale", "ptr", "const float*"),
+    ("v_descale_stride_batch", "i32"), ("v_descale_stride_head", "i32"),
+    # e4m3 variants store O from registers (no TMA map): out (batch, seqlen_q, heads, head_dim_v) bf16
+    ("o", "ptr", "void*"),
+    ("o_stride_batch", "i64"), ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
+    ("head_dim_v", "i32"),  # the call's (columns of O past it are not stored)
 )
 
 
@@ -75,15 +92,28 @@ def _pad64(x: int) -> int:
     return -(-int(x) // 64) * 64
 
 
+def _pad_chunk(x: int, dtype: str) -> int:
+    """x rounded up to whole 128-byte swizzle chunks of dtype (64 16-bit or 128 8-bit elements)."""
+    c = 128 // DTYPE_BYTES.get(dtype, 2)
+    return -(-int(x) // c) * c
+
+
 def smem_layout(params: dict) -> dict:
     """Shared-memory regions ``{name: {"offset", "bytes"}}`` in address order (what the kernel
     uses and what feasibility checks). O gets its own staging buffer when it fits, so Q is released
     after the tile's last S GEMM and the next tile's Q load overlaps the epilogue; otherwise O is
     staged in Q's buffer (region ``o`` has 0 bytes)."""
-    e = DTYPE_BYTES.get(params["dtype"], 2)
-    p, pv = _pad64(params["head_dim"]), _pad64(params["head_dim_v"])
+    dt = params["dtype"]
+    e = DTYPE_BYTES.get(dt, 2)
+    p, pv = _pad_chunk(params["head_dim"], dt), _pad_chunk(params["head_dim_v"], dt)
     bm, bn, st = int(params["block_m"]), int(params["block_n"]), int(params["stages"])
-    sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e, "o": bm * pv * e, "bars": BARRIER_BYTES}
+    sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e}
+    if dt == "e4m3":  # V^T ring (keys padded to whole 128-byte chunks); O is stored from registers
+        sizes["vt"] = st * pv * _pad_chunk(bn, dt)
+        sizes["o"] = 0
+    else:
+        sizes["o"] = bm * pv * DTYPE_BYTES[OUT_DTYPE.get(dt, dt)]
+    sizes["bars"] = BARRIER_BYTES
     if sum(sizes.values()) + ALIGN_SLACK_BYTES > SMEM_LIMIT:
         sizes["o"] = 0
     out, off = {}, 0
@@ -103,19 +133,23 @@ class FwdFamily(Family):
 
     def resources(self, params):
         """threads, smem (layout), smem_bytes, producer_regs, consumer_regs, head_dim_padded,
-        head_dim_v_padded, separate_o."""
+        head_dim_v_padded (whole 128-byte chunks), separate_o, fp8, out_dtype, block_n_vt (e4m3:
+        V^T's key columns, block_n padded to 128)."""
         wgs = int(params["consumer_wgs"])
         smem = smem_layout(params)
-        producer_regs, consumer_regs = REG_SPLIT.get(wgs, (24, 240))
+        producer_regs, consumer_regs = (REG_SPLIT_FP8 if params["dtype"] == "e4m3" else REG_SPLIT).get(wgs, (24, 240))
         return dict(
             threads=128 * (wgs + 1),
             smem=smem,
             smem_bytes=smem["bars"]["offset"] + smem["bars"]["bytes"] + ALIGN_SLACK_BYTES,
             producer_regs=producer_regs,
             consumer_regs=consumer_regs,
-            head_dim_padded=_pad64(params["head_dim"]),
-            head_dim_v_padded=_pad64(params["head_dim_v"]),
+            head_dim_padded=_pad_chunk(params["head_dim"], params["dtype"]),
+            head_dim_v_padded=_pad_chunk(params["head_dim_v"], params["dtype"]),
             separate_o=smem["o"]["bytes"] > 0,
+            fp8=params["dtype"] == "e4m3",
+            out_dtype=OUT_DTYPE.get(params["dtype"], params["dtype"]),
+            block_n_vt=_pad_chunk(params["block_n"], "e4m3"),
         )
 
     def problems(self, params):
@@ -126,6 +160,15 @@ class FwdFamily(Family):
             out.append(("local", True, "false with causal: true (the local kernel serves causal with a window)"))
         if wgs in CONSUMER_WGS and bm != 64 * wgs:
             out.append(("block_m", bm, f"64 * consumer_wgs = {64 * wgs} (consumer_wgs is {wgs})"))
+        if params["dtype"] == "e4m3":
+            if isinstance(bn, int) and bn % QUANT_BLOCK:
+                out.append(("block_n", bn, f"a multiple of {QUANT_BLOCK} with dtype e4m3 (each {QUANT_BLOCK}-key "
+                                           "block of K may have its own descale)"))
+            for k in ("local", "softcap"):
+                if params.get(k):
+                    out.append((k, True, "false with dtype e4m3 (the FP8 forward has no window or softcap yet)"))
+            if hd != hdv:
+                out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) with dtype e4m3"))
         if out:
             return out
         r = self.resources(params)
@@ -142,12 +185,13 @@ class FwdFamily(Family):
             if bn > 128:
                 out.append(("block_n", bn, "<= 128 with 3 consumer warpgroups (160 registers/thread)"))
         if len(out) == n_before:
-            need = bn // 2 + r["head_dim_v_padded"] // 2 + bn // 4
+            need = bn // 2 + r["head_dim_v_padded"] // 2 + bn // (8 if r["fp8"] else 4)  # S, O, packed P
             limit = r["consumer_regs"] - ACC_REG_HEADROOM
             if need > limit:
                 out.append((
                     "block_n", bn,
-                    f"small enough that the accumulators fit: block_n/2 + head_dim_v_padded/2 + block_n/4 = {need} "
+                    f"small enough that the accumulators fit: block_n/2 + head_dim_v_padded/2 + block_n/"
+                    f"{8 if r['fp8'] else 4} = {need} "
                     f"registers > {limit} ({r['consumer_regs']} per consumer thread with {wgs} consumer warpgroups, "
                     f"minus {ACC_REG_HEADROOM} headroom); lower block_n"
                     + (" or use consumer_wgs 2" if wgs == 3 else ""),
@@ -155,8 +199,9 @@ class FwdFamily(Family):
         return out
 
     def kernels(self, params, resources):
+        mma = "QGMMA" if resources["fp8"] else "HGMMA"  # e4m3 WGMMA is QGMMA in SASS
         return [KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
-                           tensor_maps=("q", "k", "v", "o"), sass=("HGMMA", "UTMALDG", "USETMAXREG"))]
+                           tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG"))]
 
     def name_parts(self, p):
         hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")

@@ -291,3 +291,19 @@ def variant_missing(family: str, key: dict, *, round_up: tuple = ()):
     if any(v.family == family and serves(v.dispatch) for v in load_manifest().variants):
         return None
     return f"MISSING-{family.upper()}-VARIANT {key}: select_variant raised MissingVariantError: {err}"
+
+
+def dequantize_fp8(x8, descale, block: int = 64):
+    """x8 (batch, seqlen, heads_x, head_dim) e4m3 times its descale, in float32: None (1), FA3's
+    (batch, heads_k) (heads_x a multiple of heads_k: query head h uses column h // (heads_x /
+    heads_k)), or block quantization's (batch, heads_x, ceil(seqlen / block)), one per `block` rows."""
+    x = x8.float()
+    if descale is None:
+        return x
+    b, s, hx, _ = x.shape
+    d = descale.float()
+    if d.dim() == 2:
+        d = d.repeat_interleave(hx // d.shape[1], dim=1)  # (b, hx)
+        return x * d[:, None, :, None]
+    rows = d[:, :, torch.arange(s, device=d.device) // block]  # (b, hx, s)
+    return x * rows.permute(0, 2, 1)[..., None]

@@ -129,6 +129,8 @@ def test_every_built_variant():
         if var.family != "fwd":
             continue
         p = var.params
+        if p["dtype"] == "e4m3":
+            continue  # test_fp8_gpu.py::test_every_built_fp8_variant
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
         q, k, v = make_inputs(2, 301, 517, 4, 2, p["head_dim"], dtype, seed=11)
         v = v[..., :p["head_dim_v"]].contiguous()

@@ -53,6 +53,28 @@ __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, i
 
 // (col0: the first column of the map the tile's column 0 goes to.)
 
+// O (m64nN accumulator, R = N/2 registers, already normalised) -> global memory without staging:
+// this thread's rows row0 and row0 + 8 (rows at or past `rows` dropped), columns 8j + 2 (lane % 4)
+// and +1 below `cols` (a multiple of 8), one 4-byte store each. `out` points at row 0, column 0;
+// rows are stride_row elements apart (a multiple of 2). The FP8 forward stores O this way: its
+// shared memory has no room for a 16-bit O tile beside the e4m3 rings and V^T at head_dim 256.
+template <typename T, int R>
+__device__ __forceinline__ void store_o_direct(const float (&o)[R], T* out, int64_t stride_row, int row0, int rows,
+                                               int cols, int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    if (row < rows) {
+      T* dst = out + row * stride_row + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < R / 4; ++j) {
+        if (8 * j + 2 * (lane % 4) < cols)
+          *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<T>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+}
+
 // Before the CTA exits: its TMA stores must have completed (one thread per warpgroup that stored).
 __device__ __forceinline__ void store_o_drain() { ptx::cp_async_bulk_wait_group(ptx::n32_t<0>{}); }
 

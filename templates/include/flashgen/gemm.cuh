@@ -34,6 +34,18 @@ __device__ __forceinline__ void gemm_rs(float (&d)[R], const uint32_t (&a)[RA], 
   wgmma_commit();
 }
 
+// D += A B, A in registers (4 per k-step), B a K-major tile whose rows are N and whose columns
+// are K (FP8's O += P V with V^T from transpose_v: WGMMA reads 8-bit operands K-major only);
+// K = the A fragments' k-steps, from column 0 (the tile may have padding columns past them).
+template <auto Mma, int R, int RA, typename TileB>
+__device__ __forceinline__ void gemm_rs_kmajor(float (&d)[R], const uint32_t (&a)[RA], const TileB& b) {
+  static_assert(RA % 4 == 0 && (RA / 4) * TileB::kKStep <= TileB::kCols, "one 4-register A fragment per k-step");
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < RA / 4; ++kk) Mma(d, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], b.desc_k_major(kk), 1);
+  wgmma_commit();
+}
+
 // D = A B (the first k-step overwrites D), both operands MN-major tiles whose rows are K: A's
 // columns are M (64, one chunk), B's are N (the backward's dQ = dS K with dS^T and K as stored).
 template <auto Mma, int R, typename TileA, typename TileB>

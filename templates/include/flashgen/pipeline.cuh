@@ -25,11 +25,12 @@ struct LoadPipeline {
   uint64_t* full;   // [Stages]
   uint64_t* empty;  // [Stages]
 
-  // One thread, before the CTA-wide barrier that publishes the init.
-  __device__ __forceinline__ void init(uint32_t consumers) const {
+  // One thread, before the CTA-wide barrier that publishes the init. producers: arrivals that
+  // complete a full barrier (1: the thread arming the TMA bytes; FP8's V^T: the transposer threads).
+  __device__ __forceinline__ void init(uint32_t consumers, uint32_t producers = 1) const {
 #pragma unroll
     for (int s = 0; s < Stages; ++s) {
-      mbar_init(&full[s], 1);
+      mbar_init(&full[s], producers);
       mbar_init(&empty[s], consumers);
     }
   }
@@ -56,6 +57,10 @@ struct LoadPipeline {
   }
 
   __device__ __forceinline__ void consumer_wait(PipeState<Stages> st) const { mbar_wait(&full[st.stage], st.phase); }
+
+  // A producer made of threads (not TMA): each of the `producers` threads arrives once its
+  // writes to the stage are done (and fenced for the async proxy where WGMMA reads them).
+  __device__ __forceinline__ void producer_commit(PipeState<Stages> st) const { mbar_arrive(&full[st.stage]); }
 
   // One thread per consumer warpgroup, after the warpgroup's last read of the stage.
   __device__ __forceinline__ void consumer_release(PipeState<Stages> st) const { mbar_arrive(&empty[st.stage]); }

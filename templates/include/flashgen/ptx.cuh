@@ -147,6 +147,35 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
   ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, dst, src, bytes, bar);
 }
 
+// ---------------------------------------------------------------- 8-bit data (FP8 forward)
+// Four fp32 values -> four e4m3 bytes in one register (byte 0 = a), round to nearest even,
+// saturating to +-448 (PTX ISA cvt: for .f32 sources, the first operand goes to the upper byte).
+__device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float d) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(r)
+      : "f"(a), "f"(b), "f"(c), "f"(d));
+  return r;
+}
+
+// ldmatrix / stmatrix (sm_90) on 8x8 matrices of 16-bit elements: 4 matrices; lane 8m + j gives
+// the shared address of row j of matrix m; thread t holds row t / 4, elements 2 (t % 4), +1 of
+// each matrix in register m (stmatrix .trans: that fragment is written transposed).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&x)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&x)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x[0]),
+               "r"(x[1]), "r"(x[2]), "r"(x[3])
+               : "memory");
+}
+
 // Two fp32 values -> one 32-bit register holding two 16-bit values (low half = first).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);

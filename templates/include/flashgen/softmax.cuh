@@ -48,33 +48,70 @@ __device__ __forceinline__ void acc_to_a_frag(const float (&s)[R], uint32_t (&a)
   for (int i = 0; i < R / 2; ++i) a[i] = pack2<T>(s[2 * i], s[2 * i + 1]);
 }
 
+// FP8 P (m64nN fp32 accumulator, R = N/2 registers) -> RS-WGMMA A fragments of e4m3, k32 step kk in
+// registers 4kk..4kk+3 (PTX ISA, wgmma register fragments for .e4m3: register 0 holds 4 bytes of
+// row r at k = 4c..4c+3, register 1 the same of row r + 8, registers 2/3 the same at k + 16; c =
+// lane % 4). The accumulator holds this thread's columns 8j + 2c, 8j + 2c + 1 instead, so the k
+// order is permuted within each 16 keys: A position 4c + t holds key 2c + 8 (t & 1) + (t >> 1)
+// (pairs (key i, key i + 8) side by side). transpose_v (fp8.cuh) writes V^T's columns in the same
+// order, so the product is unchanged (FA3, arXiv 2407.08608 §3.3: the accumulator byte permute
+// matched by the V transpose's row order). Values saturate to +-448.
+template <int R>
+__device__ __forceinline__ void acc_to_a_frag_e4m3(const float (&s)[R], uint32_t (&a)[R / 4]) {
+  static_assert(R % 16 == 0, "whole k32 steps");
+#pragma unroll
+  for (int kk = 0; kk < R / 16; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // register r: row r % 2 (0: r, 1: r + 8), k half r / 2
+      const float* x = s + 16 * kk + 8 * (r / 2) + 2 * (r % 2);
+      a[4 * kk + r] = pack4_e4m3(x[0], x[4], x[1], x[5]);
+    }
+  }
+}
+
 // Running softmax state of one thread's two rows of S (m64nN): fresh per work tile.
-template <int N>
+// Offset (FP8, FA3's max offset): P = exp2(s - max + Offset) <= 2^Offset, so P uses e4m3's range
+// (max 448) rather than [0, 1]; the row sum carries the same factor, so O / l and lse are unchanged.
+// Groups: scale_log2 values per row, one per group of N / Groups adjacent columns (FP8 block
+// quantization: each 64-key block of K has its own descale). Varying: the scales may differ from
+// one update to the next (FP8 again). With one fixed scale the row maximum is kept in raw score
+// units and scaled when used (one FMUL per row); otherwise it is kept scaled (log2 units), since
+// raw scores of differently scaled columns are not comparable.
+template <int N, int Offset = 0, int Groups = 1, bool Varying = false>
 struct OnlineSoftmax {
-  float row_max[2] = {-INFINITY, -INFINITY};  // raw scores (not scaled)
+  static constexpr bool kRawMax = Groups == 1 && !Varying;
+  static_assert((N / 8) % Groups == 0, "groups of whole 8-column blocks");
+  static constexpr int kJ = N / 8 / Groups;  // 8-column blocks per group
+  float row_max[2] = {-INFINITY, -INFINITY};  // kRawMax: raw scores; else scaled scores (log2 units)
   float row_sum[2] = {0.f, 0.f};
   // After update: the factor the O accumulator must be multiplied by (exp2 of the max's change).
-  // After finalize: 1 / row sum (0 for a row that attended to nothing), already applied to O.
+  // After finalize: o_factor / row sum (0 for a row that attended to nothing), already applied to O.
   float scale[2];
 
-  // S -> unnormalised P = exp2(S * scale_log2 - max * scale_log2), in place.
-  __device__ __forceinline__ void update(float (&s)[N / 2], float scale_log2) {
+  // S -> unnormalised P = exp2(S * scale_log2 - max + Offset), in place; scale_log2 > 0.
+  __device__ __forceinline__ void update(float (&s)[N / 2], const float (&scale_log2)[Groups]) {
+    const float unit = kRawMax ? scale_log2[0] : 1.f;  // row_max * unit: log2 units
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
+      float mx = row_max[h];  // quad-uniform, so it may join before the quad reduction
 #pragma unroll
-      for (int j = 0; j < N / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      for (int g = 0; g < Groups; ++g) {
+        float m = kRawMax ? mx : -INFINITY;
+#pragma unroll
+        for (int j = g * kJ; j < (g + 1) * kJ; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        mx = kRawMax ? m : fmaxf(mx, m * scale_log2[g]);
+      }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float ms = (mx == -INFINITY) ? 0.f : mx * scale_log2;  // a fully masked row stays exp2(-inf) = 0
-      scale[h] = (row_max[h] == -INFINITY) ? 0.f : exp2f(row_max[h] * scale_log2 - ms);
+      const float ms = (mx == -INFINITY) ? 0.f : mx * unit - Offset;  // a fully masked row stays exp2(-inf) = 0
+      scale[h] = (row_max[h] == -INFINITY) ? 0.f : exp2f(row_max[h] * unit - Offset - ms);
       row_max[h] = mx;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float x = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2, -ms));
+          const float x = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2[j / kJ], -ms));
           s[4 * j + 2 * h + e] = x;
           sum += x;
         }
@@ -83,20 +120,28 @@ struct OnlineSoftmax {
     }
   }
 
-  // End of the row: O /= row sum (reduced over the quad) and lse = natural-log sum-exp of the
-  // scaled scores. sink_log2: a learnable sink's logit times log2(e) (-inf: none), one more term
-  // exp(sink) of every row's denominator that adds nothing to O (gpt-oss; FA4's learnable_sink).
-  // A row with nothing attended and no sink (or a NaN sum) gets O = 0 and lse = -inf; with a sink,
-  // O = 0 and lse = sink.
+  __device__ __forceinline__ void update(float (&s)[N / 2], float scale_log2) {
+    static_assert(Groups == 1, "one scale for every column");
+    const float one[1] = {scale_log2};
+    update(s, one);
+  }
+
+  // End of the row: O *= o_factor / row sum (reduced over the quad) and lse = natural-log
+  // sum-exp of the scaled scores. scale_log2: the updates' (kRawMax; unused otherwise).
+  // sink_log2: a learnable sink's logit times log2(e) (-inf: none), one more term exp(sink) of
+  // every row's denominator that adds nothing to O (gpt-oss; FA4's learnable_sink). o_factor:
+  // FP8's V descale. A row with nothing attended and no sink (or a NaN sum) gets O = 0 and
+  // lse = -inf; with a sink, O = 0 and lse = sink.
   template <int R>
   __device__ __forceinline__ void finalize(float (&o)[R], float scale_log2, float (&lse)[2],
-                                           float sink_log2 = -INFINITY) {
+                                           float sink_log2 = -INFINITY, float o_factor = 1.f) {
+    const float unit = kRawMax ? scale_log2 : 1.f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = row_sum[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      float m = row_max[h] == -INFINITY ? -INFINITY : row_max[h] * scale_log2;
+      float m = row_max[h] == -INFINITY ? -INFINITY : row_max[h] * unit - Offset;  // P = exp2(s - m)
       float a = 1.f;  // O's and l's factor for the new maximum max(m, sink)
       if (sink_log2 != -INFINITY) {
         const float mx = fmaxf(m, sink_log2);
@@ -105,7 +150,7 @@ struct OnlineSoftmax {
         m = mx;
       }
       const bool empty = !(l > 0.f);
-      scale[h] = empty ? 0.f : a / l;
+      scale[h] = empty ? 0.f : a / l * o_factor;
       lse[h] = empty ? -INFINITY : (m + __log2f(l)) * 0.6931471805599453f;
     }
     rescale_rows(o, scale);

@@ -1,0 +1,54 @@
+"""FP8 (e4m3) forward throughput on the FA3 protocol (16k tokens, hidden 2048), beside flashgen's
+bf16 forward in the same process: kernel-only e4m3 (inputs already quantized, FA3 descales of
+shape (batch, heads_k)), and end to end from bf16 (``flashgen.quantize_fp8`` + attention) when
+quantize_fp8 exists. Timed like `flashgen bench` (triton do_bench median, L2 flushed between
+repetitions). TFLOP/s = 4 b h s^2 d (halved for causal) / time.
+Usage: python scripts/fp8_bench.py [--seqlens 512,...,16384] [--head-dims 64,128,256] [--causal both]"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import flashgen
+from flashgen.bench import _flops, _time_ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
+    a = ap.parse_args()
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[a.causal]
+    try:
+        quant = flashgen.quantize_fp8
+    except AttributeError:
+        quant = None
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print("| head_dim | causal | seqlen | e4m3 kernel | e4m3 from bf16 (quantize + attn) | bf16 | e4m3 / bf16 |")
+    print("|---|---|---|---|---|---|---|")
+    for d in (int(x) for x in a.head_dims.split(",")):
+        for causal in causals:
+            for s in (int(x) for x in a.seqlens.split(",")):
+                b, h = 16384 // s, 2048 // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+                ds = [torch.ones(b, h, device="cuda") for _ in range(3)]
+                fl = _flops(b, h, s, d, causal) / 1e12
+                t8 = _time_ms(lambda: flashgen.flash_attn_func(q8, k8, v8, causal=causal, q_descale=ds[0],
+                                                               k_descale=ds[1], v_descale=ds[2]))
+                t16 = _time_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
+                e2e = "-"
+                if quant is not None:
+                    def full():
+                        q_, k_, v_, qd, kd, vd = quant(q, k, v)
+                        return flashgen.flash_attn_func(q_, k_, v_, causal=causal, q_descale=qd, k_descale=kd,
+                                                        v_descale=vd)
+                    e2e = f"{fl / _time_ms(full) * 1e3:.0f}"
+                print(f"| {d} | {causal} | {s} | {fl / t8 * 1e3:.0f} | {e2e} | {fl / t16 * 1e3:.0f} | "
+                      f"{t16 / t8:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
