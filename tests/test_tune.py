@@ -611,3 +611,50 @@ def test_package_ships_the_tables_beside_its_kernels(tmp_path, monkeypatch):
     q = arg((1, 256, 2, 128))
     used = core.attention_forward(q, q, q, q, arg((1, 2, 256), "fp32"), 0.1, True, 0)
     assert used.params["block_n"] == 176 and not used.default
+
+
+def test_sweep_through_the_real_point_with_a_fake_timer(gpu, monkeypatch):
+    """tune._Point as the GPU run uses it (inputs, core.attention_forward with the variant, the
+    bench timer), with torch's CUDA calls sent to the CPU, the launcher recording which variant ran
+    and bench._time_ms replaced by a timer that makes CAND the fastest."""
+    import types
+
+    import torch
+
+    from flashgen import bench
+    from flashgen.manifest import load_manifest
+
+    real_randn, real_empty = torch.randn, torch.empty
+    monkeypatch.setattr(torch, "randn", lambda *a, device=None, **k: real_randn(*a, **k))
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(tune, "TOTAL_TOKENS", 1024)  # small CPU tensors: batch 1024 / seqlen
+    monkeypatch.setattr(tune, "HIDDEN", 256)  # heads 256 / head_dim
+    launched = []
+    monkeypatch.setattr(launch, "launch", lambda kernel, grid, maps, params, stream: launched.append(
+        (kernel[1], params["batch"], params["heads"], params["seqlen_k"], stream)))
+    ms = {128: 1.0, 176: 0.8, 112: 1.1}  # by block_n
+    by_name = {v.name: v for v in load_manifest().variants}
+
+    def fake_time_ms(fn, warmup_ms=25, rep_ms=100):
+        assert (warmup_ms, rep_ms) == (5, 20)
+        fn()
+        return ms[by_name[launched[-1][0]].params["block_n"]]
+
+    monkeypatch.setattr(bench, "_time_ms", fake_time_ms)
+    monkeypatch.setattr(tune._Point, "output", lambda self, variant: torch.zeros(4))
+    plans, missing = tune.plan(load_manifest().variants, "fwd", tune.keys(["bf16"], [128], [False, True]))
+    assert len(plans) == 1 and len(missing) == 1
+    res = tune.sweep(plans, [512, 1024], warmup_ms=5, rep_ms=20, log=lambda s: None)
+    p = plans[0]
+    names = [v.name for v in p.candidates]
+    assert [x[0] for x in launched] == (names + [names[0]]) * 2  # the default first and last at each point
+    assert [x[1:] for x in launched[:1] + launched[-1:]] == [(2, 2, 512, 7), (1, 2, 1024, 7)]
+    flops = 4 * 2 * 2 * 512 * 512 * 128
+    assert res[(0, 512)][names[0]] == res[(0, 512)]["__default2__"] == pytest.approx(flops / 1.0 / 1e9)
+    cand = next(v.name for v in p.candidates if v.params["block_n"] == 176)
+    assert res[(0, 512)][cand] == pytest.approx(flops / 0.8 / 1e9)
+    data, md = tune.build_table(GPU, plans, [512, 1024], res, tune.protocol([512, 1024], 5, 20, 0.02), "c", "0.1.0")
+    assert [(r["max_seqlen_k"], r["tile"]) for r in data["entries"][0]["rows"]] == [(None, CAND)]
+    assert md[0][3] == "128x176 s2 wg2" and md[0][5] == pytest.approx(0.25)
