@@ -158,7 +158,7 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, (sk - 1).bit_length())  # = seqlen_bucket(sk)
+    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=(sk - 1).bit_length())  # tuning.seqlen_bucket
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     num_tiles = num_m * h * b
