@@ -7,7 +7,7 @@ JOBS_FLAG := $(if $(JOBS),-j $(JOBS),)
 TORCH_VERSION ?= 2.13.0
 
 .DEFAULT_GOAL := build
-.PHONY: install build build-all wheel test test-gpu bench clean
+.PHONY: install build build-all wheel test test-gpu bench tune clean
 
 ## install: torch (pinned, installed first so pip never pulls a multi-GB CUDA build), the package
 ## in editable mode with its torch and dev extras, then the default kernel variants
@@ -46,6 +46,12 @@ test-gpu:
 BENCH_ARGS ?= --backward
 bench:
 	$(PYTHON) -m flashgen.cli bench $(BENCH_ARGS)
+
+## tune: build the default set + the tile candidates, time them on this GPU, write configs/tune/<gpu-slug>.yaml
+## (needs a GPU; options: make tune TUNE_ARGS="--dtypes bf16 --seqlens 1024,4096")
+TUNE_ARGS ?=
+tune:
+	$(FLASHGEN) tune --build $(JOBS_FLAG) $(TUNE_ARGS)
 
 clean:
 	rm -rf build dist .whl *.egg-info .pytest_cache

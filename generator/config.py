@@ -17,8 +17,12 @@ declared by the family module (generator/families/<family>.py, its ``keys``):
                    ``tile_required`` keys must be in every row. The most specific matching row wins.
                    This is also the runtime's choice: variants made from a row are marked
                    ``"default": true`` in the manifest.
+``candidates``     rows like ``tiles`` (same keys) naming alternative tiles: every matrix point gets one
+                   more variant, not ``default``, per row that matches it (every matching row, not only
+                   the most specific). The tile candidates ``flashgen tune`` times (configs/fwd_tune.yaml);
+                   a file with ``candidates`` needs no ``tiles`` row for its matrix points
 ``exclude``        list of rules; a matrix point whose params match every key of a rule (a value or a
-                   list of values) is dropped
+                   list of values) is dropped (candidates included)
 ``extra``          list of explicit points, each with any of the family's keys; the axes are required
                    (those with a default may be left out);
                    keys left out come from the matching ``tiles`` row, then ``defaults``.
@@ -41,7 +45,7 @@ from . import families
 from .errors import ConfigError
 from .naming import canonical_params, symbol_for, variant_name
 
-TOP_KEYS = ("family", "description", "default_build", "defaults", "matrix", "tiles", "exclude", "extra")
+TOP_KEYS = ("family", "description", "default_build", "defaults", "matrix", "tiles", "candidates", "exclude", "extra")
 
 
 @dataclass
@@ -208,7 +212,8 @@ def _validate_doc(doc: _Doc, problems: list) -> bool:
             if k not in d["matrix"] and fam.key(k).default is None:
                 problems.append(f"{f}: matrix: missing required key {k!r}")
     tile_keys = fam.tile_match + fam.names("tile", "knob")
-    for sect, allowed, required in (("tiles", tile_keys, fam.tile_required), ("exclude", point_keys, ()),
+    for sect, allowed, required in (("tiles", tile_keys, fam.tile_required), ("candidates", tile_keys, fam.tile_required),
+                                    ("exclude", point_keys, ()),
                                     ("extra", point_keys, tuple(k for k in axes if fam.key(k).default is None))):
         if sect not in d or d[sect] is None:
             d[sect] = []
@@ -238,16 +243,27 @@ def _validate_doc(doc: _Doc, problems: list) -> bool:
     return len(problems) == n0
 
 
+def _row_matches(doc: _Doc, row: dict, point: dict) -> bool:
+    return not any(k in row and row[k] != point.get(k) for k in doc.fam.tile_match)
+
+
 def _match_tile(doc: _Doc, point: dict):
     """(index, row) of the most specific tiles row matching point, or (None, None)."""
     best, best_score = (None, None), -1
     for i, row in enumerate(doc.data["tiles"]):
-        if any(k in row and row[k] != point.get(k) for k in doc.fam.tile_match):
+        if not _row_matches(doc, row, point):
             continue
         score = sum(k in row for k in doc.fam.tile_match)
         if score > best_score:
             best, best_score = (i, row), score
     return best
+
+
+def _apply_row(doc: _Doc, params: dict, prov: dict, sect: str, i, row) -> None:
+    """Set a tiles/candidates row's tile keys and knob overrides on ``params`` (provenance in ``prov``)."""
+    for k, v in (row or {}).items():
+        if k not in doc.fam.tile_match:
+            params[k], prov[k] = v, f"{sect}[{i}].{k}"
 
 
 def _excluded(doc: _Doc, params: dict) -> bool:
@@ -269,25 +285,25 @@ def _expand_doc(doc: _Doc, problems: list) -> list[Variant]:
             point = dict(zip(axes, combo))
             desc = ", ".join(f"{k}={_fmt(v)}" for k, v in point.items())
             i, row = _match_tile(doc, point)
-            if row is None and tile_given:
+            cands = [(j, c) for j, c in enumerate(d["candidates"]) if _row_matches(doc, c, point)]
+            if row is None and tile_given and not cands:
                 problems.append(f"{f}: matrix point {desc}: no tiles row matches; allowed: add a tiles row "
-                                f"with {match[0]}: {_fmt(point[match[0]])} (and {', '.join(tile_given)})")
+                                f"with {match[0]}: {_fmt(point[match[0]])} (and {', '.join(tile_given)})"
+                                + (" or a candidates row" if d["candidates"] else ""))
                 continue
-            params = {"family": fam.name, **point, **defaults}
-            prov = {k: f"matrix.{k}" for k in axes} | dict(default_src)
-            for k, v in (row or {}).items():
-                if k not in match:
-                    params[k], prov[k] = v, f"tiles[{i}].{k}"
-            if _excluded(doc, fam.derive(dict(params))):
-                continue
-            points.append((params, prov, True, f"{f}: matrix ({desc})" + (f" with tiles[{i}]" if row else "")))
+            rows = ([("tiles", i, row)] if row is not None or not tile_given else []) + [("candidates", j, c) for j, c in cands]
+            for sect, i, row in rows:
+                params = {"family": fam.name, **point, **defaults}
+                prov = {k: f"matrix.{k}" for k in axes} | dict(default_src)
+                _apply_row(doc, params, prov, sect, i, row)
+                if _excluded(doc, fam.derive(dict(params))):
+                    continue
+                points.append((params, prov, sect == "tiles", f"{f}: matrix ({desc})" + (f" with {sect}[{i}]" if row else "")))
     for j, pt in enumerate(d["extra"]):
         i, row = _match_tile(doc, pt)
         params = {"family": fam.name, **axis_defaults, **defaults}
         prov = dict(default_src)
-        for k, v in (row or {}).items():
-            if k not in match:
-                params[k], prov[k] = v, f"tiles[{i}].{k}"
+        _apply_row(doc, params, prov, "tiles", i, row)
         for k, v in pt.items():
             params[k], prov[k] = v, f"extra[{j}].{k}"
         params = fam.derive(params)

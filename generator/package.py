@@ -4,7 +4,8 @@
 :func:`package_kernels` builds the chosen variant set with the normal build (same cache, so a
 checkout that ran `make build` compiles nothing again) and writes ``<dest>/manifest.json`` and
 ``<dest>/fatbin/*.fatbin`` with exactly that set, every variant freshly built from the sources
-being packaged (never a stale one). Any failure raises: a package without its kernels is never
+being packaged (never a stale one), and the tune tables of configs/tune/ as ``<dest>/tune/``
+(flashgen/tuning.py reads them there). Any failure raises: a package without its kernels is never
 made.
 
 The set comes from ``$FLASHGEN_VARIANTS``: ``default`` (or unset) for the configs marked
@@ -70,4 +71,11 @@ def package_kernels(root: Path, dest: Path, spec: str | None = None, log=print) 
         shutil.copyfile(project.build_dir / e["fatbin"], dest / e["fatbin"])
     manifest = {**res.manifest, "variants": entries}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    tables = sorted((project.configs_dir / "tune").glob("*.yaml"))
+    if tables:  # the runtime reads <kernel dir>/tune/<gpu-slug>.yaml (flashgen/tuning.py)
+        (dest / "tune").mkdir()
+        for t in tables:
+            shutil.copyfile(t, dest / "tune" / t.name)
+        log(f"flashgen: shipping {len(tables)} tune table(s): {', '.join(t.name for t in tables)} (their tiles serve "
+            "only where this package has them: FLASHGEN_VARIANTS=all ships every candidate)")
     return sorted(names)

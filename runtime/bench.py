@@ -279,6 +279,16 @@ def _write_csv(rows, path):
         w.writerows(rows)
 
 
+def tensor_arg(t):
+    """flashgen.core.TensorArg of a CUDA torch tensor (fp32, bf16 or fp16)."""
+    import torch
+
+    from . import core
+
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[t.dtype]
+    return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index or 0)
+
+
 def run_ablation():
     import torch
 
@@ -289,10 +299,7 @@ def run_ablation():
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
-
-    def arg(t):
-        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()),
-                              "fp32" if t.dtype == torch.float32 else "bf16", t.device.index or 0)
+    arg = tensor_arg
 
     rows = []
     for var in load_manifest().variants:

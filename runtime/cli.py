@@ -1,4 +1,4 @@
-"""The ``flashgen`` command line (click): list, build, add-variant, info, bench.
+"""The ``flashgen`` command line (click): list, build, add-variant, info, bench, tune.
 
 Exit status: 0 ok; 1 a variant failed to build; 2 invalid configs or arguments (one line per
 problem, naming file, key, value and what is allowed); 3 no usable toolchain.
@@ -367,6 +367,7 @@ def info_cmd():
         click.echo("manifest:  none found (run `make build` or `flashgen build`); the runtime looks at: "
                    + ", ".join(f"{p} ({s})" for p, s in candidate_paths(with_sources=True)))
         return
+    click.echo(f"tune:      {_tune_summary(path)}")
     vs = data.get("variants", [])
     nvm = data.get("nvcc", {})
     click.echo(f"manifest:  {path} (from {source}: the one the runtime loads; schema {data.get('schema')}, "
@@ -377,6 +378,34 @@ def info_cmd():
         for k in v.get("kernels", []):
             click.echo(f"  {'*' if v.get('default') else ' '} {v['name']}{' (stale)' if v.get('stale') else ''} [{k.get('role')}]  regs={k.get('registers')} "
                        f"smem={k.get('smem_bytes')} spill={k.get('spill_bytes')} ({v.get('family')}: {key})")
+
+
+def _tune_summary(manifest_path) -> str:
+    """Which tune table the runtime reads for GPU 0 and how many of its tiles are built; never raises."""
+    import os
+
+    from . import tuning
+    from .manifest import load_manifest
+
+    env = os.environ.get(tuning.ENV)
+    where = f"{tuning.ENV}={env}" if env else "looked in " + ", ".join(map(str, tuning.table_dirs(manifest_path)))
+    try:
+        from .launch import device_name
+
+        gpu = device_name(0)
+    except Exception:  # noqa: BLE001 -- no driver or no GPU
+        return f"no GPU to choose a table for ({where})"
+    try:
+        path, _ = tuning.find_table(gpu, manifest_path)
+        if path is None:
+            return f"no table for {gpu} ({where}): the default tiles serve"
+        table, m = tuning.load_table(path), load_manifest(manifest_path)
+        named = [(e, r.tile) for e in table.entries.values() for r in e.rows if r.tile is not None]
+        built = sum(tuning.variant_with_tile(m, e.family, e.key, tile) is not None for e, tile in named)
+        return (f"{path} (measured on {table.gpu}, {table.date}): {len(table.entries)} keys, "
+                f"{built} of {len(named)} non-default tiles built (the others fall back to the default)")
+    except Exception as e:  # noqa: BLE001 -- an unreadable table is ignored by the runtime too
+        return f"table for {gpu} is invalid, the runtime ignores it: {e}"
 
 
 def _gpu_summary() -> str:
@@ -422,6 +451,16 @@ def bench_cmd(args):
         return
     rc = entry(list(args))
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _register_tune() -> None:
+    """`flashgen tune` lives beside the sweep it runs (flashgen/tune.py)."""
+    from .tune import command
+
+    main.add_command(command, "tune")
+
+
+_register_tune()
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from . import launch
+from . import launch, tuning
 from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
 from ._validate import ELEMENT_SIZE, tma_layout_problem
-from .manifest import Variant
+from .manifest import Variant, load_manifest
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "attention_backward",
            "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec", "softmax_constants"]
@@ -103,17 +103,22 @@ class _Plan(NamedTuple):
 _plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent calls may share them
 
 
-def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None) -> _Plan:
+def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
+          bucket: int = 0) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
 
+    ``bucket``: the call's seqlen_k bucket (``tuning.seqlen_bucket``); the GPU's tune table
+    (flashgen/tuning.py) may name another built tile than the default for it.
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
-    key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device)
+    key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device, bucket)
     plan = _plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
             "fwd", {"dtype": _VARIANT_DTYPE.get(dtype, dtype), "head_dim": d, "head_dim_v": dv, "causal": mask.causal, "local": mask.local,
                     "softcap": softcap}, round_up=_ROUND_UP)
+        if variant is None:
+            var = tuning.tuned_variant(var, bucket, device, load_manifest())
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
         plan = _Plan(var, launch.get_kernel(var, "main", device), p["block_m"], p["block_n"], sms)
@@ -192,7 +197,7 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant)
+    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=(sk - 1).bit_length())  # tuning.seqlen_bucket
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     num_tiles = num_m * h * b

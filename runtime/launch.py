@@ -125,6 +125,23 @@ def num_sms(device: int) -> int:
     return device_attribute(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
 
 
+_names: dict[int, str] = {}
+
+
+def device_name(device: int) -> str:
+    """The device's name as cuDeviceGetName reports it (the string torch.cuda.get_device_name
+    gives, e.g. "NVIDIA H100 80GB HBM3"); cached per device."""
+    name = _names.get(device)
+    if name is None:
+        d = _driver()
+        check(d.cuInit(0), "cuInit")
+        dev = check(d.cuDeviceGet(device), "cuDeviceGet")
+        raw = check(d.cuDeviceGetName(256, dev), "cuDeviceGetName")
+        name = _names[device] = (raw.split(b"\0", 1)[0].decode(errors="replace") if isinstance(raw, bytes)
+                                 else str(raw)).strip()
+    return name
+
+
 # ------------------------------------------------------------------------------------ params
 _FORMAT = {"i32": "i", "u32": "I", "i64": "q", "f32": "f", "ptr": "Q"}
 

@@ -233,7 +233,9 @@ def test_real_configs():
             and v.params["head_dim"] == 128 and not v.params["causal"] and not v.params["local"]
             and not v.params["softcap"]][0]
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
-    assert len(vs) == 60 + 12 + 6 + 60 + 3 + len([v for v in abl if not v.default])
+    tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)]  # flashgen tune's candidates
+    assert tune and not any(v.default or v.default_build for v in tune)
+    assert len(vs) == 60 + 12 + 6 + 60 + 3 + len({v.name for v in abl + tune if not v.default})
     assert len(select(vs, all_=True)) == len(vs)
 
 

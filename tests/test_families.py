@@ -461,7 +461,7 @@ def test_smem_layout_is_the_feasibility_layout():
 GENERIC = [f"generator/{m}.py" for m in ("config", "naming", "render", "build", "abi", "project", "ptxas", "sass",
                                          "toolchain", "fsutil", "errors")]
 GENERIC += ["generator/families/__init__.py", "runtime/manifest.py", "runtime/dispatch.py", "runtime/launch.py",
-            "runtime/cli.py"]
+            "runtime/cli.py", "runtime/tuning.py"]
 FAMILY_LITERAL = re.compile(r"""(["'])(fwd|combine)\1""")
 
 

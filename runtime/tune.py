@@ -1,0 +1,488 @@
+"""`flashgen tune`: time every built tile of each forward dispatch key on this GPU, keep the winners.
+
+Protocol (FA3 paper §4.1, DESIGN.md §6): per dispatch key (dtype, head_dim, causal; head_dim_v =
+head_dim, no window, no softcap) and seqlen, total tokens 16384 (batch = 16384 / seqlen), hidden
+2048 (heads = 2048 // head_dim), random normal q/k/v in BSHD. FLOPs = 4 * batch * heads * seqlen^2
+* head_dim, halved for causal. Each built variant of the key is launched through
+``flashgen.core.attention_forward(..., variant=...)`` and timed with ``flashgen.bench._time_ms``
+(triton's do_bench: L2 flushed before every repetition, median). The default tile is timed first
+and last at every point and the better of the two is its figure, so drift during the point counts
+against the candidates.
+
+Choice: at each seqlen the fastest candidate wins only if it beats the default by more than
+``min_gain`` (2 %; the same-code spread inside one run is about 1 %, run to run about ±5 %), else
+the default stays. Adjacent seqlens with the same winner merge into one row whose bound is the
+largest seqlen of the run (the last row has none): a call with seqlen_k between two measured
+seqlens is served by the winner of the larger one. Before timing, each candidate's output at the
+key's first seqlen is compared with the default's (max |difference| <= 0.01 + 0.01 max |default|);
+a candidate that fails is reported and left out.
+
+Writes a tune table (format: flashgen/tuning.py) and prints a markdown table of the evidence.
+"""
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from . import tuning
+
+FAMILIES = ("fwd",)  # what `flashgen tune` can time (the FA3 protocol's forward)
+TOTAL_TOKENS = 16384
+HIDDEN = 2048
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+MIN_GAIN = 0.02
+WARMUP_MS = 25
+REP_MS = 100
+OVERHEAD_MS = 60  # per timing beyond warmup + rep (do_bench's estimate runs, flushes, launches), measured loosely
+CHECK_ATOL = CHECK_RTOL = 1e-2
+EXIT_OPTIONS = 2  # = flashgen.cli.EXIT_CONFIG (cli imports this module, so it cannot be imported here)
+
+
+class TuneError(RuntimeError):
+    """No key could be timed (every point failed); the message says so."""
+
+
+@dataclass
+class KeyPlan:
+    """One dispatch key: its default variant and every built (or configured) variant serving it,
+    the default first."""
+
+    key: dict
+    default: object  # a manifest Variant (or a generator Variant for a dry run before a build)
+    candidates: list
+    failed: dict = field(default_factory=dict)  # variant name -> why it was left out
+
+
+def keys(dtypes, head_dims, causals) -> list[dict]:
+    """The fwd dispatch keys tuned: dtype x head_dim x causal, head_dim_v = head_dim, no window or softcap."""
+    return [{"dtype": t, "head_dim": d, "head_dim_v": d, "causal": c, "local": False, "softcap": False}
+            for t in dtypes for d in head_dims for c in causals]
+
+
+def plan(variants, family: str, wanted: list[dict]) -> tuple[list[KeyPlan], list[dict]]:
+    """(a KeyPlan per key with at least one variant, the keys with none). The default is what
+    dispatch picks without a table (the ``default`` variant, else the first by name)."""
+    plans, missing = [], []
+    for key in wanted:
+        vs = sorted((v for v in variants if v.family == family and v.dispatch == key), key=lambda v: v.name)
+        if not vs:
+            missing.append(key)
+            continue
+        default = next((v for v in vs if v.default), vs[0])
+        plans.append(KeyPlan(key, default, [default] + [v for v in vs if v is not default]))
+    return plans, missing
+
+
+def tile_label(tile: dict) -> str:
+    """Short form of a fwd tile: "128x176 s2 wg2", knobs that are off appended (e.g. "no-pingpong")."""
+    t = dict(tile)
+    parts = []
+    if "block_m" in t and "block_n" in t:
+        parts.append(f"{t.pop('block_m')}x{t.pop('block_n')}")
+    for k, short in (("stages", "s"), ("consumer_wgs", "wg")):
+        if k in t:
+            parts.append(f"{short}{t.pop(k)}")
+    parts += [f"no-{k}" if v is False else f"{k}={v}" for k, v in t.items() if v is not True]
+    return " ".join(parts)
+
+
+def key_label(key: dict) -> str:
+    mask = "causal" if key.get("causal") else "local" if key.get("local") else "noncausal"
+    hd = f"hd{key['head_dim']}" + (f"v{key['head_dim_v']}" if key.get("head_dim_v", key["head_dim"]) != key["head_dim"] else "")
+    return " ".join([key["dtype"], hd, mask] + (["softcap"] if key.get("softcap") else []))
+
+
+def _tile(v) -> dict:
+    return tuning.tile_of(v.params, v.dispatch)
+
+
+def estimate_seconds(plans, seqlens, warmup_ms: float, rep_ms: float) -> float:
+    """Rough wall time of the sweep: one timing per candidate per point (two for the default)
+    at warmup + rep + OVERHEAD_MS each, plus a correctness launch per candidate and key."""
+    timings = sum(len(p.candidates) + 1 for p in plans) * len(seqlens)
+    return timings * (warmup_ms + rep_ms + OVERHEAD_MS) / 1000 + 0.05 * sum(len(p.candidates) for p in plans)
+
+
+def decide(default_tflops: float, measured: dict, default_name: str, min_gain: float) -> str:
+    """The winner's name at one point: the fastest candidate if it beats ``default_tflops`` by more
+    than ``min_gain`` (a fraction), else the default."""
+    best = max((n for n in measured if n != default_name and measured[n] == measured[n]),
+               key=lambda n: measured[n], default=None)
+    if best is not None and measured[best] > default_tflops * (1 + min_gain):
+        return best
+    return default_name
+
+
+def merge_rows(seqlens, winners: list[str]) -> list[tuple]:
+    """Adjacent seqlens with the same winner as (max_seqlen_k or None for the last, winner, [seqlens])."""
+    runs: list = []
+    for s, w in zip(seqlens, winners):
+        if runs and runs[-1][1] == w:
+            runs[-1][2].append(s)
+        else:
+            runs.append([s, w, [s]])
+    return [(None if i == len(runs) - 1 else r[2][-1], r[1], r[2]) for i, r in enumerate(runs)]
+
+
+# ------------------------------------------------------------------------------------ GPU part
+class _Point:
+    """One FA3-protocol point on the current CUDA device: inputs made once, any variant launched on them."""
+
+    def __init__(self, key: dict, seqlen: int):
+        import torch
+
+        from . import bench, core
+
+        self._core, self._bench, self._torch = core, bench, torch
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[key["dtype"]]
+        d, self.causal = key["head_dim"], key["causal"]
+        b, h = TOTAL_TOKENS // seqlen, HIDDEN // d
+        q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=dtype) for _ in range(3))
+        self.out = torch.empty_like(q)
+        self._keep = (q, k, v, torch.empty(b, h, seqlen, device="cuda", dtype=torch.float32))
+        self.args = tuple(bench.tensor_arg(t) for t in (q, k, v, self.out, self._keep[3]))
+        self.flops = bench._flops(b, h, seqlen, d, self.causal)
+        self.scale = d ** -0.5
+        self.stream = torch.cuda.current_stream().cuda_stream
+
+    def _run(self, variant):
+        self._core.attention_forward(*self.args, self.scale, self.causal, self.stream, variant=variant)
+
+    def time_ms(self, variant, warmup_ms: float, rep_ms: float) -> float:
+        return self._bench._time_ms(lambda: self._run(variant), warmup_ms, rep_ms)
+
+    def output(self, variant):
+        """The variant's output (fp32 copy) on a NaN-poisoned out buffer."""
+        self.out.fill_(float("nan"))
+        self._run(variant)
+        self._torch.cuda.synchronize()
+        return self.out.float()
+
+    @staticmethod
+    def mismatch(out, ref) -> str | None:
+        """Why ``out`` is not ``ref`` within CHECK_ATOL + CHECK_RTOL * max |ref| (None if it is)."""
+        err = float((out - ref).abs().max())
+        tol = CHECK_ATOL + CHECK_RTOL * float(ref.abs().max())
+        return None if err <= tol else f"output differs from the default's: max |diff| {err:.3g} > {tol:.3g}"
+
+
+def gpu_name() -> str | None:
+    """The current CUDA device's name (torch.cuda.get_device_name), or None without a GPU or torch."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 -- no torch, no driver: no GPU
+        return None
+
+
+def sweep(plans, seqlens, warmup_ms=WARMUP_MS, rep_ms=REP_MS, log=print) -> dict:
+    """TFLOP/s per (key index, seqlen): ``{(i, s): {variant name: tflops, "__default2__": tflops}}``.
+
+    Candidates failing the output check or raising are recorded in ``plan.failed`` and skipped."""
+    results: dict = {}
+    for i, p in enumerate(plans):
+        label = key_label(p.key)
+        checked = False
+        for s in seqlens:
+            try:
+                pt = _Point(p.key, s)
+            except Exception as e:  # noqa: BLE001 -- e.g. out of memory: this point only
+                log(f"  {label} seqlen {s}: cannot make inputs ({type(e).__name__}: {e}); skipped")
+                continue
+            if not checked:  # at the key's first point: each candidate's output against the default's
+                checked = True
+                try:
+                    ref = pt.output(p.default)
+                except Exception as e:  # noqa: BLE001 -- the key cannot be tuned without its default
+                    log(f"  {label}: the default {p.default.name} failed ({type(e).__name__}: {e}); key skipped")
+                    break
+                for v in p.candidates[1:]:
+                    try:
+                        why = pt.mismatch(pt.output(v), ref)
+                    except Exception as e:  # noqa: BLE001
+                        why = f"{type(e).__name__}: {e}"
+                    if why:
+                        p.failed[v.name] = why
+                        log(f"  {label}: left out {tile_label(_tile(v))} ({v.name}): {why}")
+                del ref
+            res: dict = {}
+            order = [v for v in p.candidates if v.name not in p.failed] + [p.default]
+            for n, v in enumerate(order):
+                slot = "__default2__" if n == len(order) - 1 else v.name
+                try:
+                    res[slot] = pt.flops / pt.time_ms(v, warmup_ms, rep_ms) / 1e9
+                except Exception as e:  # noqa: BLE001
+                    p.failed.setdefault(v.name, f"{type(e).__name__}: {e}")
+                    log(f"  {label} seqlen {s}: {tile_label(_tile(v))} failed: {type(e).__name__}: {e}")
+            results[(i, s)] = res
+            best = max(res.values(), default=float("nan"))
+            log(f"  {label} seqlen {s}: {len(res)} timings, best {best:.1f} TFLOP/s")
+            del pt
+    return results
+
+
+# ------------------------------------------------------------------------------------ table
+def _commit(root) -> str:
+    if root is None:
+        return "unknown"
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--"], capture_output=True,
+                               timeout=10).returncode
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha + ("-dirty" if dirty == 1 else "")) if sha else "unknown"
+
+
+def protocol(seqlens, warmup_ms, rep_ms, min_gain) -> dict:
+    return {"family": "fwd", "total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "seqlens": list(seqlens),
+            "inputs": "random normal, BSHD, batch = total_tokens / seqlen, heads = hidden // head_dim",
+            "flops": "4 * batch * heads * seqlen^2 * head_dim, halved for causal",
+            "timer": "flashgen.bench._time_ms (triton do_bench: L2 flushed before each repetition, median)",
+            "warmup_ms": warmup_ms, "rep_ms": rep_ms,
+            "baseline": "default tile timed first and last at each point; the better of the two",
+            "min_gain": min_gain}
+
+
+def build_table(gpu: str, plans, seqlens, results, proto: dict, commit: str, version: str) -> tuple[dict, list]:
+    """(table data, markdown rows) from :func:`sweep`'s results; keys whose default could not be
+    timed at any seqlen are left out."""
+    entries, md = [], []
+    min_gain = proto["min_gain"]
+    for i, p in enumerate(plans):
+        pts = []
+        for s in seqlens:
+            res = dict(results.get((i, s), {}))
+            d2 = res.pop("__default2__", float("nan"))
+            d1 = res.get(p.default.name, float("nan"))
+            base = max((x for x in (d1, d2) if x == x), default=float("nan"))
+            if base != base:
+                continue
+            w = decide(base, res, p.default.name, min_gain)
+            pts.append((s, w, res.get(w, base) if w != p.default.name else base, base, res))
+        if not pts:
+            continue
+        by_name = {v.name: v for v in p.candidates}
+        rows = []
+        for bound, w, ss in merge_rows([x[0] for x in pts], [x[1] for x in pts]):
+            measured = [{"seqlen": s, "tflops": round(t, 1), "default_tflops": round(b, 1)}
+                        for s, _, t, b, _ in pts if s in ss]
+            rows.append({"max_seqlen_k": bound, "tile": "default" if w == p.default.name else _tile(by_name[w]),
+                         "measured": measured})
+        entries.append({"family": p.default.family, "key": dict(p.default.dispatch), "default_tile": _tile(p.default),
+                        "rows": rows})
+        for s, w, t, b, res in pts:
+            win = tile_label(_tile(by_name[w])) + (" (default)" if w == p.default.name else "")
+            best = max((n for n in res if n != p.default.name), key=lambda n: res[n], default=None)
+            note = ""
+            if w == p.default.name and best is not None and res[best] > b:
+                note = f"{tile_label(_tile(by_name[best]))} {(res[best] / b - 1) * 100:+.1f} %: within the {min_gain:.0%} guard"
+            md.append((key_label(p.key), s, b, win, t, t / b - 1, note))
+    data = {"schema": tuning.SCHEMA, "gpu": gpu, "date": datetime.date.today().isoformat(),
+            "flashgen": {"version": version, "commit": commit}, "protocol": proto, "entries": entries}
+    return data, md
+
+
+def markdown(md_rows) -> str:
+    lines = ["| key | seqlen | default TFLOP/s | winner | winner TFLOP/s | gain | note |",
+             "|---|---|---|---|---|---|---|"]
+    for key, s, b, win, t, gain, note in md_rows:
+        lines.append(f"| {key} | {s} | {b:.1f} | {win} | {t:.1f} | {gain * 100:+.1f} % | {note} |")
+    return "\n".join(lines)
+
+
+def default_output(gpu: str | None) -> Path:
+    """configs/tune/<gpu-slug>.yaml of the source checkout when there is one, else ./<gpu-slug>.yaml."""
+    from .generator.project import find_root
+
+    name = f"{tuning.gpu_slug(gpu) if gpu else '<gpu-slug>'}.yaml"
+    root = find_root()
+    return root / "configs" / tuning.TABLE_DIR / name if root is not None else Path.cwd() / name
+
+
+def check_seqlens(seqlens) -> list[str]:
+    """Problems with a seqlen list: each must divide TOTAL_TOKENS (so a power of two, batch >= 1)."""
+    return [f"seqlen {s}: not allowed; allowed: a power of two dividing {TOTAL_TOKENS} (batch = {TOTAL_TOKENS} / seqlen)"
+            for s in seqlens if not (isinstance(s, int) and 1 <= s <= TOTAL_TOKENS and TOTAL_TOKENS % s == 0)]
+
+
+def run(plans, seqlens, gpu: str, output: Path, *, warmup_ms=WARMUP_MS, rep_ms=REP_MS, min_gain=MIN_GAIN,
+        root=None, version: str = "", commit: str | None = None, log=print) -> tuple[dict, str]:
+    """Sweep, choose, write ``output`` (atomically; validated by reading it back). Returns (table
+    data, markdown). TuneError when no key could be timed."""
+    from .generator.fsutil import atomic_write_text
+
+    results = sweep(plans, seqlens, warmup_ms, rep_ms, log)
+    proto = protocol(seqlens, warmup_ms, rep_ms, min_gain)
+    data, md = build_table(gpu, plans, seqlens, results, proto, commit or _commit(root), version)
+    if not data["entries"]:
+        raise TuneError("no key could be timed (see the messages above); no table written")
+    atomic_write_text(output, tuning.table_text(data))
+    tuning.load_table(output)  # what the runtime will read: must validate
+    return data, markdown(md)
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+# ------------------------------------------------------------------------------------ CLI
+def _csv(text: str, what: str, conv, allowed=None) -> list:
+    """A comma-separated option value converted item by item; exit 2 naming the option and the item."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            val = conv(item)
+        except ValueError:
+            val = None
+        if val is None or (allowed is not None and val not in allowed):
+            click.echo(f"error: {what} {item!r}: not allowed; allowed: "
+                       f"{', '.join(map(str, allowed)) if allowed else 'integers'}", err=True)
+            sys.exit(EXIT_OPTIONS)
+        out.append(val)
+    if not out:
+        click.echo(f"error: {what}: empty list", err=True)
+        sys.exit(EXIT_OPTIONS)
+    return out
+
+
+def _bool(text: str) -> bool:
+    t = text.lower()
+    if t not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise ValueError(text)
+    return t in ("true", "1", "yes", "on")
+
+
+@click.command("tune")
+@click.option("--family", type=click.Choice(FAMILIES), default=FAMILIES[0], show_default=True,
+              help="Kernel family to tune (the forward; its tables are what the runtime reads).")
+@click.option("--dtypes", default="bf16,fp16", show_default=True, help="Comma-separated dtypes (bf16, fp16).")
+@click.option("--head-dims", default="64,128,256", show_default=True, help="Comma-separated head dims.")
+@click.option("--causal", "causal_s", default="false,true", show_default=True, help="Comma-separated: false, true.")
+@click.option("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)), show_default=True,
+              help="Comma-separated seqlens, each a power of two dividing 16384 (batch = 16384 / seqlen).")
+@click.option("--min-gain", type=click.FloatRange(min=0.0), default=MIN_GAIN, show_default=True,
+              help="Noise guard: a candidate replaces the default at a seqlen only when faster by more than this fraction.")
+@click.option("--warmup-ms", type=click.IntRange(min=1), default=WARMUP_MS, show_default=True,
+              help="do_bench warmup (ms) per timing.")
+@click.option("--rep-ms", type=click.IntRange(min=1), default=REP_MS, show_default=True,
+              help="do_bench repetitions (ms) per timing.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Table to write [default: configs/tune/<gpu-slug>.yaml in a source checkout, else ./<gpu-slug>.yaml].")
+@click.option("--build/--no-build", "do_build", default=False, show_default=True,
+              help="First build the default set and every configured variant of the keys (configs/fwd_tune.yaml's "
+                   "candidates, ablation points): what a fresh checkout needs.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel nvcc jobs for --build.")
+@click.option("--commit", default=None, help="Source commit recorded in the table [default: `git rev-parse` of the "
+                                             "checkout, 'unknown' without git].")
+@click.option("--dry-run", is_flag=True, help="Print the plan (keys, candidates, timings, time estimate) and stop.")
+def command(family, dtypes, head_dims, causal_s, seqlens, min_gain, warmup_ms, rep_ms, output, do_build, jobs, commit,
+            dry_run):
+    """Time every built tile of each forward dispatch key on this GPU and write the winners.
+
+    Measures, per key (dtype x head_dim x causal; no window, no softcap) and seqlen, the forward
+    TFLOP/s of every built variant of the key under the FA3 protocol: 16384 tokens (batch = 16384 /
+    seqlen), hidden 2048 (heads = 2048 / head_dim), FLOPs 4·batch·heads·seqlen²·head_dim (halved
+    for causal), timed as triton's do_bench (L2 flushed before each repetition, median). The
+    default tile is timed first and last, the better figure counts. A candidate wins a seqlen only
+    if it beats the default by more than --min-gain (2 %: noise guard); adjacent seqlens with the
+    same winner merge into one seqlen_k range. Candidates whose output differs from the default's
+    are left out.
+
+    Output: the tune table (YAML: GPU name, date, flashgen version and commit, protocol, and per
+    key the tile per seqlen_k range with the winner's and the default's TFLOP/s), read by the
+    runtime for this GPU (flashgen/tuning.py; FLASHGEN_TUNE_TABLE overrides), and a markdown table
+    (key, seqlen, default TFLOP/s, winner, winner TFLOP/s, gain, and a note where a faster
+    candidate stayed inside the guard) on stdout.
+
+    Errors: exit 2 for bad options; 3 without a CUDA GPU (or torch); 1 when no key has a built
+    candidate besides its default (build them: --build), a build fails, or no key could be timed."""
+    import time
+
+    from .cli import EXIT_BUILD_FAILED, EXIT_CONFIG, EXIT_TOOLCHAIN, _load, _run_build
+    from .generator import families
+
+    fam = families.get(family)
+    dts = _csv(dtypes, "--dtypes", str, fam.key("dtype").allowed)
+    hds = _csv(head_dims, "--head-dims", int, fam.key("head_dim").allowed)
+    causals = _csv(causal_s, "--causal", _bool)
+    sls = sorted(set(_csv(seqlens, "--seqlens", int)))
+    for problem in check_seqlens(sls):
+        click.echo(f"error: --seqlens: {problem}", err=True)
+        sys.exit(EXIT_CONFIG)
+    gpu = gpu_name()
+    if gpu is None and not dry_run:
+        click.echo("error: flashgen tune needs a CUDA GPU and torch (none found); --dry-run prints the plan", err=True)
+        sys.exit(EXIT_TOOLCHAIN)
+    wanted = keys(dts, hds, causals)
+    source = None
+    if do_build:
+        from .generator.config import select
+
+        project, variants = _load()
+        extra = [v for v in variants if v.family == family and v.dispatch in wanted and not v.default_build]
+        selected = select(variants) + extra
+        if dry_run:
+            source, pool = f"configured in {project.root} (what --build builds)", variants
+        else:
+            _run_build(project, selected, variants, jobs)
+    manifest = None
+    if source is None:
+        from .manifest import ManifestError, load_manifest
+
+        try:
+            manifest = load_manifest()
+            source, pool = f"built, manifest {manifest.path}", manifest.variants
+        except ManifestError as e:
+            if not dry_run:
+                click.echo(f"error: {e}", err=True)
+                sys.exit(EXIT_BUILD_FAILED)
+            source, pool = f"nothing built ({e})", []
+    plans, missing = plan(pool, family, wanted)
+    alone = [p for p in plans if len(p.candidates) < 2]
+    plans = [p for p in plans if len(p.candidates) >= 2]
+    out = output or default_output(gpu)
+    est = estimate_seconds(plans, sls, warmup_ms, rep_ms)
+    click.echo(f"flashgen tune: {gpu or 'no GPU'} -> {out}")
+    click.echo(f"protocol: {family}, {TOTAL_TOKENS} tokens, hidden {HIDDEN}, seqlens {','.join(map(str, sls))}; "
+               f"do_bench warmup {warmup_ms} ms, rep {rep_ms} ms; min gain {min_gain:.0%}; variants {source}")
+    for p in plans:
+        cands = ", ".join(tile_label(tuning.tile_of(v.params, v.dispatch)) + (" (default)" if v is p.default else "")
+                          for v in p.candidates)
+        click.echo(f"  {key_label(p.key):<22} {cands}")
+    for p in alone:
+        click.echo(f"  {key_label(p.key):<22} only the default is built: not timed")
+    for k in missing:
+        click.echo(f"  {key_label(k):<22} no built variant: not timed")
+    n_timings = sum(len(p.candidates) + 1 for p in plans) * len(sls)
+    click.echo(f"{len(plans)} keys, {sum(len(p.candidates) for p in plans)} variants, {len(sls)} seqlens: "
+               f"{n_timings} timings, about {fmt_seconds(est)}")
+    if dry_run:
+        return
+    if not plans:
+        click.echo("error: no key has a built candidate besides its default; build them with `flashgen tune --build` "
+                   "(or `flashgen build --all`)", err=True)
+        sys.exit(EXIT_BUILD_FAILED)
+    from . import __version__
+    from .generator.project import find_root
+
+    t0 = time.monotonic()
+    try:
+        _, md = run(plans, sls, gpu, out, warmup_ms=warmup_ms, rep_ms=rep_ms, min_gain=min_gain, root=find_root(),
+                    version=__version__, commit=commit, log=click.echo)
+    except TuneError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_BUILD_FAILED)
+    click.echo(f"\n{md}\n")
+    click.echo(f"wrote {out} in {fmt_seconds(time.monotonic() - t0)} (estimate {fmt_seconds(est)})")
+    found, _ = tuning.find_table(gpu, manifest.path if manifest else None)
+    if found is None or found.resolve() != out.resolve():
+        click.echo(f"note: the runtime does not read {out} for this GPU ({'it reads ' + str(found) if found else 'no table'}); "
+                   f"set FLASHGEN_TUNE_TABLE={out} to use it", err=True)
