@@ -3,7 +3,9 @@ bf16 forward in the same process: kernel-only e4m3 (inputs already quantized, FA
 shape (batch, heads_k)), and end to end from bf16 (``flashgen.quantize_fp8`` + attention) when
 quantize_fp8 exists. Timed like `flashgen bench` (triton do_bench median, L2 flushed between
 repetitions). TFLOP/s = 4 b h s^2 d (halved for causal) / time.
-Usage: python scripts/fp8_bench.py [--seqlens 512,...,16384] [--head-dims 64,128,256] [--causal both]"""
+--variants: instead, every built e4m3 variant of each (head_dim, causal) key (default tiles and
+configs/fwd_fp8_tune.yaml's candidates), launched through flashgen.core with the variant forced.
+Usage: python scripts/fp8_bench.py [--seqlens 512,...,16384] [--head-dims 64,128,256] [--causal both] [--variants]"""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +21,10 @@ def main() -> None:
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
+    ap.add_argument("--variants", action="store_true")
     a = ap.parse_args()
+    if a.variants:
+        return tiles(a)
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[a.causal]
     try:
         quant = flashgen.quantize_fp8
@@ -48,6 +53,38 @@ def main() -> None:
                     e2e = f"{fl / _time_ms(full) * 1e3:.0f}"
                 print(f"| {d} | {causal} | {s} | {fl / t8 * 1e3:.0f} | {e2e} | {fl / t16 * 1e3:.0f} | "
                       f"{t16 / t8:.2f} |", flush=True)
+
+
+def tiles(a) -> None:
+    from flashgen import core
+    from flashgen.manifest import load_manifest
+
+    def arg(t, dtype):
+        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index)
+
+    stream = torch.cuda.current_stream().cuda_stream
+    variants = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == "e4m3"]
+    print(f"# {torch.cuda.get_device_name()}: e4m3 TFLOP/s per tile (block_m x block_n, stages; * = default)")
+    print("| head_dim | causal | tile | " + " | ".join(a.seqlens.split(",")) + " |")
+    print("|---|---|---|" + "---|" * len(a.seqlens.split(",")))
+    for d in (int(x) for x in a.head_dims.split(",")):
+        for causal in {"both": (False, True), "no": (False,), "yes": (True,)}[a.causal]:
+            for v in sorted((v for v in variants if v.params["head_dim"] == d and v.params["causal"] == causal),
+                            key=lambda v: v.name):
+                p = v.params
+                cells = []
+                for s in (int(x) for x in a.seqlens.split(",")):
+                    b, h = 16384 // s, 2048 // d
+                    q8, k8, v8 = (torch.randn(b, s, h, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
+                    ds = arg(torch.ones(b, h, device="cuda"), "fp32")
+                    out = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                    lse = torch.empty(b, h, s, device="cuda")
+                    fn = lambda: core.attention_forward(arg(q8, "fp8_e4m3"), arg(k8, "fp8_e4m3"), arg(v8, "fp8_e4m3"),
+                                                        arg(out, "bf16"), arg(lse, "fp32"), d ** -0.5, causal, stream,
+                                                        variant=v, q_descale=ds, k_descale=ds, v_descale=ds)
+                    cells.append(f"{_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn):.0f}")
+                tile = f"{p['block_m']}x{p['block_n']} s{p['stages']}" + (" *" if v.default else "")
+                print(f"| {d} | {causal} | {tile} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
