@@ -10,10 +10,11 @@ e4m3, random positive descales; the reference is the float32 attention on the de
 (x8 * descale); the low-precision baseline ``out_pt`` computes in bf16 on the dequantized inputs
 rounded to bf16 and quantizes the softmax probabilities P to e4m3 before P V (FA3's
 ``intermediate_dtype``); ``max|out - ref| <= 2 max|out_pt - ref| + 2 x ref's rounding noise``.
-lse: -inf exactly where the reference's is, else within ``LSE_ATOL`` = 1e-2: Hopper's FP8 tensor
-cores accumulate with reduced precision (about 14 bits kept, DeepSeek-V3 report §3.3.2), so the
-scores carry errors of about |q||k| 2^-13, which the 2e-3 of the 16-bit tests does not cover
-(measured on H200: 3.6e-3 at head_dim 192). Lengths odd, FA3's kinds of (seqlen_q, seqlen_k), GQA 1/2/8,
+lse: -inf exactly where the reference's is, else within 2e-3 + 2^-11 x the row's largest
+``|scale| sum_d |q_d k_d|``: Hopper's FP8 tensor cores accumulate with reduced precision (about 14
+bits kept, DeepSeek-V3 report §3.3.2), so each score carries an error of about 2^-13 of its
+magnitude sum, which the fixed 2e-3 of the 16-bit tests does not cover (measured on H200: 3.6e-3 at
+head_dim 192 with scores near 10; larger with softmax_scale 2 and with outliers). Lengths odd, FA3's kinds of (seqlen_q, seqlen_k), GQA 1/2/8,
 poisoned caching-allocator blocks before each call (a row not written shows as NaN).
 
 A test whose variant is not built skips with MISSING-FWD-VARIANT. Skipped without an sm_90 GPU.
@@ -40,7 +41,6 @@ pytestmark = pytest.mark.gpu
 
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 QB = 64  # flashgen's block quantization granularity (rows per descale)
-LSE_ATOL = 1e-2
 
 
 def _need(head_dim: int, causal: bool):
@@ -92,7 +92,13 @@ def _check(q8, k8, v8, descales, causal, out, lse, scale):
     assert ok, f"max|out - ref| = {err:.3e} > 2 x the FP8 baseline's {base:.3e}"
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite), "lse: -inf pattern differs from the reference"
-    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=LSE_ATOL, rtol=1e-4)
+    h, hk = qf.shape[2], kf.shape[2]
+    mag = torch.einsum("bqhd,bkhd->bhqk", qf.abs(), kf.abs().repeat_interleave(h // hk, dim=2))
+    tol = 2e-3 + 2.0 ** -11 * abs(scale) * mag.amax(-1)  # (batch, heads, seqlen_q)
+    err = (lse - lse_ref).abs()
+    assert bool((err[finite] <= tol[finite]).all()), (
+        f"lse: max error {err[finite].max().item():.3e} over the FP8 accumulation bound "
+        f"(largest bound {tol[finite].max().item():.3e})")
 
 
 def _run(b, sq, sk, h, hk, d, causal, kind, seed=0, outliers=False, scale=None):
