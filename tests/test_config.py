@@ -184,11 +184,13 @@ def test_tile_table_most_specific_row_wins(tmp_path):
 def test_real_configs():
     proj = Project(REPO)
     vs = load_variants(proj)
-    assert {v.family for v in vs} == {"fwd", "bwd", "combine"}
+    assert {v.family for v in vs} == {"fwd", "bwd", "combine", "quant"}
     combine = [v for v in vs if v.family == "combine"]
     assert {v.params["dtype"] for v in combine} == {"fp32", "bf16", "fp16"} and all(v.default for v in combine)
+    quant = [v for v in vs if v.family == "quant"]
+    assert {v.params["dtype"] for v in quant} == {"bf16", "fp16"} and all(v.default for v in quant)
     # fwd and bwd: {dtype} x {head_dim} x {none, causal, local} x {softcap}; fwd also head_dim 192 / head_dim_v 128
-    assert len(select(vs)) == 60 + 12 + 60 + 3
+    assert len(select(vs)) == 60 + 12 + 60 + 3 + 2
     keys = {(d, h, c, lo, sc) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
             for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
@@ -226,7 +228,7 @@ def test_real_configs():
             and v.params["head_dim"] == 128 and not v.params["causal"] and not v.params["local"]
             and not v.params["softcap"]][0]
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
-    assert len(vs) == 60 + 12 + 60 + 3 + len([v for v in abl if not v.default])
+    assert len(vs) == 60 + 12 + 60 + 3 + 2 + len([v for v in abl if not v.default])
     assert len(select(vs, all_=True)) == len(vs)
 
 
