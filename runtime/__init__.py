@@ -4,6 +4,8 @@ built ahead of time as fatbins and launched through cuda-python (no C++ extensio
 Torch users: ``from flashgen import flash_attn_func`` (FA3's ``flash_attn_interface`` names;
 differentiable through torch autograd).
 Split-KV partials: ``flashgen.flash_attn_combine`` (torch, FA3's name).
+FP8 inputs: ``flashgen.quantize_fp8`` (torch) makes e4m3 q, k, v and their descales with FA3's
+block quantization and incoherent processing; ``flashgen.QUANT_BLOCK`` rows share a block scale.
 Other frameworks: ``flashgen.flash_attn_forward``, ``flashgen.flash_attn_backward`` and
 ``flashgen.flash_attn_combine_dlpack`` take DLPack arrays.
 Torch is imported only when the torch API is first used; without torch, using it raises an
@@ -23,6 +25,8 @@ _LAZY = {
     "flash_attn_backward": ("dlpack_api", "flash_attn_backward"),
     "flash_attn_combine": ("interface", "flash_attn_combine"),
     "flash_attn_combine_dlpack": ("dlpack_api", "flash_attn_combine_dlpack"),
+    "quantize_fp8": ("interface", "quantize_fp8"),
+    "QUANT_BLOCK": ("quantize", "QUANT_BLOCK"),
     "InputError": ("_validate", "InputError"),
     "MissingVariantError": ("dispatch", "MissingVariantError"),
     "select_variant": ("dispatch", "select_variant"),

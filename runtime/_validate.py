@@ -437,7 +437,15 @@ def _head_dim_problem(what: str, name: str, d: int) -> list:
                          f"between {HEAD_DIM_MULTIPLE} and {MAX_HEAD_DIM}, got {d}")]
 
 
-def _device_dtype_rank_problems(arrays: dict) -> list:
+_DTYPE_SPELLING = {"fp16": "float16", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def _dtypes_text(dtypes) -> str:
+    names = [_DTYPE_SPELLING.get(d, d) for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _device_dtype_rank_problems(arrays: dict, dtypes=SUPPORTED_DTYPES) -> list:
     """Devices, dtypes and ranks of the given q, k, v (``{name: ArrayInfo}``), for :func:`input_problems`."""
     P: list = []
     q, k, v = arrays.get("q"), arrays.get("k"), arrays.get("v")
@@ -450,12 +458,12 @@ def _device_dtype_rank_problems(arrays: dict) -> list:
                               f"q on {q.device_repr}, k on {k.device_repr}, v on {v.device_repr}"))
     # dtypes
     for name, a in arrays.items():
-        if a.dtype in FP8_DTYPES and a.dtype not in SUPPORTED_DTYPES:
+        if a.dtype in FP8_DTYPES and a.dtype not in dtypes and "fp8_e4m3" in dtypes:
             P.append((NotImplementedError, f"{name} has dtype {a.dtype_repr}: only float8_e4m3fn is served among "
                                            "the fp8 dtypes; pass float8_e4m3fn, float16 or bfloat16"))
-        elif a.dtype not in SUPPORTED_DTYPES:
-            P.append((TypeError, f"{name} must have dtype float16, bfloat16 or float8_e4m3fn, got {a.dtype_repr}"))
-    if (len(arrays) == 3 and all(a.dtype in SUPPORTED_DTYPES for a in arrays.values())
+        elif a.dtype not in dtypes:
+            P.append((TypeError, f"{name} must have dtype {_dtypes_text(dtypes)}, got {a.dtype_repr}"))
+    if (len(arrays) == 3 and all(a.dtype in dtypes for a in arrays.values())
             and not (q.dtype == k.dtype == v.dtype)):
         P.append((TypeError, "q, k and v must have the same dtype, got "
                              f"q {q.dtype_repr}, k {k.dtype_repr}, v {v.dtype_repr}"))
@@ -467,7 +475,8 @@ def _device_dtype_rank_problems(arrays: dict) -> list:
     return P
 
 
-def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[ArrayInfo]) -> list:
+def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[ArrayInfo],
+                   dtypes: tuple = SUPPORTED_DTYPES) -> list:
     """Everything wrong with q, k, v (see :func:`check_inputs`), as ``(exception class,
     message)`` pairs (see :func:`raise_problems`); empty when they are valid.
 
@@ -481,10 +490,10 @@ def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[A
     arrays = {name: a for name, a in (("q", q), ("k", k), ("v", v)) if a is not None}
     # the usual case (three CUDA arrays, one device, one served dtype, 4-D) skips to the sizes
     usual = (len(arrays) == 3 and q.is_cuda and k.is_cuda and v.is_cuda and q.device == k.device == v.device
-             and q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype
+             and q.dtype in dtypes and q.dtype == k.dtype == v.dtype
              and len(q.shape) == len(k.shape) == len(v.shape) == 4)
     if not usual:
-        P += _device_dtype_rank_problems(arrays)
+        P += _device_dtype_rank_problems(arrays, dtypes)
     is_4d = {name: name in arrays and len(arrays[name].shape) == 4 for name in _LAYOUTS}
     if is_4d["q"]:
         for name, a in (("k", k), ("v", v)):

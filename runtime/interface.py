@@ -34,7 +34,7 @@ from typing import Optional
 #: Message of the ImportError raised when this module (the torch API) is imported without torch.
 NO_TORCH = (
     "flashgen: the torch API (flashgen.flash_attn_func, flashgen.flash_attn_combine, "
-    "flashgen.interface) needs PyTorch, which is not installed: pip install flashgen[torch] "
+    "flashgen.quantize_fp8, flashgen.interface) needs PyTorch, which is not installed: pip install flashgen[torch] "
     "(or install torch yourself). Without torch, use the DLPack API, which takes any DLPack "
     "array (CuPy, JAX, ...): flashgen.flash_attn_forward and flashgen.flash_attn_combine_dlpack."
 )
@@ -49,7 +49,7 @@ except ModuleNotFoundError as e:
 from . import _validate as _v
 from . import core as _core
 
-__all__ = ["flash_attn_func", "NO_TORCH"]
+__all__ = ["flash_attn_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "QUANT_BLOCK"]
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _FP8_TORCH_DTYPES = tuple(getattr(torch, a) for a in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, a))
@@ -608,17 +608,18 @@ def _combine_lse_buffer(like: torch.Tensor, p) -> torch.Tensor:
     return like.new_empty(p.lse_buffer_shape, dtype=torch.float32).transpose(1, 2)
 
 
-def _combine_arg(t: torch.Tensor, dtype: str, device: int) -> "_core.TensorArg":
+def _tensor_arg(t: torch.Tensor, dtype: str, device: int) -> "_core.TensorArg":
+    """The framework-neutral view of ``t`` as it is (its own strides; no copy)."""
     return _core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, device)
 
 
 def _combine_launch(out_partial, lse_partial, out, lse, p) -> None:
     dev = p.device
     _combine.attention_combine(
-        _combine_arg(out_partial, "fp32", dev),
-        _combine_arg(lse_partial, "fp32", dev),
-        _combine_arg(out, p.out_dtype, dev),
-        _combine_arg(lse, "fp32", dev),
+        _tensor_arg(out_partial, "fp32", dev),
+        _tensor_arg(lse_partial, "fp32", dev),
+        _tensor_arg(out, p.out_dtype, dev),
+        _tensor_arg(lse, "fp32", dev),
         p.out_dtype,
         _current_stream(dev),
     )  # selects the variant (cached) and raises MissingVariantError before launching
@@ -749,3 +750,180 @@ def flash_attn_combine(
     else:
         lse = torch.ops.flashgen.combine_out(out_partial, lse_partial, out, out_dtype)
     return out, lse
+
+
+# ======================================================================================
+# quantize_fp8: e4m3 q, k, v with block scales and incoherent processing (FA3 §3.3)
+# ======================================================================================
+# One custom op, flashgen::quantize_fp8(q, k, v, incoherent, block_quant, seed) -> (q8, k8, v8,
+# q_descale, k_descale, v_descale), with a fake implementation (torch.compile) and no autograd
+# formula (quantization has no useful gradient).
+
+import functools  # noqa: E402
+
+from . import quantize as _quant  # noqa: E402
+
+QUANT_BLOCK = _quant.QUANT_BLOCK
+
+
+@functools.lru_cache(maxsize=64)
+def _sign_draw(head_dim: int, seed: int) -> tuple:
+    """The negative signs (bools) of :func:`incoherent_signs`, drawn once per (head_dim, seed)."""
+    bits = torch.randint(0, 2, (head_dim,), generator=torch.Generator(device="cpu").manual_seed(seed))
+    return tuple(bool(b) for b in bits.tolist())
+
+
+@functools.lru_cache(maxsize=64)
+def _sign_bits(head_dim: int, seed: int) -> tuple:
+    """The kernels' ``sign_bits0..7`` for (head_dim, seed), packed once."""
+    return _quant.pack_sign_bits(_sign_draw(head_dim, seed))
+
+
+def incoherent_signs(head_dim: int, seed: int = 0) -> torch.Tensor:
+    """The ±1 vector s of :func:`quantize_fp8`'s incoherent processing: float32 ``(head_dim,)`` on the
+    CPU, ``s = 1 - 2 * torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed))``
+    (so reproducible and independent of the device). Inverse of the transform, per B-block of a row:
+    ``x = (x' H_B / sqrt(B)) ⊙ s`` (H_B is symmetric and H_B H_B = B I)."""
+    return 1.0 - 2.0 * torch.tensor(_sign_draw(int(head_dim), int(seed)), dtype=torch.float32)
+
+
+def _quant_check(q, k, v, incoherent, block_quant, seed) -> _v.Problem:
+    return _quant.check_quantize(_array_info(q), _array_info(k), _array_info(v),
+                                 also=_quant.flag_problems(incoherent, block_quant, seed))
+
+
+def _quant_outputs(q: torch.Tensor, p: _v.Problem, block_quant: bool) -> tuple:
+    """Fresh contiguous outputs: q8, k8, v8 (e4m3) and the three fp32 descales."""
+    e4m3 = torch.float8_e4m3fn
+    return (q.new_empty(p.q_shape, dtype=e4m3), q.new_empty(p.k_shape, dtype=e4m3), q.new_empty(p.v_shape, dtype=e4m3),
+            *(q.new_empty(shape, dtype=torch.float32) for shape in _quant.descale_shapes(p, block_quant)))
+
+
+def _quantize_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, incoherent: bool, block_quant: bool,
+                   seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.flashgen.quantize_fp8(q, k, v, incoherent, block_quant, seed) -> (q8, k8, v8, q_descale,
+    k_descale, v_descale)``: the op behind :func:`quantize_fp8`. Validates its arguments."""
+    p = _quant_check(q, k, v, incoherent, block_quant, seed)
+    _check_device_capability(p.device)
+    outs = _quant_outputs(q, p, block_quant)
+    q8, k8, v8, qd, kd, vd = outs
+    # a tensor with no rows: its global descales are those of amax 0 (its block descales are empty)
+    if p.batch and not p.seqlen_q:
+        qd.fill_(1.0)
+    if p.batch and not p.seqlen_k:
+        kd.fill_(1.0)
+        vd.fill_(1.0)
+    if p.batch == 0 or (p.seqlen_q == 0 and p.seqlen_k == 0):
+        return outs
+    dev = p.device
+    inputs = [_tma_arg(t, p.dtype, dev) for t in (q, k, v)]  # a copy where 16-byte loads cannot read t
+    nbytes, _ = _quant.workspace_layout(p, block_quant)
+    workspace = _workspace(q, max(nbytes, 1))
+    sign_bits = _sign_bits(p.head_dim, int(seed)) if incoherent else (0,) * _quant.SIGN_WORDS
+    _quant.quantize_fp8_launch(
+        *(arg for _, arg in inputs),
+        _tensor_arg(q8, "fp8_e4m3", dev), _tensor_arg(k8, "fp8_e4m3", dev), _tensor_arg(v8, "fp8_e4m3", dev),
+        _tensor_arg(qd, "fp32", dev), _tensor_arg(kd, "fp32", dev), _tensor_arg(vd, "fp32", dev),
+        workspace.data_ptr(), p, bool(incoherent), bool(block_quant), sign_bits, _current_stream(dev),
+    )  # selects the variant (cached) and raises MissingVariantError before launching
+    del inputs, workspace  # copies and the workspace are released after the launches are enqueued
+    return outs
+
+
+_quant_op = torch.library.custom_op("flashgen::quantize_fp8", _quantize_impl, mutates_args=())
+
+
+@_quant_op.register_fake
+def _quantize_fake(q, k, v, incoherent, block_quant, seed):
+    return _quant_outputs(q, _quant_check(q, k, v, incoherent, block_quant, seed), block_quant)
+
+
+def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, incoherent: bool = True,
+                 block_quant: bool = True, seed: int = 0):
+    """Quantize q, k, v to FP8 (e4m3) for the FP8 attention forward, the FlashAttention-3 way.
+
+    Method (FlashAttention-3, Shah et al., arXiv 2407.08608, §3.3 and Table 3): two ways to cut
+    the error of FP8 attention on inputs with outlier features, both on by default.
+
+    * Incoherent processing (``incoherent``, q and k only): ``x' = (x ⊙ s) H_B / sqrt(B)`` on
+      every block of B consecutive head_dim coordinates of every row, where B is the largest
+      power of two dividing head_dim, at most 256 (head_dim 64 / 128 / 256: one block of the whole
+      dim; 96: 3 blocks of 32; 192: 3 blocks of 64), H_B the Walsh-Hadamard (Sylvester, natural
+      order) matrix and s a ±1 vector of length head_dim drawn from ``seed``
+      (:func:`incoherent_signs`: a CPU ``torch.Generator``, so reproducible on any device). q and
+      k get the same s, so the transform is orthogonal and ``q' k'ᵀ = q kᵀ``: attention on
+      (q', k', v) is attention on (q, k, v), while an outlier coordinate is spread over B
+      coordinates, which shrinks the amax the scale must cover. Computed by a fused fast
+      Walsh-Hadamard transform, O(B log B) per row. v is never transformed.
+    * Block quantization (``block_quant``): one scale per ``QUANT_BLOCK`` (64) rows of each q / k
+      head instead of one per head.
+
+    Then ``x8 = satfinite_e4m3(x' / descale)`` with ``descale = amax(|x'|) / 448`` over the
+    scale's group (descale 1 where the amax is 0), rounded to nearest even, saturated to ±448.
+
+    Args:
+        q: ``(batch, seqlen_q, heads, head_dim)`` CUDA tensor, float16 or bfloat16.
+        k: ``(batch, seqlen_k, heads_k, head_dim)``, same dtype and device.
+        v: ``(batch, seqlen_k, heads_k, head_dim_v)``, same dtype and device.
+            heads a multiple of heads_k (GQA / MQA); head_dim and head_dim_v multiples of 8 in
+            8..256. Any strides: inputs whose last dim is contiguous with 16-byte aligned rows
+            (e.g. slices of a packed qkv) are read in place, others are copied first.
+        incoherent: apply the random Hadamard transform to q and k (default True).
+        block_quant: one scale per 64-row block of each q / k head (default True); else one per
+            (batch, key head), FA3's descale shape.
+        seed: int in [0, 2^64 - 1], the seed of s (default 0).
+
+    Returns:
+        ``(q8, k8, v8, q_descale, k_descale, v_descale)``, all contiguous on q's device:
+
+        * q8, k8, v8: torch.float8_e4m3fn of q's, k's and v's shapes (q8 and k8 hold q', k' when
+          ``incoherent``).
+        * q_descale: float32 ``(batch, heads, ceil(seqlen_q / 64))`` with block_quant (the amax
+          of 64 rows x head_dim of one query head); else ``(batch, heads_k)``: the amax over all
+          rows and the query heads ``hk * g .. hk * g + g - 1`` of key head hk's GQA group
+          (g = heads // heads_k).
+        * k_descale: float32 ``(batch, heads_k, ceil(seqlen_k / 64))`` with block_quant, else
+          ``(batch, heads_k)``.
+        * v_descale: float32 ``(batch, heads_k)`` (amax over the head's rows).
+
+        Dequantized, ``x8.float() * descale`` (broadcast over the descale's group) approximates
+        x'. Descales are multipliers, in the units of x.
+
+    Recommended use: bf16 attention in FP8, through the FP8 forward (e4m3 inputs, bf16 output)::
+
+        q8, k8, v8, q_descale, k_descale, v_descale = flashgen.quantize_fp8(q, k, v)
+        out = flashgen.flash_attn_func(q8, k8, v8, q_descale=q_descale, k_descale=k_descale,
+                                       v_descale=v_descale)
+
+    (the softmax scale defaults to head_dim ** -0.5 of the original q, which the transform keeps).
+
+    Empty problems (batch 0, or both seqlens 0) launch no kernel of flashgen's; a tensor with no
+    rows gets empty e4m3 and block descales and global descales of 1 (amax 0). Runs on ``torch.cuda.current_stream()`` with no host
+    synchronisation (two kernel launches), so CUDA graphs capture it; ``torch.compile
+    (fullgraph=True)`` traces it as the custom op ``torch.ops.flashgen.quantize_fp8`` (with a fake
+    implementation). Not differentiable.
+
+    Raises:
+        TypeError: q, k or v not a torch.Tensor; dtype not float16 / bfloat16 (fp8 inputs
+            included), dtypes differ; incoherent / block_quant not a bool; seed not an int.
+        ValueError: not CUDA tensors on one device; not 4-D; batch, seqlen or heads mismatched;
+            heads not a multiple of heads_k; head_dim / head_dim_v not a multiple of 8 in
+            8..256; seed out of range; sizes beyond 32-bit indexing.
+        flashgen.InputError: problems of several kinds at once; every problem is listed, one line
+            each, the message starting with ``"flashgen: quantize_fp8: "``.
+        RuntimeError: the GPU is not compute capability 9.x (Hopper).
+        flashgen.MissingVariantError: no quant variant for the dtype is built; the message names
+            the ``flashgen add-variant`` command.
+    """
+    not_tensors = [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                   for name, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor)]
+    flags = _quant.flag_problems(incoherent, block_quant, seed)
+    if not_tensors or flags:  # one error naming q, k and v's problems too
+        infos = [_array_info(t) if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
+        _v.raise_problems(not_tensors + _quant.quantize_problems(*infos) + flags, _quant.CONTEXT)
+    if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        # Eager fast path: the op's implementation without the custom-op dispatcher (as flash_attn_func).
+        return _quantize_impl(q, k, v, incoherent, block_quant, int(seed))
+    return torch.ops.flashgen.quantize_fp8(q, k, v, incoherent, block_quant, int(seed))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session in one command (used with the device tool). Logs and CSVs go under $OUT.
 #   bash scripts/device_check.sh test      install, build every variant with all cores, GPU tests (forward, backward,
-#                                          training), short forward + combine/overhead bench, short backward bench
+#                                          training), short forward + combine/overhead bench, short backward bench,
+#                                          quantize_fp8 bandwidth (quant_bench.py), FA3 Table 3 (fp8_accuracy.py)
 #   bash scripts/device_check.sh regress   forward grid of the base commit (.base/, made by scripts/make_base.sh)
 #                                          and of this tree, alternated twice, same harness; table printed last
 #   bash scripts/device_check.sh full      test, then `flashgen bench --backward` (forward and backward grids vs SDPA
@@ -30,6 +31,8 @@ test|full)
     flashgen bench --seqlens 4096 --head-dims 128 --dtypes bf16 --no-ablation --csv "$out/bench.csv" --png "$out/bench.png" 2>&1 | tail -16
     flashgen bench --backward-only --seqlens 4096 --head-dims 64,128 --dtypes bf16 --csv "$out/bench.csv" --png "$out/bench.png" 2>&1 | tail -7
   fi
+  python3 scripts/quant_bench.py 2>&1 | tee "$out/quant_bench.md"      # quantize_fp8 bandwidth
+  python3 scripts/fp8_accuracy.py 2>&1 | tee "$out/fp8_accuracy.md"    # FA3 Table 3
   ;;
 regress)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

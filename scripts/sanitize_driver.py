@@ -15,6 +15,9 @@ Cases (only those whose variant is built run; a family with no runnable case fai
   combine  flash_attn_combine into fp32, bf16 and fp16 (5 splits, seqlen 113, head_dim 64), and
            fp32 with head_dim 62 (the scalar path); FA3's transposed layouts cut from padded
            buffers; splits 2.. of batch 0 saw no key (lse -inf).
+  quant    quantize_fp8, bf16 and fp16, head dims 128 / 96 / 192 (head_dim_v 128), all four scale
+           modes over the cases, batch 2, seqlen_q 113, seqlen_k 239, heads 4 over heads_k 2; k and
+           v are KV-cache prefixes of a longer cache (the rows past seqlen_k are never written).
 
 Inputs are drawn on the CPU from fixed seeds and copied in with plain host-to-device copies,
 results are copied out and checked on the CPU against tests/gpu/_ref.py (FA3's rule for the
@@ -42,10 +45,11 @@ import torch
 
 import flashgen
 from flashgen import flash_attn_combine, flash_attn_func
+from flashgen.interface import incoherent_signs
 from flashgen.dispatch import MissingVariantError, select_variant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
-from _ref import attention_ref, check_bwd, check_fwd, combine_ref  # noqa: E402
+from _ref import attention_ref, check_bwd, check_fwd, check_quantized, combine_ref  # noqa: E402
 
 NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -120,6 +124,21 @@ def combine_case(out_dtype, d: int, seed: int) -> None:
     torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
 
 
+def quant_case(dtype, d: int, dv: int, incoherent: bool, block_quant: bool, seed: int) -> None:
+    b, sq, sk, cap, h, hk = 2, 113, 239, 320, 4, 2
+    q, k, v = randn(b, sq, h, d, seed=seed, dtype=dtype), randn(b, sk, hk, d, seed=seed + 1, dtype=dtype), \
+        randn(b, sk, hk, dv, seed=seed + 2, dtype=dtype)
+    k[0, 5, 1, 3] = 40.0  # an outlier
+    k_cache = torch.empty(b, cap, hk, d, dtype=dtype, device="cuda")  # rows sk.. never written
+    v_cache = torch.empty(b, cap, hk, dv, dtype=dtype, device="cuda")
+    put(k_cache[:, :sk], k)
+    put(v_cache[:, :sk], v)
+    got = flashgen.quantize_fp8(q.cuda(), k_cache[:, :sk], v_cache[:, :sk], incoherent=incoherent,
+                                block_quant=block_quant, seed=seed)
+    got = tuple(x.cpu() for x in got)
+    check_quantized(got, q, k, v, incoherent, block_quant, incoherent_signs(d, seed))
+
+
 def fwd_cases():
     for i, (dtype, d, causal) in enumerate((dt, d, c) for dt in (torch.float16, torch.bfloat16)
                                            for d in (64, 128) for c in (False, True)):
@@ -146,8 +165,18 @@ def combine_cases():
                 lambda dtype=dtype, d=d, i=i: combine_case(dtype, d, seed=100 + 10 * i)
 
 
+def quant_cases():
+    for i, (dtype, d, dv, inc, blk) in enumerate(((torch.bfloat16, 128, 128, True, True),
+                                                   (torch.float16, 96, 96, True, False),
+                                                   (torch.bfloat16, 192, 128, False, True),
+                                                   (torch.float16, 128, 128, False, False))):
+        if built("quant", {"dtype": NAME[dtype]}):
+            yield f"quant {NAME[dtype]} d{d} dv{dv} incoherent={inc} block={blk} b2 q113 k239 h4/2", \
+                lambda dtype=dtype, d=d, dv=dv, inc=inc, blk=blk, i=i: quant_case(dtype, d, dv, inc, blk, seed=300 + i)
+
+
 #: family -> generator of (name, case); every family in the manifest needs an entry.
-CASES = {"fwd": fwd_cases, "bwd": bwd_cases, "combine": combine_cases}
+CASES = {"fwd": fwd_cases, "bwd": bwd_cases, "combine": combine_cases, "quant": quant_cases}
 
 
 def main() -> int:

@@ -12,7 +12,6 @@ a wrong result here, as it would on the GPU. The kernel's arithmetic itself is t
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import math
 from pathlib import Path
@@ -34,7 +33,7 @@ from flashgen.manifest import Variant
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))  # the shared references (torch only)
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from _ref import combine_ref  # noqa: E402
-from fgutil import torch_allocates_on_cpu  # noqa: E402
+from fgutil import host_view as _strided, patch_fake_gpu, torch_allocates_on_cpu  # noqa: E402
 
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -47,14 +46,6 @@ STREAM = 4321
 
 
 
-def _strided(ptr: int, dtype: torch.dtype, shape, strides) -> torch.Tensor:
-    """A CPU tensor over host memory at `ptr` with element strides (non-negative)."""
-    if 0 in tuple(shape):
-        return torch.empty(shape, dtype=dtype)
-    es = torch.empty((), dtype=dtype).element_size()
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
-    buf = (ctypes.c_char * (span * es)).from_address(ptr)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).as_strided(tuple(shape), tuple(strides))
 
 
 class FakeKernel:
@@ -116,13 +107,7 @@ class FakeGpu:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     fg = FakeGpu()
-    monkeypatch.setattr(interface, "_device_of", lambda t: (True, 0))
-    monkeypatch.setattr(interface, "_current_stream", lambda device: STREAM)
-    monkeypatch.setattr(core, "device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(dispatch, "select_variant", fg.select_variant)
-    monkeypatch.setattr(launch, "get_kernel", fg.get_kernel)
-    monkeypatch.setattr(launch, "launch", fg.launch)
-    monkeypatch.setattr(C, "_plans", {})
+    patch_fake_gpu(monkeypatch, fg, STREAM, C)
     return fg
 
 

@@ -184,12 +184,14 @@ def test_tile_table_most_specific_row_wins(tmp_path):
 def test_real_configs():
     proj = Project(REPO)
     vs = load_variants(proj)
-    assert {v.family for v in vs} == {"fwd", "bwd", "combine"}
+    assert {v.family for v in vs} == {"fwd", "bwd", "combine", "quant"}
     combine = [v for v in vs if v.family == "combine"]
     assert {v.params["dtype"] for v in combine} == {"fp32", "bf16", "fp16"} and all(v.default for v in combine)
+    quant = [v for v in vs if v.family == "quant"]
+    assert {v.params["dtype"] for v in quant} == {"bf16", "fp16"} and all(v.default for v in quant)
     # fwd and bwd: {dtype} x {head_dim} x {none, causal, local} x {softcap}; fwd also head_dim 192 / head_dim_v 128
     # and e4m3 x {64, 128, 256} x causal (configs/fwd_fp8.yaml)
-    assert len(select(vs)) == 60 + 12 + 6 + 60 + 3
+    assert len(select(vs)) == 60 + 12 + 6 + 60 + 3 + 2
     fp8 = [v for v in select(vs) if v.params["dtype"] == "e4m3"]
     assert {(v.params["head_dim"], v.params["causal"]) for v in fp8} == {(h, c) for h in (64, 128, 256)
                                                                          for c in (False, True)}
@@ -233,9 +235,10 @@ def test_real_configs():
             and v.params["head_dim"] == 128 and not v.params["causal"] and not v.params["local"]
             and not v.params["softcap"]][0]
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
-    tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)]  # flashgen tune's candidates
+    tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
+            or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) == 60 + 12 + 6 + 60 + 3 + len({v.name for v in abl + tune if not v.default})
+    assert len(vs) == 60 + 12 + 6 + 60 + 3 + 2 + len({v.name for v in abl + tune if not v.default})
     assert len(select(vs, all_=True)) == len(vs)
 
 

@@ -355,6 +355,7 @@ def test_missing_variant_error_names_family_key_and_command():
     ("fwd", {"dtype": "fp16", "head_dim": 64, "head_dim_v": 64, "causal": False, "local": False, "softcap": False}),
     ("fwd", {"dtype": "bf16", "head_dim": 192, "head_dim_v": 192, "causal": False, "local": True, "softcap": True}),
     ("combine", {"dtype": "fp16"}),
+    ("quant", {"dtype": "fp16"}),
 ])
 def test_suggested_command_runs_and_serves_the_key(tmp_path, monkeypatch, family, key):
     """The command a MissingVariantError prints is valid and adds a variant with exactly that key."""
@@ -388,8 +389,8 @@ def test_families_registry():
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("family: attention\nmatrix: {dtype: bf16}\n", "family = 'attention': not allowed; allowed: bwd, combine, fwd"),
-    ("matrix: {dtype: bf16}\n", "missing required key 'family'; allowed: bwd, combine, fwd"),
+    ("family: attention\nmatrix: {dtype: bf16}\n", "family = 'attention': not allowed; allowed: bwd, combine, fwd, quant"),
+    ("matrix: {dtype: bf16}\n", "missing required key 'family'; allowed: bwd, combine, fwd, quant"),
 ])
 def test_unknown_family_in_config_exits_2(tmp_path, text, needle):
     proj = make_project(tmp_path, {"x.yaml": text})
@@ -462,7 +463,7 @@ GENERIC = [f"generator/{m}.py" for m in ("config", "naming", "render", "build", 
                                          "toolchain", "fsutil", "errors")]
 GENERIC += ["generator/families/__init__.py", "runtime/manifest.py", "runtime/dispatch.py", "runtime/launch.py",
             "runtime/cli.py", "runtime/tuning.py"]
-FAMILY_LITERAL = re.compile(r"""(["'])(fwd|combine)\1""")
+FAMILY_LITERAL = re.compile(r"""(["'])(fwd|combine|quant)\1""")
 
 
 def _is_family_expr(node) -> bool:

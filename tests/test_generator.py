@@ -26,7 +26,8 @@ BASE = dict(family="fwd", dtype="bf16", head_dim=128, head_dim_v=128, causal=Tru
 NAME_RE = re.compile(r"^fwd_(bf16|fp16|e4m3)_hd\d+(v\d+)?_(causal|noncausal|local)_(softcap_)?m\d+n\d+_s\d_wg\d_(no)?pp_(no)?ov_(no)?ps_[0-9a-f]{8}$")
 COMBINE_NAME_RE = re.compile(r"^combine_(fp32|bf16|fp16)_m\d+_t\d+_[0-9a-f]{8}$")
 BWD_NAME_RE = re.compile(r"^bwd_(bf16|fp16)_hd\d+_(causal|noncausal|local)_(softcap_)?m\d+n\d+_sl\d+_s\d_[0-9a-f]{8}$")
-ROLES = {"fwd": ["main"], "combine": ["main"], "bwd": ["pre", "main", "post"]}
+QUANT_NAME_RE = re.compile(r"^quant_(bf16|fp16)_b\d_[0-9a-f]{8}$")
+ROLES = {"fwd": ["main"], "combine": ["main"], "bwd": ["pre", "main", "post"], "quant": ["amax", "quant"]}
 
 # ------------------------------------------------------------------------------------- naming
 
@@ -57,9 +58,9 @@ def test_names_unique_and_symbols_are_c_identifiers():
     vs = load_variants(Project(REPO))
     names = [v.name for v in vs]
     assert len(names) == len(set(names))
-    assert {v.family for v in vs} == {"fwd", "combine", "bwd"}
+    assert {v.family for v in vs} == {"fwd", "combine", "bwd", "quant"}
     for v in vs:
-        assert {"fwd": NAME_RE, "combine": COMBINE_NAME_RE, "bwd": BWD_NAME_RE}[v.family].match(v.name), v.name
+        assert {"fwd": NAME_RE, "combine": COMBINE_NAME_RE, "bwd": BWD_NAME_RE, "quant": QUANT_NAME_RE}[v.family].match(v.name), v.name
         assert [k.role for k in v.kernels] == ROLES[v.family]
         for role in ROLES[v.family]:
             assert v.symbol(role) == symbol_for(v.name, role) == "flashgen_" + v.name + "_" + role

@@ -307,3 +307,132 @@ def dequantize_fp8(x8, descale, block: int = 64):
         return x * d[:, None, :, None]
     rows = d[:, :, torch.arange(s, device=d.device) // block]  # (b, hx, s)
     return x * rows.permute(0, 2, 1)[..., None]
+
+
+# --------------------------------------------------------------------------------------
+# FP8 quantization (flashgen.quantize_fp8): FA3 §3.3 block scales and incoherent processing
+# --------------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+QUANT_BLOCK = 64
+
+
+def hadamard_matrix(n: int, dtype=torch.float64, device=None):
+    """The n x n Walsh-Hadamard matrix in natural (Sylvester) order, entries ±1:
+    H_1 = [1], H_2m = [[H_m, H_m], [H_m, -H_m]]."""
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    assert h.shape[0] == n, f"{n} is not a power of two"
+    return h
+
+
+def hadamard_block(head_dim: int) -> int:
+    """B: the largest power of two dividing head_dim, at most 256."""
+    return min(head_dim & -head_dim, 256)
+
+
+def incoherent_ref(x, signs, dtype=torch.float64):
+    """x' = (x ⊙ s) H_B / sqrt(B) on every block of B = hadamard_block(head_dim) consecutive
+    coordinates of the last dim, computed in ``dtype`` (float64 by default) from x upcast;
+    ``signs``: the ±1 vector (head_dim,)."""
+    d = x.shape[-1]
+    b = hadamard_block(d)
+    h = hadamard_matrix(b, dtype=dtype, device=x.device) / math.sqrt(b)
+    xs = x.to(dtype) * signs.to(dtype=dtype, device=x.device)
+    return (xs.reshape(*x.shape[:-1], d // b, b) @ h).reshape(x.shape)
+
+
+def expand_descale(descale, x_shape):
+    """A descale of :func:`flashgen.quantize_fp8` broadcast to ``(batch, seqlen, heads, 1)`` of the
+    tensor of shape ``x_shape``: per-block ``(batch, heads, blocks)`` (64 rows each), or per key
+    head ``(batch, heads_k)`` shared by the ``heads // heads_k`` heads of each group."""
+    b, s, h, _ = x_shape
+    if descale.dim() == 3:
+        rows = torch.arange(s, device=descale.device) // QUANT_BLOCK
+        return descale[:, :, rows].transpose(1, 2).unsqueeze(-1)  # (b, s, h, 1)
+    g = h // descale.shape[1]
+    return descale.repeat_interleave(g, dim=1).view(b, 1, h, 1)
+
+
+def _group_amax(x, block: bool, heads_k: int):
+    """amax of |x| (float32 (batch, seqlen, heads, dim)) per (batch, head, 64-row block) when
+    ``block``, else per (batch, key head) over all rows and the heads of the key head's group."""
+    b, s, h, d = x.shape
+    a = x.abs()
+    if block:
+        nb = -(-s // QUANT_BLOCK)
+        pad = torch.zeros(b, nb * QUANT_BLOCK - s, h, d, dtype=a.dtype, device=a.device)
+        a = torch.cat([a, pad], 1).view(b, nb, QUANT_BLOCK, h, d)
+        return a.amax(dim=(2, 4)).transpose(1, 2).contiguous() if s else a.new_zeros(b, h, 0)
+    if s == 0:
+        return a.new_zeros(b, heads_k)
+    return a.view(b, s, heads_k, h // heads_k, d).amax(dim=(1, 3, 4))
+
+
+def quantize_ref(q, k, v, incoherent: bool = True, block_quant: bool = True, signs=None):
+    """What :func:`flashgen.quantize_fp8` computes, in torch: ``(q8, k8, v8, q_descale, k_descale,
+    v_descale)`` plus ``(q', k')`` in float32.
+
+    x' (float32): :func:`incoherent_ref` in float64 rounded once (q and k, when ``incoherent``;
+    ``signs`` the ±1 vector), else x. descale = amax / 448 in float32 (1 where amax is 0) per
+    group (see :func:`_group_amax`; v always per key head); x8 = clamp(x' / descale, ±448) rounded
+    to e4m3 by torch (round to nearest even)."""
+    hk = k.shape[2]
+    outs8, descales, primes = [], [], []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        xp = incoherent_ref(x, signs).float() if incoherent and name != "v" else x.float()
+        amax = _group_amax(xp, block_quant and name != "v", hk)
+        descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        x8 = (xp / expand_descale(descale, x.shape)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        outs8.append(x8)
+        descales.append(descale)
+        primes.append(xp)
+    return (*outs8, *descales), tuple(primes[:2])
+
+
+def e4m3_code_distance(a, b):
+    """|code(a) - code(b)| element-wise for e4m3 tensors, code = the sign-magnitude byte as a signed
+    integer (+0 and -0 are both 0), so adjacent representable values are 1 apart."""
+    def code(x):
+        u = x.view(torch.uint8).to(torch.int32)
+        mag = u & 0x7F
+        return torch.where(u >= 0x80, -mag, mag)
+    return (code(a) - code(b)).abs()
+
+
+#: Of the elements of a transformed tensor (q8, k8 with incoherent processing), the fraction that
+#: may be one e4m3 code off the reference (see :func:`check_quantized`).
+QUANT_MAX_FRAC = 1e-4
+
+
+def check_quantized(got, q, k, v, incoherent: bool, block_quant: bool, signs, max_frac: float = QUANT_MAX_FRAC):
+    """Assert :func:`flashgen.quantize_fp8`'s outputs ``got`` against :func:`quantize_ref` (``signs``:
+    the ±1 vector, flashgen.interface.incoherent_signs(head_dim, seed)):
+
+    * shapes, dtypes, contiguity, q's device; no NaN anywhere (saturating rounding never makes one,
+      so a NaN is memory the kernels did not write);
+    * descales equal to 1e-6 relative (the kernel's amax is the max of its own fp32 x');
+    * e4m3 bytes identical where no transform runs (v; q and k without ``incoherent``: x' = x and the
+      kernel's division is correctly rounded, as torch's);
+    * after the transform, one code apart for at most ``max_frac`` of the elements, none further:
+      the kernel's x' is a sum of rounded fp32 butterflies, the reference's the exact product rounded
+      once; a few fp32 ulps (2^-23 relative) move x' / descale across an e4m3 rounding boundary
+      (spacing 2^-3 relative) with probability ~ 1e-6 per element."""
+    ref, _ = quantize_ref(q, k, v, incoherent, block_quant, signs)
+    names = ("q8", "k8", "v8", "q_descale", "k_descale", "v_descale")
+    for name, a, r in zip(names, got, ref):
+        assert a.shape == r.shape and a.dtype == r.dtype, (name, tuple(a.shape), tuple(r.shape), a.dtype)
+        assert a.is_contiguous() and a.device == q.device, name
+        nan = int(a.float().isnan().sum())
+        assert nan == 0, f"{name}: {nan} NaN elements (not written?)"
+        if a.dtype == torch.float32:
+            torch.testing.assert_close(a, r, rtol=1e-6, atol=0, msg=name)
+        elif not incoherent or name == "v8":
+            diff = int((a.view(torch.uint8) != r.view(torch.uint8)).sum())
+            assert diff == 0, f"{name}: {diff} of {a.numel()} bytes differ (no transform: must be identical)"
+        elif a.numel():
+            dist = e4m3_code_distance(a, r)
+            assert dist.max().item() <= 1, f"{name}: an element is {dist.max().item()} e4m3 codes off"
+            frac = dist.float().mean().item()
+            assert frac <= max_frac, f"{name}: {frac:.2e} of the elements one code off (bound {max_frac})"

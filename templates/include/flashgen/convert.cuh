@@ -1,8 +1,9 @@
-// flashgen element conversion and typed global memory access for fp32 data.
+// flashgen element conversion and typed global memory access.
 //
 // Output stores from fp32 values to a float / bfloat16 / half array (one element or four
-// adjacent ones), plus read-once loads of fp32 data. Used by families that compute in fp32
-// and write a selectable output dtype (combine).
+// adjacent ones), read-once loads of fp32 data and of 16-byte vectors, 16-bit pairs to fp32,
+// and saturating fp32 -> e4m3 packing. Used by families that compute in fp32 and write a
+// selectable output dtype (combine) or fp8 (quant).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,7 +42,42 @@ __device__ __forceinline__ float ldg_stream_f1_or_zero(const float* p, const flo
   return take ? v : 0.f;
 }
 
+// 16 bytes of any element type (e.g. 8 bf16 / fp16 values), read once; p 16-byte aligned. The
+// caller picks a valid address for every thread (see above) so that runs of these loads stay
+// unconditional.
+__device__ __forceinline__ uint4 ldg_stream_u4(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
 // ---------------------------------------------------------------- 16-bit vectors
+// Two T (half or bfloat16) packed in 32 bits (the lower address in the low half) -> fp32 (exact).
+// bfloat16 is the upper half of an fp32, so its conversion is a shift / mask (written out, so the
+// compiler can fuse it with what follows, e.g. a sign flip into one LOP3).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  } else {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+  }
+}
+
+// 8 T packed in 16 bytes -> x[0..7] in fp32, in address order.
+template <typename T>
+__device__ __forceinline__ void unpack8(uint4 v, float (&x)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = unpack2<T>(w[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+
 // Dot product in fp32 of two vectors of 8 T (half or bfloat16) packed in 16 bytes each.
 template <typename T>
 __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
@@ -49,17 +85,37 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float2 x, y;
-    if constexpr (std::is_same_v<T, __half>) {
-      x = __half22float2(*reinterpret_cast<const __half2*>(&av[i]));
-      y = __half22float2(*reinterpret_cast<const __half2*>(&bv[i]));
-    } else {
-      x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&av[i]));
-      y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bv[i]));
-    }
+    const float2 x = unpack2<T>(av[i]), y = unpack2<T>(bv[i]);
     s = fmaf(x.x, y.x, fmaf(x.y, y.y, s));
   }
   return s;
+}
+
+// ---------------------------------------------------------------- division by a fixed divisor
+// a / d correctly rounded (IEEE div.rn, what torch's `/` gives), for many a and one d, with
+// r = __frcp_rn(d) computed once: q = a r, then one Newton correction with the exact residual
+// a - q d (one fma). Correct for normal a, d and quotients (Markstein's theorem; no special
+// cases: not for infinities, NaN, denormals or overflow). 3 instructions instead of div.rn's ~10.
+__device__ __forceinline__ float div_rn_by(float a, float d, float r) {
+  const float q = a * r;
+  return fmaf(fmaf(-q, d, a), r, q);
+}
+
+// ---------------------------------------------------------------- fp8 (e4m3)
+// Four fp32 values -> four e4m3 bytes (a at the lowest address), rounded to nearest even and
+// saturated to +-448 (cvt.rn.satfinite.e4m3x2.f32, sm_89+; NaN stays NaN). The instruction puts
+// its first source operand in the upper byte, hence the swapped operands.
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+  uint32_t out;
+  asm("{\n"
+      "  .reg .b16 lo, hi;\n"
+      "  cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "  cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "  mov.b32 %0, {lo, hi};\n"
+      "}\n"
+      : "=r"(out)
+      : "f"(a), "f"(b), "f"(c), "f"(d));
+  return out;
 }
 
 // ---------------------------------------------------------------- typed output stores

@@ -1,0 +1,273 @@
+"""FP8 quantization of q, k, v, framework-neutral: argument checks and the launches of the ``quant``
+kernels (the torch API is ``flashgen.quantize_fp8``, in flashgen.interface).
+
+Method (FlashAttention-3, Shah et al., arXiv 2407.08608, §3.3): FP8 (e4m3) attention loses accuracy
+on inputs with outlier features. Two remedies, both optional:
+
+* block quantization: one scale per ``QUANT_BLOCK`` (64) rows of each q / k head instead of one per
+  (batch, head);
+* incoherent processing: q and k are multiplied by the same random orthogonal matrix
+  ``M = diag(s) H_B / sqrt(B)`` (per block of B consecutive head_dim coordinates; B the largest
+  power of two dividing head_dim, at most 256; H_B the Walsh-Hadamard matrix in natural order; s a
+  ±1 vector), so ``(q M)(k M)ᵀ = q kᵀ`` while an outlier coordinate is spread over B coordinates.
+  A fast Walsh-Hadamard transform does it in O(B log B) per row.
+
+Then ``x8 = satfinite_e4m3(x' / descale)``, ``descale = amax(|x'|) / 448`` over the scale's group
+(1 when the amax is 0). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+from . import dispatch
+from . import launch
+from ._validate import ArrayInfo, Problem, _is_int, input_problems, raise_problems
+from .core import TensorArg
+from .manifest import Variant
+
+# The family module's constants, not copies.
+from .generator.families.quant import (  # noqa: E402
+    E4M3_MAX,
+    QUANT_BLOCK,
+    SIGN_WORDS,
+    hadamard_size,
+    tile_geometry,
+)
+
+__all__ = [
+    "QUANT_BLOCK",
+    "E4M3_MAX",
+    "blocks",
+    "descale_shapes",
+    "check_quantize",
+    "quantize_problems",
+    "hadamard_size",
+    "pack_sign_bits",
+    "workspace_layout",
+    "quantize_fp8_launch",
+]
+
+#: What follows ``"flashgen: "`` in every message of the quantize checks.
+CONTEXT = "quantize_fp8: "
+_INT32_MAX = 2**31 - 1
+_SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes as a non-negative int
+_WS_ALIGN = 256
+
+
+def blocks(seqlen: int) -> int:
+    """``ceil(seqlen / QUANT_BLOCK)``: the 64-row blocks of a sequence (one block scale each)."""
+    return -(-int(seqlen) // QUANT_BLOCK)
+
+
+def descale_shapes(p: Problem, block_quant: bool) -> tuple:
+    """The shapes of ``(q_descale, k_descale, v_descale)`` for the call ``p`` (:func:`check_quantize`):
+    with ``block_quant`` q ``(batch, heads, blocks(seqlen_q))`` and k ``(batch, heads_k,
+    blocks(seqlen_k))``, else both ``(batch, heads_k)`` (FA3's); v always ``(batch, heads_k)``."""
+    per_head = (p.batch, p.heads_k)
+    if not block_quant:
+        return per_head, per_head, per_head
+    return (p.batch, p.heads, blocks(p.seqlen_q)), (p.batch, p.heads_k, blocks(p.seqlen_k)), per_head
+
+
+def flag_problems(incoherent, block_quant, seed) -> list:
+    """The problems (``(exception class, message)`` pairs) of the scalar arguments: incoherent and
+    block_quant bools, seed an int in [0, 2^64 - 1] (torch.Generator's seed range)."""
+    P: list = []
+    for name, val in (("incoherent", incoherent), ("block_quant", block_quant)):
+        if not isinstance(val, bool):
+            P.append((TypeError, f"{name} must be a bool, got {type(val).__name__} {val!r}"))
+    if not _is_int(seed):
+        P.append((TypeError, f"seed must be an int (the seed of the ±1 signs of incoherent processing), got "
+                             f"{type(seed).__name__} {seed!r}"))
+    elif not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
+        P.append((ValueError, f"seed must be between {_SEED_RANGE[0]} and {_SEED_RANGE[1]}, got {seed}"))
+    return P
+
+
+def quantize_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[ArrayInfo]) -> list:
+    """Everything wrong with q, k, v (see :func:`check_quantize`), as ``(exception class, message)``
+    pairs; None stands for an argument that is no array (reported by the caller)."""
+    P = input_problems(q, k, v, dtypes=("fp16", "bf16"))  # fp8 inputs are already quantized: a dtype error
+    if not P and q is not None and k is not None and v is not None:
+        batch, seqlen_q, heads, _ = q.shape
+        seqlen_k, heads_k = k.shape[1], k.shape[2]
+        for what, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+            if n > _INT32_MAX:
+                P.append((ValueError, f"{what} must be at most {_INT32_MAX}, got {n}"))
+        for name, nb, h in (("q", blocks(seqlen_q), heads), ("k", blocks(seqlen_k), heads_k)):
+            if batch * nb * h > _INT32_MAX:
+                P.append((ValueError, f"{name} has batch x ceil(seqlen / {QUANT_BLOCK}) x heads = {batch * nb * h} "
+                                      f"blocks, more than {_INT32_MAX}"))
+    return P
+
+
+def check_quantize(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, also: Sequence[tuple] = ()) -> Problem:
+    """Check q, k, v of a quantize call and return its sizes; raises before any device work.
+
+    q ``(batch, seqlen_q, heads, head_dim)``, k ``(batch, seqlen_k, heads_k, head_dim)``, v
+    ``(batch, seqlen_k, heads_k, head_dim_v)``: float16 or bfloat16 (all three the same), on one
+    CUDA device; heads a multiple of heads_k; head_dim and head_dim_v multiples of 8 in 8..256
+    (the forward's rules, :func:`flashgen._validate.input_problems`). batch and seqlens may be 0.
+    ``also``: problems found elsewhere in the call (e.g. :func:`flag_problems`), reported in the
+    same exception.
+
+    Raises TypeError (dtypes; fp8 inputs included: they are quantized already), ValueError
+    (devices, ranks, sizes), :class:`flashgen.InputError` for both; every problem is listed, the
+    message starting with ``"flashgen: quantize_fp8: "``.
+    """
+    raise_problems(quantize_problems(q, k, v) + list(also), CONTEXT)
+    batch, seqlen_q, heads, head_dim = (int(n) for n in q.shape)
+    seqlen_k, heads_k, head_dim_v = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    return Problem(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, head_dim_v, q.dtype, q.device)
+
+
+def pack_sign_bits(negative: Sequence[bool]) -> tuple:
+    """The kernel's ``sign_bits0..7``: bit i (of word i // 32) set where s_i = -1 (at most 256 signs)."""
+    if len(negative) > 32 * SIGN_WORDS:
+        raise ValueError(f"flashgen: at most {32 * SIGN_WORDS} signs, got {len(negative)}")
+    words = [0] * SIGN_WORDS
+    for i, neg in enumerate(negative):
+        if neg:
+            words[i // 32] |= 1 << (i % 32)
+    return tuple(words)
+
+
+def workspace_layout(p: Problem, block_quant: bool) -> tuple:
+    """``(total bytes, (q, k, v) byte offsets or None)`` of the fp32 amax workspace: (batch, heads,
+    blocks) for each tensor whose scale spans several blocks (v always; q and k without block
+    quantization); each region 256-byte aligned. Its contents need no initialisation."""
+    nq, nk = blocks(p.seqlen_q), blocks(p.seqlen_k)
+    sizes = (0 if block_quant else p.batch * p.heads * nq, 0 if block_quant else p.batch * p.heads_k * nk,
+             p.batch * p.heads_k * nk)
+    offs, off = [], 0
+    for n in sizes:
+        offs.append(off if n else None)
+        off += -(-n * 4 // _WS_ALIGN) * _WS_ALIGN
+    return off, tuple(offs)
+
+
+class _Plan(NamedTuple):
+    variant: Variant
+    amax: object  # launch.LoadedKernel
+    quant: object
+
+
+_plans: dict = {}  # (dtype, device) -> _Plan; immutable values
+
+
+def _plan(dtype: str, device: int) -> _Plan:
+    """The variant serving ``dtype`` and its two loaded kernels, once per key (a miss that raises
+    MissingVariantError caches nothing)."""
+    key = (dtype, device)
+    plan = _plans.get(key)
+    if plan is None:
+        var = dispatch.select_variant("quant", {"dtype": dtype})
+        plan = _Plan(var, launch.get_kernel(var, "amax", device), launch.get_kernel(var, "quant", device))
+        _plans[key] = plan
+    return plan
+
+
+def _launch_problems(args: dict, p: Problem, block_quant: bool) -> list:
+    """What the kernels rely on (the API layers check the rest, with nicer messages)."""
+    P = []
+    qd, kd, vd = descale_shapes(p, block_quant)
+    shapes = {"q": p.q_shape, "k": p.k_shape, "v": p.v_shape, "q8": p.q_shape, "k8": p.k_shape, "v8": p.v_shape,
+              "q_descale": qd, "k_descale": kd, "v_descale": vd}
+    for name, want in shapes.items():
+        t = args[name]
+        if tuple(t.shape) != want:
+            P.append(f"{name} has shape {tuple(t.shape)}, want {want}")
+        if t.device != p.device:
+            P.append(f"{name} is on cuda:{t.device}, q on cuda:{p.device}")
+    for name in ("q", "k", "v"):
+        t = args[name]
+        if t.dtype != p.dtype:
+            P.append(f"{name} has dtype {t.dtype}, want {p.dtype}")
+        elif 0 not in t.shape:
+            es = 2
+            if t.strides[3] != 1 or t.ptr % 16 or any(n > 1 and (s * es) % 16 for n, s in zip(t.shape[:3], t.strides[:3])):
+                P.append(f"{name} (strides {t.strides}, address 0x{t.ptr:x}) needs a contiguous last dim and 16-byte "
+                         "aligned rows (16-byte loads)")
+    for name in ("q8", "k8", "v8"):
+        t = args[name]
+        if t.dtype != "fp8_e4m3" or (0 not in t.shape and tuple(t.strides) != _contiguous(t.shape)):
+            P.append(f"{name} must be a contiguous e4m3 array, got {t.dtype} strides {t.strides}")
+    for name in ("q_descale", "k_descale", "v_descale"):
+        t = args[name]
+        if t.dtype != "fp32" or (0 not in t.shape and tuple(t.strides) != _contiguous(t.shape)) or t.ptr % 4:
+            P.append(f"{name} must be a contiguous, 4-byte aligned float32 array, got {t.dtype} strides {t.strides}")
+    return P
+
+
+def _contiguous(shape: Sequence[int]) -> tuple:
+    out, acc = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def tile_counts(p: Problem) -> tuple:
+    """CTAs of the q, k and v tiles: batch x blocks x ceil(heads / heads_per_cta) each."""
+    _, _, g_qk = tile_geometry(p.head_dim)
+    _, _, g_v = tile_geometry(p.head_dim_v)
+    nq, nk = blocks(p.seqlen_q), blocks(p.seqlen_k)
+    return (p.batch * nq * -(-p.heads // g_qk), p.batch * nk * -(-p.heads_k // g_qk), p.batch * nk * -(-p.heads_k // g_v))
+
+
+def quantize_fp8_launch(q: TensorArg, k: TensorArg, v: TensorArg, q8: TensorArg, k8: TensorArg, v8: TensorArg,
+                        q_descale: TensorArg, k_descale: TensorArg, v_descale: TensorArg, workspace_ptr: int,
+                        p: Problem, incoherent: bool, block_quant: bool, sign_bits: Sequence[int],
+                        stream: int) -> Variant:
+    """Launch the quant kernels (``amax`` where some scale spans several blocks, then ``quant``).
+
+    q, k, v: the inputs (fp16 / bf16, last dim contiguous, 16-byte aligned rows); q8, k8, v8:
+    contiguous e4m3 outputs of their shapes; q/k/v_descale: contiguous fp32 outputs of
+    :func:`descale_shapes`; ``workspace_ptr``: :func:`workspace_layout` bytes of device memory,
+    256-byte aligned, any contents, alive until the kernels ran (stream order; unused when its
+    size is 0); ``sign_bits``: :func:`pack_sign_bits` of the ±1 vector (ignored unless
+    ``incoherent``). Launches on ``stream``; never synchronises.
+
+    Every output element is written, except the descales of a tensor with no rows, which the
+    caller sets to 1 (global scales of an empty tensor: amax 0). Returns the variant used;
+    MissingVariantError when no quant variant serves the dtype; ValueError for arguments the
+    kernels cannot serve.
+    """
+    args = dict(q=q, k=k, v=v, q8=q8, k8=k8, v8=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    problems = _launch_problems(args, p, block_quant)
+    if problems:
+        raise ValueError("flashgen: quantize_fp8_launch: " + "; ".join(problems))
+    plan = _plan(p.dtype, p.device)
+    tq, tk, tv = tile_counts(p)
+    amax_grid = (0 if block_quant else tq + tk) + tv
+    quant_grid = tq + tk + tv
+    if quant_grid > _INT32_MAX:
+        raise ValueError(f"flashgen: quantize_fp8: {quant_grid} tiles, more than the grid limit {_INT32_MAX}")
+    rows_qk, log_qk, _ = tile_geometry(p.head_dim)
+    rows_v, log_v, _ = tile_geometry(p.head_dim_v)
+    _, offs = workspace_layout(p, block_quant)
+    ws = [0 if o is None else int(workspace_ptr) + o for o in offs]
+    b = hadamard_size(p.head_dim)
+    params = {
+        "q": q.ptr, "k": k.ptr, "v": v.ptr, "q8": q8.ptr, "k8": k8.ptr, "v8": v8.ptr,
+        "q_descale": q_descale.ptr, "k_descale": k_descale.ptr, "v_descale": v_descale.ptr,
+        "q_amax": ws[0], "k_amax": ws[1], "v_amax": ws[2],
+        "q_stride_batch": q.strides[0], "q_stride_seq": q.strides[1], "q_stride_head": q.strides[2],
+        "k_stride_batch": k.strides[0], "k_stride_seq": k.strides[1], "k_stride_head": k.strides[2],
+        "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1], "v_stride_head": v.strides[2],
+        "batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "heads": p.heads, "heads_k": p.heads_k,
+        "head_dim": p.head_dim, "head_dim_v": p.head_dim_v, "q_blocks": blocks(p.seqlen_q),
+        "k_blocks": blocks(p.seqlen_k),
+        "q_tiles": tq, "k_tiles": tk, "v_tiles": tv,
+        "qk_rows": rows_qk, "qk_items_log2": log_qk, "v_rows": rows_v, "v_items_log2": log_v,
+        "hadamard": b, "incoherent": 1 if incoherent else 0, "block_quant": 1 if block_quant else 0,
+        "hadamard_scale": 1.0 / math.sqrt(b),  # packed as fp32: rounded once
+        **{f"sign_bits{i}": int(w) for i, w in enumerate(sign_bits)},
+    }
+    if amax_grid:
+        launch.launch(plan.amax, (amax_grid, 1, 1), (), params, stream, p.device)
+    if quant_grid:
+        launch.launch(plan.quant, (quant_grid, 1, 1), (), params, stream, p.device)
+    return plan.variant

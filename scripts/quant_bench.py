@@ -1,0 +1,62 @@
+"""Throughput of flashgen.quantize_fp8 (the ``quant`` kernels), as memory bandwidth.
+
+Timed like `flashgen bench` (L2 flushed before each repetition, median). Two figures per shape:
+* useful GB/s: the bytes a one-pass quantizer must move (read q, k, v in bf16 / fp16, write them
+  in e4m3, plus the descales) over the time;
+* traffic GB/s: the bytes these kernels move (v, and q / k without block quantization, are read
+  twice: the amax pass, then the quant pass).
+and the useful figure as a fraction of the GPU's DRAM peak (H100 SXM 3.35 TB/s, H200 4.8 TB/s;
+--peak to override). Usage: python scripts/quant_bench.py [--peak 4.8e12] [--dtype bf16]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from flashgen.bench import _time_ms
+from flashgen.interface import quantize_fp8
+
+SHAPES = [  # batch, seqlen, heads, heads_k, head_dim
+    (2, 4096, 16, 16, 128),
+    (1, 16384, 16, 16, 128),
+    (8, 2048, 32, 8, 128),
+    (4, 8192, 32, 32, 64),
+    (2, 8192, 8, 8, 256),
+    (2, 8192, 16, 16, 96),
+    (2, 8192, 16, 16, 192),
+    (64, 128, 16, 16, 128),
+]
+
+
+def _peak(name: str) -> float:
+    return 4.8e12 if "H200" in name else 3.35e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peak", type=float, default=None, help="DRAM bytes/s (default: by GPU name)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    a = ap.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    name = torch.cuda.get_device_name()
+    peak = a.peak or _peak(name)
+    print(f"{name}, peak {peak / 1e12:.2f} TB/s, {a.dtype}")
+    print("| b, s, h, hk, d | mode | us | useful GB/s | % of peak | traffic GB/s |")
+    print("|---|---|---|---|---|---|")
+    for b, s, h, hk, d in SHAPES:
+        q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
+        n_q, n_kv = q.numel(), k.numel()
+        for incoherent, block in ((True, True), (False, True), (True, False)):
+            ms = _time_ms(lambda: quantize_fp8(q, k, v, incoherent=incoherent, block_quant=block))
+            useful = 3 * (n_q + 2 * n_kv)  # 2 bytes in, 1 out per element (descales are negligible)
+            traffic = useful + 2 * n_kv + (0 if block else 2 * (n_q + n_kv))
+            mode = ("incoherent" if incoherent else "plain") + (", block" if block else ", per-head")
+            print(f"| {b}, {s}, {h}, {hk}, {d} | {mode} | {ms * 1e3:.1f} | {useful / ms / 1e6:.0f} | "
+                  f"{100 * useful * 1e3 / ms / peak:.0f} | {traffic / ms / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
