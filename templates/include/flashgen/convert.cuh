@@ -102,22 +102,6 @@ __device__ __forceinline__ float div_rn_by(float a, float d, float r) {
 }
 
 // ---------------------------------------------------------------- fp8 (e4m3)
-// Four fp32 values -> four e4m3 bytes (a at the lowest address), rounded to nearest even and
-// saturated to +-448 (cvt.rn.satfinite.e4m3x2.f32, sm_89+; NaN stays NaN). The instruction puts
-// its first source operand in the upper byte, hence the swapped operands.
-__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
-  uint32_t out;
-  asm("{\n"
-      "  .reg .b16 lo, hi;\n"
-      "  cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
-      "  cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
-      "  mov.b32 %0, {lo, hi};\n"
-      "}\n"
-      : "=r"(out)
-      : "f"(a), "f"(b), "f"(c), "f"(d));
-  return out;
-}
-
 // ---------------------------------------------------------------- typed output stores
 // OutT is float, __nv_bfloat16 or __half; fp32 values are rounded to nearest even.
 // store_out4 writes out[0..3]; `out` must be aligned to 4 elements (16 bytes for float,
