@@ -7,6 +7,9 @@
 #                                          and of this tree, alternated twice, same harness; table printed last
 #   bash scripts/device_check.sh full      test, then `flashgen bench --backward` (forward and backward grids vs SDPA
 #                                          cuDNN/FA2, ablation, combine; backward CSV/PNG as bench_bwd.*)
+#   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
+#                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
+#                                          and per-SASS-line stall samples, tarred)
 set -uo pipefail
 mode=${1:-test}
 out=${OUT:-/tmp/flashgen-out}
@@ -33,6 +36,25 @@ test|full)
   fi
   python3 scripts/quant_bench.py 2>&1 | tee "$out/quant_bench.md"      # quantize_fp8 bandwidth
   python3 scripts/fp8_accuracy.py 2>&1 | tee "$out/fp8_accuracy.md"    # FA3 Table 3
+  ;;
+tune)
+  timeout 300 flashgen tune -o "$out/tune.yaml" 2>&1 | tee "$out/tune.log" | tail -40
+  prof() {  # name, profile_fwd.py args
+    local name=$1; shift
+    timeout 120 ncu --clock-control none -k regex:flashgen_fwd --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+      --section SourceCounters -f -o "/tmp/prof/$name" python3 scripts/profile_fwd.py "$@" 2>&1 | grep -v '^==PROF==' | tail -3
+    ncu -i "/tmp/prof/$name.ncu-rep" --page details > "/tmp/prof/$name.details.txt" 2>&1
+    ncu -i "/tmp/prof/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/prof/$name.sass.csv" 2>&1
+    grep -E 'Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible' "/tmp/prof/$name.details.txt" | sed "s/^/$name: /"
+  }
+  mkdir -p /tmp/prof
+  prof e4m3_hd128 --dtype e4m3 --head-dim 128
+  prof e4m3_hd256 --dtype e4m3 --head-dim 256
+  prof bf16_hd128 --dtype bf16 --head-dim 128
+  prof e4m3_hd64 --dtype e4m3 --head-dim 64
+  (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
   ;;
 regress)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

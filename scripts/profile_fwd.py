@@ -1,0 +1,41 @@
+"""A few forward calls of one FA3-protocol point, for Nsight Compute (scripts/device_check.sh profile).
+
+Usage: python scripts/profile_fwd.py --dtype e4m3|bf16|fp16 --head-dim 128 [--causal] [--seqlen 16384] [--calls 3]
+16384 tokens, hidden 2048 (batch = 16384 / seqlen, heads = 2048 / head_dim); e4m3 inputs are bf16 random
+normal cast to float8_e4m3fn with unit FA3 descales. Prints the kernel time of the last call (CUDA events)."""
+import argparse
+
+import torch
+
+import flashgen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"))
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--calls", type=int, default=3)
+    a = ap.parse_args()
+    s, d = a.seqlen, a.head_dim
+    b, h = 16384 // s, 2048 // d
+    base = torch.bfloat16 if a.dtype != "fp16" else torch.float16
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=base) for _ in range(3))
+    kw = {}
+    if a.dtype == "e4m3":
+        q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        kw = {n: torch.ones(b, h, device="cuda") for n in ("q_descale", "k_descale", "v_descale")}
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(a.calls):
+        e0.record()
+        flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
+        e1.record()
+    torch.cuda.synchronize()
+    ms = e0.elapsed_time(e1)
+    flops = 4 * b * h * s * s * d / (2 if a.causal else 1)
+    print(f"{a.dtype} hd{d} causal={a.causal} s{s}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (last call)")
+
+
+if __name__ == "__main__":
+    main()
