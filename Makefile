@@ -16,7 +16,8 @@ install:
 	$(PIP) install -e '.[torch,dev]'
 	$(MAKE) build
 
-## build: the default variant set (configs with default_build: true) -> build/manifest.json
+## build: the default variant set (configs with default_build: true, plus the tiles configs/tune/*.yaml
+## name) -> build/manifest.json
 build:
 	$(FLASHGEN) build $(JOBS_FLAG)
 

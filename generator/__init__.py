@@ -9,4 +9,4 @@ Public entry points (the CLI in flashgen.cli uses these):
 - :func:`flashgen.generator.build.build` -- render, compile (content-addressed cache), write the manifest
 - :mod:`flashgen.generator.sass` -- cuobjdump-based SASS checks
 """
-from .errors import ConfigError, BuildError, ToolchainError  # noqa: F401
+from .errors import ConfigError, BuildError, ToolchainError, TuneTableWarning  # noqa: F401

@@ -7,7 +7,8 @@ declared by the family module (generator/families/<family>.py, its ``keys``):
 ``family``         str, the kernel family (a module of generator/families; template templates/<family>.cu.j2)
 ``description``    str, free text
 ``default_build``  bool (default true): part of the default build set (``flashgen build`` without
-                   ``--all``); false for sets only ``--all`` / ``make build-all`` builds
+                   ``--all``); false for sets only ``--all`` / ``make build-all`` builds (but see
+                   "The default build set" below: a variant a tune table names is in it anyway)
 ``defaults``       knob defaults (the family's ``knob`` keys; built-in defaults otherwise)
 ``matrix``         the family's ``axis`` keys: lists (or one scalar); every combination is a point
                    whose tile keys come from ``tiles``. An axis with a default (e.g. fwd's ``softcap``,
@@ -30,19 +31,40 @@ declared by the family module (generator/families/<family>.py, its ``keys``):
 
 All problems of all files are collected (never only the first) and raised together as one
 :class:`ConfigError` whose lines name file, key, value and what is allowed.
+
+The default build set (``flashgen build``, ``make build``, a wheel with FLASHGEN_VARIANTS unset or
+``default``; :func:`select` without ``all_``) is
+
+1. every variant of a file with ``default_build: true``, and
+2. every variant a tune table names: each ``configs/tune/*.yaml`` (per-GPU tables written by
+   ``flashgen tune``; format: generator/tunetable.py) gives, per dispatch key and seqlen_k range,
+   the tile the runtime serves there; the variant of that key with that tile (the one the runtime
+   would pick) joins the default set, whatever its file's ``default_build`` (typically a
+   ``candidates`` row of a ``default_build: false`` file). Only the winners: the other candidates
+   stay outside. :attr:`Variant.tuned` lists the tables (file stems, e.g. ``nvidia-h200``) that
+   add a variant. A new table is picked up by the next load, with no code or config change.
+
+A table never makes :func:`load_variants` fail (it is a measurement of one GPU, and the runtime
+never fails a call on one either; a table for another GPU must not break this build or a
+``pip install``), but nothing is dropped silently: a table that fails validation (which the
+runtime ignores as a whole) and a tile that no config makes (which the runtime cannot serve; it
+falls back to the default tile) are each reported through ``warn`` (default: a
+:class:`TuneTableWarning`), naming the table file and the entry/row. The CLI prints these as
+``warning:`` lines on every load; the tests assert that the shipped tables give none.
 """
 from __future__ import annotations
 
 import copy
 import fnmatch
 import itertools
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from . import families
-from .errors import ConfigError
+from . import families, tunetable
+from .errors import ConfigError, TuneTableWarning
 from .naming import canonical_params, symbol_for, variant_name
 
 TOP_KEYS = ("family", "description", "default_build", "defaults", "matrix", "tiles", "candidates", "exclude", "extra")
@@ -59,6 +81,7 @@ class Variant:
     default: bool = False  # the tile table's choice for its dispatch key
     default_build: bool = False  # in the default build set
     sources: list = field(default_factory=list)  # e.g. "configs/fwd.yaml: matrix"
+    tuned: list = field(default_factory=list)  # tune tables (stems) that put it in the default set
 
     @property
     def family(self) -> str:
@@ -342,12 +365,14 @@ def config_files(configs_dir: Path) -> list[Path]:
     return sorted([*Path(configs_dir).glob("*.yaml"), *Path(configs_dir).glob("*.yml")])
 
 
-def load_variants(project, overrides: dict | None = None) -> list[Variant]:
-    """Validate every config file of ``project`` and expand them into variants (sorted by name).
+def load_variants(project, overrides: dict | None = None, warn=None) -> list[Variant]:
+    """Validate every config file of ``project`` and expand them into variants (sorted by name),
+    the tiles its tune tables name marked ``default_build`` (module docstring, "The default build set").
 
     ``overrides`` maps a config path to parsed data used instead of the file's content (the
     add-variant command validates its edit this way before writing). Raises ConfigError with
-    every problem found."""
+    every problem found in the configs. ``warn(message)`` receives each problem of a tune table
+    (default: ``warnings.warn`` with :class:`TuneTableWarning`)."""
     problems: list[str] = []
     overrides = {Path(k).resolve(): v for k, v in (overrides or {}).items()}
     paths = config_files(project.configs_dir)
@@ -397,11 +422,61 @@ def load_variants(project, overrides: dict | None = None) -> list[Variant]:
             chosen[key] = v
     if problems:
         raise ConfigError(problems)
-    return sorted(by_name.values(), key=lambda v: v.name)
+    out = sorted(by_name.values(), key=lambda v: v.name)
+    _add_tuned(project, out, warn or (lambda msg: warnings.warn(msg, TuneTableWarning, stacklevel=3)))
+    return out
+
+
+def _tile_text(tile: dict) -> str:
+    return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in tile.items()) + "}"
+
+
+def _add_tuned(project, variants: list[Variant], warn) -> None:
+    """Put every variant a tune table of ``project`` names into the default build set (the rule of
+    the module docstring); ``warn`` each table problem and each tile no config makes."""
+    by_config = {v.name for v in variants if v.default_build}
+    for path in tunetable.table_files(project.configs_dir):
+        label = project.rel(path)
+        data, problems = tunetable.read_table(path, label)
+        if problems:
+            warn(f"{label}: invalid tune table: none of its tiles joins the default build (the runtime ignores the "
+                 "whole table too):\n  " + "\n  ".join(problems))
+            continue
+        for where, family, key, tile in tunetable.named_tiles(data):
+            hits = [v for v in variants if v.family == family and v.dispatch == key and tunetable.has_tile(v.params, tile)]
+            if hits:
+                v = min(hits, key=lambda v: (not v.default, v.name))  # the runtime's choice among built ones
+                v.sources.append(f"{label}: {where}")
+                if v.name not in by_config:  # in the default set because of this table
+                    v.default_build = True
+                    if path.stem not in v.tuned:
+                        v.tuned.append(path.stem)
+                continue
+            what = f"{label}: {where}.tile = {_tile_text(tile)}"
+            if family not in families.names():
+                why = f"family {_fmt(family)} is not a family (allowed: {', '.join(families.names())})"
+            else:
+                fam = families.get(family)
+                unknown = [k for k in tile if k not in fam.names()]
+                same_key = [v for v in variants if v.family == family and v.dispatch == key]
+                ctx = f"{family} {', '.join(f'{k}={_fmt(x)}' for k, x in key.items())}"
+                if unknown:
+                    why = f"{', '.join(map(repr, unknown))}: not a key of {family} (allowed: {', '.join(fam.names())})"
+                elif not same_key:
+                    why = f"no config makes a variant of {ctx}"
+                else:
+                    why = (f"no config makes {ctx} with this tile (the key has {len(same_key)} configured "
+                           "tile(s); `flashgen list --all` lists them)")
+            warn(f"{what}: {why}; it cannot join the default build and the runtime serves the default tile "
+                 "there instead; allowed: a configured tile (add it, e.g. as a `candidates:` row), or re-run "
+                 "`flashgen tune`")
 
 
 def select(variants: list[Variant], pattern: str | None = None, all_: bool = False) -> list[Variant]:
     """The default build set (every variant with ``all_``), narrowed by a name glob.
+
+    The default set is the variants marked ``default_build``: those of ``default_build: true``
+    files and those a tune table names (:func:`load_variants`; module docstring).
 
     ``pattern`` is one or more comma-separated fnmatch globs; a pattern without wildcards matches
     as a substring."""

@@ -20,3 +20,8 @@ class BuildError(Exception):
     def __init__(self, failures):
         self.failures = list(failures)  # [(variant name, message)]
         super().__init__("\n".join(f"{n}: {m}" for n, m in self.failures))
+
+
+class TuneTableWarning(UserWarning):
+    """A tune table (configs/tune/*.yaml) the default build set cannot fully follow: the table is
+    invalid, or it names a tile no config makes (generator/config.py, "The default build set")."""

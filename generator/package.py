@@ -8,10 +8,11 @@ being packaged (never a stale one), and the tune tables of configs/tune/ as ``<d
 (flashgen/tuning.py reads them there). Any failure raises: a package without its kernels is never
 made.
 
-The set comes from ``$FLASHGEN_VARIANTS``: ``default`` (or unset) for the configs marked
-``default_build: true``; ``all`` for every configured variant (``make build-all``); anything else
-is a comma-separated list of globs over every configured variant (as `flashgen build --all
---filter`).
+The set comes from ``$FLASHGEN_VARIANTS``: ``default`` (or unset) for the default build set, the
+same as `flashgen build` (the configs marked ``default_build: true`` plus every tile the shipped
+tune tables name: generator/config.py); ``all`` for every configured variant (``make
+build-all``); anything else is a comma-separated list of globs over every configured variant (as
+`flashgen build --all --filter`).
 """
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ def package_kernels(root: Path, dest: Path, spec: str | None = None, log=print) 
     from .build import build
     from .config import load_variants
     from .project import Project
+    from .tunetable import table_files
 
     project = Project(Path(root).resolve())
-    variants = load_variants(project)
+    variants = load_variants(project, warn=lambda msg: log(f"flashgen: warning: {msg}"))
     chosen = chosen_variants(variants, spec if spec is not None else os.environ.get(ENV))
     log(f"flashgen: packaging {len(chosen)} kernel variants ({ENV}={os.environ.get(ENV, 'default')})")
     res = build(project, chosen, all_variants=variants, log=log)
@@ -71,11 +73,12 @@ def package_kernels(root: Path, dest: Path, spec: str | None = None, log=print) 
         shutil.copyfile(project.build_dir / e["fatbin"], dest / e["fatbin"])
     manifest = {**res.manifest, "variants": entries}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    tables = sorted((project.configs_dir / "tune").glob("*.yaml"))
+    tables = table_files(project.configs_dir)  # the tables whose tiles the default set has (config.py)
     if tables:  # the runtime reads <kernel dir>/tune/<gpu-slug>.yaml (flashgen/tuning.py)
         (dest / "tune").mkdir()
         for t in tables:
             shutil.copyfile(t, dest / "tune" / t.name)
-        log(f"flashgen: shipping {len(tables)} tune table(s): {', '.join(t.name for t in tables)} (their tiles serve "
-            "only where this package has them: FLASHGEN_VARIANTS=all ships every candidate)")
+        tuned = sum(bool(v.tuned) for v in chosen)
+        log(f"flashgen: shipping {len(tables)} tune table(s): {', '.join(t.name for t in tables)} ({tuned} of the "
+            "packaged variants are there as tiles they name; a tile serves only where this package has it)")
     return sorted(names)

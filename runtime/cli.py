@@ -37,6 +37,16 @@ def _fail_toolchain(err) -> None:
     sys.exit(EXIT_TOOLCHAIN)
 
 
+_warned: set = set()  # tune-table warnings printed by this command (add-variant loads twice)
+
+
+def _warn_table(message: str) -> None:
+    """A tune table's problem (generator/config.py, "The default build set"): a warning, never an exit."""
+    if message not in _warned:
+        _warned.add(message)
+        click.echo(f"warning: {message}", err=True)
+
+
 def _load(project=None, overrides=None):
     g = _gen()
     from .generator.config import load_variants
@@ -44,7 +54,7 @@ def _load(project=None, overrides=None):
 
     try:
         project = project or Project.locate()
-        return project, load_variants(project, overrides)
+        return project, load_variants(project, overrides, warn=_warn_table)
     except g.ConfigError as e:
         _fail_config(e)
 
@@ -105,6 +115,7 @@ def main():
     configs/*.yaml -> templates/*.cu.j2 -> nvcc fatbins -> build/manifest.json -> runtime.
     The project root is $FLASHGEN_ROOT, else the nearest folder above the current one that has
     configs/ and templates/, else the checkout this package was installed from."""
+    _warned.clear()  # each command prints each tune-table warning once
 
 
 @main.command("list")
@@ -116,8 +127,9 @@ def list_cmd(pattern, all_, as_json):
 
     BUILT is `yes` when build/ holds a fatbin compiled from the current configs, templates,
     headers and nvcc; `stale` when the manifest has an older build; `no` otherwise. DEFAULT `*`
-    marks the tile table's choice (what the runtime dispatches to). Outside a checkout (an
-    installed wheel) the installed manifest's variants are listed."""
+    marks the tile table's choice (what the runtime dispatches to). `(tuned: GPU)` marks a variant
+    that is in the default set because that GPU's tune table (configs/tune/) names its tile. Outside
+    a checkout (an installed wheel) the installed manifest's variants are listed."""
     g = _gen()
     from .generator.build import built_names
     from .generator.config import select
@@ -152,7 +164,7 @@ def list_cmd(pattern, all_, as_json):
             else:
                 built = "yes" if v.name in current else ("stale" if v.name in in_manifest else "no")
             rows.append({"name": v.name, "default": v.default, "built": built, "params": v.params,
-                         "default_build": v.default_build, "sources": v.sources})
+                         "default_build": v.default_build, "tuned": v.tuned, "sources": v.sources})
         source = f"configs in {project.root}"
     if as_json:
         click.echo(json.dumps(rows, indent=1))
@@ -160,9 +172,13 @@ def list_cmd(pattern, all_, as_json):
     width = max([len(r["name"]) for r in rows] + [4])
     click.echo(f"{'NAME':<{width}}  DEFAULT  BUILT")
     for r in rows:
-        click.echo(f"{r['name']:<{width}}  {'*' if r['default'] else ' ':^7}  {r['built']}")
+        why = f"  (tuned: {', '.join(r['tuned'])})" if r.get("tuned") else ""
+        click.echo(f"{r['name']:<{width}}  {'*' if r['default'] else ' ':^7}  {r['built']:<5}{why}".rstrip())
     nb = sum(r["built"] == "yes" for r in rows)
-    click.echo(f"{len(rows)} variants ({nb} built) from {source}")
+    nt = sum(bool(r.get("tuned")) for r in rows)
+    tables = sorted({t for r in rows for t in r.get("tuned", [])})
+    click.echo(f"{len(rows)} variants ({nb} built) from {source}"
+               + (f"; {nt} of them in the default set as tuned tiles ({', '.join(tables)})" if nt else ""))
 
 
 @main.command("build")
@@ -183,6 +199,11 @@ def build_cmd(pattern, all_, jobs):
     if pattern and not selected and not all_ and select(variants, pattern, True):
         click.echo(f"--filter {pattern!r} matches only variants outside the default set; add --all", err=True)
         sys.exit(EXIT_CONFIG)
+    tuned = [v for v in selected if v.tuned]
+    if tuned and not all_:
+        tables = sorted({t for v in tuned for t in v.tuned})
+        click.echo(f"default set: {len(selected)} variants, {len(tuned)} of them tiles named by tune tables "
+                   f"({', '.join(tables)}; configs/tune/)")
     _run_build(project, selected, variants, jobs)
 
 

@@ -18,9 +18,12 @@ the string ``torch.cuda.get_device_name`` shows):
 A table is read once per (device, manifest) and process. A table that cannot be read or fails
 validation never fails a call: it is ignored with one warning naming the file and the row, and
 the default tiles serve. A row naming a tile that is not built also falls back to the default
-(silently: the default wheel does not ship the candidates; ``flashgen info`` counts them).
+(silently; ``flashgen info`` counts them). The default build set includes every tile that the
+checkout's tables (configs/tune/*.yaml) name (generator/config.py), so this happens with a set
+made without them (FLASHGEN_VARIANTS globs), a table newer than the build, or a tile no config
+makes (which the generator warns about).
 
-Format (schema 1; YAML; :func:`check_table` is the validation)::
+Format (schema 1; YAML; :func:`check_table`, in generator/tunetable.py, is the validation)::
 
     schema: 1
     gpu: NVIDIA H200                 # as the driver names it; the file name is its slug
@@ -44,30 +47,22 @@ is one integer operation and the dict lookup the cache already does.
 """
 from __future__ import annotations
 
-import datetime
 import os
-import re
 import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+# The format's validation lives in the generator (generator/tunetable.py), which also reads the
+# checkout's tables to put their tiles into the default build: one check for both.
+from .generator.tunetable import (  # noqa: F401 -- re-exported: flashgen.tuning.check_table etc.
+    ENTRY_KEYS, MEASURED_KEYS, ROW_KEYS, SCHEMA, TABLE_DIR, TOP_KEYS, check_table, gpu_slug, has_tile)
+
 ENV = "FLASHGEN_TUNE_TABLE"
-SCHEMA = 1
-TABLE_DIR = "tune"  # beside the manifest (<kernel dir>/tune) and in a checkout (configs/tune)
-TOP_KEYS = ("schema", "gpu", "date", "flashgen", "protocol", "entries")
-ENTRY_KEYS = ("family", "key", "default_tile", "rows")
-ROW_KEYS = ("max_seqlen_k", "tile", "measured")
-MEASURED_KEYS = ("seqlen", "tflops", "default_tflops")
 
 
 class TuneTableError(ValueError):
     """A tune table cannot be read or is invalid; the message names the file and every bad row."""
-
-
-def gpu_slug(name: str) -> str:
-    """File-name form of a GPU name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
-    return re.sub(r"[^a-z0-9]+", "-", str(name).lower()).strip("-") or "unknown-gpu"
 
 
 def seqlen_bucket(seqlen_k: int) -> int:
@@ -112,129 +107,7 @@ class Table:
     entries: dict  # (family, *sorted(key.items())) -> Entry
 
 
-# ---------------------------------------------------------------------------------- validation
-def _fmt(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _mapping(obj, where: str, allowed: tuple, required: tuple, problems: list) -> bool:
-    """The config files' check (generator/config.py): a mapping, no unknown key, every required one."""
-    from .generator.config import _check_mapping
-
-    return _check_mapping(obj, where, allowed, problems, required)
-
-
-def _scalars(obj, where: str, problems: list) -> bool:
-    """A non-empty mapping of names to int / bool / str values (a dispatch key or a tile)."""
-    if not isinstance(obj, dict) or not obj:
-        problems.append(f"{where}: expected a non-empty mapping of names to values, got {_fmt(obj)}")
-        return False
-    bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, (int, bool, str))]
-    for k in bad:
-        problems.append(f"{where}.{k}: {_fmt(obj[k])}: expected an integer, boolean or string")
-    return not bad
-
-
-def _check_row(row, where: str, key: dict, problems: list) -> bool:
-    if not _mapping(row, where, ROW_KEYS, ("max_seqlen_k", "tile"), problems):
-        return False
-    n0 = len(problems)
-    m = row["max_seqlen_k"]
-    if m is not None and not (_is_int(m) and m >= 1 and m & (m - 1) == 0):
-        problems.append(f"{where}.max_seqlen_k = {_fmt(m)}: not allowed; allowed: a power of two >= 1 (the runtime "
-                        "buckets seqlen_k by powers of two), or null (no upper bound)")
-    tile = row["tile"]
-    if not isinstance(tile, dict) and tile != "default":
-        problems.append(f"{where}.tile = {_fmt(tile)}: not allowed; allowed: a mapping of tile parameters, "
-                        "or 'default'")
-    elif tile != "default" and _scalars(tile, f"{where}.tile", problems):
-        for k in tile:
-            if k in key:
-                problems.append(f"{where}.tile.{k}: a dispatch key, not a tile parameter; the entry's key sets it")
-    measured = row.get("measured", [])
-    if not isinstance(measured, list):
-        problems.append(f"{where}.measured: expected a list, got {_fmt(measured)}")
-    else:
-        for j, m in enumerate(measured):
-            w = f"{where}.measured[{j}]"
-            if _mapping(m, w, MEASURED_KEYS, ("seqlen",), problems):
-                if not (_is_int(m["seqlen"]) and m["seqlen"] >= 1):
-                    problems.append(f"{w}.seqlen = {_fmt(m['seqlen'])}: expected an integer >= 1")
-                for k in ("tflops", "default_tflops"):
-                    if k in m and not (_is_num(m[k]) and m[k] >= 0):
-                        problems.append(f"{w}.{k} = {_fmt(m[k])}: expected a number >= 0")
-    return len(problems) == n0
-
-
-def check_table(data, label: str) -> list[str]:
-    """Every problem of a parsed table, one line each naming ``label`` (the file) and the row."""
-    problems: list[str] = []
-    if not _mapping(data, label, TOP_KEYS, TOP_KEYS, problems):
-        return problems
-    if data["schema"] != SCHEMA:
-        problems.append(f"{label}: schema = {_fmt(data['schema'])}: this flashgen reads schema {SCHEMA}; "
-                        "re-run `flashgen tune`")
-    if not isinstance(data["gpu"], str) or not data["gpu"].strip():
-        problems.append(f"{label}: gpu = {_fmt(data['gpu'])}: expected the GPU's name (a non-empty string)")
-    date = data["date"]
-    if not isinstance(date, datetime.date):
-        try:
-            datetime.date.fromisoformat(str(date))
-        except ValueError:
-            problems.append(f"{label}: date = {_fmt(date)}: expected a date, YYYY-MM-DD")
-    if _mapping(data["flashgen"], f"{label}: flashgen", ("version", "commit"), ("version", "commit"), problems):
-        for k in ("version", "commit"):
-            if not isinstance(data["flashgen"][k], str):
-                problems.append(f"{label}: flashgen.{k} = {_fmt(data['flashgen'][k])}: expected a string")
-    if not isinstance(data["protocol"], dict):
-        problems.append(f"{label}: protocol: expected a mapping (how the table was measured), got {_fmt(data['protocol'])}")
-    entries = data["entries"]
-    if not isinstance(entries, list):
-        problems.append(f"{label}: entries: expected a list, got {_fmt(entries)}")
-        return problems
-    seen: dict = {}
-    for i, e in enumerate(entries):
-        where = f"{label}: entries[{i}]"
-        if not _mapping(e, where, ENTRY_KEYS, ENTRY_KEYS, problems):
-            continue
-        if not isinstance(e["family"], str):
-            problems.append(f"{where}.family = {_fmt(e['family'])}: expected a family name (a string)")
-        if not _scalars(e["key"], f"{where}.key", problems):
-            continue
-        _scalars(e["default_tile"], f"{where}.default_tile", problems)
-        ident = (e["family"], *sorted(e["key"].items())) if isinstance(e["family"], str) else None
-        if ident in seen:
-            problems.append(f"{where}: same family and key as entries[{seen[ident]}]; allowed: one entry per key")
-        seen.setdefault(ident, i)
-        rows = e["rows"]
-        if not isinstance(rows, list) or not rows:
-            problems.append(f"{where}.rows: expected a non-empty list of rows, got {_fmt(rows)}")
-            continue
-        prev = 0
-        for j, r in enumerate(rows):
-            w = f"{where}.rows[{j}]"
-            if not _check_row(r, w, e["key"], problems):
-                continue
-            m = r["max_seqlen_k"]
-            if m is None and j != len(rows) - 1:
-                problems.append(f"{w}.max_seqlen_k = null: only the last row may have no upper bound")
-            elif m is not None and m <= prev:
-                problems.append(f"{w}.max_seqlen_k = {m}: not above the previous row's ({prev}); "
-                                "allowed: ascending bounds")
-            prev = m if m is not None else prev
-    return problems
-
-
+# ---------------------------------------------------------------------------------- reading
 def table_from_data(data, path) -> Table:
     """A validated :class:`Table` from parsed YAML; TuneTableError listing every problem."""
     label = str(path)
@@ -362,7 +235,7 @@ def variant_with_tile(manifest, family: str, dispatch: dict, tile: dict):
     """The built variant of ``family`` with dispatch key ``dispatch`` and ``tile`` (None if not
     built; the default among several, then the first by name)."""
     hits = [v for v in manifest.variants
-            if v.family == family and v.dispatch == dispatch and all(v.params.get(k) == x for k, x in tile.items())]
+            if v.family == family and v.dispatch == dispatch and has_tile(v.params, tile)]
     return min(hits, key=lambda v: (not v.default, v.name)) if hits else None
 
 

@@ -460,7 +460,7 @@ def test_smem_layout_is_the_feasibility_layout():
 # ============================================================================ generic code is generic
 
 GENERIC = [f"generator/{m}.py" for m in ("config", "naming", "render", "build", "abi", "project", "ptxas", "sass",
-                                         "toolchain", "fsutil", "errors")]
+                                         "toolchain", "fsutil", "errors", "tunetable")]
 GENERIC += ["generator/families/__init__.py", "runtime/manifest.py", "runtime/dispatch.py", "runtime/launch.py",
             "runtime/cli.py", "runtime/tuning.py"]
 FAMILY_LITERAL = re.compile(r"""(["'])(fwd|combine|quant)\1""")

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from fgutil import REPO, SMALL_FWD, cli, fake_cuda, make_project  # noqa: E402
 
 from flashgen import core, launch, tune, tuning  # noqa: E402
-from flashgen.generator.config import load_variants  # noqa: E402
-from flashgen.generator.errors import ConfigError  # noqa: E402
+from flashgen.generator.config import load_variants, select  # noqa: E402
+from flashgen.generator.errors import ConfigError, TuneTableWarning  # noqa: E402
 from flashgen.generator.project import Project  # noqa: E402
 
 GPU = "NVIDIA Test GPU 80GB HBM3"  # no shipped table has this name
@@ -565,28 +565,62 @@ def test_candidates_errors(tmp_path):
 
 def test_real_tune_candidates_config():
     """configs/fwd_tune.yaml: for bf16/fp16 x hd 64/128/256 x causal on/off, at least 3 non-default
-    candidates per key beside the default tile, none in the default build."""
+    candidates per key beside the default tile, none in the default build unless a shipped tune
+    table names it (then only because of that table)."""
     vs = load_variants(Project(REPO))
     fwd = [v for v in vs if v.family == "fwd"]
     for key in tune.keys(("bf16", "fp16"), (64, 128, 256), (False, True)):
         serving = [v for v in fwd if v.dispatch == key]
         assert sum(v.default for v in serving) == 1, key
         cands = [v for v in serving if any("fwd_tune.yaml" in s for s in v.sources)]
-        assert len(cands) >= 3 and not any(v.default or v.default_build for v in cands), key
+        assert len(cands) >= 3 and not any(v.default for v in cands), key
+        assert all(v.default_build == bool(v.tuned) for v in cands), key
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs" / "tune").glob("*.yaml")), ids=lambda p: p.name)
+SHIPPED_TABLES = sorted((REPO / "configs" / "tune").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_TABLES, ids=lambda p: p.name)
 def test_shipped_tables(path):
-    """Every shipped table validates, is named after its GPU, and names only configured tiles
-    (so `make build-all`, which builds every configured variant, ships them)."""
+    """Every shipped table validates, is named after its GPU, names only configured tiles, and
+    each of them is in the default build set (so `make build`, `flashgen build` and the default
+    wheel have them), marked tuned by this table unless the configs already build it."""
     t = tuning.load_table(path)
     assert path.name == f"{tuning.gpu_slug(t.gpu)}.yaml"
-    vs = load_variants(Project(REPO))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no TuneTableWarning for a shipped table
+        vs = load_variants(Project(REPO))
+    default_set = {v.name for v in select(vs)}
     for e in t.entries.values():
         for r in e.rows:
             if r.tile is not None:
-                assert any(v.family == e.family and v.dispatch == e.key and all(v.params.get(k) == x for k, x in r.tile.items())
-                           for v in vs), (path.name, e.key, r.tile)
+                hits = [v for v in vs if v.family == e.family and v.dispatch == e.key
+                        and all(v.params.get(k) == x for k, x in r.tile.items())]
+                assert hits, (path.name, e.key, r.tile)
+                pick = min(hits, key=lambda v: (not v.default, v.name))  # what the runtime serves when built
+                assert pick.name in default_set and pick.default_build, (path.name, e.key, r.tile)
+                assert any(s.startswith(f"configs/tune/{path.name}: entries[") for s in pick.sources)
+
+
+def test_default_set_is_the_configs_plus_the_shipped_winners():
+    """The default set of the real configs is exactly: the variants of the default_build files, plus
+    the variant each tile of a shipped table names (the runtime's pick); every other candidate of
+    the default_build: false files (configs/fwd_tune.yaml, ablation.yaml, ...) stays outside."""
+    vs = load_variants(Project(REPO))
+    named = set()
+    for path in SHIPPED_TABLES:
+        for e in tuning.load_table(path).entries.values():
+            for r in e.rows:
+                if r.tile is not None:
+                    hits = [v for v in vs if v.family == e.family and v.dispatch == e.key
+                            and all(v.params.get(k) == x for k, x in r.tile.items())]
+                    named.add(min(hits, key=lambda v: (not v.default, v.name)).name)
+    by_config = {f"configs/{p.name}" for p in REPO.glob("configs/*.yaml")
+                 if yaml.safe_load(p.read_text()).get("default_build", True)}
+    from_config = {v.name for v in vs if any(s.split(":")[0] in by_config for s in v.sources)}
+    assert {v.name for v in select(vs)} == from_config | named
+    assert {v.name for v in vs if v.tuned} == named - from_config
+    assert len(vs) > len(from_config | named)  # not every candidate: only the winners
 
 
 def test_package_ships_the_tables_beside_its_kernels(tmp_path, monkeypatch):
@@ -611,6 +645,138 @@ def test_package_ships_the_tables_beside_its_kernels(tmp_path, monkeypatch):
     q = arg((1, 256, 2, 128))
     used = core.attention_forward(q, q, q, q, arg((1, 2, 256), "fp32"), 0.1, True, 0)
     assert used.params["block_n"] == 176 and not used.default
+
+
+# ------------------------------------------------------------------- the default set's tuned tiles
+def _tuned_project(tmp_path, tables: dict | None = None):
+    """SMALL_FWD (default set, 8 variants) + CANDS_FWD (4 candidates, default_build false) and the
+    given tables ({file name: table data}) in configs/tune/."""
+    proj = make_project(tmp_path, {"fwd.yaml": SMALL_FWD, "fwd_tune.yaml": CANDS_FWD})
+    for name, data in (tables or {}).items():
+        write_table(proj.configs_dir / "tune" / name, data)
+    return proj
+
+
+def _load_quiet(proj):
+    """load_variants, failing on any TuneTableWarning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return load_variants(proj)
+
+
+def _sig(vs):
+    return sorted((v.name, v.default, v.default_build, tuple(v.tuned)) for v in vs)
+
+
+def test_default_set_gets_a_tables_winners_and_not_the_other_candidates(tmp_path, monkeypatch):
+    """A table naming CAND (128x176) for bf16 hd128 non-causal: that variant joins the default set
+    (tuned by the table); the other candidates (128x112, 176 for the causal key, hd64 192x112) do
+    not; `flashgen list` shows why; `flashgen build` and the default wheel build it."""
+    from flashgen.generator.package import package_kernels
+
+    proj = _tuned_project(tmp_path, {f"{SLUG}.yaml": table_data(rows=[
+        {"max_seqlen_k": 1024, "tile": CAND}, {"max_seqlen_k": None, "tile": "default"}])})
+    vs = _load_quiet(proj)
+    default_set = select(vs)
+    added = [v for v in default_set if v.tuned]
+    assert [(v.dispatch, tile_of(v), v.tuned) for v in added] == [(KEY, CAND, [SLUG])]
+    assert not added[0].default and any(f"configs/tune/{SLUG}.yaml: entries[0].rows[0]" == s for s in added[0].sources)
+    assert len(default_set) == 8 + 1
+    others = [v for v in vs if not v.default_build]
+    assert sorted((v.params["head_dim"], v.params["causal"], v.params["block_n"]) for v in others) == [
+        (64, False, 112), (128, True, 112), (128, True, 176)]
+    # flashgen list: in the default set, with the reason
+    r = cli(["list"], proj.root)
+    assert r.exit_code == 0 and not r.stderr, r.output
+    line = [ln for ln in r.output.splitlines() if ln.startswith(added[0].name)]
+    assert line and line[0].endswith(f"(tuned: {SLUG})")
+    assert "9 variants" in r.output and f"1 of them in the default set as tuned tiles ({SLUG})" in r.output
+    data = json.loads(cli(["list", "--json"], proj.root).output)
+    assert [d["name"] for d in data if d["tuned"]] == [added[0].name]
+    # flashgen build (fake nvcc) builds it; the default wheel set (FLASHGEN_VARIANTS unset) packages it
+    _, log = fake_cuda(tmp_path, monkeypatch)
+    r = cli(["build", "-j", "2"], proj.root)
+    assert r.exit_code == 0, r.output
+    assert f"default set: 9 variants, 1 of them tiles named by tune tables ({SLUG}" in r.output
+    built = {v["name"] for v in json.loads(proj.manifest_path.read_text())["variants"]}
+    assert added[0].name in built and not any(v.name in built for v in others)
+    monkeypatch.delenv("FLASHGEN_VARIANTS", raising=False)
+    logged = []
+    names = package_kernels(proj.root, tmp_path / "pkg", log=logged.append)
+    assert set(names) == {v.name for v in default_set}
+    assert any("1 of the packaged variants" in line for line in logged)
+
+
+def test_a_second_table_is_picked_up_without_changes(tmp_path):
+    """Another GPU's table (an H100's, as `flashgen tune` would write it) adds its own winners; a
+    tile both tables name is one variant, tuned by both."""
+    h100 = table_data(gpu="NVIDIA H100 80GB HBM3", rows=[{"max_seqlen_k": 512, "tile": CAND},
+                                                         {"max_seqlen_k": None, "tile": "default"}])
+    causal = table_data(key={**KEY, "causal": True}, rows=[{"max_seqlen_k": None, "tile": CAND2}])
+    h100["entries"] += causal["entries"]
+    proj = _tuned_project(tmp_path, {f"{SLUG}.yaml": table_data(rows=[{"max_seqlen_k": None, "tile": CAND}]),
+                                     "nvidia-h100-80gb-hbm3.yaml": h100})
+    vs = _load_quiet(proj)
+    added = sorted(((v.params["causal"], v.params["block_n"]), v.tuned) for v in select(vs) if v.tuned)
+    assert added == [((False, 176), ["nvidia-h100-80gb-hbm3", SLUG]), ((True, 112), ["nvidia-h100-80gb-hbm3"])]
+    assert len(select(vs)) == 8 + 2
+
+
+def test_unknown_tile_warns_and_changes_nothing(tmp_path, monkeypatch):
+    """A table naming a tile no config makes: the load (and so build, list, the wheel) does not fail,
+    but warns, naming the table file, the entry and row, and the tile; the tiles it can build
+    still join. An invalid table warns once and adds nothing (the runtime ignores it as well)."""
+    odd = {**CAND, "block_n": 144}
+    proj = _tuned_project(tmp_path, {f"{SLUG}.yaml": table_data(rows=[
+        {"max_seqlen_k": 1024, "tile": odd}, {"max_seqlen_k": None, "tile": CAND}])})
+    with pytest.warns(TuneTableWarning) as rec:
+        vs = load_variants(proj)
+    msgs = [str(w.message) for w in rec]
+    assert len(msgs) == 1 and f"configs/tune/{SLUG}.yaml: entries[0].rows[0].tile = " in msgs[0], msgs
+    assert "block_n: 144" in msgs[0] and "no config makes fwd" in msgs[0] and "default tile" in msgs[0], msgs
+    assert [tile_of(v) for v in select(vs) if v.tuned] == [CAND]  # the buildable winner is not dropped
+    r = cli(["list"], proj.root)
+    assert r.exit_code == 0 and f"warning: configs/tune/{SLUG}.yaml: entries[0].rows[0].tile" in r.stderr, r.output
+    fake_cuda(tmp_path, monkeypatch)
+    r = cli(["build", "-j", "2"], proj.root)
+    assert r.exit_code == 0 and r.stderr.count("warning: ") == 1, (r.output, r.stderr)
+    # a key no config serves, a tile key the family does not have
+    data = table_data(key={**KEY, "head_dim": 256, "head_dim_v": 256}, rows=[{"max_seqlen_k": None, "tile": CAND}])
+    data["entries"].append({**copy.deepcopy(data["entries"][0]), "key": dict(KEY),
+                            "rows": [{"max_seqlen_k": None, "tile": {**CAND, "blockn": 3}}]})
+    write_table(proj.configs_dir / "tune" / f"{SLUG}.yaml", data)
+    with pytest.warns(TuneTableWarning) as rec:
+        vs = load_variants(proj)
+    msgs = sorted(str(w.message) for w in rec)
+    assert len(msgs) == 2 and "entries[0].rows[0]" in msgs[0] and "no config makes a variant of fwd" in msgs[0], msgs
+    assert "entries[1].rows[0]" in msgs[1] and "'blockn': not a key of fwd" in msgs[1], msgs
+    assert not any(v.tuned for v in vs)
+    # an invalid table (here: named after another GPU than it was measured on): ignored with a warning
+    (proj.configs_dir / "tune" / f"{SLUG}.yaml").unlink()
+    write_table(proj.configs_dir / "tune" / "nvidia-h200.yaml", table_data(rows=[{"max_seqlen_k": None, "tile": CAND}]))
+    (proj.configs_dir / "tune" / "broken.yaml").write_text("schema: 1\nentries: [\n")
+    with pytest.warns(TuneTableWarning) as rec:
+        vs = load_variants(proj)
+    msgs = sorted(str(w.message) for w in rec)
+    assert len(msgs) == 2 and all("invalid tune table: none of its tiles joins the default build" in m for m in msgs)
+    assert "configs/tune/broken.yaml: line" in msgs[0] and "invalid YAML" in msgs[0], msgs
+    assert "configs/tune/nvidia-h200.yaml: gpu = " in msgs[1] and f"{SLUG}.yaml" in msgs[1], msgs
+    assert not any(v.tuned for v in vs) and len(select(vs)) == 8
+
+
+def test_no_tables_change_nothing(tmp_path):
+    """Without configs/tune/, or with it empty, or with a table naming only default tiles, the
+    default set is the default_build files' variants, unchanged, and nothing warns."""
+    none = _sig(_load_quiet(_tuned_project(tmp_path / "a")))
+    proj = _tuned_project(tmp_path / "b")
+    (proj.configs_dir / "tune").mkdir()
+    assert _sig(_load_quiet(proj)) == none
+    write_table(proj.configs_dir / "tune" / f"{SLUG}.yaml", table_data(rows=[
+        {"max_seqlen_k": 1024, "tile": "default"}, {"max_seqlen_k": None, "tile": DEFAULT}]))
+    assert _sig(_load_quiet(proj)) == none
+    vs = _load_quiet(proj)
+    assert len(select(vs)) == 8 and not any(v.tuned for v in vs)
+    assert sum(any("configs/tune/" in s for s in v.sources) for v in vs) == 1  # the default variant it names
 
 
 def test_sweep_through_the_real_point_with_a_fake_timer(gpu, monkeypatch):
