@@ -7,6 +7,9 @@
 #                                          and of this tree, alternated twice, same harness; table printed last
 #   bash scripts/device_check.sh full      test, then `flashgen bench --backward` (forward and backward grids vs SDPA
 #                                          cuDNN/FA2, ablation, combine; backward CSV/PNG as bench_bwd.*)
+#   bash scripts/device_check.sh perf      kernel-change check: FP8 + forward API GPU tests, the FP8 grid (fp8_bench.py), and a
+#                                          reduced forward regression grid (bf16, hd 64/128/256, seqlen 512/2k/16k) against
+#                                          .base/ (scripts/make_base.sh), alternated twice, SDPA peers in the same runs
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
@@ -55,6 +58,18 @@ tune)
   prof bf16_hd128 --dtype bf16 --head-dim 128
   prof e4m3_hd64 --dtype e4m3 --head-dim 64
   (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
+  ;;
+perf)
+  test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -x --tb=line tests/gpu/test_fp8_gpu.py tests/gpu/test_api_gpu.py 2>&1 | tee "$out/test.log" | tail -8
+  timeout 150 python3 scripts/fp8_bench.py --seqlens 1024,4096,16384 2>&1 | tee "$out/fp8_bench.md"
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
+  g="--seqlens 512,2048,16384 --head-dims 64,128,256 --dtypes bf16"
+  old() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/regress_fwd.py run --label old $g "$@"; }
+  new() { python3 scripts/regress_fwd.py run --label new $g "$@"; }
+  new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
+  python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt"
   ;;
 regress)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

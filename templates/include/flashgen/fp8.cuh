@@ -10,32 +10,66 @@ namespace flashgen {
 // V (SrcTile: rows = keys, columns = head_dim bytes, as TMA wrote it) -> V^T (DstTile: rows =
 // head_dim, columns = keys), the K-major B operand of O += P V. Within each 16 keys, V^T's
 // columns come in the order acc_to_a_frag_e4m3 (softmax.cuh) gives P's k positions: b16 element i
-// holds (key i, key i + 8). Unit u = 16 keys x 32 head_dim bytes: one ldmatrix.x4 reads keys
-// 16g + {0..7} and 16g + {8..15} of two 16-byte column blocks; a byte permute pairs key i with key
-// i + 8 (PRMT); one stmatrix.x4.trans writes the pairs transposed (FA3's LDSM / STSM transpose).
-// The warps `warp` of `warps` (a warp each) split the units. The caller fences the generic-proxy
-// writes (fence_proxy_async_smem) before WGMMA reads V^T.
-template <typename SrcTile, typename DstTile>
-__device__ __forceinline__ void transpose_v(const SrcTile& v, const DstTile& vt, int warp, int warps) {
+// holds (key i, key i + 8). Unit (g, cb) = keys 16g..16g+15 x head_dim bytes 32cb..32cb+31: one
+// ldmatrix.x4 reads keys 16g + {0..7} and 16g + {8..15} of two 16-byte column blocks; a byte
+// permute pairs key i with key i + 8 (PRMT); one stmatrix.x4.trans writes the pairs transposed
+// (FA3's LDSM / STSM transpose). kWarps warps (a warp each, `warp` = 0..kWarps-1) split the units
+// round robin. Both swizzles XOR bits 4-6 of an address with a row constant, and the tiles are
+// 1024-byte aligned, so a lane's address for column block k of a source chunk is its address for
+// block 0 XOR (k << 5), and for key block k of a V^T chunk its address for block 0 XOR (k << 4):
+// per unit, one LOP3 per access plus immediates (the loop is unrolled per warp; the lane's two
+// addresses come from the tiles' offset()). The caller fences the generic-proxy writes
+// (fence_proxy_async_smem) before WGMMA reads V^T.
+template <typename SrcTile, typename DstTile, int kWarps>
+struct VTransposer {
   static_assert(SrcTile::kRows % 16 == 0 && SrcTile::kCols % 32 == 0, "16 keys x 32 bytes units");
+  static_assert(SrcTile::kChunkCols == 128 && DstTile::kChunkCols == 128, "8-bit elements, 128-byte rows");
   static_assert(DstTile::kRows == SrcTile::kCols && DstTile::kCols >= SrcTile::kRows, "V^T holds V");
-  constexpr int kKeyGroups = SrcTile::kRows / 16;
-  constexpr int kUnits = kKeyGroups * (SrcTile::kCols / 32);
-  const int lane = threadIdx.x % 32;
-  const int m = lane / 8;  // the matrix this lane addresses
-  const int j = lane % 8;  // its row
-  for (int u = warp; u < kUnits; u += warps) {
-    const int g = u % kKeyGroups;
-    const int d0 = 32 * (u / kKeyGroups) + 16 * (m >> 1);  // the matrix's 16-byte column block
-    uint32_t x[4];
-    ldmatrix_x4(v.addr + SrcTile::offset(16 * g + j + 8 * (m & 1), d0), x);
-    // x0/x1: keys i, i + 8 (i = lane / 4) at bytes 4c..4c+3 of block 0; x2/x3 the same of block 1.
-    const uint32_t w[4] = {__byte_perm(x[0], x[1], 0x5140), __byte_perm(x[0], x[1], 0x7362),
-                           __byte_perm(x[2], x[3], 0x5140), __byte_perm(x[2], x[3], 0x7362)};
-    // w[m]'s element (i, 2c + e) is head_dim byte d0 + 4c + 2 (m & 1) + e: its transposed row.
-    stmatrix_x4_trans(vt.addr + DstTile::offset(d0 + 2 * (m & 1) + 4 * (j / 2) + j % 2, 16 * g), w);
+  static constexpr int kKeyGroups = SrcTile::kRows / 16;
+  static constexpr int kUnits = kKeyGroups * (SrcTile::kCols / 32);
+
+  uint32_t src;  // offset of this lane's ldmatrix row: key group 0, column block 0
+  uint32_t dst;  // offset of this lane's stmatrix row: head_dim block 0, key block 0
+  int warp;
+
+  __device__ __forceinline__ explicit VTransposer(int warp_) : warp(warp_) {
+    const int lane = threadIdx.x % 32;
+    const int m = lane / 8;  // the matrix this lane addresses
+    const int j = lane % 8;  // its row
+    src = SrcTile::offset(j + 8 * (m & 1), 16 * (m >> 1));
+    // w[m]'s element (i, 2c + e) is head_dim byte 32cb + 16 (m >> 1) + 4c + 2 (m & 1) + e: its row.
+    dst = DstTile::offset(16 * (m >> 1) + 2 * (m & 1) + 4 * (j / 2) + j % 2, 0);
   }
-}
+
+  // V tile -> V^T tile (both 1024-byte aligned).
+  __device__ __forceinline__ void operator()(const SrcTile& v, const DstTile& vt) const {
+    dispatch<0>(v.addr + src, vt.addr + dst);
+  }
+
+ private:
+  template <int W>
+  __device__ __forceinline__ void dispatch(uint32_t v, uint32_t vt) const {
+    if constexpr (W + 1 < kWarps) {
+      if (warp != W) return dispatch<W + 1>(v, vt);
+    }
+    units<W>(v, vt);
+  }
+
+  template <int W>
+  __device__ __forceinline__ void units(uint32_t v, uint32_t vt) const {
+#pragma unroll
+    for (int u = W; u < kUnits; u += kWarps) {
+      const int g = u % kKeyGroups;   // 16-key group
+      const int cb = u / kKeyGroups;  // 32-byte head_dim block
+      uint32_t x[4];
+      ldmatrix_x4((v ^ ((cb % 4) << 5)) + (cb / 4) * SrcTile::kChunkBytes + 16 * g * SrcTile::kRowBytes, x);
+      // x0/x1: keys i, i + 8 (i = lane / 4) at bytes 4c..4c+3 of block 0; x2/x3 the same of block 1.
+      const uint32_t w[4] = {__byte_perm(x[0], x[1], 0x5140), __byte_perm(x[0], x[1], 0x7362),
+                             __byte_perm(x[2], x[3], 0x5140), __byte_perm(x[2], x[3], 0x7362)};
+      stmatrix_x4_trans((vt ^ ((g % 8) << 4)) + (g / 8) * DstTile::kChunkBytes + 32 * cb * DstTile::kRowBytes, w);
+    }
+  }
+};
 
 // One fp32 descale of a (batch, head, 64-row block) scale tensor given by strides (elements):
 // FA3's (batch, heads_k) form has block stride 0 and head_div = heads / heads_k (query head h reads

@@ -96,13 +96,15 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 // 62-63 swizzle mode (1 = 128B). Tiles are 1024-byte aligned, so the base offset is 0.
 //  K-major (Q, K): rows of 128 bytes, 8-row atoms, SBO = 1024; LBO unused (16).
 //  MN-major (V with trans-b): LBO = bytes between 64-element MN chunks, SBO = 1024 (8 K-rows).
-__device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
-  d |= static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32;
-  d |= static_cast<uint64_t>(1) << 62;
-  return d;
+// The address field is (smem_addr + offset) >> 4 with no mask: shared-window addresses are below
+// 2^18, so the field never carries into LBO's, and with offset (a multiple of 16) passed apart from
+// the tile's address, the descriptors of one tile's k-steps share smem_addr >> 4 and differ by one
+// add of an immediate (no per-k-step shift and mask: fewer issue slots in the GEMM-issuing warps).
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
+                                                         uint32_t offset = 0) {
+  const uint32_t lo = (smem_addr >> 4) + (offset >> 4) + (((lbo_bytes >> 4) & 0x3FFF) << 16);
+  const uint32_t hi = ((sbo_bytes >> 4) & 0x3FFF) | (1u << 30);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
 // ---------------------------------------------------------------- math

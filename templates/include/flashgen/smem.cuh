@@ -59,16 +59,15 @@ struct SmemTileSW128 {
   // K-major operand (rows are M or N, columns are K; Q and K of S = Q K^T): k-step ks of the rows
   // from `row` (a multiple of 8) on. SBO = 1024 (8-row atoms); LBO is unused with this swizzle.
   __device__ __forceinline__ uint64_t desc_k_major(int ks, int row = 0) const {
-    return make_smem_desc_sw128(addr + row * kRowBytes + (ks / kKStepsPerChunk) * kChunkBytes +
-                                    (ks % kKStepsPerChunk) * 32,
-                                16, 1024);
+    return make_smem_desc_sw128(addr, 16, 1024,
+                                row * kRowBytes + (ks / kKStepsPerChunk) * kChunkBytes + (ks % kKStepsPerChunk) * 32);
   }
 
   // MN-major operand (rows are K, columns are N; V as the transposed B of O += P V): k-step ks.
   // LBO = bytes between column chunks, SBO = 1024 (8 K-rows).
   __device__ __forceinline__ uint64_t desc_mn_major(int ks) const {
     static_assert(sizeof(T) == 2, "WGMMA reads transposed (MN-major) operands only for 16-bit types");
-    return make_smem_desc_sw128(addr + ks * kKStep * kRowBytes, kChunkBytes, 1024);
+    return make_smem_desc_sw128(addr, kChunkBytes, 1024, ks * kKStep * kRowBytes);
   }
 
   // TMA: load rows [row, row + Rows) of a 4-D (dim, seq, head, batch) tensor map whose box is one

@@ -84,7 +84,8 @@ struct OnlineSoftmax {
   static constexpr int kJ = N / 8 / Groups;  // 8-column blocks per group
   float row_max[2] = {-INFINITY, -INFINITY};  // kRawMax: raw scores; else scaled scores (log2 units)
   float row_sum[2] = {0.f, 0.f};
-  // After update: the factor the O accumulator must be multiplied by (exp2 of the max's change).
+  // After update: the factor the O accumulator must be multiplied by (exp2 of the max's change;
+  // exactly 1 when the max did not change, or when nothing was attended before: O is still 0).
   // After finalize: o_factor / row sum (0 for a row that attended to nothing), already applied to O.
   float scale[2];
 
@@ -104,7 +105,7 @@ struct OnlineSoftmax {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float ms = (mx == -INFINITY) ? 0.f : mx * unit - Offset;  // a fully masked row stays exp2(-inf) = 0
-      scale[h] = (row_max[h] == -INFINITY) ? 0.f : exp2f(row_max[h] * unit - Offset - ms);
+      scale[h] = (mx == row_max[h] || row_max[h] == -INFINITY) ? 1.f : exp2f(row_max[h] * unit - Offset - ms);
       row_max[h] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -118,6 +119,13 @@ struct OnlineSoftmax {
       }
       row_sum[h] = row_sum[h] * scale[h] + sum;
     }
+  }
+
+  // O *= scale after an update, skipped when no row of the warp changed its max (every factor is
+  // exactly 1, so skipping is exact): one vote instead of N_v / 2 FMULs on most blocks of a long row.
+  template <int R>
+  __device__ __forceinline__ void rescale(float (&o)[R]) const {
+    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
   }
 
   __device__ __forceinline__ void update(float (&s)[N / 2], float scale_log2) {
