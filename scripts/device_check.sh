@@ -10,6 +10,9 @@
 #   bash scripts/device_check.sh perf      kernel-change check: FP8 + forward API GPU tests, the FP8 grid (fp8_bench.py), and a
 #                                          reduced forward regression grid (bf16, hd 64/128/256, seqlen 512/2k/16k) against
 #                                          .base/ (scripts/make_base.sh), alternated twice, SDPA peers in the same runs
+#   bash scripts/device_check.sh tests     every GPU test, then the host overhead per call (flash_attn_func, core launch, SDPA)
+#   bash scripts/device_check.sh compare   this tree against .base/ in one session: the e4m3 forward (fp8_bench.py, 16k) and
+#                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
@@ -58,6 +61,23 @@ tune)
   prof bf16_hd128 --dtype bf16 --head-dim 128
   prof e4m3_hd64 --dtype e4m3 --head-dim 64
   (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
+  ;;
+tests)
+  timeout 500 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+  python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"
+  ;;
+compare)
+  test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,bwd_bf16*,fwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
+  oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
+  f8="--seqlens 4096,16384"; bw="--backward-only --seqlens 4096,16384 --head-dims 64,128,256 --dtypes bf16 --no-ablation"
+  for r in 1 2; do
+    echo "== old fp8 run $r"; oldenv python3 scripts/fp8_bench.py $f8 2>&1 | grep '^|' | tail -12
+    echo "== new fp8 run $r"; python3 scripts/fp8_bench.py $f8 2>&1 | grep '^|' | tail -12
+  done
+  echo "== old bwd"; oldenv python3 -m flashgen.cli bench $bw --csv "$out/bwd_old.csv" 2>&1 | tail -8
+  echo "== new bwd"; python3 -m flashgen.cli bench $bw --csv "$out/bwd_new.csv" 2>&1 | tail -8
   ;;
 perf)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
