@@ -191,7 +191,9 @@ def test_missing_variant_error(tmp_path, monkeypatch):
         e["fatbin"] = os.path.join(str(m.path.parent), e["fatbin"])
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(core, "_plans", {})  # resolved plans are per process: start from the subset
+    # resolved plans and prepared launches are per process: start from the subset
+    monkeypatch.setattr(core, "_plans", {})
+    monkeypatch.setattr(core, "_prepared_forwards", {})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[data["variants"][0]["params"]["dtype"]]
     q, k, v = inputs(1, 8, 8, 2, 2, 128, dtype)
     with pytest.raises(core.MissingVariantError, match="flashgen add-variant fwd .*--head-dim 128"):

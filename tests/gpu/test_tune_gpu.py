@@ -33,10 +33,16 @@ def built():
     return vs
 
 
+def _forget_plans(monkeypatch):
+    """Resolved plans and prepared forward launches are per process: start afresh."""
+    monkeypatch.setattr(core, "_plans", {})
+    monkeypatch.setattr(core, "_prepared_forwards", {})
+    tuning.reset()
+
+
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(core, "_plans", {})
-    tuning.reset()
+    _forget_plans(monkeypatch)
     yield
     tuning.reset()
 
@@ -97,8 +103,7 @@ def test_a_table_naming_another_tile_is_followed(built, fresh, tmp_path, monkeyp
     torch.cuda.synchronize()
     assert any(p.variant.name == other.name and k[-1] == tuning.seqlen_bucket(700) for k, p in core._plans.items())
     monkeypatch.setenv("FLASHGEN_TUNE_TABLE", "off")
-    monkeypatch.setattr(core, "_plans", {})
-    tuning.reset()
+    _forget_plans(monkeypatch)
     assert _call(1000).name == default.name
 
 
