@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 import flashgen  # noqa: E402
-from flashgen import bench, core, tune, tuning  # noqa: E402
+from flashgen import bench, core, interface, tune, tuning  # noqa: E402
 from flashgen.cli import main as cli_main  # noqa: E402
 from flashgen.manifest import load_manifest  # noqa: E402
 
@@ -34,9 +34,10 @@ def built():
 
 
 def _forget_plans(monkeypatch):
-    """Resolved plans and prepared forward launches are per process: start afresh."""
+    """Resolved plans and prepared forward calls are per process: start afresh."""
     monkeypatch.setattr(core, "_plans", {})
     monkeypatch.setattr(core, "_prepared_forwards", {})
+    monkeypatch.setattr(interface, "_fwd_calls", {})
     tuning.reset()
 
 
