@@ -169,7 +169,7 @@ class PreparedForward(NamedTuple):
     thread may share it; :func:`launch_forward` launches it."""
 
     plan: _Plan
-    maps: tuple  # per TMA map (q, k, v, out): launch.tensor_map's arguments after the address
+    maps: tuple  # per TMA map (q, k, v, out): its launch.TensorMapGeometry
     launch: launch.PreparedLaunch  # grid and the params struct, but for the _FWD_PER_CALL fields
 
 
@@ -241,7 +241,7 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
               "head_dim_v": dv, **_descale_params("q", q_descale, h, hk, True),
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False)}
-    maps = (_bshd_map_spec(q, bm), _bshd_map_spec(k, bn), _bshd_map_spec(v, bn), _bshd_map_spec(out, 64))
+    maps = tuple(launch.map_geometry(*_bshd_map_spec(t, rows)) for t, rows in ((q, bm), (k, bn), (v, bn), (out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, _FWD_PER_CALL))
 
@@ -260,9 +260,9 @@ def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, ou
                 raise ValueError(f"flashgen: TMA cannot address {name}: {tma_layout_problem((), (), 1, ptr)}")
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    tensor_map = launch.tensor_map
+    tensor_map_at = launch.tensor_map_at
     mq, mk, mv, mo = prep.maps
-    maps = (tensor_map(q_ptr, *mq), tensor_map(k_ptr, *mk), tensor_map(v_ptr, *mv), tensor_map(out_ptr, *mo))
+    maps = (tensor_map_at(mq, q_ptr), tensor_map_at(mk, k_ptr), tensor_map_at(mv, v_ptr), tensor_map_at(mo, out_ptr))
     launch.launch_prepared(prep.launch, maps, (lse_ptr, out_ptr, int(sink), q_descale, k_descale, v_descale, scale_log2,
                                                scale, softcap_scale), stream)
     return prep.plan.variant

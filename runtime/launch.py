@@ -370,8 +370,65 @@ _TMA_DTYPES = {
 }
 _SWIZZLE = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B",
             64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
-_tmaps: dict[tuple, object] = {}
 _TMAP_CACHE_MAX = 4096
+_tmaps: dict[tuple, object] = {}  # (TensorMapGeometry, address) -> CUtensorMap (immutable; bounded)
+_geometries: dict[tuple, "TensorMapGeometry"] = {}  # tensor_map's arguments but the address -> geometry (bounded)
+
+
+class TensorMapGeometry:
+    """Everything of a tiled TMA descriptor but its address, checked once (:func:`map_geometry`);
+    :func:`tensor_map_at` gives its descriptor at an address. Immutable; compared and hashed by
+    identity, so a cache key holding one is cheap (and keeps it alive); map_geometry hands equal
+    arguments the same object. The driver's argument objects are built at the first encode."""
+
+    __slots__ = ("dtype", "dims", "strides_bytes", "box", "swizzle", "device", "_encode_args")
+
+    def __init__(self, dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int, device):
+        self.dtype, self.dims, self.strides_bytes, self.box = dtype, tuple(dims), tuple(strides_bytes), tuple(box)
+        self.swizzle, self.device = swizzle, device
+        self._encode_args = None
+
+    def __repr__(self):
+        return (f"TensorMapGeometry({self.dtype}, dims={self.dims}, strides={self.strides_bytes}, box={self.box}, "
+                f"swizzle={self.swizzle}, device={self.device})")
+
+    def encode_args(self) -> tuple:
+        """cuTensorMapEncodeTiled's arguments but the address: (dtype, rank, dims, strides, box,
+        element strides, interleave, swizzle, L2 promotion, OOB fill), driver objects made once."""
+        args = self._encode_args
+        if args is None:
+            d = _driver()
+            rank = len(self.dims)
+            args = self._encode_args = (
+                getattr(d.CUtensorMapDataType, _TMA_DTYPES[self.dtype][0]), rank,
+                tuple(d.cuuint64_t(int(x)) for x in self.dims), tuple(d.cuuint64_t(int(x)) for x in self.strides_bytes),
+                tuple(d.cuuint32_t(int(x)) for x in self.box), tuple(d.cuuint32_t(1) for _ in range(rank)),
+                d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, getattr(d.CUtensorMapSwizzle, _SWIZZLE[self.swizzle]),
+                d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        return args
+
+
+def map_geometry(dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int = 128,
+                 device: int | None = None) -> TensorMapGeometry:
+    """The :class:`TensorMapGeometry` of :func:`tensor_map`'s arguments but the address (one
+    object per distinct arguments while cached). ValueError for a bad dtype, swizzle or rank."""
+    key = (dtype, dims, strides_bytes, box, swizzle, device)
+    g = _geometries.get(key)
+    if g is None:
+        if dtype not in _TMA_DTYPES:
+            raise ValueError(f"flashgen: tensor_map dtype {dtype!r} not one of {', '.join(_TMA_DTYPES)}")
+        if swizzle not in _SWIZZLE:
+            raise ValueError(f"flashgen: tensor_map swizzle {swizzle!r} not one of {', '.join(map(str, _SWIZZLE))}")
+        rank = len(dims)
+        if not (1 <= rank <= 5 and len(box) == rank and len(strides_bytes) == rank - 1):
+            raise ValueError(f"flashgen: tensor_map needs rank 1..5 with len(box) = rank and rank - 1 strides; "
+                             f"got dims {dims}, strides {strides_bytes}, box {box}")
+        g = TensorMapGeometry(dtype, dims, strides_bytes, box, swizzle, device)
+        if len(_geometries) >= _TMAP_CACHE_MAX:  # bounded; a dropped geometry only costs a new object
+            _geometries.clear()
+        _geometries[key] = g
+    return g
 
 
 def tensor_map(ptr: int, dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int = 128,
@@ -385,39 +442,30 @@ def tensor_map(ptr: int, dtype: str, dims: tuple, strides_bytes: tuple, box: tup
     may share it. ``device``: the ordinal the memory lives on; the driver encodes a map only with a
     context current, so a new map is encoded inside :class:`device_context` (pass it whenever the
     calling thread may have no context, i.e. always from an API path). ValueError for a bad dtype,
-    swizzle or rank; CudaError if the driver refuses."""
-    key = (ptr, dtype, dims, strides_bytes, box, swizzle)
+    swizzle or rank; CudaError if the driver refuses. Same as
+    ``tensor_map_at(map_geometry(dtype, dims, strides_bytes, box, swizzle, device), ptr)``."""
+    return tensor_map_at(map_geometry(dtype, dims, strides_bytes, box, swizzle, device), ptr)
+
+
+def tensor_map_at(geometry: TensorMapGeometry, ptr: int):
+    """The TMA descriptor of ``geometry`` at device address ``ptr`` (see :func:`tensor_map`):
+    cached by (geometry, address), encoded on a miss (inside the geometry's device's
+    :class:`device_context` when it names one). CudaError if the driver refuses."""
+    key = (geometry, ptr)
     tmap = _tmaps.get(key)
     if tmap is not None:
         return tmap
-    if dtype not in _TMA_DTYPES:
-        raise ValueError(f"flashgen: tensor_map dtype {dtype!r} not one of {', '.join(_TMA_DTYPES)}")
-    if swizzle not in _SWIZZLE:
-        raise ValueError(f"flashgen: tensor_map swizzle {swizzle!r} not one of {', '.join(map(str, _SWIZZLE))}")
-    rank = len(dims)
-    if not (1 <= rank <= 5 and len(box) == rank and len(strides_bytes) == rank - 1):
-        raise ValueError(f"flashgen: tensor_map needs rank 1..5 with len(box) = rank and rank - 1 strides; "
-                         f"got dims {dims}, strides {strides_bytes}, box {box}")
     d = _driver()
-    if device is not None:
-        with device_context(device):
-            return tensor_map(ptr, dtype, dims, strides_bytes, box, swizzle)
-    tmap = check(
-        d.cuTensorMapEncodeTiled(
-            getattr(d.CUtensorMapDataType, _TMA_DTYPES[dtype][0]),
-            rank,
-            ptr,
-            [d.cuuint64_t(int(x)) for x in dims],
-            [d.cuuint64_t(int(x)) for x in strides_bytes],
-            [d.cuuint32_t(int(x)) for x in box],
-            [d.cuuint32_t(1)] * rank,
-            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            getattr(d.CUtensorMapSwizzle, _SWIZZLE[swizzle]),
-            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        ),
-        f"cuTensorMapEncodeTiled(dtype={dtype}, dims={dims}, strides={strides_bytes}, box={box})",
-    )
+    dtype_, rank, dims, strides, box, elem, interleave, swizzle, l2, oob = geometry.encode_args()
+    what = (f"cuTensorMapEncodeTiled(dtype={geometry.dtype}, dims={geometry.dims}, strides={geometry.strides_bytes}, "
+            f"box={geometry.box})")
+    if geometry.device is not None:
+        with device_context(geometry.device):
+            tmap = check(d.cuTensorMapEncodeTiled(dtype_, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2,
+                                                  oob), what)
+    else:
+        tmap = check(d.cuTensorMapEncodeTiled(dtype_, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob),
+                     what)
     if len(_tmaps) >= _TMAP_CACHE_MAX:  # bounded; dropping entries is safe (they are never mutated)
         _tmaps.clear()
     _tmaps[key] = tmap

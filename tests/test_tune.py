@@ -95,6 +95,7 @@ def fake_launch(monkeypatch):
     monkeypatch.setattr(launch, "get_kernel", lambda variant, role, device: ("kernel", variant.name))
     monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(launch, "tensor_map", lambda *a, **k: object())
+    monkeypatch.setattr(launch, "tensor_map_at", lambda geometry, ptr: object())
     monkeypatch.setattr(launch, "launch", lambda *a: None)
     monkeypatch.setattr(launch, "prepare_launch", lambda kernel, grid, params, per_call: None)
     monkeypatch.setattr(launch, "launch_prepared", lambda *a: None)
