@@ -620,14 +620,16 @@ def flash_attn_func(
             command. In backward: no bwd variant serves (dtype, head_dim, mask, softcap).
         NotImplementedError (in backward): head_dim_v != head_dim (the forward works).
     """
-    not_tensors = [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
-                   for name, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor)]
+    plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor  # (the common case, checked fast)
+    not_tensors = [] if plain else [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                                    for name, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor)]
     if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
         not_tensors.append((TypeError, "learnable_sink must be None or a float32 (heads,) torch.Tensor, got "
                                        f"{type(learnable_sink).__name__}"))
-    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            not_tensors.append((TypeError, f"{name} must be None or a float32 torch.Tensor, got {type(t).__name__}"))
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                not_tensors.append((TypeError, f"{name} must be None or a float32 torch.Tensor, got {type(t).__name__}"))
     other = _v.softmax_scale_problems(softmax_scale) + _v.feature_problems(
         window_size=window_size,
         softcap=softcap,
@@ -652,8 +654,7 @@ def flash_attn_func(
         raise NotImplementedError("flashgen: the FP8 (float8_e4m3fn) forward has no backward (FA3 has none either); "
                                   "call it under torch.no_grad() or with inputs that do not require grad")
     causal = bool(causal)
-    if (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
-            and (sink is None or type(sink) is _Tensor) and (q_descale is None or type(q_descale) is _Tensor)
+    if (plain and (sink is None or type(sink) is _Tensor) and (q_descale is None or type(q_descale) is _Tensor)
             and (k_descale is None or type(k_descale) is _Tensor) and (v_descale is None or type(v_descale) is _Tensor)
             and not grad and not torch.compiler.is_compiling()):
         # Eager fast path: the op's own implementation without the custom-op dispatcher, which
