@@ -150,9 +150,16 @@ def test_layout_that_needs_a_copy_is_copied_on_every_call(fake_gpu, prepared_lau
     assert prepared_launches == [] and interface._fwd_calls[next(iter(interface._fwd_calls))].launch is None
 
 
-def test_validation_errors_are_not_cached_away(fake_gpu):
+def test_validation_errors_are_not_cached_away(fake_gpu, monkeypatch):
     q, k, v = qkv()
     flash_attn_func(q, k, v)
+    q1 = q.clone()
+    monkeypatch.setattr(interface, "_device_of", lambda t: (True, 1) if t is q1 else (True, 0))
+    with pytest.raises(ValueError, match="q, k and v must be on the same CUDA device"):
+        flash_attn_func(q1, k, v)
+    monkeypatch.setattr(interface, "_device_of", lambda t: (False, None) if t is q1 else (True, 0))
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        flash_attn_func(q1, k, v)
     with pytest.raises(TypeError, match="q, k and v must have the same dtype"):
         flash_attn_func(q, k, v.to(torch.bfloat16))
     with pytest.raises(ValueError, match="k and v must have the same seqlen_k"):
