@@ -241,7 +241,9 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
               "head_dim_v": dv, **_descale_params("q", q_descale, h, hk, True),
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False)}
-    maps = tuple(launch.map_geometry(*_bshd_map_spec(t, rows)) for t, rows in ((q, bm), (k, bn), (v, bn), (out, 64)))
+    geometry = launch.map_geometry
+    maps = (geometry(*_bshd_map_spec(q, bm)), geometry(*_bshd_map_spec(k, bn)), geometry(*_bshd_map_spec(v, bn)),
+            geometry(*_bshd_map_spec(out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, _FWD_PER_CALL))
 

@@ -160,12 +160,12 @@ class ParamsPacker:
     """Packs a kernel's params struct from the layout the manifest records
     (``{"struct", "size", "fields": [[name, type, offset], ...]}``, docs/CONTRACTS.md §3)."""
 
-    __slots__ = ("names", "size", "_struct", "_layout")
+    __slots__ = ("names", "size", "_struct", "_slots")
 
     def __init__(self, layout: dict):
         fmt, pos = "<", 0
         self.names = []
-        self._layout = []  # (struct code, byte offset) per field
+        self._slots = {}  # field name -> (pack_into of its type, byte offset)
         for name, typ, off in layout["fields"]:
             if off < pos:
                 raise ValueError(f"params {layout['struct']}: field {name} overlaps the previous one")
@@ -173,7 +173,7 @@ class ParamsPacker:
             fmt += _FORMAT[typ]
             pos = off + struct.calcsize("<" + _FORMAT[typ])
             self.names.append(name)
-            self._layout.append((_FORMAT[typ], off))
+            self._slots[name] = (_SLOT_STRUCTS[_FORMAT[typ]].pack_into, off)
         self.size = int(layout["size"])
         fmt += f"{self.size - pos}x" if self.size > pos else ""
         self._struct = struct.Struct(fmt)
@@ -190,11 +190,8 @@ class ParamsPacker:
     def slots(self, names: tuple) -> tuple:
         """``((pack_into, offset), ...)`` writing the fields ``names`` (in that order) into packed
         bytes: how :func:`launch_prepared` fills a call's own fields. KeyError for an unknown name."""
-        where = {}
-        for name, (code, off) in zip(self.names, self._layout):
-            where[name] = (_SLOT_STRUCTS[code].pack_into, off)
         try:
-            return tuple(where[n] for n in names)
+            return tuple(self._slots[n] for n in names)
         except KeyError as e:
             raise KeyError(f"params field {e.args[0]!r} not in the struct (fields: {', '.join(self.names)})") from None
 
