@@ -196,12 +196,13 @@ def prepare_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, ca
     """The :class:`PreparedForward` of a forward call (see :func:`attention_forward` for the
     arguments), resolved once per metadata key and cached (bounded).
 
-    Only metadata is read: shapes, strides, dtypes and devices of q, k, v, out and the descales,
-    ``causal``, ``window_size``, whether ``softcap`` > 0, ``variant``. Their ``ptr`` fields may be 0
-    (the addresses come with each :func:`launch_forward`); a non-zero one is checked for TMA
-    alignment, and ``softmax_scale`` when given, where :func:`attention_forward` checks them (so
-    its errors come in the same order). Raises, when the key is new, what attention_forward
-    raises (ValueError for heads, layouts, descale shapes, softcap; MissingVariantError)."""
+    Only metadata makes the key: shapes, strides, dtypes and devices of q, k, v, out and the
+    descales, ``causal``, ``window_size``, whether ``softcap`` > 0, ``variant``. The ``ptr`` fields
+    may be 0 (the addresses come with each :func:`launch_forward`, which checks them and the scale
+    on every call). On a new key the checks of :func:`attention_forward` run in its order, with
+    the non-zero addresses and ``softmax_scale`` when given, and raise what it raises (ValueError
+    for heads, layouts, addresses, descale shapes, scale, softcap; MissingVariantError); a key
+    that raised is not cached."""
     key = _fwd_key(q, k, v, out, causal, window_size, softcap, q_descale, k_descale, v_descale, variant)
     prep = _prepared_forwards.get(key)
     if prep is None:
