@@ -207,9 +207,11 @@ class LoadedKernel:
     device: int
     packer: ParamsPacker
     argv_type: type = field(init=False, repr=False, compare=False)  # ctypes void*[maps + 1]: the argument array
+    params_type: type = field(init=False, repr=False, compare=False)  # ctypes char[size]: a call's params buffer
 
     def __post_init__(self):
         object.__setattr__(self, "argv_type", ctypes.c_void_p * (len(self.record.tensor_maps) + 1))
+        object.__setattr__(self, "params_type", ctypes.c_char * self.packer.size)
 
 
 _libraries: dict[str, object] = {}
@@ -269,7 +271,7 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int) -> None:
     and popped after, as :class:`device_context` does (inlined: this runs on every call)."""
     rec = kernel.record
     d = _driver()
-    ctx = primary_context(kernel.device)
+    ctx = _primary.get(kernel.device) or primary_context(kernel.device)
     err, cur = d.cuCtxGetCurrent()
     if err:
         check((err, cur), "cuCtxGetCurrent")
@@ -280,7 +282,7 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int) -> None:
         cluster = rec.cluster
         if cluster[0] == cluster[1] == cluster[2] == 1:
             err = d.cuLaunchKernel(kernel.function, grid[0], grid[1], grid[2], rec.threads, 1, 1, rec.smem_bytes,
-                                   _stream(stream), ctypes.addressof(argv), 0)[0]
+                                   _streams.get(stream) or _stream(stream), ctypes.addressof(argv), 0)[0]
             what = "cuLaunchKernel"
         else:
             cfg = d.CUlaunchConfig()
@@ -316,7 +318,7 @@ def launch(kernel: LoadedKernel, grid: tuple, tensor_maps: tuple, params: dict, 
         raise ValueError(f"flashgen: kernel {rec.symbol} was loaded for cuda:{kernel.device}, not cuda:{device}")
     if len(tensor_maps) != len(rec.tensor_maps):
         raise ValueError(f"flashgen: {rec.symbol} takes tensor maps {list(rec.tensor_maps)}, got {len(tensor_maps)}")
-    buf = ctypes.create_string_buffer(kernel.packer.pack(params), kernel.packer.size)
+    buf = kernel.params_type.from_buffer_copy(kernel.packer.pack(params))
     argv = kernel.argv_type(*[m.getPtr() for m in tensor_maps], ctypes.addressof(buf))
     _launch_argv(kernel, tuple(int(g) for g in grid), argv, stream)
 
@@ -351,7 +353,7 @@ def launch_prepared(prep: PreparedLaunch, tensor_maps: tuple, values: tuple, str
     if len(tensor_maps) != len(kernel.record.tensor_maps) or len(values) != len(prep.slots):
         raise ValueError(f"flashgen: {kernel.record.symbol} takes tensor maps {list(kernel.record.tensor_maps)} and "
                          f"{len(prep.slots)} per-call params, got {len(tensor_maps)} and {len(values)}")
-    buf = ctypes.create_string_buffer(prep.params, len(prep.params))
+    buf = kernel.params_type.from_buffer_copy(prep.params)  # this call's own copy
     for (pack_into, offset), value in zip(prep.slots, values):
         pack_into(buf, offset, value)
     argv = kernel.argv_type(*[m.getPtr() for m in tensor_maps], ctypes.addressof(buf))
