@@ -37,7 +37,7 @@ from flashgen.interface import flash_attn_func
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from _ref import dequantize_fp8  # noqa: E402  (torch only: runs on the CPU)
-from test_api_validation import fake_gpu, qkv, reference  # noqa: E402,F401
+from test_api_validation import fake_gpu, qkv, reference  # noqa: E402,F401  (fake_gpu: a fixture)
 
 
 def close(out, q, k, v, scale, causal=False, window_size=(-1, -1), softcap=0.0, sink=None, lse=None):
