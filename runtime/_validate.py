@@ -228,9 +228,9 @@ def window_size_problems(window_size) -> list:
     None mean unbounded on that side; ``(-1, -1)`` is no window). TypeError for anything not a
     tuple/list or an entry that is not an int (bools are refused), ValueError for a tuple/list
     of another length or an entry < -1; each message names ``window_size``."""
-    if type(window_size) is tuple and len(window_size) == 2 and \
-            all(type(x) is int and x >= -1 for x in window_size):  # the common case, fast (host time per call)
-        return []
+    if (type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1):
+        return []  # the common case, fast (host time per call)
     if not isinstance(window_size, (tuple, list)):
         return [(TypeError, f"window_size must be {_WINDOW_EXPECTED}, got {type(window_size).__name__} "
                             f"{window_size!r}")]

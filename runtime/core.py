@@ -12,10 +12,11 @@ from typing import NamedTuple
 from . import launch, tuning
 from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
-from ._validate import ELEMENT_SIZE, tma_layout_problem
+from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
 from .manifest import Variant, load_manifest
 
-__all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "attention_backward",
+__all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
+           "launch_forward", "PreparedForward", "attention_backward",
            "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec", "softmax_constants"]
 
 LOG2E = 1.4426950408889634
@@ -126,14 +127,19 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
     return plan
 
 
-def _bshd_map(t: TensorArg, box_rows: int):
-    """128B-swizzled 4-D TMA map over a BSHD tensor, tiles of box_rows x 128 bytes (64 16-bit or
-    128 8-bit elements): dims innermost first (head_dim, seqlen, heads, batch)."""
+def _bshd_map_spec(t: TensorArg, box_rows: int) -> tuple:
+    """The arguments of :func:`launch.tensor_map` after the address for a 128B-swizzled 4-D TMA
+    map over a BSHD tensor, tiles of box_rows x 128 bytes (64 16-bit or 128 8-bit elements): dims
+    innermost first (head_dim, seqlen, heads, batch). Depends on the metadata only."""
     b, s, h, d = t.shape
     es = ELEMENT_SIZE[t.dtype]
-    return launch.tensor_map(t.ptr, _VARIANT_DTYPE.get(t.dtype, t.dtype), (d, s, h, b),
-                             (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es),
-                             (128 // es, box_rows, 1, 1), 128, device=t.device)
+    return (_VARIANT_DTYPE.get(t.dtype, t.dtype), (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es),
+            (128 // es, box_rows, 1, 1), 128, t.device)
+
+
+def _bshd_map(t: TensorArg, box_rows: int):
+    """The TMA map of :func:`_bshd_map_spec` at ``t``'s address."""
+    return launch.tensor_map(t.ptr, *_bshd_map_spec(t, box_rows))
 
 
 def _descale_params(name: str, t: TensorArg | None, heads: int, heads_k: int, blocks: bool) -> dict:
@@ -154,6 +160,115 @@ def _descale_params(name: str, t: TensorArg | None, heads: int, heads_k: int, bl
     elif name == "q":
         f["q_descale_head_div"] = heads // heads_k
     return f
+
+
+class PreparedForward(NamedTuple):
+    """A forward launch resolved from a call's metadata alone (:func:`prepare_forward`): the plan
+    (variant, kernel), the TMA maps' geometry, the grid and the params struct but for the fields each
+    call gives (:data:`_FWD_PER_CALL`: addresses, softmax constants). Immutable, so calls on any
+    thread may share it; :func:`launch_forward` launches it."""
+
+    plan: _Plan
+    maps: tuple  # per TMA map (q, k, v, out): its launch.TensorMapGeometry
+    launch: launch.PreparedLaunch  # grid and the params struct, but for the _FWD_PER_CALL fields
+
+
+#: The params fields each forward call fills itself, in launch.launch_prepared's order.
+_FWD_PER_CALL = ("lse", "o", "sink", "q_descale", "k_descale", "v_descale", "scale_log2", "softmax_scale",
+                 "softcap_scale")
+_prepared_forwards: dict = {}  # metadata key (_fwd_key) -> PreparedForward (immutable: shared by concurrent calls)
+_PREPARED_CACHE_MAX = 1024  # bounded: cleared when full (dropping entries is safe)
+
+
+def _fwd_key(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, causal, window_size, softcap,
+             q_descale, k_descale, v_descale, variant) -> tuple:
+    """Everything a PreparedForward depends on: all but the addresses and the softmax scale."""
+    return (q[1:], k[1:], v[1:], out[1:], bool(causal),
+            window_size if type(window_size) is tuple else tuple(window_size), softcap > 0,
+            None if q_descale is None else q_descale[1:], None if k_descale is None else k_descale[1:],
+            None if v_descale is None else v_descale[1:], None if variant is None else variant.name)
+
+
+def prepare_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, causal: bool,
+                    variant: Variant | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
+                    softmax_scale: float | None = None, q_descale: TensorArg | None = None,
+                    k_descale: TensorArg | None = None, v_descale: TensorArg | None = None) -> PreparedForward:
+    """The :class:`PreparedForward` of a forward call (see :func:`attention_forward` for the
+    arguments), resolved once per metadata key and cached (bounded).
+
+    Only metadata makes the key: shapes, strides, dtypes and devices of q, k, v, out and the
+    descales, ``causal``, ``window_size``, whether ``softcap`` > 0, ``variant``. The ``ptr`` fields
+    may be 0 (the addresses come with each :func:`launch_forward`, which checks them and the scale
+    on every call). On a new key the checks of :func:`attention_forward` run in its order, with
+    the non-zero addresses and ``softmax_scale`` when given, and raise what it raises (ValueError
+    for heads, layouts, addresses, descale shapes, scale, softcap; MissingVariantError); a key
+    that raised is not cached."""
+    key = _fwd_key(q, k, v, out, causal, window_size, softcap, q_descale, k_descale, v_descale, variant)
+    prep = _prepared_forwards.get(key)
+    if prep is None:
+        prep = _prepare_forward(q, k, v, out, causal, variant, window_size, softcap,
+                                1.0 if softmax_scale is None else softmax_scale, q_descale, k_descale, v_descale)
+        if len(_prepared_forwards) >= _PREPARED_CACHE_MAX:
+            _prepared_forwards.clear()
+        _prepared_forwards[key] = prep
+    return prep
+
+
+def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softmax_scale, q_descale, k_descale,
+                     v_descale) -> PreparedForward:
+    """Check a forward call (attention_forward's checks, in its order) and resolve its PreparedForward."""
+    b, sq, h, d = q.shape
+    _, sk, hk, dv = v.shape
+    if h % hk:
+        raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _check_tma(name, t)
+    fp8 = q.dtype == "fp8_e4m3"
+    descales = {"q": (q_descale, (b, h, -(-sq // QUANT_BLOCK))), "k": (k_descale, (b, hk, -(-sk // QUANT_BLOCK))),
+                "v": (v_descale, None)}
+    for name, (t, block_shape) in descales.items():
+        if t is not None and (not fp8 or tuple(t.shape) not in ((b, hk), block_shape)):
+            raise ValueError(f"flashgen: {name}_descale of shape {tuple(t.shape)} does not fit this call "
+                             f"(fp8_e4m3 inputs: (batch, heads_k) = {(b, hk)}"
+                             + (f" or {block_shape}" if block_shape else "") + ")")
+    mask = mask_spec(causal, window_size, sq, sk)
+    softmax_constants(softmax_scale, softcap)  # the checks only: the constants are per call
+    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=(sk - 1).bit_length())  # tuning.seqlen_bucket
+    bm, bn = plan.block_m, plan.block_n
+    num_m = -(-sq // bm)
+    num_tiles = num_m * h * b
+    params = {"seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "num_m_blocks": num_m,
+              "num_tiles": num_tiles, "window_left": mask.left, "window_right": mask.right,
+              "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
+              "head_dim_v": dv, **_descale_params("q", q_descale, h, hk, True),
+              **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False)}
+    geometry = launch.map_geometry
+    maps = (geometry(*_bshd_map_spec(q, bm)), geometry(*_bshd_map_spec(k, bn)), geometry(*_bshd_map_spec(v, bn)),
+            geometry(*_bshd_map_spec(out, 64)))
+    grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
+    return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, _FWD_PER_CALL))
+
+
+def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
+                   softmax_scale: float, softcap: float, stream: int, sink: int = 0, q_descale: int = 0,
+                   k_descale: int = 0, v_descale: int = 0) -> Variant:
+    """Launch a :class:`PreparedForward` on arrays with its metadata at these device addresses
+    (q, k, v, out, lse; the sink's and the descales' where :func:`prepare_forward` was given
+    them, else 0) on ``stream``; returns the variant. The per-call work of :func:`attention_forward`:
+    ValueError for an address TMA cannot use (not 16-byte aligned) or a bad softmax_scale /
+    softcap, then the TMA maps (cached by address) and the launch (CudaError if it fails)."""
+    if (q_ptr | k_ptr | v_ptr | out_ptr) % TMA_ALIGN_BYTES:
+        for name, ptr in (("q", q_ptr), ("k", k_ptr), ("v", v_ptr), ("out", out_ptr)):
+            if ptr % TMA_ALIGN_BYTES:
+                raise ValueError(f"flashgen: TMA cannot address {name}: {tma_layout_problem((), (), 1, ptr)}")
+    scale = float(softmax_scale)
+    scale_log2, softcap_scale = softmax_constants(scale, softcap)
+    tensor_map_at = launch.tensor_map_at
+    mq, mk, mv, mo = prep.maps
+    maps = (tensor_map_at(mq, q_ptr), tensor_map_at(mk, k_ptr), tensor_map_at(mv, v_ptr), tensor_map_at(mo, out_ptr))
+    launch.launch_prepared(prep.launch, maps, (lse_ptr, out_ptr, int(sink), q_descale, k_descale, v_descale, scale_log2,
+                                               scale, softcap_scale), stream)
+    return prep.plan.variant
 
 
 def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
@@ -179,39 +294,16 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     `stream` (CUstream as int); returns the variant used. Raises MissingVariantError when no built
     variant serves the call, ValueError for layouts TMA cannot address or a bad softmax_scale /
     softcap. User-facing argument checks live in interface.py / dlpack_api.py.
+
+    Host cost: :func:`prepare_forward` (what the metadata decides: checks, mask, variant, grid,
+    params, TMA map geometry) runs once per metadata key; each call then does
+    :func:`launch_forward` (alignment, softmax constants, TMA maps by address, launch).
     """
-    b, sq, h, d = q.shape
-    _, sk, hk, dv = v.shape
-    if h % hk:
-        raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        _check_tma(name, t)
-    fp8 = q.dtype == "fp8_e4m3"
-    descales = {"q": (q_descale, (b, h, -(-sq // QUANT_BLOCK))), "k": (k_descale, (b, hk, -(-sk // QUANT_BLOCK))),
-                "v": (v_descale, None)}
-    for name, (t, block_shape) in descales.items():
-        if t is not None and (not fp8 or tuple(t.shape) not in ((b, hk), block_shape)):
-            raise ValueError(f"flashgen: {name}_descale of shape {tuple(t.shape)} does not fit this call "
-                             f"(fp8_e4m3 inputs: (batch, heads_k) = {(b, hk)}"
-                             + (f" or {block_shape}" if block_shape else "") + ")")
-    mask = mask_spec(causal, window_size, sq, sk)
-    scale = float(softmax_scale)
-    scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=(sk - 1).bit_length())  # tuning.seqlen_bucket
-    bm, bn = plan.block_m, plan.block_n
-    num_m = -(-sq // bm)
-    num_tiles = num_m * h * b
-    params = {"lse": lse.ptr, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b,
-              "num_m_blocks": num_m, "num_tiles": num_tiles, "scale_log2": scale_log2, "softmax_scale": scale,
-              "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
-              "sink": int(sink), "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
-              "o_stride_head": out.strides[2], "head_dim_v": dv,
-              **_descale_params("q", q_descale, h, hk, True), **_descale_params("k", k_descale, h, hk, True),
-              **_descale_params("v", v_descale, h, hk, False)}
-    maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(out, 64))
-    grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
-    launch.launch(plan.kernel, (max(grid, 1), 1, 1), maps, params, stream)
-    return plan.variant
+    prep = prepare_forward(q, k, v, out, causal, variant, window_size=window_size, softcap=softcap,
+                           softmax_scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    return launch_forward(prep, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, softmax_scale, softcap, stream, sink,
+                          0 if q_descale is None else q_descale.ptr, 0 if k_descale is None else k_descale.ptr,
+                          0 if v_descale is None else v_descale.ptr)
 
 
 # ------------------------------------------------------------------------------------- backward

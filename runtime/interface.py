@@ -29,7 +29,7 @@ So that
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 #: Message of the ImportError raised when this module (the torch API) is imported without torch.
 NO_TORCH = (
@@ -51,6 +51,7 @@ from . import core as _core
 
 __all__ = ["flash_attn_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "QUANT_BLOCK"]
 
+_Tensor = torch.Tensor
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _FP8_TORCH_DTYPES = tuple(getattr(torch, a) for a in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, a))
 for _attr, _name in (
@@ -75,8 +76,13 @@ def _device_of(t: torch.Tensor) -> tuple:
     return False, None
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch; int, no Stream object
+
+
 def _current_stream(device: int) -> int:
     """The CUstream handle (int) of torch's current stream on ``device``."""
+    if _raw_stream is not None:
+        return _raw_stream(device)
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -146,6 +152,72 @@ def _tma_arg(t: torch.Tensor, dtype: str, device: int) -> tuple:
 # The ops
 # --------------------------------------------------------------------------------------
 
+class _FwdCall(NamedTuple):
+    """Everything of a forward call that its validated metadata decides, made by :func:`_fwd_call`:
+    the Problem, the outputs' shapes, dtype and strides, how q, k, v reach the kernel and, when they
+    are read in place, the core's prepared launch (:func:`flashgen.core.prepare_forward`).
+    flash_attn_func's eager path keeps one per key (``_fwd_calls``: everything the validation and
+    this record depend on), so a repeated call skips both; immutable, so calls on any thread may
+    share it. What depends on the data itself (addresses: alignment, copies) is done per call by
+    :func:`_fwd_run`."""
+
+    problem: _v.Problem
+    out_shape: tuple
+    lse_shape: tuple
+    out_dtype: torch.dtype
+    inputs: tuple  # per q, k, v: (shape, strides for the core) when TMA can read its layout in place, else None (copied)
+    out_strides: tuple  # strides of the fresh contiguous out as the core takes them (tma_strides)
+    lse_strides: tuple  # of the fresh contiguous lse
+    empty: bool  # nothing to launch: batch, seqlen_q or seqlen_k is 0
+    launch: Optional[_core.PreparedForward]  # when q, k, v are all read in place (and not empty); else None
+
+
+_fwd_calls: dict = {}  # key (see flash_attn_func) -> _FwdCall; immutable values
+_FWD_CALL_CACHE_MAX = 1024  # bounded: cleared when full (dropping entries is safe)
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    """The strides torch gives a fresh contiguous tensor of ``shape`` (elements; an extent 0 counts as 1)."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _input_layout(t: torch.Tensor, elem_size: int):
+    """(shape, strides for the core) of an input whose strides TMA can read in place (its address
+    is checked per call), else None: the input is copied (:func:`_tma_arg`)."""
+    shape, strides = tuple(t.shape), tuple(t.stride())
+    if _v.tma_layout_problem(shape, strides, elem_size) is not None:
+        return None
+    return shape, (_v.tma_strides(shape, strides) if 1 in shape else strides)
+
+
+def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_left: int,
+              window_right: int, softcap: float, descales=(None, None, None)) -> _FwdCall:
+    """The :class:`_FwdCall` of valid arguments (``p``: q, k, v's Problem). When q, k, v can be
+    read in place this prepares the core's launch: RuntimeError on a GPU that is not Hopper, then
+    MissingVariantError when no built variant serves the call (before any allocation)."""
+    es = _v.ELEMENT_SIZE[p.dtype]
+    inputs = tuple(_input_layout(t, es) for t in (q, k, v))
+    out_strides = _v.tma_strides(p.out_shape, _contiguous_strides(p.out_shape))
+    empty = p.nothing_to_compute or p.seqlen_k == 0
+    prepared = None
+    if not empty and None not in inputs:
+        dev = p.device
+        _check_device_capability(dev)  # before the core selects and loads a kernel
+        (qs, qst), (ks, kst), (vs, vst) = inputs
+        prepared = _core.prepare_forward(
+            _core.TensorArg(0, qs, qst, p.dtype, dev), _core.TensorArg(0, ks, kst, p.dtype, dev),
+            _core.TensorArg(0, vs, vst, p.dtype, dev), _core.TensorArg(0, p.out_shape, out_strides, p.out_dtype, dev),
+            causal, window_size=(window_left, window_right), softcap=softcap,
+            q_descale=_descale_arg(descales[0], dev, 0), k_descale=_descale_arg(descales[1], dev, 0),
+            v_descale=_descale_arg(descales[2], dev, 0))
+    return _FwdCall(p, p.out_shape, p.lse_shape, _TORCH_DTYPES[p.out_dtype], inputs, out_strides,
+                    _contiguous_strides(p.lse_shape), empty, prepared)
+
+
 def _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal=False, q_descale=None,
                k_descale=None, v_descale=None) -> _v.Problem:
     """q, k, v, the window and softcap checked together (every problem in one error), then
@@ -190,25 +262,28 @@ def _fwd_impl(
     """
     p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal, q_descale, k_descale,
                    v_descale)
-    return _fwd_run(p, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink,
-                    (q_descale, k_descale, v_descale))
+    descales = (q_descale, k_descale, v_descale)
+    call = _fwd_call(p, q, k, v, bool(causal), int(window_left), int(window_right), float(softcap), descales)
+    return _fwd_run(call, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink, descales)
 
 
 _TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _descale_arg(t: Optional[torch.Tensor], device: int) -> Optional["_core.TensorArg"]:
-    return None if t is None else _core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), "fp32", device)
+def _descale_arg(t: Optional[torch.Tensor], device: int, ptr: Optional[int] = None) -> Optional["_core.TensorArg"]:
+    """The core's view of a float32 descale (None for None); ``ptr``: instead of its address."""
+    return None if t is None else _core.TensorArg(t.data_ptr() if ptr is None else ptr, tuple(t.shape),
+                                                  tuple(t.stride()), "fp32", device)
 
 
-def _fwd_run(p: _v.Problem, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
              learnable_sink, descales=(None, None, None)) -> tuple:
-    """The forward for arguments already validated (``p``: their Problem): outputs, launch."""
+    """The forward for arguments already validated (``call``: their :class:`_FwdCall`): outputs, launch."""
+    p = call.problem
     _check_device_capability(p.device)
-    out_dtype = _TORCH_DTYPES[p.out_dtype]
-    if p.nothing_to_compute or p.seqlen_k == 0:
-        out = q.new_empty(p.out_shape, dtype=out_dtype)
-        lse = q.new_empty(p.lse_shape, dtype=torch.float32)
+    out = q.new_empty(call.out_shape, dtype=call.out_dtype)
+    lse = q.new_empty(call.lse_shape, dtype=torch.float32)
+    if call.empty:
         if not p.nothing_to_compute:
             # seqlen_k == 0: every query attends to nothing: out 0, lse -inf (FA3's empty rows),
             # or with a sink lse = log(exp(sink)) = sink[h] (the sink is the only term of the sum).
@@ -218,34 +293,53 @@ def _fwd_run(p: _v.Problem, q, k, v, softmax_scale, causal, window_left, window_
             else:
                 lse.copy_(learnable_sink.view(1, p.heads, 1).expand(p.lse_shape))
         return out, lse
-    out = q.new_empty(p.out_shape, dtype=out_dtype)
-    lse = q.new_empty(p.lse_shape, dtype=torch.float32)
-    dev = p.device
-    # Copies (if any) stay referenced until the launch is enqueued; after that, freeing them
-    # is stream-ordered by the caching allocator (same stream), so the kernel reads them safely.
-    qc, qa = _tma_arg(q, p.dtype, dev)
-    kc, ka = _tma_arg(k, p.dtype, dev)
-    vc, va = _tma_arg(v, p.dtype, dev)
-    _, oa = _tma_arg(out, p.out_dtype, dev)  # fresh and contiguous: never copied
     sink = None if learnable_sink is None else learnable_sink.contiguous()  # a copy only if strided
+    sink_ptr = 0 if sink is None else sink.data_ptr()
+    dev = p.device
+    if call.launch is not None:  # q, k, v read in place: the prepared launch, unless an address is misaligned
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if not (q_ptr | k_ptr | v_ptr) % _v.TMA_ALIGN_BYTES:
+            qd, kd, vd = descales
+            _core.launch_forward(call.launch, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), float(softmax_scale),
+                                 float(softcap), _current_stream(dev), sink_ptr, 0 if qd is None else qd.data_ptr(),
+                                 0 if kd is None else kd.data_ptr(), 0 if vd is None else vd.data_ptr())
+            del sink  # a copy is released only after the launch is enqueued
+            return out, lse
+    # Copies where TMA cannot read an input in place (layout or address), which stay referenced
+    # until the launch is enqueued; after that, freeing them is stream-ordered by the caching
+    # allocator (same stream), so the kernel reads them safely.
+    dtype = p.dtype
+    qc, qa = _input_arg(q, call.inputs[0], dtype, dev)
+    kc, ka = _input_arg(k, call.inputs[1], dtype, dev)
+    vc, va = _input_arg(v, call.inputs[2], dtype, dev)
     _core.attention_forward(
         qa,
         ka,
         va,
-        oa,
-        _lse_arg(lse, p),
+        _core.TensorArg(out.data_ptr(), call.out_shape, call.out_strides, p.out_dtype, dev),  # fresh and contiguous
+        _core.TensorArg(lse.data_ptr(), call.lse_shape, call.lse_strides, "fp32", dev),
         float(softmax_scale),
         bool(causal),
         _current_stream(dev),
         window_size=(int(window_left), int(window_right)),
         softcap=float(softcap),
-        sink=0 if sink is None else sink.data_ptr(),
+        sink=sink_ptr,
         q_descale=_descale_arg(descales[0], dev),
         k_descale=_descale_arg(descales[1], dev),
         v_descale=_descale_arg(descales[2], dev),
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     del qc, kc, vc, sink  # any copies are released only after the launch is enqueued
     return out, lse
+
+
+def _input_arg(t: torch.Tensor, layout, dtype: str, device: int) -> tuple:
+    """``(copy or None, TensorArg)`` of an input: ``t`` in place when its layout (``layout``, from
+    :func:`_input_layout`) and its address suit TMA, else :func:`_tma_arg`'s copy."""
+    if layout is not None:
+        ptr = t.data_ptr()
+        if not ptr % _v.TMA_ALIGN_BYTES:
+            return None, _core.TensorArg(ptr, layout[0], layout[1], dtype, device)
+    return _tma_arg(t, dtype, device)
 
 
 _fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=())
@@ -526,14 +620,16 @@ def flash_attn_func(
             command. In backward: no bwd variant serves (dtype, head_dim, mask, softcap).
         NotImplementedError (in backward): head_dim_v != head_dim (the forward works).
     """
-    not_tensors = [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
-                   for name, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor)]
+    plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor  # (the common case, checked fast)
+    not_tensors = [] if plain else [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                                    for name, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor)]
     if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
         not_tensors.append((TypeError, "learnable_sink must be None or a float32 (heads,) torch.Tensor, got "
                                        f"{type(learnable_sink).__name__}"))
-    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            not_tensors.append((TypeError, f"{name} must be None or a float32 torch.Tensor, got {type(t).__name__}"))
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                not_tensors.append((TypeError, f"{name} must be None or a float32 torch.Tensor, got {type(t).__name__}"))
     other = _v.softmax_scale_problems(softmax_scale) + _v.feature_problems(
         window_size=window_size,
         softcap=softcap,
@@ -557,20 +653,32 @@ def flash_attn_func(
     if grad and q.dtype in _FP8_TORCH_DTYPES:
         raise NotImplementedError("flashgen: the FP8 (float8_e4m3fn) forward has no backward (FA3 has none either); "
                                   "call it under torch.no_grad() or with inputs that do not require grad")
-    if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-            and (sink is None or type(sink) is torch.Tensor)
-            and all(t is None or type(t) is torch.Tensor for t in descales)
-            and not torch.compiler.is_compiling() and not grad):
+    causal = bool(causal)
+    if (plain and (sink is None or type(sink) is _Tensor) and (q_descale is None or type(q_descale) is _Tensor)
+            and (k_descale is None or type(k_descale) is _Tensor) and (v_descale is None or type(v_descale) is _Tensor)
+            and not grad and not torch.compiler.is_compiling()):
         # Eager fast path: the op's own implementation without the custom-op dispatcher, which
         # costs more host time per call than the whole launch (measured on H200). Tracing,
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
-        # window_size and softcap were validated above: only q, k, v and the sink are left to check
-        p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
-        if sink is not None or p.dtype == "fp8_e4m3" or descales != (None, None, None):
-            _check_extras(p, causal, window_left, window_right, softcap, sink, *descales)
-        out, lse = _fwd_run(p, q, k, v, scale, bool(causal), window_left, window_right, softcap, sink, descales)
+        # window_size and softcap were validated above; q, k, v, the sink and the descales are
+        # validated once per key: everything the checks and the _FwdCall depend on.
+        extras = None if sink is None and descales == (None, None, None) else (
+            None if sink is None else (sink.shape, sink.dtype, _device_of(sink)),
+            *(None if t is None else (t.shape, t.stride(), t.dtype, _device_of(t)) for t in descales))
+        key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
+               v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, extras)
+        call = _fwd_calls.get(key)
+        if call is None:
+            p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
+            if sink is not None or p.dtype == "fp8_e4m3" or descales != (None, None, None):
+                _check_extras(p, causal, window_left, window_right, softcap, sink, *descales)
+            call = _fwd_call(p, q, k, v, causal, window_left, window_right, softcap, descales)
+            if len(_fwd_calls) >= _FWD_CALL_CACHE_MAX:
+                _fwd_calls.clear()
+            _fwd_calls[key] = call
+        out, lse = _fwd_run(call, q, k, v, scale, causal, window_left, window_right, softcap, sink, descales)
     else:
-        out, lse = torch.ops.flashgen.fwd(q, k, v, scale, bool(causal), bool(deterministic), window_left,
+        out, lse = torch.ops.flashgen.fwd(q, k, v, scale, causal, bool(deterministic), window_left,
                                           window_right, softcap, sink, *descales)
     if return_attn_probs:
         return out, lse

@@ -2,10 +2,12 @@
 
 Per (variant, role, device), once: cuLibraryLoadData (per variant), cuLibraryGetKernel,
 cuKernelGetFunction and raising the kernel's dynamic shared-memory limit; a params packer built
-from the layout the manifest records. Per call (:func:`launch`): the params bytes, the argument
-array and the launch configuration are built for that call alone, so any number of threads and
-streams may launch at once. TMA descriptors (:func:`tensor_map`) are immutable once encoded and
-cached by every argument including the address, so sharing them between calls is safe.
+from the layout the manifest records. Per call (:func:`launch`, or :func:`launch_prepared` for a
+launch whose fixed part :func:`prepare_launch` resolved once): the params bytes and the argument
+array are built for that call alone, so any number of threads and streams may launch at once;
+kernels without a cluster launch with cuLaunchKernel, others with cuLaunchKernelEx. TMA
+descriptors (:func:`tensor_map`) are immutable once encoded and cached by every argument including
+the address, so sharing them between calls is safe.
 
 A launch runs in the device's primary context (the one torch, CuPy and JAX use); when another
 context is current on the calling thread it is pushed for the launch and popped after, so a call
@@ -17,7 +19,8 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .manifest import Kernel, Variant, read_fatbin
 
@@ -113,12 +116,18 @@ def device_attribute(device: int, attr_name: str) -> int:
     return _attr_cache[key]
 
 
+_capabilities: dict[int, tuple[int, int]] = {}  # device -> (major, minor); checked on every API call
+
+
 def device_capability(device: int) -> tuple[int, int]:
-    """(major, minor) compute capability of CUDA device `device`."""
-    return (
-        device_attribute(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
-        device_attribute(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"),
-    )
+    """(major, minor) compute capability of CUDA device `device` (asked once per device)."""
+    cap = _capabilities.get(device)
+    if cap is None:
+        cap = _capabilities[device] = (
+            device_attribute(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
+            device_attribute(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"),
+        )
+    return cap
 
 
 def num_sms(device: int) -> int:
@@ -144,17 +153,19 @@ def device_name(device: int) -> str:
 
 # ------------------------------------------------------------------------------------ params
 _FORMAT = {"i32": "i", "u32": "I", "i64": "q", "f32": "f", "ptr": "Q"}
+_SLOT_STRUCTS = {code: struct.Struct("<" + code) for code in _FORMAT.values()}
 
 
 class ParamsPacker:
     """Packs a kernel's params struct from the layout the manifest records
     (``{"struct", "size", "fields": [[name, type, offset], ...]}``, docs/CONTRACTS.md §3)."""
 
-    __slots__ = ("names", "size", "_struct")
+    __slots__ = ("names", "size", "_struct", "_slots")
 
     def __init__(self, layout: dict):
         fmt, pos = "<", 0
         self.names = []
+        self._slots = {}  # field name -> (pack_into of its type, byte offset)
         for name, typ, off in layout["fields"]:
             if off < pos:
                 raise ValueError(f"params {layout['struct']}: field {name} overlaps the previous one")
@@ -162,6 +173,7 @@ class ParamsPacker:
             fmt += _FORMAT[typ]
             pos = off + struct.calcsize("<" + _FORMAT[typ])
             self.names.append(name)
+            self._slots[name] = (_SLOT_STRUCTS[_FORMAT[typ]].pack_into, off)
         self.size = int(layout["size"])
         fmt += f"{self.size - pos}x" if self.size > pos else ""
         self._struct = struct.Struct(fmt)
@@ -175,6 +187,14 @@ class ParamsPacker:
         except KeyError as e:
             raise KeyError(f"params field {e.args[0]!r} not given (fields: {', '.join(self.names)})") from None
 
+    def slots(self, names: tuple) -> tuple:
+        """``((pack_into, offset), ...)`` writing the fields ``names`` (in that order) into packed
+        bytes: how :func:`launch_prepared` fills a call's own fields. KeyError for an unknown name."""
+        try:
+            return tuple(self._slots[n] for n in names)
+        except KeyError as e:
+            raise KeyError(f"params field {e.args[0]!r} not in the struct (fields: {', '.join(self.names)})") from None
+
 
 # ------------------------------------------------------------------------------------ kernels
 @dataclass(frozen=True)
@@ -186,6 +206,12 @@ class LoadedKernel:
     function: object  # CUfunction
     device: int
     packer: ParamsPacker
+    argv_type: type = field(init=False, repr=False, compare=False)  # ctypes void*[maps + 1]: the argument array
+    params_type: type = field(init=False, repr=False, compare=False)  # ctypes char[size]: a call's params buffer
+
+    def __post_init__(self):
+        object.__setattr__(self, "argv_type", ctypes.c_void_p * (len(self.record.tensor_maps) + 1))
+        object.__setattr__(self, "params_type", ctypes.c_char * self.packer.size)
 
 
 _libraries: dict[str, object] = {}
@@ -226,14 +252,56 @@ def get_kernel(variant: Variant, role: str, device: int) -> LoadedKernel:
         return k
 
 
-_streams: dict[int, object] = {}  # CUstream wrappers by handle (immutable values)
+_streams: dict[int, object] = {}  # CUstream wrappers by handle (immutable values; bounded)
+_STREAM_CACHE_MAX = 1024
 
 
 def _stream(handle: int):
     s = _streams.get(handle)
     if s is None:
+        if len(_streams) >= _STREAM_CACHE_MAX:
+            _streams.clear()
         s = _streams[handle] = _driver().CUstream(handle)
     return s
+
+
+def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int) -> None:
+    """Launch ``kernel`` with the argument array ``argv`` (a ctypes void* array, kept alive by the
+    caller) in the device's primary context: pushed only when another one is current on this thread,
+    and popped after, as :class:`device_context` does (inlined: this runs on every call)."""
+    rec = kernel.record
+    d = _driver()
+    ctx = _primary.get(kernel.device) or primary_context(kernel.device)
+    err, cur = d.cuCtxGetCurrent()
+    if err:
+        check((err, cur), "cuCtxGetCurrent")
+    pushed = cur is None or int(cur) != int(ctx)
+    if pushed:
+        check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        cluster = rec.cluster
+        if cluster[0] == cluster[1] == cluster[2] == 1:
+            err = d.cuLaunchKernel(kernel.function, grid[0], grid[1], grid[2], rec.threads, 1, 1, rec.smem_bytes,
+                                   _streams.get(stream) or _stream(stream), ctypes.addressof(argv), 0)[0]
+            what = "cuLaunchKernel"
+        else:
+            cfg = d.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = rec.threads, 1, 1
+            cfg.sharedMemBytes = rec.smem_bytes
+            cfg.hStream = _stream(stream)
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            err = d.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(argv), 0)[0]
+            what = "cuLaunchKernelEx"
+    finally:
+        if pushed:
+            check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
+    if err:
+        check((err,), f"{what}({rec.symbol})")
 
 
 def launch(kernel: LoadedKernel, grid: tuple, tensor_maps: tuple, params: dict, stream: int,
@@ -250,26 +318,46 @@ def launch(kernel: LoadedKernel, grid: tuple, tensor_maps: tuple, params: dict, 
         raise ValueError(f"flashgen: kernel {rec.symbol} was loaded for cuda:{kernel.device}, not cuda:{device}")
     if len(tensor_maps) != len(rec.tensor_maps):
         raise ValueError(f"flashgen: {rec.symbol} takes tensor maps {list(rec.tensor_maps)}, got {len(tensor_maps)}")
-    buf = ctypes.create_string_buffer(kernel.packer.pack(params), kernel.packer.size)
-    args = (ctypes.c_void_p * (len(tensor_maps) + 1))(*[m.getPtr() for m in tensor_maps], ctypes.addressof(buf))
-    d = _driver()
-    cfg = d.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = rec.threads, 1, 1
-    cfg.sharedMemBytes = rec.smem_bytes
-    cfg.hStream = _stream(stream)
-    if tuple(rec.cluster) != (1, 1, 1):
-        attr = d.CUlaunchAttribute()
-        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = rec.cluster
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
-    else:
-        cfg.numAttrs = 0
-    with device_context(kernel.device):
-        err = d.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(args), 0)
-    if int(err[0]) != 0:
-        check(err, f"cuLaunchKernelEx({rec.symbol})")
+    buf = kernel.params_type.from_buffer_copy(kernel.packer.pack(params))
+    argv = kernel.argv_type(*[m.getPtr() for m in tensor_maps], ctypes.addressof(buf))
+    _launch_argv(kernel, tuple(int(g) for g in grid), argv, stream)
+
+
+class PreparedLaunch(NamedTuple):
+    """A launch of one kernel whose grid and params are fixed except for a few per-call fields
+    (device addresses, scales): made once by :func:`prepare_launch`, launched any number of times
+    by :func:`launch_prepared`. Immutable, so calls on any thread may share it."""
+
+    kernel: LoadedKernel
+    grid: tuple  # (x, y, z) CTAs, ints
+    params: bytes  # the packed params struct, the per-call fields zero
+    slots: tuple  # ((struct pack_into, byte offset), ...) of the per-call fields, in launch_prepared's order
+
+
+def prepare_launch(kernel: LoadedKernel, grid: tuple, params: dict, per_call: tuple) -> PreparedLaunch:
+    """The fixed part of a launch of ``kernel`` over ``grid``: ``params`` gives every field of the
+    params struct but those named in ``per_call``, whose values each :func:`launch_prepared` call
+    gives, in that order. KeyError for a missing or unknown field, struct.error for a bad value."""
+    fixed = {**params, **{n: 0 for n in per_call}}
+    return PreparedLaunch(kernel, tuple(int(g) for g in grid), kernel.packer.pack(fixed),
+                          kernel.packer.slots(tuple(per_call)))
+
+
+def launch_prepared(prep: PreparedLaunch, tensor_maps: tuple, values: tuple, stream: int) -> None:
+    """Launch ``prep`` on ``stream`` (a CUstream handle as int), with ``tensor_maps`` (one per
+    name in the kernel's ``tensor_maps`` record) and ``values``, the per-call fields in the order
+    :func:`prepare_launch` was given. The params bytes and the argument array are this call's own.
+    ValueError for a wrong number of tensor maps or values, struct.error for a bad value, CudaError
+    if the launch fails."""
+    kernel = prep.kernel
+    if len(tensor_maps) != len(kernel.record.tensor_maps) or len(values) != len(prep.slots):
+        raise ValueError(f"flashgen: {kernel.record.symbol} takes tensor maps {list(kernel.record.tensor_maps)} and "
+                         f"{len(prep.slots)} per-call params, got {len(tensor_maps)} and {len(values)}")
+    buf = kernel.params_type.from_buffer_copy(prep.params)  # this call's own copy
+    for (pack_into, offset), value in zip(prep.slots, values):
+        pack_into(buf, offset, value)
+    argv = kernel.argv_type(*[m.getPtr() for m in tensor_maps], ctypes.addressof(buf))
+    _launch_argv(kernel, prep.grid, argv, stream)
 
 
 # ------------------------------------------------------------------------------------- TMA maps
@@ -281,8 +369,65 @@ _TMA_DTYPES = {
 }
 _SWIZZLE = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B",
             64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
-_tmaps: dict[tuple, object] = {}
 _TMAP_CACHE_MAX = 4096
+_tmaps: dict[tuple, object] = {}  # (TensorMapGeometry, address) -> CUtensorMap (immutable; bounded)
+_geometries: dict[tuple, "TensorMapGeometry"] = {}  # tensor_map's arguments but the address -> geometry (bounded)
+
+
+class TensorMapGeometry:
+    """Everything of a tiled TMA descriptor but its address, checked once (:func:`map_geometry`);
+    :func:`tensor_map_at` gives its descriptor at an address. Immutable; compared and hashed by
+    identity, so a cache key holding one is cheap (and keeps it alive); map_geometry hands equal
+    arguments the same object. The driver's argument objects are built at the first encode."""
+
+    __slots__ = ("dtype", "dims", "strides_bytes", "box", "swizzle", "device", "_encode_args")
+
+    def __init__(self, dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int, device):
+        self.dtype, self.dims, self.strides_bytes, self.box = dtype, tuple(dims), tuple(strides_bytes), tuple(box)
+        self.swizzle, self.device = swizzle, device
+        self._encode_args = None
+
+    def __repr__(self):
+        return (f"TensorMapGeometry({self.dtype}, dims={self.dims}, strides={self.strides_bytes}, box={self.box}, "
+                f"swizzle={self.swizzle}, device={self.device})")
+
+    def encode_args(self) -> tuple:
+        """cuTensorMapEncodeTiled's arguments but the address: (dtype, rank, dims, strides, box,
+        element strides, interleave, swizzle, L2 promotion, OOB fill), driver objects made once."""
+        args = self._encode_args
+        if args is None:
+            d = _driver()
+            rank = len(self.dims)
+            args = self._encode_args = (
+                getattr(d.CUtensorMapDataType, _TMA_DTYPES[self.dtype][0]), rank,
+                tuple(d.cuuint64_t(int(x)) for x in self.dims), tuple(d.cuuint64_t(int(x)) for x in self.strides_bytes),
+                tuple(d.cuuint32_t(int(x)) for x in self.box), tuple(d.cuuint32_t(1) for _ in range(rank)),
+                d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, getattr(d.CUtensorMapSwizzle, _SWIZZLE[self.swizzle]),
+                d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        return args
+
+
+def map_geometry(dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int = 128,
+                 device: int | None = None) -> TensorMapGeometry:
+    """The :class:`TensorMapGeometry` of :func:`tensor_map`'s arguments but the address (one
+    object per distinct arguments while cached). ValueError for a bad dtype, swizzle or rank."""
+    key = (dtype, dims, strides_bytes, box, swizzle, device)
+    g = _geometries.get(key)
+    if g is None:
+        if dtype not in _TMA_DTYPES:
+            raise ValueError(f"flashgen: tensor_map dtype {dtype!r} not one of {', '.join(_TMA_DTYPES)}")
+        if swizzle not in _SWIZZLE:
+            raise ValueError(f"flashgen: tensor_map swizzle {swizzle!r} not one of {', '.join(map(str, _SWIZZLE))}")
+        rank = len(dims)
+        if not (1 <= rank <= 5 and len(box) == rank and len(strides_bytes) == rank - 1):
+            raise ValueError(f"flashgen: tensor_map needs rank 1..5 with len(box) = rank and rank - 1 strides; "
+                             f"got dims {dims}, strides {strides_bytes}, box {box}")
+        g = TensorMapGeometry(dtype, dims, strides_bytes, box, swizzle, device)
+        if len(_geometries) >= _TMAP_CACHE_MAX:  # bounded; a dropped geometry only costs a new object
+            _geometries.clear()
+        _geometries[key] = g
+    return g
 
 
 def tensor_map(ptr: int, dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swizzle: int = 128,
@@ -296,39 +441,30 @@ def tensor_map(ptr: int, dtype: str, dims: tuple, strides_bytes: tuple, box: tup
     may share it. ``device``: the ordinal the memory lives on; the driver encodes a map only with a
     context current, so a new map is encoded inside :class:`device_context` (pass it whenever the
     calling thread may have no context, i.e. always from an API path). ValueError for a bad dtype,
-    swizzle or rank; CudaError if the driver refuses."""
-    key = (ptr, dtype, dims, strides_bytes, box, swizzle)
+    swizzle or rank; CudaError if the driver refuses. Same as
+    ``tensor_map_at(map_geometry(dtype, dims, strides_bytes, box, swizzle, device), ptr)``."""
+    return tensor_map_at(map_geometry(dtype, dims, strides_bytes, box, swizzle, device), ptr)
+
+
+def tensor_map_at(geometry: TensorMapGeometry, ptr: int):
+    """The TMA descriptor of ``geometry`` at device address ``ptr`` (see :func:`tensor_map`):
+    cached by (geometry, address), encoded on a miss (inside the geometry's device's
+    :class:`device_context` when it names one). CudaError if the driver refuses."""
+    key = (geometry, ptr)
     tmap = _tmaps.get(key)
     if tmap is not None:
         return tmap
-    if dtype not in _TMA_DTYPES:
-        raise ValueError(f"flashgen: tensor_map dtype {dtype!r} not one of {', '.join(_TMA_DTYPES)}")
-    if swizzle not in _SWIZZLE:
-        raise ValueError(f"flashgen: tensor_map swizzle {swizzle!r} not one of {', '.join(map(str, _SWIZZLE))}")
-    rank = len(dims)
-    if not (1 <= rank <= 5 and len(box) == rank and len(strides_bytes) == rank - 1):
-        raise ValueError(f"flashgen: tensor_map needs rank 1..5 with len(box) = rank and rank - 1 strides; "
-                         f"got dims {dims}, strides {strides_bytes}, box {box}")
     d = _driver()
-    if device is not None:
-        with device_context(device):
-            return tensor_map(ptr, dtype, dims, strides_bytes, box, swizzle)
-    tmap = check(
-        d.cuTensorMapEncodeTiled(
-            getattr(d.CUtensorMapDataType, _TMA_DTYPES[dtype][0]),
-            rank,
-            ptr,
-            [d.cuuint64_t(int(x)) for x in dims],
-            [d.cuuint64_t(int(x)) for x in strides_bytes],
-            [d.cuuint32_t(int(x)) for x in box],
-            [d.cuuint32_t(1)] * rank,
-            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            getattr(d.CUtensorMapSwizzle, _SWIZZLE[swizzle]),
-            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        ),
-        f"cuTensorMapEncodeTiled(dtype={dtype}, dims={dims}, strides={strides_bytes}, box={box})",
-    )
+    dtype_, rank, dims, strides, box, elem, interleave, swizzle, l2, oob = geometry.encode_args()
+    what = (f"cuTensorMapEncodeTiled(dtype={geometry.dtype}, dims={geometry.dims}, strides={geometry.strides_bytes}, "
+            f"box={geometry.box})")
+    if geometry.device is not None:
+        with device_context(geometry.device):
+            tmap = check(d.cuTensorMapEncodeTiled(dtype_, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2,
+                                                  oob), what)
+    else:
+        tmap = check(d.cuTensorMapEncodeTiled(dtype_, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob),
+                     what)
     if len(_tmaps) >= _TMAP_CACHE_MAX:  # bounded; dropping entries is safe (they are never mutated)
         _tmaps.clear()
     _tmaps[key] = tmap

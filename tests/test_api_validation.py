@@ -5,8 +5,10 @@ flashgen._validate): argument checks, copy/no-copy decisions, empty problems, th
 
 No GPU here. The `fake_gpu` fixture makes CPU tensors pass the device checks and replaces
 the core's launch with an emulator that reads and writes memory through the TensorArg it
-is given (host address + shape + strides), computing the attention on the CPU. So a wrong
-pointer or stride handed to the core gives a wrong result here, as it would on the GPU.
+is given (host address + shape + strides; for the eager fast path's prepared launch, the
+metadata given to core.prepare_forward at the addresses given to core.launch_forward),
+computing the attention on the CPU. So a wrong pointer or stride handed to the core gives a
+wrong result here, as it would on the GPU.
 """
 
 from __future__ import annotations
@@ -135,16 +137,49 @@ class FakeCore:
         _view(lse).copy_(l)
         return variant
 
+    def prepare_forward(self, q, k, v, out, causal, variant=None, *, window_size=(-1, -1), softcap=0.0,
+                        softmax_scale=None, q_descale=None, k_descale=None, v_descale=None):
+        """As core.prepare_forward: metadata only (addresses 0), the variant selected here."""
+        for a in (q, k, v, out, q_descale, k_descale, v_descale):
+            assert a is None or (isinstance(a, core.TensorArg) and a.ptr == 0)
+        if variant is None:
+            m = core.mask_spec(causal, window_size, q.shape[1], k.shape[1])
+            variant = core.select_variant(
+                "fwd", {"dtype": core._VARIANT_DTYPE.get(q.dtype, q.dtype), "head_dim": q.shape[3],
+                        "head_dim_v": v.shape[3], "causal": m.causal, "local": m.local, "softcap": softcap > 0})
+        return dict(q=q, k=k, v=v, out=out, causal=causal, variant=variant, window_size=window_size,
+                    descales=(q_descale, k_descale, v_descale))
+
+    def launch_forward(self, prep, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, softmax_scale, softcap, stream, sink=0,
+                       q_descale=0, k_descale=0, v_descale=0):
+        """As core.launch_forward: the prepared metadata at these addresses, emulated by attention_forward
+        (lse: the contiguous (batch, heads, seqlen_q) the kernel writes)."""
+        q = prep["q"]
+        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+        lse = core.TensorArg(lse_ptr, (b, h, sq), (h * sq, sq, 1), "fp32", q.device)
+        descales = [None if t is None else t._replace(ptr=ptr) for t, ptr in zip(prep["descales"],
+                                                                               (q_descale, k_descale, v_descale))]
+        assert all((t is None) == (ptr == 0) for t, ptr in zip(prep["descales"], (q_descale, k_descale, v_descale)))
+        return self.attention_forward(q._replace(ptr=q_ptr), prep["k"]._replace(ptr=k_ptr), prep["v"]._replace(ptr=v_ptr),
+                                      prep["out"]._replace(ptr=out_ptr), lse, softmax_scale, prep["causal"], stream,
+                                      prep["variant"], window_size=prep["window_size"], softcap=softcap, sink=sink,
+                                      q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """CPU tensors count as CUDA device 0 of capability 9.0; the core is emulated."""
+    """CPU tensors count as CUDA device 0 of capability 9.0; the core is emulated (its generic entry
+    attention_forward and the prepared launch, prepare_forward + launch_forward, of the eager fast
+    path), and flash_attn_func's cache of prepared calls starts empty."""
     fc = FakeCore()
     monkeypatch.setattr(interface, "_device_of", lambda t: (True, 0))
     monkeypatch.setattr(interface, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(interface, "_fwd_calls", {})
     monkeypatch.setattr(core, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(core, "select_variant", fc.select_variant)
     monkeypatch.setattr(core, "attention_forward", fc.attention_forward)
+    monkeypatch.setattr(core, "prepare_forward", fc.prepare_forward)
+    monkeypatch.setattr(core, "launch_forward", fc.launch_forward)
     return fc
 
 

@@ -95,8 +95,17 @@ def fake_launch(monkeypatch):
     monkeypatch.setattr(launch, "get_kernel", lambda variant, role, device: ("kernel", variant.name))
     monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(launch, "tensor_map", lambda *a, **k: object())
+    monkeypatch.setattr(launch, "tensor_map_at", lambda geometry, ptr: object())
     monkeypatch.setattr(launch, "launch", lambda *a: None)
+    monkeypatch.setattr(launch, "prepare_launch", lambda kernel, grid, params, per_call: None)
+    monkeypatch.setattr(launch, "launch_prepared", lambda *a: None)
+    reset_plans(monkeypatch)
+
+
+def reset_plans(monkeypatch):
+    """Forget the forward's resolved plans and prepared launches (core._plans, core._prepared_forwards)."""
     monkeypatch.setattr(core, "_plans", {})
+    monkeypatch.setattr(core, "_prepared_forwards", {})
     tuning.reset()
 
 
@@ -273,8 +282,7 @@ def test_env_off_and_override(gpu, monkeypatch, tmp_path):
                         table_data(gpu="NVIDIA H200", rows=[{"max_seqlen_k": None, "tile": CAND2}]))
     for value in (str(other), str(other.parent / "nothing.yaml")):
         monkeypatch.setenv("FLASHGEN_TUNE_TABLE", value)
-        monkeypatch.setattr(core, "_plans", {})
-        tuning.reset()
+        reset_plans(monkeypatch)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             got = tile_of(forward(512))
@@ -285,8 +293,7 @@ def test_env_off_and_override(gpu, monkeypatch, tmp_path):
     # a folder: searched for <gpu-slug>.yaml
     write_table(tmp_path / "dir" / f"{SLUG}.yaml", table_data(rows=[{"max_seqlen_k": None, "tile": CAND}]))
     monkeypatch.setenv("FLASHGEN_TUNE_TABLE", str(tmp_path / "dir"))
-    monkeypatch.setattr(core, "_plans", {})
-    tuning.reset()
+    reset_plans(monkeypatch)
     assert tile_of(forward(9999)) == CAND
 
 
@@ -781,8 +788,9 @@ def test_no_tables_change_nothing(tmp_path):
 
 def test_sweep_through_the_real_point_with_a_fake_timer(gpu, monkeypatch):
     """tune._Point as the GPU run uses it (inputs, core.attention_forward with the variant, the
-    bench timer), with torch's CUDA calls sent to the CPU, the launcher recording which variant ran
-    and bench._time_ms replaced by a timer that makes CAND the fastest."""
+    bench timer), with torch's CUDA calls sent to the CPU, the launcher (launch.prepare_launch /
+    launch_prepared) recording which variant ran and bench._time_ms replaced by a timer that makes
+    CAND the fastest."""
     import types
 
     import torch
@@ -798,8 +806,9 @@ def test_sweep_through_the_real_point_with_a_fake_timer(gpu, monkeypatch):
     monkeypatch.setattr(tune, "TOTAL_TOKENS", 1024)  # small CPU tensors: batch 1024 / seqlen
     monkeypatch.setattr(tune, "HIDDEN", 256)  # heads 256 / head_dim
     launched = []
-    monkeypatch.setattr(launch, "launch", lambda kernel, grid, maps, params, stream: launched.append(
-        (kernel[1], params["batch"], params["heads"], params["seqlen_k"], stream)))
+    monkeypatch.setattr(launch, "prepare_launch", lambda kernel, grid, params, per_call: (kernel, params))
+    monkeypatch.setattr(launch, "launch_prepared", lambda prep, maps, values, stream: launched.append(
+        (prep[0][1], prep[1]["batch"], prep[1]["heads"], prep[1]["seqlen_k"], stream)))
     ms = {128: 1.0, 176: 0.8, 112: 1.1}  # by block_n
     by_name = {v.name: v for v in load_manifest().variants}
 

@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen.core as core  # noqa: E402
+import flashgen.interface as interface  # noqa: E402
 from flashgen import dlpack_api  # noqa: E402
 from flashgen.interface import flash_attn_func  # noqa: E402
 from flashgen.manifest import load_manifest  # noqa: E402
@@ -82,15 +83,33 @@ def assert_fa3_rule(out, q, k, v, causal, scale=None, lse=None):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Record the TensorArgs handed to the core (then launch for real)."""
+    """Record the TensorArgs handed to the core (then launch for real): those of
+    core.attention_forward, or for the eager fast path's prepared launch the metadata given to
+    core.prepare_forward at the addresses given to core.launch_forward. flash_attn_func's cache
+    of prepared calls starts empty, so the prepare is seen."""
     calls = []
-    real = core.attention_forward
+    real, real_prepare, real_launch = core.attention_forward, core.prepare_forward, core.launch_forward
+    prepared = []  # (PreparedForward, {name: metadata TensorArg})
 
     def wrapped(q, k, v, out, lse, *a, **kw):
         calls.append(dict(q=q, k=k, v=v, out=out, lse=lse))
         return real(q, k, v, out, lse, *a, **kw)
 
+    def prepare(q, k, v, out, *a, **kw):
+        prep = real_prepare(q, k, v, out, *a, **kw)
+        prepared.append((prep, dict(q=q, k=k, v=v, out=out)))
+        return prep
+
+    def launch(prep, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, *a):
+        meta = next(m for p, m in reversed(prepared) if p is prep)
+        calls.append({**{name: meta[name]._replace(ptr=ptr) for name, ptr in
+                         (("q", q_ptr), ("k", k_ptr), ("v", v_ptr), ("out", out_ptr))}, "lse": lse_ptr})
+        return real_launch(prep, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, *a)
+
     monkeypatch.setattr(core, "attention_forward", wrapped)
+    monkeypatch.setattr(core, "prepare_forward", prepare)
+    monkeypatch.setattr(core, "launch_forward", launch)
+    monkeypatch.setattr(interface, "_fwd_calls", {})
     return calls
 
 
@@ -191,7 +210,10 @@ def test_missing_variant_error(tmp_path, monkeypatch):
         e["fatbin"] = os.path.join(str(m.path.parent), e["fatbin"])
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(core, "_plans", {})  # resolved plans are per process: start from the subset
+    # resolved plans and prepared calls are per process: start from the subset
+    monkeypatch.setattr(core, "_plans", {})
+    monkeypatch.setattr(core, "_prepared_forwards", {})
+    monkeypatch.setattr(interface, "_fwd_calls", {})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[data["variants"][0]["params"]["dtype"]]
     q, k, v = inputs(1, 8, 8, 2, 2, 128, dtype)
     with pytest.raises(core.MissingVariantError, match="flashgen add-variant fwd .*--head-dim 128"):

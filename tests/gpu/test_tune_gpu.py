@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 import flashgen  # noqa: E402
-from flashgen import bench, core, tune, tuning  # noqa: E402
+from flashgen import bench, core, interface, tune, tuning  # noqa: E402
 from flashgen.cli import main as cli_main  # noqa: E402
 from flashgen.manifest import load_manifest  # noqa: E402
 
@@ -33,10 +33,17 @@ def built():
     return vs
 
 
+def _forget_plans(monkeypatch):
+    """Resolved plans and prepared forward calls are per process: start afresh."""
+    monkeypatch.setattr(core, "_plans", {})
+    monkeypatch.setattr(core, "_prepared_forwards", {})
+    monkeypatch.setattr(interface, "_fwd_calls", {})
+    tuning.reset()
+
+
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(core, "_plans", {})
-    tuning.reset()
+    _forget_plans(monkeypatch)
     yield
     tuning.reset()
 
@@ -97,8 +104,7 @@ def test_a_table_naming_another_tile_is_followed(built, fresh, tmp_path, monkeyp
     torch.cuda.synchronize()
     assert any(p.variant.name == other.name and k[-1] == tuning.seqlen_bucket(700) for k, p in core._plans.items())
     monkeypatch.setenv("FLASHGEN_TUNE_TABLE", "off")
-    monkeypatch.setattr(core, "_plans", {})
-    tuning.reset()
+    _forget_plans(monkeypatch)
     assert _call(1000).name == default.name
 
 

@@ -1,0 +1,204 @@
+"""Host time per forward call with the CUDA driver stubbed out: runs on a machine without a GPU.
+
+Measures the Python cost of ``flashgen.flash_attn_func`` and ``flashgen.core.attention_forward`` on
+the small problem of ``flashgen.bench.measure_overhead`` (q, k, v (1, 128, 1, 128) bf16), with:
+
+* ``flashgen.launch._driver`` replaced by a fake module whose calls return ``(0, value)`` tuples at
+  once (so the cost of cuda-python's own argument conversion and of the driver is NOT in these
+  numbers: on a GPU add the real cuCtxGetCurrent, cuLaunchKernel(Ex) and, on a tensor-map cache
+  miss, cuTensorMapEncodeTiled);
+* a throwaway manifest with one fwd variant (the real FwdParams layout) and no fatbin read;
+* CPU tensors counted as CUDA device 0 (``flashgen.interface._device_of``) and a fixed stream
+  handle (``flashgen.interface._current_stream``): torch's stream lookup is NOT measured either.
+
+So the numbers compare flashgen's own Python work before and after a change, nothing more; the GPU
+measurement is ``flashgen.bench.measure_overhead`` (``flashgen bench``) and
+``scripts/overhead_profile.py``. Usage: ``python scripts/overhead_cpu_stub.py [--n 20000] [--profile]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+FWD_FIELDS = [
+    ["lse", "ptr", 0], ["seqlen_q", "i32", 8], ["seqlen_k", "i32", 12], ["heads", "i32", 16], ["heads_k", "i32", 20],
+    ["batch", "i32", 24], ["num_m_blocks", "i32", 28], ["num_tiles", "i32", 32], ["scale_log2", "f32", 36],
+    ["softmax_scale", "f32", 40], ["softcap_scale", "f32", 44], ["window_left", "i32", 48],
+    ["window_right", "i32", 52], ["sink", "ptr", 56], ["q_descale", "ptr", 64], ["q_descale_stride_batch", "i32", 72],
+    ["q_descale_stride_head", "i32", 76], ["q_descale_stride_block", "i32", 80], ["q_descale_head_div", "i32", 84],
+    ["k_descale", "ptr", 88], ["k_descale_stride_batch", "i32", 96], ["k_descale_stride_head", "i32", 100],
+    ["k_descale_stride_block", "i32", 104], ["v_descale", "ptr", 112], ["v_descale_stride_batch", "i32", 120],
+    ["v_descale_stride_head", "i32", 124], ["o", "ptr", 128], ["o_stride_batch", "i64", 136],
+    ["o_stride_seq", "i64", 144], ["o_stride_head", "i64", 152], ["head_dim_v", "i32", 160],
+]
+
+
+def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
+    key = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": False, "local": False, "softcap": False}
+    tile = {"block_m": 128, "block_n": 128, "stages": 2, "consumer_wgs": 2, "pingpong": True, "overlap": True,
+            "persistent": True}
+    name = "fwd_bf16_hd128_stub"
+    rec = {"name": name, "key": "0" * 64, "family": "fwd", "params": {"family": "fwd", **key, **tile},
+           "dispatch": key, "default": True, "fatbin": f"fatbin/{name}.fatbin", "sha256": "0" * 64,
+           "kernels": [{"role": "main", "symbol": f"flashgen_{name}_main", "threads": 384, "cluster": list(cluster),
+                        "smem_bytes": 198656, "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
+                        "tensor_maps": ["q", "k", "v", "o"], "sass": [],
+                        "params": {"struct": "FwdParams", "size": 168, "fields": FWD_FIELDS}}]}
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"}, "variants": [rec]}, f)
+
+
+class _Handle:
+    """A driver handle (CUcontext, CUfunction, CUstream, CUtensorMap ...): int() and getPtr()."""
+
+    def __init__(self, value=0):
+        self.value = int(value)
+
+    def __int__(self):
+        return self.value
+
+    def getPtr(self):
+        return id(self)
+
+
+class _Enum:
+    def __getattr__(self, name):
+        return name
+
+
+def fake_driver():
+    """A stand-in for cuda.bindings.driver: every call returns (0, value) immediately."""
+    ok = 0
+    ctx = _Handle(0x1234)
+    calls = {"launch": 0, "encode": 0}
+
+    def launch_ex(cfg, f, args, extra):
+        calls["launch"] += 1
+        return (ok,)
+
+    def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        calls["launch"] += 1
+        return (ok,)
+
+    def encode(*a):
+        calls["encode"] += 1
+        return (ok, _Handle())
+
+    attrs = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 9, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 0,
+             "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": 132}
+    d = SimpleNamespace(
+        calls=calls,
+        cuInit=lambda flags: (ok,),
+        cuDeviceGet=lambda i: (ok, i),
+        cuDevicePrimaryCtxRetain=lambda dev: (ok, ctx),
+        cuCtxGetCurrent=lambda: (ok, ctx),
+        cuCtxPushCurrent=lambda c: (ok,),
+        cuCtxPopCurrent=lambda: (ok, ctx),
+        CUdevice_attribute=SimpleNamespace(**{k: i for i, k in enumerate(attrs)}),
+        cuDeviceGetAttribute=lambda attr, dev: (ok, list(attrs.values())[attr]),
+        cuDeviceGetName=lambda n, dev: (ok, b"Stub GPU\0"),
+        cuGetErrorName=lambda e: (ok, b"CUDA_ERROR_STUB"),
+        cuLibraryLoadData=lambda *a: (ok, _Handle(1)),
+        cuLibraryGetKernel=lambda lib, sym: (ok, _Handle(2)),
+        cuKernelGetFunction=lambda k: (ok, _Handle(3)),
+        cuFuncSetAttribute=lambda *a: (ok,),
+        CUfunction_attribute=_Enum(),
+        CUstream=_Handle,
+        CUlaunchConfig=lambda: SimpleNamespace(),
+        CUlaunchAttribute=lambda: SimpleNamespace(value=SimpleNamespace(clusterDim=SimpleNamespace())),
+        CUlaunchAttributeID=_Enum(),
+        cuLaunchKernelEx=launch_ex,
+        cuLaunchKernel=launch,
+        cuTensorMapEncodeTiled=encode,
+        CUtensorMapDataType=_Enum(),
+        CUtensorMapInterleave=_Enum(),
+        CUtensorMapSwizzle=_Enum(),
+        CUtensorMapL2promotion=_Enum(),
+        CUtensorMapFloatOOBfill=_Enum(),
+        cuuint64_t=int,
+        cuuint32_t=int,
+    )
+    return d
+
+
+def install(kernel_dir: str):
+    """Point flashgen at the stub manifest and the fake driver; returns (torch, flashgen modules, driver)."""
+    os.environ["FLASHGEN_KERNEL_DIR"] = kernel_dir
+    os.environ["FLASHGEN_TUNE_TABLE"] = "off"
+    import torch
+
+    from flashgen import core, interface, launch
+
+    drv = fake_driver()
+    launch._drv = drv
+    launch._driver = lambda: drv
+    launch.read_fatbin = lambda path, sha: b""
+    interface._device_of = lambda t: (True, 0)
+    interface._current_stream = lambda device: 7
+    return torch, core, interface, launch, drv
+
+
+def timeit(fn, n: int) -> float:
+    """Microseconds of this thread's CPU time per call of ``fn``: the best of 7 runs of n calls
+    (CPU time, not wall time, so that other processes on a busy machine disturb it less)."""
+    for _ in range(200):
+        fn()
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.thread_time()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.thread_time() - t0) / n)
+    return best * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20000)
+    ap.add_argument("--profile", action="store_true", help="cProfile flash_attn_func instead of timing")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as kdir:
+        write_manifest(kdir)
+        torch, core, interface, launch, drv = install(kdir)
+        q, k, v = (torch.randn(1, 128, 1, 128, dtype=torch.bfloat16) for _ in range(3))
+        out, lse = torch.empty_like(q), torch.empty(1, 1, 128, dtype=torch.float32)
+        args = [core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dt, 0)
+                for t, dt in ((q, "bf16"), (k, "bf16"), (v, "bf16"), (out, "bf16"), (lse, "fp32"))]
+        fns = {"flash_attn_func": lambda: interface.flash_attn_func(q, k, v),
+               "core.attention_forward": lambda: core.attention_forward(*args, 0.088, False, 7)}
+        if a.profile:
+            import cProfile
+            import pstats
+
+            for fn in fns.values():
+                timeit(fn, 100)
+            for name, fn in fns.items():
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(a.n):
+                    fn()
+                pr.disable()
+                print(f"==== {name}")
+                pstats.Stats(pr).sort_stats("tottime").print_stats(16)
+            return 0
+        print(f"flashgen from {os.path.dirname(interface.__file__)}; torch {torch.__version__}; "
+              f"python {sys.version.split()[0]}; CUDA driver stubbed (CPU-stub numbers)")
+        for name, fn in fns.items():
+            before = drv.calls["launch"]
+            us = timeit(fn, a.n)
+            assert drv.calls["launch"] > before, "no launch reached the (fake) driver"
+            print(f"CPU-stub host time per call, {name}: {us:.2f} us")
+        empty = torch.empty((1, 128, 1, 128), dtype=torch.bfloat16)
+        print(f"(reference: torch.empty of out's shape: {timeit(lambda: torch.empty((1, 128, 1, 128), dtype=torch.bfloat16), a.n):.2f} us, "
+              f"new_empty: {timeit(lambda: q.new_empty((1, 128, 1, 128)), a.n):.2f} us, "
+              f"data_ptr: {timeit(empty.data_ptr, a.n):.2f} us)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

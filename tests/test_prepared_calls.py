@@ -1,0 +1,613 @@
+"""CPU tests of what the forward resolves once per metadata key, so that a call costs little host time:
+flash_attn_func's prepared calls (``interface._fwd_calls``) and the core's prepared launches
+(``core.prepare_forward`` / ``launch_forward``, ``launch.prepare_launch`` / ``launch_prepared``,
+TMA maps by geometry and address).
+
+What is asserted: a cache never serves a wrong answer (calls differing in one piece of metadata --
+strides, dtype, device, causal, window, softcap, heads, seqlen, sink, descales -- get their own
+entries and correct results; values that are per call -- softmax_scale, softcap's value, addresses,
+stream -- are taken from each call), errors are raised as without the caches (a misaligned address
+on a cached key is still copied by flash_attn_func and refused by the core), caches are bounded,
+and the launch itself (params bytes, grid, TMA maps, context push/pop, cuLaunchKernel vs
+cuLaunchKernelEx) is what the uncached code produced, from any number of threads.
+
+No GPU: flash_attn_func runs on test_api_validation's emulated core (``fake_gpu``); the core and
+launcher run for real on a fake CUDA driver (``driver``) that records every launch and reads its
+params bytes and tensor maps back through the argument array.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import struct
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen.core as core
+import flashgen.interface as interface
+from flashgen import launch, tuning
+from flashgen.generator.families import fwd as fwd_mod
+from flashgen.interface import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from _ref import dequantize_fp8  # noqa: E402  (torch only: runs on the CPU)
+from test_api_validation import fake_gpu, qkv, reference  # noqa: E402,F401  (fake_gpu: a fixture)
+
+
+def close(out, q, k, v, scale, causal=False, window_size=(-1, -1), softcap=0.0, sink=None, lse=None):
+    ref, ref_lse = reference(q, k, v, scale, causal, window_size, softcap, sink)
+    tol = 2e-3 if out.dtype == torch.float16 else 1.6e-2
+    assert (out.float() - ref).abs().max().item() <= tol
+    if lse is not None:
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def prepared_launches(fake_gpu, monkeypatch):
+    """The launches that went through the prepared path (core.launch_forward), as (q, k, v) addresses."""
+    seen = []
+    real = core.launch_forward
+
+    def spy(prep, q_ptr, k_ptr, v_ptr, *a):
+        seen.append((q_ptr, k_ptr, v_ptr))
+        return real(prep, q_ptr, k_ptr, v_ptr, *a)
+
+    monkeypatch.setattr(core, "launch_forward", spy)
+    return seen
+
+
+# ======================================================================== flash_attn_func's prepared calls
+def test_calls_differing_in_one_piece_of_metadata_get_their_own_entries(fake_gpu, monkeypatch):
+    base = qkv(b=2, sq=5, sk=7, h=4, hk=2, d=64)
+    q, k, v = base
+    packed = torch.randn(2, 5, 3, 4, 64).half()  # q's shape, other strides
+    packed[:, :, 1] = q
+    q_strided = packed[:, :, 1]
+    assert q_strided.shape == q.shape and q_strided.stride() != q.stride()
+    on_dev1 = set()
+    monkeypatch.setattr(interface, "_device_of", lambda t: (True, 1 if id(t) in on_dev1 else 0))
+    qd1, kd1, vd1 = (t.clone() for t in base)
+    on_dev1.update(id(t) for t in (qd1, kd1, vd1))
+    bf = [t.to(torch.bfloat16) for t in base]
+    gqa = qkv(b=2, sq=5, sk=7, h=4, hk=1, d=64, seed=1)
+    longer = qkv(b=2, sq=5, sk=9, h=4, hk=2, d=64, seed=2)
+    calls = [  # (args, kwargs, what the emulated core must have been handed)
+        ((q, k, v), {}, {}),
+        ((q_strided, k, v), {}, {"q_strides": q_strided.stride()}),
+        (tuple(bf), {}, {"dtype": "bf16"}),
+        ((qd1, kd1, vd1), {}, {"device": 1}),
+        ((q, k, v), {"causal": True}, {"causal": True}),
+        ((q, k, v), {"window_size": (2, 1)}, {"window_size": (2, 1)}),
+        ((q, k, v), {"softcap": 4.0}, {"softcap": 4.0}),
+        (gqa, {}, {"heads_k": 1}),
+        (longer, {}, {"seqlen_k": 9}),
+    ]
+    for round_ in range(2):  # the first round fills the cache, the second hits every entry
+        for i, (args, kw, want) in enumerate(calls):
+            out, lse = flash_attn_func(*args, return_attn_probs=True, **kw)
+            call = fake_gpu.calls[-1]
+            close(out, *args, 64 ** -0.5, kw.get("causal", False), kw.get("window_size", (-1, -1)),
+                  kw.get("softcap", 0.0), lse=lse)
+            assert call["q"].strides == want.get("q_strides", args[0].stride()), i
+            assert call["q"].dtype == want.get("dtype", "fp16") and call["q"].device == want.get("device", 0), i
+            assert call["causal"] is want.get("causal", False) and call["window_size"] == want.get("window_size", (-1, -1))
+            assert call["softcap"] == want.get("softcap", 0.0)
+            assert (call["k"].shape[1], call["k"].shape[2]) == (want.get("seqlen_k", 7), want.get("heads_k", 2))
+        assert len(interface._fwd_calls) == len(calls), round_
+    assert len(fake_gpu.calls) == 2 * len(calls)
+    assert len(fake_gpu.selected) == len(calls)  # one variant selection per key, none on a hit
+
+
+def test_per_call_values_are_not_cached(fake_gpu):
+    q, k, v = qkv()
+    for scale in (None, 0.3, 0.3, -0.7, 0.0, 2):
+        out, lse = flash_attn_func(q, k, v, softmax_scale=scale, return_attn_probs=True)
+        want = 64 ** -0.5 if scale is None else float(scale)
+        assert fake_gpu.calls[-1]["scale"] == want and type(fake_gpu.calls[-1]["scale"]) is float
+        close(out, q, k, v, want, lse=lse)
+    for cap in (1.5, 6.0, 1.5):  # softcap on: one key, its value per call
+        out = flash_attn_func(q, k, v, softcap=cap)
+        assert fake_gpu.calls[-1]["softcap"] == cap
+        close(out, q, k, v, 64 ** -0.5, softcap=cap)
+    assert len(interface._fwd_calls) == 2
+    q2, k2, v2 = qkv(seed=9)  # same metadata, other memory: its own addresses
+    out = flash_attn_func(q2, k2, v2)
+    assert fake_gpu.calls[-1]["q"].ptr == q2.data_ptr() and fake_gpu.calls[-1]["v"].ptr == v2.data_ptr()
+    close(out, q2, k2, v2, 64 ** -0.5)
+
+
+def test_misaligned_input_on_a_cached_key_is_still_copied(fake_gpu, prepared_launches):
+    q, k, v = qkv(b=1, sq=8, sk=16, h=2, hk=2, d=64)
+    flat = torch.empty(k.numel() + 1, dtype=k.dtype)
+    k_mis = flat[1:].view(k.shape)  # k's shape and strides, base 2 bytes off alignment
+    k_mis.copy_(k)
+    assert k_mis.stride() == k.stride() and k_mis.data_ptr() % 16 != 0
+    out = flash_attn_func(q, k, v)  # fills the cache: the prepared launch
+    assert prepared_launches == [(q.data_ptr(), k.data_ptr(), v.data_ptr())]
+    out_mis = flash_attn_func(q, k_mis, v)  # same key, misaligned: copied, through core.attention_forward
+    assert len(prepared_launches) == 1 and len(interface._fwd_calls) == 1
+    call = fake_gpu.calls[-1]
+    assert call["k"].ptr != k_mis.data_ptr() and call["k"].ptr % 16 == 0 and call["q"].ptr == q.data_ptr()
+    assert torch.equal(out_mis, out)
+    flash_attn_func(q, k, v)  # aligned again: the prepared launch, in place
+    assert prepared_launches[-1] == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+
+
+def test_layout_that_needs_a_copy_is_copied_on_every_call(fake_gpu, prepared_launches):
+    q, k, v = qkv(b=1, sq=8, sk=16, h=2, hk=2, d=64)
+    q_t = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim not contiguous
+    for _ in range(2):
+        out = flash_attn_func(q_t, k, v)
+        call = fake_gpu.calls[-1]
+        assert call["q"].ptr != q_t.data_ptr() and call["k"].ptr == k.data_ptr()
+        close(out, q, k, v, 64 ** -0.5)
+    assert prepared_launches == [] and interface._fwd_calls[next(iter(interface._fwd_calls))].launch is None
+
+
+def test_validation_errors_are_not_cached_away(fake_gpu, monkeypatch):
+    q, k, v = qkv()
+    flash_attn_func(q, k, v)
+    q1 = q.clone()
+    monkeypatch.setattr(interface, "_device_of", lambda t: (True, 1) if t is q1 else (True, 0))
+    with pytest.raises(ValueError, match="q, k and v must be on the same CUDA device"):
+        flash_attn_func(q1, k, v)
+    monkeypatch.setattr(interface, "_device_of", lambda t: (False, None) if t is q1 else (True, 0))
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        flash_attn_func(q1, k, v)
+    with pytest.raises(TypeError, match="q, k and v must have the same dtype"):
+        flash_attn_func(q, k, v.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="k and v must have the same seqlen_k"):
+        flash_attn_func(q, k, v[:, :6])
+    sink = torch.zeros(4)
+    flash_attn_func(q, k, v, learnable_sink=sink)
+    with pytest.raises(ValueError, match=r"learnable_sink must have shape \(heads,\)"):
+        flash_attn_func(q, k, v, learnable_sink=torch.zeros(3))
+    with pytest.raises(TypeError, match="learnable_sink must have dtype float32"):
+        flash_attn_func(q, k, v, learnable_sink=sink.double())
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+        flash_attn_func(q, k, v, softmax_scale=math.inf)
+    with pytest.raises(TypeError, match="window_size"):
+        flash_attn_func(q, k, v, window_size=(True, -1))
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    ones = torch.ones(2, 2)
+    flash_attn_func(q8, k8, v8, q_descale=ones)
+    with pytest.raises(ValueError, match="q_descale must have shape"):
+        flash_attn_func(q8, k8, v8, q_descale=torch.ones(2, 3))
+    with pytest.raises(NotImplementedError, match="sliding windows are not supported with float8_e4m3fn"):
+        flash_attn_func(q8, k8, v8, q_descale=ones, window_size=(1, 1))
+    assert len(interface._fwd_calls) == 3  # the three calls that passed
+
+
+def test_sink_and_descales_are_per_call_with_their_metadata_in_the_key(fake_gpu):
+    q, k, v = qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64)
+    for seed in (1, 2):
+        sink = torch.randn(4, generator=torch.Generator().manual_seed(seed))
+        out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_attn_probs=True)
+        assert fake_gpu.calls[-1]["sink"] == sink.data_ptr() and torch.equal(fake_gpu.calls[-1]["sink_values"], sink)
+        close(out, q, k, v, 64 ** -0.5, sink=sink, lse=lse)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    for ds in ((torch.rand(2, 2) + 0.5, None, torch.rand(2, 2) + 0.5),
+               (torch.rand(2, 4, 2) + 0.5, torch.rand(2, 2, 3) + 0.5, None),
+               (torch.rand(2, 2) + 0.5, None, torch.rand(2, 2) + 0.5)):
+        out = flash_attn_func(q8, k8, v8, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+        got = fake_gpu.calls[-1]["descales"]
+        for name, want in zip("qkv", ds):
+            assert (got[name] is None) == (want is None) and (want is None or torch.equal(got[name], want))
+        deq = [dequantize_fp8(x, d) for x, d in zip((q8, k8, v8), ds)]
+        torch.testing.assert_close(out.float(), reference(*deq, 64 ** -0.5, False)[0], atol=1e-2, rtol=1e-2)
+    assert len(interface._fwd_calls) == 3  # sink; the two descale layouts
+
+
+def test_the_prepared_call_cache_is_bounded(fake_gpu, monkeypatch):
+    monkeypatch.setattr(interface, "_FWD_CALL_CACHE_MAX", 3)
+    for sq in range(1, 11):
+        q, k, v = qkv(b=1, sq=sq, sk=5, h=2, hk=2, d=64)
+        out = flash_attn_func(q, k, v)
+        close(out, q, k, v, 64 ** -0.5)
+        assert len(interface._fwd_calls) <= 3
+
+
+def test_capability_is_checked_on_every_call(fake_gpu, monkeypatch):
+    q, k, v = qkv()
+    flash_attn_func(q, k, v)
+    monkeypatch.setattr(core, "device_capability", lambda device: (8, 0))
+    with pytest.raises(RuntimeError, match="needs an NVIDIA Hopper GPU"):
+        flash_attn_func(q, k, v)
+
+
+# ======================================================================== the core and launcher, fake driver
+KEYS = [dict(dtype=dt, head_dim=hd, head_dim_v=hd, causal=c, local=lo, softcap=sc)
+        for dt in ("bf16", "fp16") for hd in (64, 128) for c in (False, True) for lo in (False, True)
+        for sc in (False, True) if not (c and lo)] + \
+       [dict(dtype="e4m3", head_dim=128, head_dim_v=128, causal=c, local=False, softcap=False) for c in (False, True)]
+FWD_LAYOUT = fwd_mod.PARAMS.layout()
+
+
+def record(key: dict, cluster=(1, 1, 1)) -> dict:
+    bm = 128 if key["head_dim"] == 128 else 192
+    name = "fwd_{dtype}_hd{head_dim}_c{causal:d}_l{local:d}_s{softcap:d}".format(**key)
+    return {"name": name, "key": "0" * 64, "family": "fwd",
+            "params": {"family": "fwd", **key, "block_m": bm, "block_n": 128, "stages": 2, "consumer_wgs": 2,
+                       "pingpong": True, "overlap": True, "persistent": key["causal"]},
+            "dispatch": dict(key), "default": True, "fatbin": f"fatbin/{name}.fatbin", "sha256": "0" * 64,
+            "kernels": [{"role": "main", "symbol": f"flashgen_{name}_main", "threads": 384, "cluster": list(cluster),
+                         "smem_bytes": 1000 + key["head_dim"], "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
+                         "tensor_maps": ["q", "k", "v", "o"], "sass": [], "params": FWD_LAYOUT}]}
+
+
+class _Handle:
+    """A driver handle: int() and getPtr() (the address the argument array holds)."""
+
+    def __init__(self, value=0, **info):
+        self.value = value
+        self.__dict__.update(info)
+
+    def __int__(self):
+        return self.value
+
+    def getPtr(self):
+        return id(self)
+
+
+class _Names:
+    def __getattr__(self, name):
+        return name
+
+
+class FakeDriver:
+    """cuda.bindings.driver as the launcher uses it: calls succeed at once and are recorded; a
+    launch's params bytes and tensor maps are read back through its argument array."""
+
+    SM_COUNT = 132
+
+    def __init__(self):
+        self.primary = {0: _Handle(0x1000), 1: _Handle(0x1001)}
+        self.current = self.primary[0]
+        self.launches, self.encodes, self.ctx_ops = [], [], []
+        self.maps = {}  # id -> encoded map (kept alive by launch._tmaps too)
+        self.lock = threading.Lock()
+        self.attributes = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 9,
+                           "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 0,
+                           "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": self.SM_COUNT}
+        self.CUdevice_attribute = type("CUdevice_attribute", (), {n: i for i, n in enumerate(self.attributes)})
+        for n in ("CUfunction_attribute", "CUlaunchAttributeID", "CUtensorMapDataType", "CUtensorMapInterleave",
+                  "CUtensorMapSwizzle", "CUtensorMapL2promotion", "CUtensorMapFloatOOBfill"):
+            setattr(self, n, _Names())
+        self.cuuint64_t = self.cuuint32_t = int
+        self.CUstream = _Handle
+
+    def cuInit(self, flags):
+        return (0,)
+
+    def cuDeviceGet(self, i):
+        return (0, i)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return (0, self.primary[dev])
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        return (0, list(self.attributes.values())[attr])
+
+    def cuDeviceGetName(self, n, dev):
+        return (0, b"Fake GPU\0")
+
+    def cuGetErrorName(self, err):
+        return (0, b"CUDA_ERROR_FAKE")
+
+    def cuCtxGetCurrent(self):
+        return (0, self.current)
+
+    def cuCtxPushCurrent(self, ctx):
+        self.ctx_ops.append(("push", int(ctx)))
+        self._saved, self.current = self.current, ctx
+        return (0,)
+
+    def cuCtxPopCurrent(self):
+        self.ctx_ops.append(("pop", int(self.current)))
+        self.current = self._saved
+        return (0, self.current)
+
+    def cuLibraryLoadData(self, *a):
+        return (0, _Handle(1))
+
+    def cuLibraryGetKernel(self, lib, sym):
+        return (0, _Handle(2, symbol=sym.decode()))
+
+    def cuKernelGetFunction(self, kern):
+        return (0, _Handle(3, symbol=kern.symbol))
+
+    def cuFuncSetAttribute(self, *a):
+        return (0,)
+
+    def cuTensorMapEncodeTiled(self, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        m = _Handle(0, ptr=ptr, dtype=dtype, dims=tuple(dims), strides=tuple(strides), box=tuple(box), swizzle=swizzle,
+                    ctx=int(self.current))
+        with self.lock:
+            self.maps[id(m)] = m
+            self.encodes.append(m)
+        return (0, m)
+
+    def _record(self, f, grid, block, smem, stream, argv_addr, cluster):
+        argv = (ctypes.c_void_p * 5).from_address(argv_addr)
+        with self.lock:
+            maps = [self.maps[p] for p in argv[:4]]
+        self.launches.append(dict(symbol=f.symbol, grid=grid, block=block, smem=smem, stream=int(stream), maps=maps,
+                                  params=ctypes.string_at(argv[4], FWD_LAYOUT["size"]), ctx=int(self.current),
+                                  cluster=cluster, thread=threading.get_ident()))
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
+        assert extra == 0
+        self._record(f, (gx, gy, gz), (bx, by, bz), smem, stream, kernel_params, None)
+        return (0,)
+
+    def CUlaunchConfig(self):
+        return _Handle()
+
+    def CUlaunchAttribute(self):
+        return _Handle(value=_Handle(clusterDim=_Handle()))
+
+    def cuLaunchKernelEx(self, cfg, f, kernel_params, extra):
+        dim = cfg.attrs[0].value.clusterDim
+        self._record(f, (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), (cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ),
+                     cfg.sharedMemBytes, cfg.hStream, kernel_params, (dim.x, dim.y, dim.z))
+        return (0,)
+
+
+def _fresh_state(monkeypatch):
+    for name, value in (("_drv", None), ("_initialized", False), ("_primary", {}), ("_attr_cache", {}),
+                        ("_capabilities", {}), ("_names", {}), ("_libraries", {}), ("_kernels", {}), ("_streams", {}),
+                        ("_tmaps", {}), ("_geometries", {})):
+        monkeypatch.setattr(launch, name, value)
+    monkeypatch.setattr(core, "_plans", {})
+    monkeypatch.setattr(core, "_prepared_forwards", {})
+    tuning.reset()
+
+
+@pytest.fixture
+def driver(tmp_path, monkeypatch):
+    """The real core and launcher on a FakeDriver, with a manifest of fwd variants for KEYS."""
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema": 2, "arch": "sm_90a", "nvcc": {"version": "13.0"},
+                                                        "variants": [record(k) for k in KEYS]}))
+    monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHGEN_TUNE_TABLE", "off")
+    for var in ("FLASHGEN_ROOT", "FLASHGEN_BUILD_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    _fresh_state(monkeypatch)
+    d = FakeDriver()
+    monkeypatch.setattr(launch, "_driver", lambda: d)
+    monkeypatch.setattr(launch, "read_fatbin", lambda path, sha: b"")
+    yield d
+    tuning.reset()
+
+
+def targ(shape, dtype="bf16", ptr=1 << 20, strides=None, device=0):
+    if strides is None:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+    return core.TensorArg(ptr, tuple(shape), tuple(strides), dtype, device)
+
+
+def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm, sms, descales=(None, None, None)):
+    """The params dict the forward packed before prepared launches (one dict per call, every field)."""
+    b, sq, h, d = q.shape
+    _, sk, hk, dv = v.shape
+    mask = core.mask_spec(causal, window, sq, sk)
+    scale_log2, softcap_scale = core.softmax_constants(scale, softcap)
+    num_m = -(-sq // bm)
+    return {"lse": lse.ptr, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b,
+            "num_m_blocks": num_m, "num_tiles": num_m * h * b, "scale_log2": scale_log2, "softmax_scale": float(scale),
+            "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right, "sink": sink,
+            "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
+            "o_stride_head": out.strides[2], "head_dim_v": dv,
+            **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
+            **core._descale_params("v", descales[2], h, hk, False)}
+
+
+def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap=0.0, sink=0, stream=7,
+                 descales=(None, None, None)):
+    """A recorded launch against what the uncached forward launched for these arguments."""
+    dt = core._VARIANT_DTYPE.get(q.dtype, q.dtype)
+    m = core.mask_spec(causal, window, q.shape[1], k.shape[1])
+    key = dict(dtype=dt, head_dim=q.shape[3], head_dim_v=v.shape[3], causal=m.causal, local=m.local,
+               softcap=softcap > 0)
+    name = "fwd_{dtype}_hd{head_dim}_c{causal:d}_l{local:d}_s{softcap:d}".format(**key)
+    bm = 128 if q.shape[3] == 128 else 192
+    tiles = -(-q.shape[1] // bm) * q.shape[2] * q.shape[0]
+    persistent = m.causal
+    assert rec["symbol"] == f"flashgen_{name}_main"
+    assert rec["grid"] == (max(min(tiles, FakeDriver.SM_COUNT) if persistent else tiles, 1), 1, 1)
+    assert rec["block"] == (384, 1, 1) and rec["smem"] == 1000 + q.shape[3] and rec["stream"] == stream
+    want = launch.ParamsPacker(FWD_LAYOUT).pack(expected_params(q, k, v, out, lse, scale, causal, window, softcap,
+                                                                sink, bm, FakeDriver.SM_COUNT, descales))
+    assert rec["params"] == want
+    for t, tm, rows in zip((q, k, v, out), rec["maps"], (bm, 128, 128, 64)):
+        es = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}[t.dtype]
+        b, s, h, d = t.shape
+        assert (tm.ptr, tm.dims, tm.strides, tm.box) == (
+            t.ptr, (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es), (128 // es, rows, 1, 1))
+
+
+CONFIGS = [  # (q shape, k/v shape, dtype, causal, window, softcap)
+    ((2, 300, 4, 128), (2, 500, 2, 128), "bf16", False, (-1, -1), 0.0),
+    ((2, 300, 4, 128), (2, 500, 2, 128), "bf16", True, (-1, -1), 0.0),
+    ((2, 300, 4, 128), (2, 500, 2, 128), "bf16", False, (64, 8), 0.0),
+    ((2, 300, 4, 128), (2, 500, 2, 128), "bf16", False, (-1, -1), 30.0),
+    ((2, 300, 4, 128), (2, 500, 2, 128), "fp16", False, (-1, -1), 0.0),
+    ((1, 7, 8, 64), (1, 9, 1, 64), "fp16", True, (3, -1), 5.0),
+    ((3, 1000, 16, 128), (3, 1000, 16, 128), "bf16", True, (-1, -1), 0.0),
+]
+
+
+def test_prepared_launches_are_the_uncached_launches(driver):
+    stream = 7
+    for rnd in range(2):  # the first round prepares, the second hits the cache with other addresses
+        for i, (qs, ks, dt, causal, window, cap) in enumerate(CONFIGS):
+            base = (rnd * 64 + i) << 24
+            q, k, v = targ(qs, dt, base), targ(ks, dt, base + (1 << 22)), targ(ks, dt, base + (2 << 22))
+            out = targ(qs, dt, base + (3 << 22))
+            lse = targ((qs[0], qs[2], qs[1]), "fp32", base + (4 << 22))
+            scale = 0.1 + i + rnd
+            used = core.attention_forward(q, k, v, out, lse, scale, causal, stream, window_size=window, softcap=cap,
+                                          sink=base + 64 if rnd else 0)
+            check_launch(driver.launches[-1], q, k, v, out, lse, scale, causal, window, cap,
+                         base + 64 if rnd else 0, stream)
+            assert used.name in driver.launches[-1]["symbol"]
+            stream += 1
+        assert len(core._prepared_forwards) == len(CONFIGS)
+    assert len(driver.launches) == 2 * len(CONFIGS)
+
+
+def test_strides_of_out_and_inputs_are_in_the_key(driver):
+    q, k, v = targ((2, 64, 4, 128)), targ((2, 64, 4, 128), ptr=2 << 20), targ((2, 64, 4, 128), ptr=3 << 20)
+    lse = targ((2, 4, 64), "fp32", 4 << 20)
+    dense, wide = targ((2, 64, 4, 128), ptr=5 << 20), targ((2, 64, 4, 128), ptr=5 << 20, strides=(64 * 1024, 1024, 128, 1))
+    k_packed = targ((2, 64, 4, 128), ptr=2 << 20, strides=(64 * 1536, 1536, 128, 1))
+    for args in ((q, k, v, dense), (q, k, v, wide), (q, k_packed, v, dense), (q, k, v, dense), (q, k_packed, v, wide)):
+        core.attention_forward(*args, lse, 0.125, False, 3)
+        check_launch(driver.launches[-1], *args, lse, 0.125, False, stream=3)
+    assert len(core._prepared_forwards) == 4
+
+
+def test_fp8_descales_metadata_and_addresses(driver):
+    q, k, v = (targ((2, 70, 4, 128), "fp8_e4m3", p << 20) for p in (1, 2, 3))
+    out, lse = targ((2, 70, 4, 128), "bf16", 4 << 20), targ((2, 4, 70), "fp32", 5 << 20)
+    for qd, kd in ((targ((2, 4, 2), "fp32", 6 << 20), targ((2, 4, 2), "fp32", 7 << 20)),
+                   (targ((2, 4), "fp32", 8 << 20, strides=(1, 2)), None),
+                   (targ((2, 4, 2), "fp32", 9 << 20), targ((2, 4, 2), "fp32", 10 << 20))):
+        core.attention_forward(q, k, v, out, lse, 0.09, True, 1, q_descale=qd, k_descale=kd)
+        check_launch(driver.launches[-1], q, k, v, out, lse, 0.09, True, stream=1, descales=(qd, kd, None))
+    assert len(core._prepared_forwards) == 2
+
+
+def test_misaligned_address_after_a_cache_hit_is_refused_as_before(driver):
+    q, k, v = targ((1, 64, 2, 128)), targ((1, 64, 2, 128), ptr=2 << 20), targ((1, 64, 2, 128), ptr=3 << 20)
+    out, lse = targ((1, 64, 2, 128), ptr=4 << 20), targ((1, 2, 64), "fp32", 5 << 20)
+    bad_k = k._replace(ptr=k.ptr + 8)
+    with pytest.raises(ValueError) as fresh:  # a new key: the full checks
+        core.attention_forward(q, bad_k, v, out, lse, 0.1, False, 0)
+    assert core._prepared_forwards == {}
+    core.attention_forward(q, k, v, out, lse, 0.1, False, 0)
+    n = len(driver.launches)
+    with pytest.raises(ValueError) as cached:  # the key is cached: still refused, same message
+        core.attention_forward(q, bad_k, v, out, lse, 0.1, False, 0)
+    assert str(cached.value) == str(fresh.value) == \
+        f"flashgen: TMA cannot address k: its base address 0x{bad_k.ptr:x} is not 16-byte aligned"
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        core.attention_forward(q, k, v, out, lse, math.nan, False, 0)
+    assert len(driver.launches) == n  # nothing launched
+
+
+def test_errors_come_in_the_uncached_order(driver):
+    q, v = targ((1, 64, 3, 128)), targ((1, 64, 2, 128), ptr=3 << 20)
+    out, lse = targ((1, 64, 3, 128), ptr=4 << 20), targ((1, 3, 64), "fp32", 5 << 20)
+    with pytest.raises(ValueError, match=r"heads \(3\) must be a multiple of heads_k \(2\)"):
+        core.attention_forward(q._replace(ptr=1), v, v, out, lse, math.nan, False, 0)
+    q = targ((1, 64, 2, 256))
+    v = targ((1, 64, 2, 256), ptr=3 << 20)
+    out = targ((1, 64, 2, 256), ptr=4 << 20)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):  # before the variant lookup (no hd256 built)
+        core.attention_forward(q, v, v, out, lse, math.nan, False, 0)
+    with pytest.raises(core.MissingVariantError):
+        core.attention_forward(q, v, v, out, lse, 0.1, False, 0)
+
+
+def test_caches_are_bounded(driver, monkeypatch):
+    monkeypatch.setattr(core, "_PREPARED_CACHE_MAX", 3)
+    monkeypatch.setattr(launch, "_TMAP_CACHE_MAX", 5)
+    monkeypatch.setattr(launch, "_STREAM_CACHE_MAX", 2)
+    for i in range(12):
+        q = targ((1, 16 + i, 2, 64), "fp16", (i + 1) << 24)
+        kv = targ((1, 32, 2, 64), "fp16", (i + 1) << 24 | 1 << 20)
+        out, lse = targ((1, 16 + i, 2, 64), "fp16", (i + 1) << 24 | 2 << 20), targ((1, 2, 16 + i), "fp32", 3 << 20)
+        core.attention_forward(q, kv, kv, out, lse, 0.2, bool(i % 2), 100 + i)
+        check_launch(driver.launches[-1], q, kv, kv, out, lse, 0.2, bool(i % 2), stream=100 + i)
+        assert len(core._prepared_forwards) <= 3 and len(launch._tmaps) <= 5 and len(launch._streams) <= 2
+        assert len(launch._geometries) <= 5
+    assert len(interface._fwd_calls) <= interface._FWD_CALL_CACHE_MAX
+
+
+def test_launch_pushes_the_primary_context_only_when_another_is_current(driver):
+    q, k, v = targ((1, 64, 2, 64)), targ((1, 64, 2, 64), ptr=2 << 20), targ((1, 64, 2, 64), ptr=3 << 20)
+    out, lse = targ((1, 64, 2, 64), ptr=4 << 20), targ((1, 2, 64), "fp32", 5 << 20)
+    core.attention_forward(q, k, v, out, lse, 0.1, False, 0)
+    assert driver.ctx_ops == [] and driver.launches[-1]["ctx"] == 0x1000
+    other = _Handle(0x2000)  # a context of the caller's: pushed over for the launch, current again after
+    driver.current = other
+    core.attention_forward(q, k, v, out, lse, 0.1, False, 0)
+    assert driver.ctx_ops == [("push", 0x1000), ("pop", 0x1000)] and driver.current is other
+    assert driver.launches[-1]["ctx"] == 0x1000
+    driver.ctx_ops.clear()
+    driver.current = driver.primary[0]  # a call for cuda:1 from cuda:0's context: runs in cuda:1's, restores cuda:0's
+    q1, k1, v1, out1 = (t._replace(device=1) for t in (q, k, v, out))
+    core.attention_forward(q1, k1, v1, out1, lse, 0.1, False, 0)
+    assert driver.launches[-1]["ctx"] == 0x1001 and driver.current is driver.primary[0]
+    assert all(m.ctx == 0x1001 for m in driver.launches[-1]["maps"])  # its maps were encoded in cuda:1's context
+
+
+def test_cluster_kernels_launch_with_launch_kernel_ex(tmp_path, driver, monkeypatch):
+    key = KEYS[0]
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema": 2, "arch": "sm_90a", "nvcc": {"version": "13.0"},
+                                                        "variants": [record(key, cluster=(2, 1, 1))]}))
+    _fresh_state(monkeypatch)
+    q, k, v = targ((1, 64, 2, 64)), targ((1, 64, 2, 64), ptr=2 << 20), targ((1, 64, 2, 64), ptr=3 << 20)
+    out, lse = targ((1, 64, 2, 64), ptr=4 << 20), targ((1, 2, 64), "fp32", 5 << 20)
+    core.attention_forward(q, k, v, out, lse, 0.1, False, 9)
+    rec = driver.launches[-1]
+    assert rec["cluster"] == (2, 1, 1) and rec["stream"] == 9
+    check_launch(rec, q, k, v, out, lse, 0.1, False, stream=9)
+
+
+def test_concurrent_calls_on_threads_each_launch_their_own_arguments(driver):
+    errors = []
+
+    def worker(t):
+        try:
+            for i in range(150):
+                sq = 16 + (t * 7 + i) % 40
+                base = (t * 1000 + i + 1) << 24
+                q = targ((1, sq, 2, 64), "fp16", base)
+                kv = targ((1, 48, 2, 64), "fp16", base + (1 << 20))
+                out, lse = targ((1, sq, 2, 64), "fp16", base + (2 << 20)), targ((1, 2, sq), "fp32", base + (3 << 20))
+                core.attention_forward(q, kv, kv, out, lse, 0.01 * (t + 1), i % 3 == 0, 1000 * t + i)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert len(driver.launches) == 6 * 150
+    for rec in driver.launches:
+        t, i = divmod(rec["stream"], 1000)
+        sq = 16 + (t * 7 + i) % 40
+        base = (t * 1000 + i + 1) << 24
+        q = targ((1, sq, 2, 64), "fp16", base)
+        kv = targ((1, 48, 2, 64), "fp16", base + (1 << 20))
+        out, lse = targ((1, sq, 2, 64), "fp16", base + (2 << 20)), targ((1, 2, sq), "fp32", base + (3 << 20))
+        check_launch(rec, q, kv, kv, out, lse, 0.01 * (t + 1), i % 3 == 0, stream=1000 * t + i)
+
+
+def test_prepare_launch_checks_its_fields():
+    layout = {"struct": "S", "size": 16, "fields": [["a", "i32", 0], ["p", "ptr", 8]]}
+    rec = launch.Kernel(role="main", symbol="s", threads=32, cluster=(1, 1, 1), smem_bytes=0, tensor_maps=(),
+                        params=layout)
+    v = launch.Variant(name="x", family="f", params={}, dispatch={}, kernels=(rec,))
+    k = launch.LoadedKernel(v, rec, None, 0, launch.ParamsPacker(layout))
+    prep = launch.prepare_launch(k, (2, 1, 1), {"a": -3}, ("p",))
+    assert prep.params == struct.pack("<i4xQ", -3, 0) and prep.grid == (2, 1, 1)
+    with pytest.raises(KeyError, match="'nope' not in the struct"):
+        launch.prepare_launch(k, (1, 1, 1), {"a": 1, "p": 0}, ("nope",))
+    with pytest.raises(KeyError, match="'a' not given"):
+        launch.prepare_launch(k, (1, 1, 1), {}, ("p",))
+    with pytest.raises(ValueError, match="1 per-call params, got 0 and 2"):
+        launch.launch_prepared(prep, (), (1, 2), 0)
