@@ -63,8 +63,8 @@ tune)
   (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
   ;;
 tests)
-  timeout 500 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"
+  timeout 510 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
   ;;
 compare)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
