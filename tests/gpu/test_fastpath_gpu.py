@@ -80,15 +80,21 @@ def routes(monkeypatch):
     """How each launch reached the core: "prepared" (core.launch_forward: q, k, v in place) or
     "generic" (core.attention_forward, with copies); flash_attn_func's cache starts empty."""
     seen = []
+    inside = []  # core.attention_forward itself ends in launch_forward: counted as "generic" only
     real_launch, real_generic = core.launch_forward, core.attention_forward
 
     def launch(*a):
-        seen.append("prepared")
+        if not inside:
+            seen.append("prepared")
         return real_launch(*a)
 
     def generic(*a, **kw):
         seen.append("generic")
-        return real_generic(*a, **kw)
+        inside.append(1)
+        try:
+            return real_generic(*a, **kw)
+        finally:
+            inside.pop()
 
     monkeypatch.setattr(core, "launch_forward", launch)
     monkeypatch.setattr(core, "attention_forward", generic)
