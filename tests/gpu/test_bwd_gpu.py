@@ -50,6 +50,8 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     attention_ref,
     bitwise_equal,
     check_bwd,
+    compiled_step_matches_eager,
+    first_difference,
     make_qkv,
     poison_cached_blocks,
     randn,
@@ -149,16 +151,6 @@ def autograd_grads(q, k, v, dout, causal: bool, scale=None, deterministic: bool 
     leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
     out = flashgen.flash_attn_func(*leaves, softmax_scale=scale, causal=causal, deterministic=deterministic)
     return out, torch.autograd.grad(out, leaves, dout)
-
-
-def first_difference(a, b) -> str:
-    """Where two tensors of one shape differ: count, first index and the two values."""
-    diff = a.float() != b.float()  # NaN counts as different from everything
-    n = int(diff.sum())
-    if not n:
-        return "same values, different bits (signed zeros / NaN payloads)"
-    idx = tuple(int(i) for i in diff.nonzero()[0])
-    return f"{n} elements differ, first at {idx}: {a[idx].item()!r} vs {b[idx].item()!r}"
 
 
 # --------------------------------------------------------------------------------------
@@ -420,17 +412,7 @@ def test_torch_compile_fullgraph_forward_backward():
     for seed, sq in ((0, 128), (1, 77)):
         q, k, v = make_qkv(2, sq, 200, 4, 2, d, dtype, seed=seed)
         w = randn(2, sq, 4, d, dtype=torch.float32, seed=seed + 5)
-        eager_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        comp_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        loss_e = step(*eager_leaves, w)
-        loss_e.backward()
-        loss_c = compiled(*comp_leaves, w)
-        loss_c.backward()
-        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-3)
-        for name, a, b in zip(("dq", "dk", "dv"), comp_leaves, eager_leaves):
-            assert a.grad is not None, f"compiled step gave no {name}"
-            assert bitwise_equal(a.grad, b.grad), f"seqlen_q {sq}: compiled {name} differs from eager: " \
-                                                  f"{first_difference(a.grad, b.grad)}"
+        compiled_step_matches_eager(step, compiled, (q, k, v), w, f"seqlen_q {sq}")
 
 
 def test_cuda_graph_training_step_replays_on_new_data():

@@ -49,6 +49,8 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     bitwise_equal,
     check_bwd,
     check_fwd,
+    compiled_step_matches_eager,
+    first_difference,
     make_qkv,
     poison_cached_blocks,
     randn,
@@ -209,15 +211,6 @@ def grads_of(c: Case, q, k, v, sink, dout, deterministic: bool = False):
     grads = torch.autograd.grad(out, leaves, dout)
     torch.cuda.synchronize()
     return out.detach(), grads
-
-
-def first_difference(a, b) -> str:
-    diff = a.float() != b.float()
-    n = int(diff.sum())
-    if not n:
-        return "same values, different bits (signed zeros / NaN payloads)"
-    idx = tuple(int(i) for i in diff.nonzero()[0])
-    return f"{n} elements differ, first at {idx}: {a[idx].item()!r} vs {b[idx].item()!r}"
 
 
 def random_window(sq: int, sk: int) -> tuple:
@@ -499,17 +492,7 @@ def test_torch_compile_fullgraph_window_softcap_sink():
         # bf16-exact weights: out's gradient is w cast to bf16, which inductor may fuse away
         # (it keeps fused intermediates in fp32) in the d_sink expression but not in eager
         w = randn(2, sq, 4, 128, dtype=torch.float32, seed=seed + 7).to(BF16).float()
-        eager_leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
-        comp_leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
-        loss_e = step(*eager_leaves, w)
-        loss_e.backward()
-        loss_c = compiled(*comp_leaves, w)
-        loss_c.backward()
-        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-3)
-        for name, a, b in zip(("dq", "dk", "dv"), comp_leaves, eager_leaves):
-            assert a.grad is not None, f"compiled step gave no {name}"
-            assert bitwise_equal(a.grad, b.grad), f"seqlen_q {sq}: compiled {name} differs from eager: " \
-                                                  f"{first_difference(a.grad, b.grad)}"
+        eager_leaves, comp_leaves = compiled_step_matches_eager(step, compiled, (q, k, v, sink), w, f"seqlen_q {sq}")
         assert comp_leaves[3].grad is not None, "compiled step gave no d_sink"
         torch.testing.assert_close(comp_leaves[3].grad, eager_leaves[3].grad, rtol=1e-4, atol=1e-4)
         with torch.no_grad():
