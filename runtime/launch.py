@@ -77,6 +77,20 @@ def primary_context(device: int):
     return ctx
 
 
+def _push_primary(device: int) -> bool:
+    """Make the device's primary context current on this thread if another one is (or none is):
+    True when it was pushed (the caller pops it after). The launch path's context step."""
+    d = _driver()
+    ctx = _primary.get(device) or primary_context(device)
+    err, cur = d.cuCtxGetCurrent()
+    if err:
+        check((err, cur), "cuCtxGetCurrent")
+    if cur is None or int(cur) != int(ctx):
+        check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+        return True
+    return False
+
+
 class device_context:
     """``with device_context(device):`` makes the device's primary context current for the block
     and restores the caller's afterwards (pushed and popped only when it differs)."""
@@ -88,12 +102,7 @@ class device_context:
         self.pushed = False
 
     def __enter__(self):
-        d = _driver()
-        ctx = primary_context(self.device)
-        cur = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if cur is None or int(cur) != int(ctx):
-            check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-            self.pushed = True
+        self.pushed = _push_primary(self.device)
         return self
 
     def __exit__(self, *exc):
@@ -268,16 +277,11 @@ def _stream(handle: int):
 def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int) -> None:
     """Launch ``kernel`` with the argument array ``argv`` (a ctypes void* array, kept alive by the
     caller) in the device's primary context: pushed only when another one is current on this thread,
-    and popped after, as :class:`device_context` does (inlined: this runs on every call)."""
+    and popped after (:func:`_push_primary`, as :class:`device_context`; no context-manager object
+    on this per-call path)."""
     rec = kernel.record
     d = _driver()
-    ctx = _primary.get(kernel.device) or primary_context(kernel.device)
-    err, cur = d.cuCtxGetCurrent()
-    if err:
-        check((err, cur), "cuCtxGetCurrent")
-    pushed = cur is None or int(cur) != int(ctx)
-    if pushed:
-        check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    pushed = _push_primary(kernel.device)
     try:
         cluster = rec.cluster
         if cluster[0] == cluster[1] == cluster[2] == 1:
