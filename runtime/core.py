@@ -91,6 +91,20 @@ def softmax_constants(softmax_scale: float, softcap: float) -> tuple:
 _ROUND_UP = ("head_dim", "head_dim_v")  # a variant built for a larger head dim serves (TMA zero fill)
 _VARIANT_DTYPE = {"fp8_e4m3": "e4m3"}  # the configs' name of an input dtype, where it differs
 QUANT_BLOCK = 64  # FP8 block quantization: rows of Q / K per descale (generator/families/fwd.py)
+# Causal tile order (scheduler.cuh): the (batch, head) pairs run in sections whose K and V fit in
+# this many bytes of L2 together (FA3's LPT scheduler uses 32 MB; the H100 and H200 have 50 MB).
+L2_SECTION_BYTES = 32 << 20
+
+
+def section_heads(batch: int, heads: int, heads_k: int, seqlen_k: int, head_dim: int, head_dim_v: int,
+                  element_bytes: int) -> int:
+    """(batch, head) pairs per L2 section of the causal tile order, in [1, batch * heads]: as many
+    query heads as have their K and V (seqlen_k x (head_dim + head_dim_v) elements of
+    ``element_bytes``, shared by the heads // heads_k query heads of a group) within
+    L2_SECTION_BYTES."""
+    kv_bytes = seqlen_k * (head_dim + head_dim_v) * element_bytes
+    per_section = (L2_SECTION_BYTES * (heads // heads_k)) // max(kv_bytes, 1)
+    return max(1, min(batch * heads, per_section))
 
 
 class _Plan(NamedTuple):
@@ -238,7 +252,8 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     num_m = -(-sq // bm)
     num_tiles = num_m * h * b
     params = {"seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "num_m_blocks": num_m,
-              "num_tiles": num_tiles, "window_left": mask.left, "window_right": mask.right,
+              "num_tiles": num_tiles, "section_heads": section_heads(b, h, hk, sk, d, dv, 1 if fp8 else 2),
+              "window_left": mask.left, "window_right": mask.right,
               "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
               "head_dim_v": dv, **_descale_params("q", q_descale, h, hk, True),
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False)}

@@ -95,8 +95,12 @@ regress)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
   (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build -j "$(nproc)" 2>&1 | tail -1)
-  old() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/regress_fwd.py run --label old "$@"; }
-  new() { python3 scripts/regress_fwd.py run --label new "$@"; }
+  if [ -n "${GPU_TESTS:-}" ]; then  # GPU_TESTS=1: every GPU test first (correctness before timing)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  fi
+  # REGRESS_ARGS: a sub-grid, e.g. "--dtypes bf16 --head-dims 128,256"
+  old() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/regress_fwd.py run --label old ${REGRESS_ARGS:-} "$@"; }
+  new() { python3 scripts/regress_fwd.py run --label new ${REGRESS_ARGS:-} "$@"; }
   new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt"
   ;;

@@ -35,6 +35,7 @@ FWD_FIELDS = [
     ["k_descale_stride_block", "i32", 104], ["v_descale", "ptr", 112], ["v_descale_stride_batch", "i32", 120],
     ["v_descale_stride_head", "i32", 124], ["o", "ptr", 128], ["o_stride_batch", "i64", 136],
     ["o_stride_seq", "i64", 144], ["o_stride_head", "i64", 152], ["head_dim_v", "i32", 160],
+    ["section_heads", "i32", 164],
 ]
 
 

@@ -407,6 +407,7 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right, "sink": sink,
             "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
             "o_stride_head": out.strides[2], "head_dim_v": dv,
+            "section_heads": core.section_heads(b, h, hk, sk, d, dv, 1 if q.dtype == "fp8_e4m3" else 2),
             **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
             **core._descale_params("v", descales[2], h, hk, False)}
 

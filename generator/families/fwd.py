@@ -79,6 +79,7 @@ PARAMS = params_struct(
     ("o", "ptr", "void*"),
     ("o_stride_batch", "i64"), ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
     ("head_dim_v", "i32"),  # the call's (columns of O past it are not stored)
+    ("section_heads", "i32"),  # causal: (batch, head) pairs per L2 section of the tile order (scheduler.cuh)
 )
 
 

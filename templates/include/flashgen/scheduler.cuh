@@ -3,6 +3,10 @@
 // with a grid of num_tiles CTAs the same code runs one tile per CTA (the non-persistent launch).
 #pragma once
 
+#ifndef FLASHGEN_HD
+#define FLASHGEN_HD __host__ __device__ __forceinline__
+#endif
+
 namespace flashgen {
 
 struct WorkTile {
@@ -11,24 +15,36 @@ struct WorkTile {
   int batch;
 };
 
-// Non-causal: m fastest, so CTAs running together share K/V in L2. Causal: longest rows first
-// (m descending), so the long rows of the triangle start first.
+// Non-causal: m fastest, so CTAs running together share K/V in L2.
+// Causal: longest rows first (m descending) within L2 sections (FA3's LPT order): the (batch, head)
+// pairs are cut into sections of `section_heads` consecutive pairs whose K/V fit in L2 together
+// (the host sizes them: core.py L2_SECTION_BYTES); a section runs all its tiles, longest first with
+// the pairs fastest, before the next section starts. With one section of all pairs (section_heads
+// = heads * batch) this is the plain longest-first order, which at short seqlen_k re-read every
+// head's K/V from HBM once per query block (the other pairs' tiles evicted it in between).
 template <bool Causal>
 struct StaticTileScheduler {
   int num_m_blocks;
   int heads;
   int batch;
   int num_tiles;
+  int section_heads;  // causal: (batch, head) pairs per L2 section, in [1, heads * batch]
 
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ bool valid(int t) const { return t < num_tiles; }
   __device__ __forceinline__ int next(int t) const { return t + gridDim.x; }
 
-  __device__ __forceinline__ WorkTile tile(int t) const {
+  FLASHGEN_HD WorkTile tile(int t) const {
     if constexpr (Causal) {
-      const int hb = heads * batch;
-      const int r = t % hb;
-      return {num_m_blocks - 1 - t / hb, r % heads, r / heads};
+      const int per_section = section_heads * num_m_blocks;
+      const int sec = t / per_section;
+      const int r = t - sec * per_section;
+      const int hb0 = sec * section_heads;
+      const int rest = heads * batch - hb0;
+      const int pairs = rest < section_heads ? rest : section_heads;  // the last section may be short
+      const int m_rev = r / pairs;
+      const int hb = hb0 + (r - m_rev * pairs);
+      return {num_m_blocks - 1 - m_rev, hb % heads, hb / heads};
     } else {
       const int r = t / num_m_blocks;
       return {t % num_m_blocks, r % heads, r / heads};

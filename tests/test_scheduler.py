@@ -1,0 +1,109 @@
+"""The forward's tile order (templates/include/flashgen/scheduler.cuh), run on the host: the header's
+tile() is __host__ __device__, so nvcc compiles it into a small host program that prints the order.
+
+Checked: every tile of every shape runs exactly once; causal tiles run longest first within each L2
+section, the (batch, head) pairs of a section fastest; a section of all pairs is the plain
+longest-first order; core.section_heads keeps a section's K and V within L2_SECTION_BYTES."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashgen.core import L2_SECTION_BYTES, section_heads
+from flashgen.generator.errors import ToolchainError
+from flashgen.generator.toolchain import find_nvcc
+
+REPO = Path(__file__).resolve().parents[1]
+INCLUDE = REPO / "templates" / "include"
+
+PROGRAM = r"""
+#include <cstdio>
+#include "flashgen/scheduler.cuh"
+int main() {
+  int causal, m, h, b, sec;
+  while (std::scanf("%d %d %d %d %d", &causal, &m, &h, &b, &sec) == 5) {
+    const int n = m * h * b;
+    for (int t = 0; t < n; ++t) {
+      flashgen::WorkTile w = causal ? flashgen::StaticTileScheduler<true>{m, h, b, n, sec}.tile(t)
+                                    : flashgen::StaticTileScheduler<false>{m, h, b, n, sec}.tile(t);
+      std::printf("%d %d %d\n", w.m_block, w.head, w.batch);
+    }
+  }
+}
+"""
+
+CASES = [  # causal, num_m_blocks, heads, batch, section_heads
+    (1, 4, 16, 32, 128), (1, 4, 16, 32, 512), (1, 4, 16, 32, 1), (1, 7, 3, 5, 4), (1, 7, 3, 5, 15),
+    (1, 1, 1, 1, 1), (1, 128, 16, 1, 4), (1, 9, 6, 2, 5), (0, 4, 16, 32, 128), (0, 7, 3, 5, 4),
+]
+
+
+@pytest.fixture(scope="module")
+def orders(tmp_path_factory):
+    try:
+        nvcc = find_nvcc().path
+    except ToolchainError as e:
+        pytest.fail(f"the scheduler test needs nvcc: {e}")
+    d = tmp_path_factory.mktemp("sched")
+    (d / "order.cu").write_text(PROGRAM)
+    subprocess.run([nvcc, "-std=c++17", f"-I{INCLUDE}", "-o", str(d / "order"), str(d / "order.cu")],
+                   check=True, capture_output=True, timeout=300)
+    stdin = "".join(" ".join(map(str, c)) + "\n" for c in CASES)
+    out = subprocess.run([str(d / "order")], input=stdin, capture_output=True, text=True, check=True).stdout
+    rows = [tuple(map(int, line.split())) for line in out.splitlines()]
+    res, at = {}, 0
+    for c in CASES:
+        n = c[1] * c[2] * c[3]
+        res[c] = rows[at:at + n]
+        at += n
+    assert at == len(rows)
+    return res
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_tile_once(orders, case):
+    _, m, h, b, _ = case
+    order = orders[case]
+    assert sorted(order) == sorted((i, j, k) for i in range(m) for j in range(h) for k in range(b))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0]])
+def test_causal_sections_longest_first(orders, case):
+    _, m, h, b, sec = case
+    order = orders[case]
+    pairs = [w[2] * h + w[1] for w in order]
+    t = 0
+    for start in range(0, h * b, sec):
+        n_pairs = min(sec, h * b - start)
+        chunk = order[t:t + n_pairs * m]
+        # this section's pairs only, all their m blocks, longest (largest m) first, pairs fastest
+        assert sorted(set(pairs[t:t + n_pairs * m])) == list(range(start, start + n_pairs))
+        assert [w[0] for w in chunk] == [m - 1 - i // n_pairs for i in range(n_pairs * m)]
+        assert pairs[t:t + n_pairs] == list(range(start, start + n_pairs))
+        t += n_pairs * m
+    assert t == len(order)
+
+
+def test_one_section_is_plain_longest_first(orders):
+    _, m, h, b, sec = case = (1, 4, 16, 32, 512)
+    assert sec == h * b
+    hb = h * b
+    assert orders[case] == [(m - 1 - t // hb, (t % hb) % h, (t % hb) // h) for t in range(m * h * b)]
+
+
+def test_noncausal_m_fastest(orders):
+    case = (0, 7, 3, 5, 4)
+    assert orders[case] == [(t % 7, (t // 7) % 3, (t // 7) // 3) for t in range(7 * 3 * 5)]
+
+
+def test_section_heads_fits_l2():
+    # 16k tokens, hidden 2048, head_dim 128, bf16: K+V of one head at seqlen 512 is 256 KiB
+    assert section_heads(32, 16, 16, 512, 128, 128, 2) == L2_SECTION_BYTES // (512 * 256 * 2) == 128
+    assert section_heads(1, 16, 16, 16384, 128, 128, 2) == 4
+    assert section_heads(1, 16, 16, 10 ** 7, 256, 256, 2) == 1  # K/V larger than L2: one pair
+    assert section_heads(2, 4, 4, 64, 64, 64, 2) == 8  # everything fits: one section of all pairs
+    # GQA: 8 query heads share one K/V head, so 8x the query heads fit
+    assert section_heads(32, 64, 8, 4096, 128, 128, 2) == 8 * section_heads(32, 64, 64, 4096, 128, 128, 2)
+    assert section_heads(32, 16, 16, 512, 128, 128, 1) == 256  # e4m3: one byte per element
