@@ -14,6 +14,7 @@ from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
 from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
 from .manifest import Variant, load_manifest
+from .generator.families.fwd import dynamic_schedule  # noqa: E402 -- which variants take a tile counter
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
            "launch_forward", "PreparedForward", "attention_backward",
@@ -252,7 +253,7 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     num_m = -(-sq // bm)
     num_tiles = num_m * h * b
     params = {"seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "num_m_blocks": num_m,
-              "num_tiles": num_tiles, "section_heads": section_heads(b, h, hk, sk, d, dv, 1 if fp8 else 2),
+              "num_tiles": num_tiles, "section_heads": section_heads(b, h, hk, sk, d, dv, 1 if fp8 else 2), "tile_counter": 0,
               "window_left": mask.left, "window_right": mask.right,
               "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
               "head_dim_v": dv, **_descale_params("q", q_descale, h, hk, True),
@@ -261,7 +262,9 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     maps = (geometry(*_bshd_map_spec(q, bm)), geometry(*_bshd_map_spec(k, bn)), geometry(*_bshd_map_spec(v, bn)),
             geometry(*_bshd_map_spec(out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
-    return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, _FWD_PER_CALL))
+    counter = "tile_counter" if dynamic_schedule(plan.variant.params) else None  # a zeroed int32 per launch
+    return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, _FWD_PER_CALL,
+                                                             counter))
 
 
 def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,

@@ -274,26 +274,66 @@ def _stream(handle: int):
     return s
 
 
-def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int) -> None:
+# ------------------------------------------------------------------------------------ tile counters
+_COUNTER_POOL_KEEP = 1 << 20  # bytes the pool keeps reserved across synchronizations (its counters are 4 bytes)
+_counter_pools: dict[int, object] = {}  # device -> CUmemoryPool (flashgen's own, made once)
+
+
+def _counter_pool(device: int):
+    """flashgen's stream-ordered memory pool on ``device`` for per-launch tile counters: its own pool
+    (the device's default pool is left as it is), keeping _COUNTER_POOL_KEEP bytes reserved so a
+    synchronization does not hand its memory back. Made once per device, in the primary context."""
+    pool = _counter_pools.get(device)
+    if pool is None:
+        with _lock:
+            pool = _counter_pools.get(device)
+            if pool is None:
+                d = _driver()
+                props = d.CUmemPoolProps()
+                props.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+                props.handleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+                props.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                props.location.id = device
+                pool = check(d.cuMemPoolCreate(props), "cuMemPoolCreate")
+                check(d.cuMemPoolSetAttribute(pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                              d.cuuint64_t(_COUNTER_POOL_KEEP)), "cuMemPoolSetAttribute")
+                _counter_pools[device] = pool
+    return pool
+
+
+def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=None, buf=None) -> None:
     """Launch ``kernel`` with the argument array ``argv`` (a ctypes void* array, kept alive by the
     caller) in the device's primary context: pushed only when another one is current on this thread,
     and popped after (:func:`_push_primary`, as :class:`device_context`; no context-manager object
-    on this per-call path)."""
+    on this per-call path).
+
+    ``counter`` ((pack_into, offset) of a pointer field of the params bytes ``buf``): the launch gets
+    its own int32 tile counter, zero when the kernel starts: allocated from :func:`_counter_pool` on
+    ``stream``, zeroed, written into the field, and freed on ``stream`` after the kernel (all
+    stream-ordered, so it is never shared with another launch; under CUDA-graph capture these are
+    the graph's own allocation, memset and free nodes)."""
     rec = kernel.record
     d = _driver()
     pushed = _push_primary(kernel.device)
+    ctr = None
     try:
+        hstream = _streams.get(stream) or _stream(stream)
+        if counter is not None:
+            ctr = check(d.cuMemAllocFromPoolAsync(4, _counter_pools.get(kernel.device) or _counter_pool(kernel.device),
+                                                  hstream), "cuMemAllocFromPoolAsync(tile counter)")
+            check(d.cuMemsetD32Async(ctr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
+            counter[0](buf, counter[1], int(ctr))
         cluster = rec.cluster
         if cluster[0] == cluster[1] == cluster[2] == 1:
             err = d.cuLaunchKernel(kernel.function, grid[0], grid[1], grid[2], rec.threads, 1, 1, rec.smem_bytes,
-                                   _streams.get(stream) or _stream(stream), ctypes.addressof(argv), 0)[0]
+                                   hstream, ctypes.addressof(argv), 0)[0]
             what = "cuLaunchKernel"
         else:
             cfg = d.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = rec.threads, 1, 1
             cfg.sharedMemBytes = rec.smem_bytes
-            cfg.hStream = _stream(stream)
+            cfg.hStream = hstream
             attr = d.CUlaunchAttribute()
             attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
@@ -302,6 +342,8 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int) -> None:
             err = d.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(argv), 0)[0]
             what = "cuLaunchKernelEx"
     finally:
+        if ctr is not None:
+            check(d.cuMemFreeAsync(ctr, hstream), "cuMemFreeAsync(tile counter)")
         if pushed:
             check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
     if err:
@@ -336,15 +378,20 @@ class PreparedLaunch(NamedTuple):
     grid: tuple  # (x, y, z) CTAs, ints
     params: bytes  # the packed params struct, the per-call fields zero
     slots: tuple  # ((struct pack_into, byte offset), ...) of the per-call fields, in launch_prepared's order
+    counter: tuple | None = None  # (pack_into, offset) of the pointer field that gets each launch's own tile counter
 
 
-def prepare_launch(kernel: LoadedKernel, grid: tuple, params: dict, per_call: tuple) -> PreparedLaunch:
+def prepare_launch(kernel: LoadedKernel, grid: tuple, params: dict, per_call: tuple,
+                   counter: str | None = None) -> PreparedLaunch:
     """The fixed part of a launch of ``kernel`` over ``grid``: ``params`` gives every field of the
     params struct but those named in ``per_call``, whose values each :func:`launch_prepared` call
-    gives, in that order. KeyError for a missing or unknown field, struct.error for a bad value."""
-    fixed = {**params, **{n: 0 for n in per_call}}
+    gives, in that order, and ``counter``, a pointer field that each launch fills with its own
+    int32 tile counter, zero at the kernel's start (:func:`_launch_argv`). KeyError for a missing or
+    unknown field, struct.error for a bad value."""
+    extra = (counter,) if counter else ()
+    fixed = {**params, **{n: 0 for n in (*per_call, *extra)}}
     return PreparedLaunch(kernel, tuple(int(g) for g in grid), kernel.packer.pack(fixed),
-                          kernel.packer.slots(tuple(per_call)))
+                          kernel.packer.slots(tuple(per_call)), kernel.packer.slots(extra)[0] if counter else None)
 
 
 def launch_prepared(prep: PreparedLaunch, tensor_maps: tuple, values: tuple, stream: int) -> None:
@@ -361,7 +408,7 @@ def launch_prepared(prep: PreparedLaunch, tensor_maps: tuple, values: tuple, str
     for (pack_into, offset), value in zip(prep.slots, values):
         pack_into(buf, offset, value)
     argv = kernel.argv_type(*[m.getPtr() for m in tensor_maps], ctypes.addressof(buf))
-    _launch_argv(kernel, prep.grid, argv, stream)
+    _launch_argv(kernel, prep.grid, argv, stream, prep.counter, buf)
 
 
 # ------------------------------------------------------------------------------------- TMA maps

@@ -35,7 +35,7 @@ FWD_FIELDS = [
     ["k_descale_stride_block", "i32", 104], ["v_descale", "ptr", 112], ["v_descale_stride_batch", "i32", 120],
     ["v_descale_stride_head", "i32", 124], ["o", "ptr", 128], ["o_stride_batch", "i64", 136],
     ["o_stride_seq", "i64", 144], ["o_stride_head", "i64", 152], ["head_dim_v", "i32", 160],
-    ["section_heads", "i32", 164],
+    ["section_heads", "i32", 164], ["tile_counter", "ptr", 168],
 ]
 
 
@@ -49,7 +49,7 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
            "kernels": [{"role": "main", "symbol": f"flashgen_{name}_main", "threads": 384, "cluster": list(cluster),
                         "smem_bytes": 198656, "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
                         "tensor_maps": ["q", "k", "v", "o"], "sass": [],
-                        "params": {"struct": "FwdParams", "size": 168, "fields": FWD_FIELDS}}]}
+                        "params": {"struct": "FwdParams", "size": 176, "fields": FWD_FIELDS}}]}
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"}, "variants": [rec]}, f)
 
@@ -123,6 +123,17 @@ def fake_driver():
         CUtensorMapFloatOOBfill=_Enum(),
         cuuint64_t=int,
         cuuint32_t=int,
+        # causal calls: the per-launch tile counter (launch._launch_argv)
+        CUmemPoolProps=lambda: SimpleNamespace(location=SimpleNamespace()),
+        CUmemAllocationType=_Enum(),
+        CUmemAllocationHandleType=_Enum(),
+        CUmemLocationType=_Enum(),
+        CUmemPool_attribute=_Enum(),
+        cuMemPoolCreate=lambda props: (ok, _Handle(9)),
+        cuMemPoolSetAttribute=lambda *a: (ok,),
+        cuMemAllocFromPoolAsync=lambda size, pool, stream: (ok, 0x7000_0000),
+        cuMemsetD32Async=lambda *a: (ok,),
+        cuMemFreeAsync=lambda *a: (ok,),
     )
     return d
 

@@ -86,8 +86,9 @@ def test_layout_natural_alignment_and_tail_padding():
 
 def test_family_structs_layouts():
     fwd = fwd_mod.PARAMS.layout()
-    assert fwd["struct"] == "FwdParams" and fwd["size"] == 168  # 64 + the e4m3 descales and direct-store O
-    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-2:] == [["head_dim_v", "i32", 160], ["section_heads", "i32", 164]]
+    assert fwd["struct"] == "FwdParams" and fwd["size"] == 176  # 64 + the e4m3 descales, direct-store O, L2 sections, tile counter
+    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-3:] == [["head_dim_v", "i32", 160], ["section_heads", "i32", 164],
+                                                                                    ["tile_counter", "ptr", 168]]
     assert ["sink", "ptr", 56] in fwd["fields"] and ["q_descale", "ptr", 64] in fwd["fields"]
     offs = {n: o for n, _, o in fwd["fields"]}
     assert (offs["softmax_scale"], offs["softcap_scale"], offs["window_left"], offs["window_right"]) == (40, 44, 48, 52)
@@ -175,9 +176,10 @@ def test_params_packer_bytes_match_struct_offsets():
                                        "k_descale": 0, "k_descale_stride_batch": 0, "k_descale_stride_head": 0,
                                        "k_descale_stride_block": 0, "v_descale": 0, "v_descale_stride_batch": 0,
                                        "v_descale_stride_head": 0, "o": 0, "o_stride_batch": 0, "o_stride_seq": 0,
-                                       "o_stride_head": 0, "head_dim_v": 64, "section_heads": 3})
-    assert len(fb) == 168 and struct.unpack_from("<i", fb, 164) == (3,)
-    assert len(fb) == 168 and struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
+                                       "o_stride_head": 0, "head_dim_v": 64, "section_heads": 3,
+                                       "tile_counter": 0xC0FFEE00})
+    assert len(fb) == 176 and struct.unpack_from("<iQ", fb, 164) == (3, 0xC0FFEE00)
+    assert len(fb) == 176 and struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
     assert struct.unpack_from("<i", fb, 20) == (2,) and struct.unpack_from("<fff", fb, 36) == (0.5, 0.25, 0.125)
     assert struct.unpack_from("<iiQ", fb, 48) == (3, -4, 0xBEEF00)
 

@@ -227,6 +227,7 @@ KEYS = [dict(dtype=dt, head_dim=hd, head_dim_v=hd, causal=c, local=lo, softcap=s
         for sc in (False, True) if not (c and lo)] + \
        [dict(dtype="e4m3", head_dim=128, head_dim_v=128, causal=c, local=False, softcap=False) for c in (False, True)]
 FWD_LAYOUT = fwd_mod.PARAMS.layout()
+FWD_OFFSETS = {n: off for n, _, off in FWD_LAYOUT["fields"]}
 
 
 def record(key: dict, cluster=(1, 1, 1)) -> dict:
@@ -276,13 +277,44 @@ class FakeDriver:
                            "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 0,
                            "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": self.SM_COUNT}
         self.CUdevice_attribute = type("CUdevice_attribute", (), {n: i for i, n in enumerate(self.attributes)})
+        self.mem_ops = []  # tile counters: ("alloc" | "memset" | "launch" | "free", pointer, stream, ...) in call order
+        self.next_ptr = 0x7000_0000
         for n in ("CUfunction_attribute", "CUlaunchAttributeID", "CUtensorMapDataType", "CUtensorMapInterleave",
-                  "CUtensorMapSwizzle", "CUtensorMapL2promotion", "CUtensorMapFloatOOBfill"):
+                  "CUtensorMapSwizzle", "CUtensorMapL2promotion", "CUtensorMapFloatOOBfill", "CUmemAllocationType",
+                  "CUmemAllocationHandleType", "CUmemLocationType", "CUmemPool_attribute"):
             setattr(self, n, _Names())
         self.cuuint64_t = self.cuuint32_t = int
         self.CUstream = _Handle
 
     def cuInit(self, flags):
+        return (0,)
+
+    def CUmemPoolProps(self):
+        return _Handle(location=_Handle())
+
+    def cuMemPoolCreate(self, props):
+        assert props.location.type == "CU_MEM_LOCATION_TYPE_DEVICE" and int(self.current) == int(
+            self.primary[props.location.id])
+        return (0, _Handle(0x900 + props.location.id, device=props.location.id))
+
+    def cuMemPoolSetAttribute(self, pool, attr, value):
+        assert attr == "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD" and value > 0
+        return (0,)
+
+    def cuMemAllocFromPoolAsync(self, size, pool, stream):
+        with self.lock:
+            ptr, self.next_ptr = self.next_ptr, self.next_ptr + 256
+            self.mem_ops.append(("alloc", ptr, int(stream), size, pool.device, threading.get_ident()))
+        return (0, ptr)
+
+    def cuMemsetD32Async(self, ptr, value, count, stream):
+        with self.lock:
+            self.mem_ops.append(("memset", int(ptr), int(stream), value, count, threading.get_ident()))
+        return (0,)
+
+    def cuMemFreeAsync(self, ptr, stream):
+        with self.lock:
+            self.mem_ops.append(("free", int(ptr), int(stream), threading.get_ident()))
         return (0,)
 
     def cuDeviceGet(self, i):
@@ -337,9 +369,13 @@ class FakeDriver:
         argv = (ctypes.c_void_p * 5).from_address(argv_addr)
         with self.lock:
             maps = [self.maps[p] for p in argv[:4]]
+        params = ctypes.string_at(argv[4], FWD_LAYOUT["size"])
+        (counter,) = struct.unpack_from("<Q", params, FWD_OFFSETS["tile_counter"])
+        with self.lock:
+            self.mem_ops.append(("launch", counter, int(stream), threading.get_ident()))
         self.launches.append(dict(symbol=f.symbol, grid=grid, block=block, smem=smem, stream=int(stream), maps=maps,
-                                  params=ctypes.string_at(argv[4], FWD_LAYOUT["size"]), ctx=int(self.current),
-                                  cluster=cluster, thread=threading.get_ident()))
+                                  params=params, ctx=int(self.current), cluster=cluster, thread=threading.get_ident(),
+                                  tile_counter=counter))
 
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
         assert extra == 0
@@ -395,7 +431,8 @@ def targ(shape, dtype="bf16", ptr=1 << 20, strides=None, device=0):
     return core.TensorArg(ptr, tuple(shape), tuple(strides), dtype, device)
 
 
-def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm, sms, descales=(None, None, None)):
+def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm, sms, descales=(None, None, None),
+                    tile_counter=0):
     """The params dict the forward packed before prepared launches (one dict per call, every field)."""
     b, sq, h, d = q.shape
     _, sk, hk, dv = v.shape
@@ -408,6 +445,7 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
             "o_stride_head": out.strides[2], "head_dim_v": dv,
             "section_heads": core.section_heads(b, h, hk, sk, d, dv, 1 if q.dtype == "fp8_e4m3" else 2),
+            "tile_counter": tile_counter,
             **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
             **core._descale_params("v", descales[2], h, hk, False)}
 
@@ -426,8 +464,11 @@ def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap
     assert rec["symbol"] == f"flashgen_{name}_main"
     assert rec["grid"] == (max(min(tiles, FakeDriver.SM_COUNT) if persistent else tiles, 1), 1, 1)
     assert rec["block"] == (384, 1, 1) and rec["smem"] == 1000 + q.shape[3] and rec["stream"] == stream
+    # causal persistent variants claim tiles from a counter of their own (fwd.dynamic_schedule)
+    assert (rec["tile_counter"] != 0) == (m.causal and persistent)
     want = launch.ParamsPacker(FWD_LAYOUT).pack(expected_params(q, k, v, out, lse, scale, causal, window, softcap,
-                                                                sink, bm, FakeDriver.SM_COUNT, descales))
+                                                                sink, bm, FakeDriver.SM_COUNT, descales,
+                                                                rec["tile_counter"]))
     assert rec["params"] == want
     for t, tm, rows in zip((q, k, v, out), rec["maps"], (bm, 128, 128, 64)):
         es = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}[t.dtype]
@@ -596,6 +637,47 @@ def test_concurrent_calls_on_threads_each_launch_their_own_arguments(driver):
         kv = targ((1, 48, 2, 64), "fp16", base + (1 << 20))
         out, lse = targ((1, sq, 2, 64), "fp16", base + (2 << 20)), targ((1, 2, sq), "fp32", base + (3 << 20))
         check_launch(rec, q, kv, kv, out, lse, 0.01 * (t + 1), i % 3 == 0, stream=1000 * t + i)
+    check_counter_protocol(driver.mem_ops, causal_launches=6 * 50)
+
+
+def check_counter_protocol(ops, causal_launches):
+    """Each launch with a tile counter: on its stream and thread, a 4-byte allocation from device
+    0's pool, a memset of that one int32 to 0, the launch holding that pointer, then its free; no
+    pointer is live in two launches at once (an address may come back only after its free)."""
+    live = set()
+    by_thread = {}
+    for op in ops:
+        by_thread.setdefault(op[-1], []).append(op)
+        if op[0] == "alloc":
+            assert op[1] not in live
+            live.add(op[1])
+        elif op[0] == "free":
+            live.remove(op[1])
+    assert not live
+    launches = 0
+    for seq in by_thread.values():
+        i = 0
+        while i < len(seq):
+            if seq[i][0] == "launch" and seq[i][1] == 0:  # a static-schedule launch: no counter
+                i += 1
+                continue
+            (a, ptr, st, size, dev, _), m, l, f = seq[i:i + 4]
+            assert (a, size, dev) == ("alloc", 4, 0)
+            assert m[:5] == ("memset", ptr, st, 0, 1) and l[:3] == ("launch", ptr, st) and f[:3] == ("free", ptr, st)
+            launches += 1
+            i += 4
+    assert launches == causal_launches
+
+
+def test_causal_launches_get_a_zeroed_counter_of_their_own(driver):
+    q, kv = targ((2, 300, 4, 128)), targ((2, 300, 4, 128), ptr=1 << 24)
+    out, lse = targ((2, 300, 4, 128), ptr=2 << 24), targ((2, 4, 300), "fp32", ptr=3 << 24)
+    for causal in (True, False, True):
+        core.attention_forward(q, kv, kv, out, lse, 0.1, causal, stream=11)
+    assert [op[0] for op in driver.mem_ops] == ["alloc", "memset", "launch", "free", "launch",
+                                                "alloc", "memset", "launch", "free"]
+    check_counter_protocol(driver.mem_ops, causal_launches=2)
+    assert driver.launches[1]["tile_counter"] == 0
 
 
 def test_prepare_launch_checks_its_fields():

@@ -26,8 +26,8 @@ int main() {
   while (std::scanf("%d %d %d %d %d", &causal, &m, &h, &b, &sec) == 5) {
     const int n = m * h * b;
     for (int t = 0; t < n; ++t) {
-      flashgen::WorkTile w = causal ? flashgen::StaticTileScheduler<true>{m, h, b, n, sec}.tile(t)
-                                    : flashgen::StaticTileScheduler<false>{m, h, b, n, sec}.tile(t);
+      flashgen::WorkTile w = causal ? flashgen::TileScheduler<true>{m, h, b, n, sec, nullptr}.tile(t)
+                                    : flashgen::TileScheduler<false>{m, h, b, n, sec, nullptr}.tile(t);
       std::printf("%d %d %d\n", w.m_block, w.head, w.batch);
     }
   }

@@ -80,6 +80,7 @@ PARAMS = params_struct(
     ("o_stride_batch", "i64"), ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
     ("head_dim_v", "i32"),  # the call's (columns of O past it are not stored)
     ("section_heads", "i32"),  # causal: (batch, head) pairs per L2 section of the tile order (scheduler.cuh)
+    ("tile_counter", "ptr", "int*"),  # dynamic_schedule variants: one int32, 0 at launch (the launch's own)
 )
 
 
@@ -124,6 +125,13 @@ def smem_layout(params: dict) -> dict:
     return out
 
 
+def dynamic_schedule(params: dict) -> bool:
+    """Whether the variant claims tiles from a per-launch counter (scheduler.cuh): causal tiles
+    differ in length, so persistent causal CTAs balance by claiming; the others run the static
+    round-robin (uniform tiles, or one tile per CTA) and need no counter."""
+    return bool(params["causal"]) and bool(params.get("persistent", True))
+
+
 class FwdFamily(Family):
     def derive(self, params):
         """head_dim_v defaults to head_dim; consumer_wgs to block_m / 64 (one warpgroup per 64 rows)."""
@@ -151,6 +159,7 @@ class FwdFamily(Family):
             fp8=params["dtype"] == "e4m3",
             out_dtype=OUT_DTYPE.get(params["dtype"], params["dtype"]),
             block_n_vt=_pad_chunk(params["block_n"], "e4m3"),
+            dynamic_schedule=dynamic_schedule(params),
         )
 
     def problems(self, params):

@@ -107,6 +107,34 @@ def test_outliers_and_repeatability(d, causal):
         assert torch.equal(out1, out2) and torch.equal(lse1, lse2), "repeated runs differ: a race"
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_causal_tile_claims(d, monkeypatch):
+    """Causal persistent variants claim tiles from a per-launch counter, in L2 sections
+    (scheduler.cuh): with many more tiles than SMs and sections of a few (batch, head) pairs
+    (L2_SECTION_BYTES shrunk so 3 pairs' K/V fill one), every tile is written and right
+    (FA3's rule, NaN-poisoned outputs), runs repeat bitwise, and launches on two streams at once
+    (each with its own counter) give the same bits."""
+    dtype = torch.bfloat16
+    if not built(dtype, d, True):
+        pytest.skip(f"MISSING-FWD-VARIANT {DT[dtype]} hd{d} causal=True")
+    b, s, h = 5, 1531, 7  # 5 x 7 pairs, 12 query blocks each at block_m 128: 420 tiles on 132 SMs
+    monkeypatch.setattr(core, "L2_SECTION_BYTES", 3 * s * 2 * d * 2)
+    monkeypatch.setattr(core, "_prepared_forwards", {})
+    assert core.section_heads(b, h, h, s, d, d, 2) == 3
+    q, k, v = make_inputs(b, s, s, h, h, d, dtype, seed=d + 1)
+    out1, lse1 = check(q, k, v, True)
+    side = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(3):
+        torch.cuda.synchronize()
+        res = []
+        for st in side:
+            with torch.cuda.stream(st):
+                res.append(run_fwd(q, k, v, True, d ** -0.5))
+        torch.cuda.synchronize()
+        for out2, lse2 in res:
+            assert torch.equal(out1, out2) and torch.equal(lse1, lse2), "runs differ: a race in the tile claims"
+
+
 @pytest.mark.parametrize("scale", [0.3, -0.2, 0.0, 2.0])
 def test_any_softmax_scale(scale):
     q, k, v = make_inputs(2, 129, 257, 4, 4, 128, torch.bfloat16, seed=3)

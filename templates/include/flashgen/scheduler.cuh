@@ -1,6 +1,10 @@
-// Persistent static tile scheduler: the loop over work tiles (query block, head, batch) around FA3's
-// Algorithm 1 (arXiv 2407.08608; persistent kernels: §5). CTA x runs tiles x, x + gridDim.x, ...;
-// with a grid of num_tiles CTAs the same code runs one tile per CTA (the non-persistent launch).
+// Persistent tile scheduler: the loop over work tiles (query block, head, batch) around FA3's
+// Algorithm 1 (arXiv 2407.08608; persistent kernels: §5). CTA x runs tile x first. Static: then
+// x + gridDim.x, ...; with a grid of num_tiles CTAs that is one tile per CTA (the non-persistent
+// launch). Dynamic (FA3's causal scheduler): each further tile is claimed from a per-launch counter
+// that starts at 0 (the host zeroes it), so a CTA that finished its tiles early takes the next one in
+// the order below: causal tiles differ in length, and a fixed round-robin left some SMs with up to
+// 1.4x the mean work (sections of L2 below) where claiming balances to within a tile.
 #pragma once
 
 #ifndef FLASHGEN_HD
@@ -22,17 +26,26 @@ struct WorkTile {
 // the pairs fastest, before the next section starts. With one section of all pairs (section_heads
 // = heads * batch) this is the plain longest-first order, which at short seqlen_k re-read every
 // head's K/V from HBM once per query block (the other pairs' tiles evicted it in between).
-template <bool Causal>
-struct StaticTileScheduler {
+template <bool Causal, bool Dynamic = false>
+struct TileScheduler {
   int num_m_blocks;
   int heads;
   int batch;
   int num_tiles;
   int section_heads;  // causal: (batch, head) pairs per L2 section, in [1, heads * batch]
+  int* counter;       // Dynamic: the launch's tile counter (0 at launch); else unused
 
   __device__ __forceinline__ int first() const { return blockIdx.x; }
-  __device__ __forceinline__ bool valid(int t) const { return t < num_tiles; }
-  __device__ __forceinline__ int next(int t) const { return t + gridDim.x; }
+  FLASHGEN_HD bool valid(int t) const { return t < num_tiles; }
+  // The tile after t, for the one thread that runs the loop (the producer); a dynamic claim is a
+  // global atomic, so call it early and use the result late.
+  __device__ __forceinline__ int next(int t) const {
+    if constexpr (Dynamic) {
+      return static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+    } else {
+      return t + static_cast<int>(gridDim.x);
+    }
+  }
 
   FLASHGEN_HD WorkTile tile(int t) const {
     if constexpr (Causal) {
