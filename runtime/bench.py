@@ -351,7 +351,8 @@ def measure_overhead(n: int = 2000, repeats: int = 5):
     * ``core.attention_forward``: the framework-neutral launch alone, on preallocated out and lse;
     * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` as a BSHD user calls it, on
       ``.transpose(1, 2)`` views made in the call (default backend choice);
-    * ``sdpa (BHSD views made once)``: the same SDPA call on views made before timing.
+    * ``sdpa (BHSD views made once)``: the same SDPA call on views made before timing;
+    * ``flash_attn_func causal`` and ``sdpa causal``: the first and third with causal=True.
     """
     import torch
 
@@ -370,7 +371,11 @@ def measure_overhead(n: int = 2000, repeats: int = 5):
     for name, fn in (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
                      ("core.attention_forward", lambda: core.attention_forward(*args, 0.088, False, stream)),
                      ("sdpa", lambda: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))),
-                     ("sdpa (BHSD views made once)", lambda: sdpa(qt, kt, vt))):
+                     ("sdpa (BHSD views made once)", lambda: sdpa(qt, kt, vt)),
+                     # causal: flashgen's launch also takes a tile counter of its own (alloc, memset, free)
+                     ("flash_attn_func causal", lambda: flash_attn_func(q, k, v, causal=True)),
+                     ("sdpa causal", lambda: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True))):
         for _ in range(50):
             fn()
         best = float("inf")
