@@ -465,7 +465,7 @@ def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap
     assert rec["grid"] == (max(min(tiles, FakeDriver.SM_COUNT) if persistent else tiles, 1), 1, 1)
     assert rec["block"] == (384, 1, 1) and rec["smem"] == 1000 + q.shape[3] and rec["stream"] == stream
     # causal persistent variants claim tiles from a counter of their own (fwd.dynamic_schedule)
-    assert (rec["tile_counter"] != 0) == (m.causal and persistent)
+    assert (rec["tile_counter"] != 0) == (m.causal and persistent and tiles > FakeDriver.SM_COUNT)
     want = launch.ParamsPacker(FWD_LAYOUT).pack(expected_params(q, k, v, out, lse, scale, causal, window, softcap,
                                                                 sink, bm, FakeDriver.SM_COUNT, descales,
                                                                 rec["tile_counter"]))
@@ -637,7 +637,7 @@ def test_concurrent_calls_on_threads_each_launch_their_own_arguments(driver):
         kv = targ((1, 48, 2, 64), "fp16", base + (1 << 20))
         out, lse = targ((1, sq, 2, 64), "fp16", base + (2 << 20)), targ((1, 2, sq), "fp32", base + (3 << 20))
         check_launch(rec, q, kv, kv, out, lse, 0.01 * (t + 1), i % 3 == 0, stream=1000 * t + i)
-    check_counter_protocol(driver.mem_ops, causal_launches=6 * 50)
+    check_counter_protocol(driver.mem_ops, causal_launches=0)  # at most 2 tiles: one per CTA, no counter
 
 
 def check_counter_protocol(ops, causal_launches):
@@ -670,14 +670,20 @@ def check_counter_protocol(ops, causal_launches):
 
 
 def test_causal_launches_get_a_zeroed_counter_of_their_own(driver):
-    q, kv = targ((2, 300, 4, 128)), targ((2, 300, 4, 128), ptr=1 << 24)
-    out, lse = targ((2, 300, 4, 128), ptr=2 << 24), targ((2, 4, 300), "fp32", ptr=3 << 24)
-    for causal in (True, False, True):
+    """More causal tiles than SMs: each launch gets its own counter; no more tiles than SMs, or
+    not causal: none (the static order)."""
+    big = (2, 3000, 8, 128)  # 24 query blocks x 8 heads x 2 = 384 tiles > 132 SMs
+    small = (2, 300, 8, 128)  # 3 x 8 x 2 = 48 tiles
+    for shape, causal in ((big, True), (big, False), (small, True), (big, True)):
+        b, s, h, d = shape
+        q, kv = targ(shape), targ(shape, ptr=1 << 26)
+        out, lse = targ(shape, ptr=2 << 26), targ((b, h, s), "fp32", ptr=3 << 26)
         core.attention_forward(q, kv, kv, out, lse, 0.1, causal, stream=11)
-    assert [op[0] for op in driver.mem_ops] == ["alloc", "memset", "launch", "free", "launch",
+        check_launch(driver.launches[-1], q, kv, kv, out, lse, 0.1, causal, stream=11)
+    assert [op[0] for op in driver.mem_ops] == ["alloc", "memset", "launch", "free", "launch", "launch",
                                                 "alloc", "memset", "launch", "free"]
     check_counter_protocol(driver.mem_ops, causal_launches=2)
-    assert driver.launches[1]["tile_counter"] == 0
+    assert [r["tile_counter"] != 0 for r in driver.launches] == [True, False, False, True]
 
 
 def test_prepare_launch_checks_its_fields():

@@ -133,6 +133,19 @@ def test_causal_tile_claims(d, monkeypatch):
         torch.cuda.synchronize()
         for out2, lse2 in res:
             assert torch.equal(out1, out2) and torch.equal(lse1, lse2), "runs differ: a race in the tile claims"
+    # captured in a CUDA graph (the counter's allocation, memset and free become graph nodes)
+    side[0].wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side[0]):
+        run_fwd(q, k, v, True, d ** -0.5)
+    torch.cuda.current_stream().wait_stream(side[0])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out3, lse3 = run_fwd(q, k, v, True, d ** -0.5)
+    for _ in range(2):
+        out3.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out1, out3) and torch.equal(lse1, lse3), "graph replay differs"
 
 
 @pytest.mark.parametrize("scale", [0.3, -0.2, 0.0, 2.0])

@@ -2,7 +2,8 @@
 // Algorithm 1 (arXiv 2407.08608; persistent kernels: §5). CTA x runs tile x first. Static: then
 // x + gridDim.x, ...; with a grid of num_tiles CTAs that is one tile per CTA (the non-persistent
 // launch). Dynamic (FA3's causal scheduler): each further tile is claimed from a per-launch counter
-// that starts at 0 (the host zeroes it), so a CTA that finished its tiles early takes the next one in
+// that starts at 0 (the host zeroes it; it passes none when there are no more tiles than CTAs, and
+// then the order is the static one), so a CTA that finished its tiles early takes the next one in
 // the order below: causal tiles differ in length, and a fixed round-robin left some SMs with up to
 // 1.4x the mean work (sections of L2 below) where claiming balances to within a tile.
 #pragma once
@@ -33,15 +34,16 @@ struct TileScheduler {
   int batch;
   int num_tiles;
   int section_heads;  // causal: (batch, head) pairs per L2 section, in [1, heads * batch]
-  int* counter;       // Dynamic: the launch's tile counter (0 at launch); else unused
+  int* counter;       // Dynamic: the launch's tile counter (0 at launch), or null: static (no more tiles than CTAs)
 
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   FLASHGEN_HD bool valid(int t) const { return t < num_tiles; }
   // The tile after t, for the one thread that runs the loop (the producer); a dynamic claim is a
-  // global atomic, so call it early and use the result late.
+  // global atomic (its latency is the caller's to hide).
   __device__ __forceinline__ int next(int t) const {
     if constexpr (Dynamic) {
-      return static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+      // no counter: no more tiles than CTAs, so any tile after the first is past the last
+      return counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(counter, 1) : num_tiles;
     } else {
       return t + static_cast<int>(gridDim.x);
     }
