@@ -5,6 +5,8 @@
 #                                          quantize_fp8 bandwidth (quant_bench.py), FA3 Table 3 (fp8_accuracy.py)
 #   bash scripts/device_check.sh regress   forward grid of the base commit (.base/, made by scripts/make_base.sh)
 #                                          and of this tree, alternated twice, same harness; table printed last
+#   bash scripts/device_check.sh grid      every GPU test, the forward grid twice (bf16, fp16) with SDPA peers and the ratio
+#                                          table (regress_fwd.py peers), e4m3 at 16k, host overhead per call
 #   bash scripts/device_check.sh full      test, then `flashgen bench --backward` (forward and backward grids vs SDPA
 #                                          cuDNN/FA2, ablation, combine; backward CSV/PNG as bench_bwd.*)
 #   bash scripts/device_check.sh perf      kernel-change check: FP8 + forward API GPU tests, the FP8 grid (fp8_bench.py), and a
@@ -90,6 +92,15 @@ perf)
   new() { python3 scripts/regress_fwd.py run --label new $g "$@"; }
   new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt"
+  ;;
+grid)
+  # every GPU test, then the forward grid twice (bf16 and fp16, SDPA cuDNN/FA2 in the same runs) and issue 11's ratio
+  # table, the e4m3 forward at 16k, and the host overhead per call
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  for r in 1 2; do python3 scripts/regress_fwd.py run --label new --csv "$out/grid$r.csv" ${REGRESS_ARGS:-} 2>&1 | tail -1; done
+  timeout 90 python3 scripts/fp8_bench.py --seqlens 16384 2>&1 | grep '^|' | tail -8
+  python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m(n=1000).items()})"
+  python3 scripts/regress_fwd.py peers "$out"/grid1.csv "$out"/grid2.csv | tee "$out/peers.txt"
   ;;
 regress)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

@@ -6,6 +6,7 @@ one are measured the same way in the same GPU session.
     python scripts/regress_fwd.py run --label new --csv new1.csv [--no-peers]
     PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=.base/build python scripts/regress_fwd.py run --label old --csv old1.csv
     python scripts/regress_fwd.py compare new1.csv old1.csv new2.csv old2.csv     # the table, printed last
+    python scripts/regress_fwd.py peers new1.csv new2.csv      # flashgen / best SDPA backend per point (issue 11)
 """
 from __future__ import annotations
 
@@ -74,6 +75,33 @@ def compare(paths) -> int:
     return 0
 
 
+def peers(paths) -> int:
+    """Issue 11's table: flashgen / the best SDPA backend (cuDNN or FA2) of the same run, per point
+    (mean over the runs), its geometric mean over all runs and points, and the points at >= 1.0 in
+    every run."""
+    runs = []
+    for p in paths:
+        with open(p) as f:
+            runs.append({(r["dtype"], int(r["head_dim"]), r["causal"], int(r["seqlen"])): r for r in csv.DictReader(f)})
+    best = lambda r: max(float(r[c]) for c in ("cudnn", "fa2") if r[c] not in ("", "nan"))  # noqa: E731
+    ratios = {pt: [float(r[pt]["flashgen"]) / best(r[pt]) for r in runs] for pt in runs[0]}
+    seqlens = sorted({pt[3] for pt in ratios})
+    for dt in sorted({pt[0] for pt in ratios}):
+        print(f"\n{dt}: flashgen / best SDPA backend, mean of {len(runs)} runs\n"
+              f"| head_dim, mask | {' | '.join(str(s) for s in seqlens)} |\n|---|{'---|' * len(seqlens)}")
+        for hd in sorted({pt[1] for pt in ratios if pt[0] == dt}):
+            for c in ("False", "True"):
+                cells = [ratios.get((dt, hd, c, s)) for s in seqlens]
+                print(f"| {hd} {'causal' if c == 'True' else 'non-causal'} | "
+                      + " | ".join("" if x is None else f"{sum(x) / len(x):.2f}" for x in cells) + " |")
+    flat = [x for xs in ratios.values() for x in xs]
+    gm = math.exp(sum(math.log(x) for x in flat) / len(flat))
+    ahead = sum(1 for xs in ratios.values() if min(xs) >= 1.0)
+    print(f"\ngeometric mean {gm:.3f} over {len(ratios)} points x {len(runs)} runs; >= 1.0 in every run: "
+          f"{ahead}/{len(ratios)}; min {min(flat):.2f}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -86,8 +114,10 @@ def main(argv=None) -> int:
     r.add_argument("--no-peers", action="store_true")
     c = sub.add_parser("compare")
     c.add_argument("csvs", nargs="+")
+    pr = sub.add_parser("peers")
+    pr.add_argument("csvs", nargs="+")
     a = ap.parse_args(argv)
-    return run(a) if a.cmd == "run" else compare(a.csvs)
+    return run(a) if a.cmd == "run" else compare(a.csvs) if a.cmd == "compare" else peers(a.csvs)
 
 
 if __name__ == "__main__":
