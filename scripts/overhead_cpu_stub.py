@@ -8,8 +8,9 @@ the small problem of ``flashgen.bench.measure_overhead`` (q, k, v (1, 128, 1, 12
   numbers: on a GPU add the real cuCtxGetCurrent, cuLaunchKernel(Ex) and, on a tensor-map cache
   miss, cuTensorMapEncodeTiled);
 * a throwaway manifest with one fwd variant (the real FwdParams layout) and no fatbin read;
-* CPU tensors counted as CUDA device 0 (``flashgen.interface._device_of``) and a fixed stream
-  handle (``flashgen.interface._current_stream``): torch's stream lookup is NOT measured either.
+* CPU tensors counted as CUDA device 0 (``flashgen.interface._device_of``, with the same two
+  tensor queries as the real one, ``is_cuda`` and ``get_device()``) and a fixed stream handle
+  (``flashgen.interface._current_stream``): torch's stream lookup is NOT measured either.
 
 So the numbers compare flashgen's own Python work before and after a change, nothing more; the GPU
 measurement is ``flashgen.bench.measure_overhead`` (``flashgen bench``) and
@@ -150,7 +151,7 @@ def install(kernel_dir: str):
     launch._drv = drv
     launch._driver = lambda: drv
     launch.read_fatbin = lambda path, sha: b""
-    interface._device_of = lambda t: (True, 0)
+    interface._device_of = lambda t: (not t.is_cuda, t.get_device() + 1)  # CPU (-1) counts as cuda:0
     interface._current_stream = lambda device: 7
     return torch, core, interface, launch, drv
 
