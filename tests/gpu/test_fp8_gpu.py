@@ -235,15 +235,19 @@ def test_every_built_fp8_variant():
         if var.family != "fwd" or p["dtype"] != "e4m3":
             continue
         seen += 1
-        b, sq, sk, h, hk, d = 2, 301, 517, 4, 2, p["head_dim"]
-        q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed=13)
-        ds = _descales("block", b, sq, sk, h, hk, seed=13)
-        out = torch.full((b, sq, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
-        lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
-        core.attention_forward(arg(q8, "fp8_e4m3"), arg(k8, "fp8_e4m3"), arg(v8, "fp8_e4m3"), arg(out, "bf16"),
-                               arg(lse, "fp32"), d ** -0.5, bool(p["causal"]), torch.cuda.current_stream().cuda_stream,
-                               variant=var, q_descale=arg(ds[0], "fp32"), k_descale=arg(ds[1], "fp32"),
-                               v_descale=arg(ds[2], "fp32"))
-        _check(q8, k8, v8, ds, bool(p["causal"]), out, lse, d ** -0.5)
+        d = p["head_dim"]
+        # one tile per CTA; then 192-288 tiles, several per CTA (the cross-tile path), causal with
+        # tiles that see no key between the others
+        for b, sq, sk, h, hk in ((2, 301, 517, 4, 2), (2, 1100, 300, 16, 4)):
+            q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed=13)
+            ds = _descales("block", b, sq, sk, h, hk, seed=13)
+            out = torch.full((b, sq, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+            lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
+            core.attention_forward(arg(q8, "fp8_e4m3"), arg(k8, "fp8_e4m3"), arg(v8, "fp8_e4m3"), arg(out, "bf16"),
+                                   arg(lse, "fp32"), d ** -0.5, bool(p["causal"]),
+                                   torch.cuda.current_stream().cuda_stream, variant=var,
+                                   q_descale=arg(ds[0], "fp32"), k_descale=arg(ds[1], "fp32"),
+                                   v_descale=arg(ds[2], "fp32"))
+            _check(q8, k8, v8, ds, bool(p["causal"]), out, lse, d ** -0.5)
     if not seen:
         pytest.skip("MISSING-FWD-VARIANT: no e4m3 variant is built")
