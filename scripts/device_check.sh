@@ -5,6 +5,8 @@
 #                                          quantize_fp8 bandwidth (quant_bench.py), FA3 Table 3 (fp8_accuracy.py)
 #   bash scripts/device_check.sh regress   forward grid of the base commit (.base/, made by scripts/make_base.sh)
 #                                          and of this tree, alternated twice, same harness; table printed last
+#                                          (GPU_TESTS=1: every GPU test first; FP8=1: e4m3 at 4k/16k old/new too;
+#                                          REGRESS_ARGS: a sub-grid)
 #   bash scripts/device_check.sh grid      every GPU test, the forward grid twice (bf16, fp16) with SDPA peers and the ratio
 #                                          table (regress_fwd.py peers), e4m3 at 16k, host overhead per call
 #   bash scripts/device_check.sh full      test, then `flashgen bench --backward` (forward and backward grids vs SDPA
@@ -113,6 +115,12 @@ regress)
   old() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/regress_fwd.py run --label old ${REGRESS_ARGS:-} "$@"; }
   new() { python3 scripts/regress_fwd.py run --label new ${REGRESS_ARGS:-} "$@"; }
   new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
+  if [ -n "${FP8:-}" ]; then  # FP8=1: the e4m3 forward at 4k/16k too, old, new, old, new
+    for r in 1 2; do
+      echo "== old fp8 run $r"; PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/fp8_bench.py --seqlens 4096,16384 2>&1 | grep '^|' | tail -12
+      echo "== new fp8 run $r"; python3 scripts/fp8_bench.py --seqlens 4096,16384 2>&1 | grep '^|' | tail -12
+    done
+  fi
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt"
   ;;
 esac
