@@ -17,6 +17,7 @@
 #   bash scripts/device_check.sh tests     every GPU test, then the host overhead per call (flash_attn_func, core launch, SDPA)
 #   bash scripts/device_check.sh compare   this tree against .base/ in one session: the e4m3 forward (fp8_bench.py, 16k) and
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
+#                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward)
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
@@ -73,15 +74,17 @@ tests)
 compare)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
-  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,bwd_bf16*,fwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,bwd_bf16*,fwd_bf16*,quant*' -j "$(nproc)" 2>&1 | tail -1)
   oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
-  f8="--seqlens 4096,16384"; bw="--backward-only --seqlens 4096,16384 --head-dims 64,128,256 --dtypes bf16 --no-ablation"
+  f8=${F8ARGS:---seqlens 4096,16384}; bw="--backward-only --seqlens 4096,16384 --head-dims 64,128,256 --dtypes bf16 --no-ablation"
   for r in 1 2; do
     echo "== old fp8 run $r"; oldenv python3 scripts/fp8_bench.py $f8 2>&1 | grep '^|' | tail -12
     echo "== new fp8 run $r"; python3 scripts/fp8_bench.py $f8 2>&1 | grep '^|' | tail -12
   done
-  echo "== old bwd"; oldenv python3 -m flashgen.cli bench $bw --csv "$out/bwd_old.csv" 2>&1 | tail -8
-  echo "== new bwd"; python3 -m flashgen.cli bench $bw --csv "$out/bwd_new.csv" 2>&1 | tail -8
+  if [ "${BWD:-1}" != 0 ]; then  # BWD=0: the e4m3 forward only
+    echo "== old bwd"; oldenv python3 -m flashgen.cli bench $bw --csv "$out/bwd_old.csv" 2>&1 | tail -8
+    echo "== new bwd"; python3 -m flashgen.cli bench $bw --csv "$out/bwd_new.csv" 2>&1 | tail -8
+  fi
   ;;
 perf)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
