@@ -13,8 +13,10 @@ the kernels' TMA requirements, docs/CONTRACTS.md §2):
 * q is ``(batch, seqlen_q, heads, head_dim)``, k is ``(batch, seqlen_k, heads_k, head_dim)``,
   v is ``(batch, seqlen_k, heads_k, head_dim_v)`` (layout BSHD); heads % heads_k == 0
   (GQA/MQA); head_dim and head_dim_v are multiples of 8 and at most 256.
-* dtypes fp16, bf16 or fp8_e4m3 (out bf16), the same for q, k and v; fp8_e5m2 is recognised
-  and refused with NotImplementedError. FP8 takes q_descale / k_descale / v_descale
+* dtypes fp16, bf16 or fp8_e4m3 (OCP float8_e4m3fn; out bf16), the same for q, k and v; the
+  other fp8 formats (fp8_e5m2; fp8_other: e4m3fnuz, e5m2fnuz, e4m3b11fnuz, whose exponent bias
+  or NaN encoding differ, so reading them as e4m3fn would be silently wrong) are recognised and
+  refused with NotImplementedError. FP8 takes q_descale / k_descale / v_descale
   (:func:`descale_problems`) and has no window, softcap, sink, head_dim_v != head_dim or backward
   yet (:func:`fp8_problems`).
 * a TMA descriptor can address an array when its last dim has stride 1, every other
@@ -85,11 +87,11 @@ __all__ = [
 ]
 
 #: Bytes per element of the dtypes flashgen knows by name.
-ELEMENT_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+ELEMENT_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_other": 1}
 #: Input dtypes some built variant may serve (docs/CONTRACTS.md §1).
 SUPPORTED_DTYPES = ("fp16", "bf16", "fp8_e4m3")
 #: The fp8 dtypes flashgen knows; those not in SUPPORTED_DTYPES raise NotImplementedError rather than TypeError.
-FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp8_other")
 #: FP8 block quantization: rows of Q / K per descale (the e4m3 kernels' K descale groups).
 QUANT_BLOCK = 64
 #: TMA: global address and every global stride but the innermost must be 16-byte multiples.
@@ -102,7 +104,7 @@ class ArrayInfo(NamedTuple):
     """What the checks need to know about one array, whatever framework it comes from.
 
     shape / strides: tuples of ints, strides in elements (like ``torch.Tensor.stride()``).
-    dtype: flashgen's name ('fp16', 'bf16', 'fp32', 'fp8_e4m3', 'fp8_e5m2') or None when
+    dtype: flashgen's name ('fp16', 'bf16', 'fp32', 'fp8_e4m3', 'fp8_e5m2', 'fp8_other') or None when
     flashgen has no name for it. dtype_repr: the framework's spelling, for messages.
     is_cuda: lives in CUDA device memory; device: its CUDA ordinal (None when not CUDA).
     device_repr: the framework's spelling of the device, for messages.
@@ -613,10 +615,10 @@ def tma_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple:
 # --------------------------------------------------------------------------------------
 
 def array_problems(name: str, a: ArrayInfo, shape: tuple, dims: str, problem: Problem,
-                   ptr: Optional[int] = None, *, tma_write: bool = False) -> list:
+                   ptr: Optional[int] = None, *, tma_write: bool = False, dtype: Optional[str] = None) -> list:
     """The problems (see :func:`raise_problems`) of an array that must have ``shape`` (named
-    ``dims`` in messages, e.g. ``"(batch, seqlen_q, heads, head_dim)"``), q's dtype and q's
-    device: ValueError for the shape or device, TypeError for the dtype.
+    ``dims`` in messages, e.g. ``"(batch, seqlen_q, heads, head_dim)"``), ``dtype`` (None: q's)
+    and q's device: ValueError for the shape or device, TypeError for the dtype.
 
     ``tma_write``: the kernel writes it through TMA, so its layout must pass
     :func:`tma_layout_problem` (checked once the shape is right and non-empty; ``ptr``, its
@@ -626,10 +628,13 @@ def array_problems(name: str, a: ArrayInfo, shape: tuple, dims: str, problem: Pr
     shape_ok = tuple(a.shape) == shape
     if not shape_ok:
         P.append((ValueError, f"{name} must have shape {dims} = {_fmt_shape(shape)}, got {_fmt_shape(a.shape)}"))
-    if a.dtype != problem.dtype:
-        P.append((TypeError, f"{name} must have q's dtype {problem.dtype}, got {a.dtype_repr}"))
+    want = problem.dtype if dtype is None else dtype
+    if a.dtype != want:
+        what = (f"q's dtype {want}" if want == problem.dtype
+                else f"dtype {want} (the output's dtype for {problem.dtype} inputs)")
+        P.append((TypeError, f"{name} must have {what}, got {a.dtype_repr}"))
     if tma_write and shape_ok and 0 not in shape:
-        why = tma_layout_problem(a.shape, a.strides, ELEMENT_SIZE[problem.dtype], ptr)
+        why = tma_layout_problem(a.shape, a.strides, ELEMENT_SIZE[want], ptr)
         if why:
             P.append((ValueError, f"{name} cannot be written by the kernel's TMA store: {why}; pass a {name} whose "
                                   "last dim is contiguous and whose other strides and base address are "
@@ -640,12 +645,12 @@ def array_problems(name: str, a: ArrayInfo, shape: tuple, dims: str, problem: Pr
 def out_problems(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> list:
     """The problems (see :func:`raise_problems`) of a caller-provided output (see :func:`check_out`)."""
     return array_problems("out", out, problem.out_shape, "(batch, seqlen_q, heads, head_dim_v)", problem, ptr,
-                          tma_write=True)
+                          tma_write=True, dtype=problem.out_dtype)
 
 
 def check_out(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> None:
     """Check a caller-provided output: shape ``(batch, seqlen_q, heads, head_dim_v)``, q's
-    dtype, q's device, and a layout the TMA store can address (see
+    dtype (bf16 for fp8_e4m3 inputs: ``problem.out_dtype``), q's device, and a layout the TMA store can address (see
     :func:`tma_layout_problem`; checked once the shape is right). ValueError / TypeError
     naming ``out``, :class:`InputError` for both kinds; every problem is listed."""
     raise_problems(out_problems(out, problem, ptr))

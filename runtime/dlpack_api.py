@@ -32,14 +32,16 @@ _DEVICE_TYPE_NAMES = {1: "kDLCPU", 2: "kDLCUDA", 3: "kDLCUDAHost", 4: "kDLOpenCL
 #: Module-level so CPU tests can add kDLCPU.
 _CUDA_DEVICE_TYPES = frozenset({kDLCUDA, kDLCUDAManaged})
 
-# numpy / ml_dtypes / torch spellings -> flashgen names
+# numpy / ml_dtypes / torch spellings -> flashgen names. Only float8_e4m3fn (OCP) is served; the
+# other e4m3 formats differ in exponent bias or NaN encoding (reading them as e4m3fn would be
+# wrong), so they are named to be refused (_validate: fp8_other).
 _DTYPE_BY_NAME = {
     "float16": "fp16", "half": "fp16",
     "bfloat16": "bf16",
     "float32": "fp32", "float": "fp32",
-    "float8_e4m3fn": "fp8_e4m3", "float8_e4m3fnuz": "fp8_e4m3", "float8_e4m3": "fp8_e4m3",
-    "float8_e4m3b11fnuz": "fp8_e4m3",
-    "float8_e5m2": "fp8_e5m2", "float8_e5m2fnuz": "fp8_e5m2",
+    "float8_e4m3fn": "fp8_e4m3", "float8_e4m3fnuz": "fp8_other", "float8_e4m3": "fp8_other",
+    "float8_e4m3b11fnuz": "fp8_other",
+    "float8_e5m2": "fp8_e5m2", "float8_e5m2fnuz": "fp8_other",
 }
 
 _NEG_INF_F32_BITS = 0xFF800000
@@ -111,9 +113,10 @@ def _dtype_name(view, obj) -> tuple:
     try:
         dt = view.dtype
         spelled = str(dt)
-    except NotImplementedError:
-        # cuda.core names narrow types (bfloat16, fp8) through ml_dtypes; fall back on the
-        # producer's own dtype attribute.
+    except (NotImplementedError, TypeError):
+        # cuda.core names narrow types (bfloat16, fp8) through ml_dtypes, and raises for DLPack's
+        # float8 codes it has no numpy dtype for (TypeError "Unsupported dtype", cuda-core 0.4):
+        # fall back on the producer's own dtype attribute.
         spelled = str(getattr(obj, "dtype", "unknown"))
     key = spelled.rsplit(".", 1)[-1]  # 'torch.bfloat16' -> 'bfloat16'
     return _DTYPE_BY_NAME.get(key), spelled
@@ -184,6 +187,11 @@ def _read(name: str, obj: Any, dl_stream: int) -> _Array:
 def _tensor_arg(a: _Array, dtype: str, device: int):
     shape = a.info.shape
     return _core.TensorArg(a.ptr, shape, _v.tma_strides(shape, a.info.strides), dtype, device)
+
+
+def _fp32_arg(a: Optional[_Array], device: int):
+    """The core's view of a float32 array (a descale) with its own strides; None for None."""
+    return None if a is None else _core.TensorArg(a.ptr, a.info.shape, a.info.strides, "fp32", device)
 
 
 def _read_inputs(named, dl_stream: int, softmax_scale, window_size=(-1, -1), softcap=0.0) -> tuple:
@@ -320,11 +328,11 @@ def _memset32(device: int, ptr: int, value: int, count: int, stream: int) -> Non
     _driver_op(device, "MemsetD32Async", d.CUdeviceptr(ptr), value, count, d.CUstream(stream))
 
 
-def _zero(a: _Array, p: _v.Problem, handle: int) -> None:
-    """Set a 4-D array of q's dtype whose last dim is contiguous (as TMA requires) to 0 on
-    ``handle``'s stream: one memset when it is C-contiguous, else one 2-D memset (or one per row)
-    per (batch, head). Nothing for an empty array."""
-    es = _v.ELEMENT_SIZE[p.dtype]
+def _zero(a: _Array, p: _v.Problem, handle: int, dtype: Optional[str] = None) -> None:
+    """Set a 4-D array of ``dtype`` (None: q's) whose last dim is contiguous (as TMA requires) to
+    0 on ``handle``'s stream: one memset when it is C-contiguous, else one 2-D memset (or one per
+    row) per (batch, head). Nothing for an empty array."""
+    es = _v.ELEMENT_SIZE[p.dtype if dtype is None else dtype]
     b, s, h, d = a.info.shape
     if b * s * h * d == 0:
         return
@@ -387,7 +395,7 @@ def _fill_lse_from_sink(device: int, lse_ptr: int, sink_ptr: int, batch: int, he
 def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int, sink: Optional[_Array] = None) -> None:
     """out = 0 and lse = -inf (or lse[b, h, :] = sink[h]) on ``handle``'s stream (seqlen_k == 0:
     every row sees no key)."""
-    _zero(out, p, handle)
+    _zero(out, p, handle, p.out_dtype)
     if sink is None:
         _memset32(p.device, lse.ptr, _NEG_INF_F32_BITS, p.batch * p.heads * p.seqlen_q, handle)
     else:
@@ -400,6 +408,7 @@ def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int, s
 
 def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal: bool = False,
                        window_size=(-1, -1), softcap: float = 0.0, learnable_sink: Any = None,
+                       q_descale: Any = None, k_descale: Any = None, v_descale: Any = None,
                        stream: Any = None, out: Any = None, lse: Any = None):
     """FlashAttention-3 forward on DLPack arrays; returns ``(out, lse)``.
 
@@ -410,7 +419,8 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     with softcap c > 0).
 
     Args:
-        q: ``(batch, seqlen_q, heads, head_dim)`` CUDA array, float16 or bfloat16, any
+        q: ``(batch, seqlen_q, heads, head_dim)`` CUDA array, float16, bfloat16 or
+            float8_e4m3fn (FP8, FA3 paper §3.3: see q_descale; out is then bfloat16), any
             object with ``__dlpack__`` / ``__dlpack_device__`` (CuPy, JAX, torch, ...).
         k: ``(batch, seqlen_k, heads_k, head_dim)``; v: ``(batch, seqlen_k, heads_k,
             head_dim_v)``; same dtype and device as q. Head dims: multiples of 8 in 8..256,
@@ -427,13 +437,21 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             FlashAttention-4), in the units of s, added to each row's softmax denominator only:
             ``out_i = sum_j exp(s_ij - L_i) v_j``, ``L_i = log(exp(sink[h]) + sum_j exp(s_ij))``;
             lse is L. Its gradient: see :func:`flash_attn_backward`.
+        q_descale, k_descale, v_descale: FP8 only (float8_e4m3fn q, k, v), as in
+            :func:`flashgen.interface.flash_attn_func`: None (1) or float32 arrays on q's
+            device, any strides, positive: the logits use ``q * q_descale`` and ``k *
+            k_descale``, out uses ``v * v_descale``. Shapes: q_descale ``(batch, heads_k)``
+            (FA3's) or ``(batch, heads, ceil(seqlen_q / 64))`` (block quantization);
+            k_descale ``(batch, heads_k)`` or ``(batch, heads_k, ceil(seqlen_k / 64))``;
+            v_descale ``(batch, heads_k)``. FP8 serves causal and non-causal masks and
+            head_dim_v == head_dim; no softcap, window or sink.
         stream: where to launch: None (default) = the legacy default stream (handle 0, which
             synchronises with all blocking streams), an int CUstream handle, or a stream
             object (``__cuda_stream__``, torch.cuda.Stream, cupy.cuda.Stream). It is also
             passed to each array's ``__dlpack__(stream=...)``, so the producer orders its
             pending writes before our kernel (DLPack's stream handshake).
-        out: optional ``(batch, seqlen_q, heads, head_dim_v)`` array of q's dtype on q's
-            device, written in place; its last dim must be contiguous and its other strides
+        out: optional ``(batch, seqlen_q, heads, head_dim_v)`` array of q's dtype (bfloat16
+            for float8_e4m3fn inputs) on q's device, written in place; its last dim must be contiguous and its other strides
             and base address 16-byte aligned (TMA store).
         lse: optional float32 C-contiguous ``(batch, heads, seqlen_q)`` array on q's
             device, written in place (natural-log log-sum-exp of each row's logits, with the
@@ -461,7 +479,10 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             softcap not finite, softcap < 0; window_size not of 2 entries or an entry < -1;
             learnable_sink not of shape (heads,), not on q's device or not C-contiguous.
         RuntimeError: GPU not compute capability 9.x.
-        NotImplementedError: fp8 dtypes.
+        NotImplementedError: float8_e5m2; float8_e4m3fn with a window, softcap, sink or
+            head_dim_v != head_dim.
+        ValueError (descales): a descale of the wrong shape or device, or given with 16-bit
+            inputs; TypeError: a descale not float32.
         flashgen.InputError: problems of several of the kinds above at once (it is both a
             ValueError and a TypeError).
         flashgen.core.MissingVariantError: no built variant serves the request; the message
@@ -469,23 +490,22 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
 
     Every problem found is listed in the one error, one line each, with the same messages
     as flash_attn_func's: first those of q, k, v, softmax_scale, window_size and softcap;
-    once those are valid, those of the layouts of q, k, v, of out / lse and of
-    learnable_sink (which depend on q, k, v).
+    once those are valid, those of the layouts of q, k, v, of out / lse, of learnable_sink
+    and of the descales (which depend on q, k, v).
     """
     handle = _stream_handle(stream)  # first: reading the arrays needs it (DLPack handshake)
     dl_stream = _dlpack_stream(handle)
     # Every problem of q, k, v, softmax_scale, window_size and softcap in one error (as flash_attn_func's).
     arrays, p, scale = _read_inputs((("q", q), ("k", k), ("v", v)), dl_stream, softmax_scale, window_size, softcap)
     qa, ka, va = arrays["q"], arrays["k"], arrays["v"]
-    if p.dtype == "fp8_e4m3":
-        raise NotImplementedError("flashgen: flash_attn_forward (DLPack) does not take float8_e4m3fn inputs yet; "
-                                  "the torch API flashgen.flash_attn_func does (with q_descale/k_descale/v_descale)")
     causal = bool(causal)
     window, softcap = _v.window_pair(window_size), float(softcap)
     # Then what depends on valid q, k, v (their layouts; the outputs' and the sink's expected
     # shapes and dtype), in one error: checked before any output is allocated.
     problems = [] if p.nothing_to_compute or p.seqlen_k == 0 else _tma_read_problems((qa, ka, va), p)
-    arrays, not_arrays = _read_all([(n, x) for n, x in (("out", out), ("lse", lse), ("learnable_sink", learnable_sink))
+    descale_names = ("q_descale", "k_descale", "v_descale")
+    arrays, not_arrays = _read_all([(n, x) for n, x in (("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
+                                                        *zip(descale_names, (q_descale, k_descale, v_descale)))
                                     if x is not None], dl_stream)
     problems += not_arrays
     oa, la, sa = arrays.get("out"), arrays.get("lse"), arrays.get("learnable_sink")
@@ -495,10 +515,15 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         problems += _readonly(la) + _v.lse_problems(la.info, p, la.ptr)
     if sa is not None:
         problems += _v.learnable_sink_problems(sa.info, p, sa.ptr, contiguous=True)
+    descales = tuple(arrays.get(n) for n in descale_names)
+    problems += _v.descale_problems(p, {n: None if a is None else a.info for n, a in zip(descale_names, descales)})
+    if p.dtype == "fp8_e4m3":
+        local = _core.mask_spec(causal, window, p.seqlen_q, p.seqlen_k).local
+        problems += _v.fp8_problems(p, local=local, softcap=softcap, learnable_sink=learnable_sink)
     _v.raise_problems(problems)
     # Missing outputs: allocated (right by construction).
     (out, oa), (lse, la) = _allocate_missing(q, p.device, handle, dl_stream, [
-        ("out", out, oa, (f"out= ({p.dtype}, shape {p.out_shape})", p.out_shape, p.dtype, None)),
+        ("out", out, oa, (f"out= ({p.out_dtype}, shape {p.out_shape})", p.out_shape, p.out_dtype, None)),
         ("lse", lse, la, (f"lse= (float32, shape {p.lse_shape})", p.lse_shape, "fp32", None))])
     if p.nothing_to_compute:
         return out, lse
@@ -510,7 +535,7 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         _tensor_arg(qa, p.dtype, dev),
         _tensor_arg(ka, p.dtype, dev),
         _tensor_arg(va, p.dtype, dev),
-        _tensor_arg(oa, p.dtype, dev),
+        _tensor_arg(oa, p.out_dtype, dev),
         _core.TensorArg(la.ptr, la.info.shape, la.info.strides, "fp32", dev),
         scale,
         causal,
@@ -518,6 +543,9 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         window_size=window,
         softcap=softcap,
         sink=0 if sa is None else sa.ptr,
+        q_descale=_fp32_arg(descales[0], dev),
+        k_descale=_fp32_arg(descales[1], dev),
+        v_descale=_fp32_arg(descales[2], dev),
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     return out, lse
 

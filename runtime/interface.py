@@ -54,11 +54,11 @@ __all__ = ["flash_attn_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "Q
 _Tensor = torch.Tensor
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _FP8_TORCH_DTYPES = tuple(getattr(torch, a) for a in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, a))
-for _attr, _name in (
+for _attr, _name in (  # only e4m3fn is served; the fnuz formats have another bias and NaN: refused
     ("float8_e4m3fn", "fp8_e4m3"),
-    ("float8_e4m3fnuz", "fp8_e4m3"),
+    ("float8_e4m3fnuz", "fp8_other"),
     ("float8_e5m2", "fp8_e5m2"),
-    ("float8_e5m2fnuz", "fp8_e5m2"),
+    ("float8_e5m2fnuz", "fp8_other"),
 ):
     if hasattr(torch, _attr):
         _DTYPE_NAMES[getattr(torch, _attr)] = _name
@@ -627,8 +627,9 @@ def flash_attn_func(
             not of 2 entries or an entry < -1; learnable_sink not of shape (heads,) or not
             on q's device.
         RuntimeError: the GPU is not compute capability 9.x (Hopper).
-        NotImplementedError: an FA3 feature not built yet (see above), float8_e5m2, FP8 with
-            a window, softcap, sink or inputs that require grad.
+        NotImplementedError: an FA3 feature not built yet (see above), float8_e5m2 or an fnuz
+            fp8 format (only OCP float8_e4m3fn is read), FP8 with a window, softcap, sink or
+            inputs that require grad.
         ValueError (descales): a descale of the wrong shape or device, or given with 16-bit inputs.
         flashgen.InputError: problems of several of the kinds above at once (it is both a
             ValueError and a TypeError). Every problem found is listed in the one error,

@@ -426,8 +426,13 @@ def test_dtypes_differ(fake_gpu):
     _raises(fake_gpu, TypeError, r"same dtype.*k torch.bfloat16", q, k.bfloat16(), v)
 
 
-def test_e5m2_not_implemented(fake_gpu):
-    q, k, v = (t.to(torch.float8_e5m2) for t in qkv())
+@pytest.mark.parametrize("fp8", ["float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"])
+def test_other_fp8_formats_not_implemented(fake_gpu, fp8):
+    """Only OCP e4m3fn is served: the fnuz formats have another exponent bias and NaN encoding,
+    so reading them as e4m3fn would be silently wrong."""
+    if not hasattr(torch, fp8):
+        pytest.skip(f"torch has no {fp8}")
+    q, k, v = (t.to(getattr(torch, fp8)) for t in qkv())
     _raises(fake_gpu, NotImplementedError, "only float8_e4m3fn is served among the fp8 dtypes", q, k, v)
 
 
@@ -874,6 +879,74 @@ def test_dlpack_torch_arrays_allocate_with_torch(fake_gpu_dlpack, monkeypatch):
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == (2, 5, 4, 64)
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, 5)
     assert_close_to_reference(out, q, k, v, 0.2, False, lse)
+
+
+@pytest.mark.parametrize("form", ["none", "head", "block"])
+def test_dlpack_fp8_forward_with_descales(fake_gpu_dlpack, monkeypatch, form):
+    """e4m3 inputs through the DLPack entry: the descales reach the core with their own strides,
+    out is bf16 (allocated by torch here), and the result is flash_attn_func's."""
+    torch_allocates_on_cpu(monkeypatch)
+    q, k, v = _e4m3(*qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64))
+    ds = {"none": (None, None, None),
+          "head": (torch.rand(2, 2) + 0.5, (torch.rand(2, 2) + 0.5).t().contiguous().t(), torch.rand(2, 2) + 0.5),
+          "block": (torch.rand(2, 4, 2) + 0.5, torch.rand(2, 2, 3) + 0.5, torch.rand(2, 2) + 0.5)}[form]
+    out, lse = dlpack_api.flash_attn_forward(q, k, v, causal=True, q_descale=ds[0], k_descale=ds[1],
+                                             v_descale=ds[2])
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == (2, 70, 4, 64)
+    call = fake_gpu_dlpack.calls[-1]
+    assert call["out"].dtype == "bf16" and call["q"].dtype == "fp8_e4m3"
+    for name, t in zip("qkv", ds):
+        got = call["descales"][name]
+        assert (got is None) if t is None else torch.equal(got, t)
+    ref_out, ref_lse = flash_attn_func(q, k, v, causal=True, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                                       return_attn_probs=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_dlpack_fp8_given_out_must_be_bf16(fake_gpu_dlpack):
+    q, k, v = _e4m3(*qkv(b=2, sq=5, sk=7, h=4, hk=2, d=64))
+    lse = torch.full((2, 4, 5), float("nan"))
+    with pytest.raises(TypeError, match=r"out must have dtype bf16 \(the output's dtype for fp8_e4m3 inputs\), "
+                                        r"got torch.float8_e4m3fn"):
+        dlpack_api.flash_attn_forward(q, k, v, out=torch.empty(2, 5, 4, 64, dtype=torch.float8_e4m3fn), lse=lse)
+    assert fake_gpu_dlpack.calls == []
+    out = torch.full((2, 5, 4, 64), float("nan"), dtype=torch.bfloat16)
+    r = dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse)
+    assert r[0] is out and not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(q_descale=torch.ones(2, 4)), ValueError, r"q_descale must have shape \(batch, heads_k\) = \(2, 2\)"),
+    (dict(v_descale=torch.ones(2, 2, dtype=torch.float16)), TypeError, "v_descale must have dtype float32"),
+    (dict(q_descale=[1.0]), TypeError, "q_descale must be a DLPack array"),
+    (dict(softcap=10.0), NotImplementedError, "softcap is not supported with float8_e4m3fn"),
+    (dict(window_size=(16, 0)), NotImplementedError, "sliding windows are not supported with float8_e4m3fn"),
+])
+def test_dlpack_fp8_argument_problems(fake_gpu_dlpack, kwargs, exc, match):
+    q, k, v = _e4m3(*qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64))
+    out, lse = torch.empty(2, 70, 4, 64, dtype=torch.bfloat16), torch.empty(2, 4, 70)
+    with pytest.raises(exc, match=match):
+        dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse, **kwargs)
+    assert fake_gpu_dlpack.calls == [] and fake_gpu_dlpack.selected == []
+
+
+def test_dlpack_descales_need_e4m3_inputs(fake_gpu_dlpack):
+    q, k, v = _np_qkv()
+    with pytest.raises(ValueError, match="q_descale scales float8_e4m3fn inputs only"):
+        dlpack_api.flash_attn_forward(q, k, v, q_descale=np.ones((2, 2), np.float32), out=_outs()[0], lse=_outs()[1])
+    assert fake_gpu_dlpack.calls == []
+
+
+def test_dlpack_fp8_attend_nothing_zeroes_bf16_out(fake_gpu_dlpack):
+    """seqlen_k = 0: no launch; out (bf16, 2 bytes an element) zeroed, lse -inf."""
+    q, _, _ = _e4m3(*qkv(b=2, sq=5, sk=7, h=4, hk=2, d=64))
+    k = v = torch.empty(2, 0, 2, 64, dtype=torch.float8_e4m3fn)
+    out = torch.full((2, 5, 4, 64), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((2, 4, 5), float("nan"))
+    dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse)
+    assert fake_gpu_dlpack.calls == []
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+    assert ("d8", out.numel() * 2, 0) in fake_gpu_dlpack.memsets
 
 
 def test_dlpack_packed_and_cache_layouts_without_copy(fake_gpu_dlpack):

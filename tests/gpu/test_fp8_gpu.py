@@ -236,7 +236,7 @@ def test_every_built_fp8_variant():
             continue
         seen += 1
         d = p["head_dim"]
-        # one tile per CTA; then 192-288 tiles, several per CTA (the cross-tile path), causal with
+        # one tile per CTA; then 192-288 tiles (several per CTA, one after another), causal with
         # tiles that see no key between the others
         for b, sq, sk, h, hk in ((2, 301, 517, 4, 2), (2, 1100, 300, 16, 4)):
             q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed=13)
@@ -251,3 +251,29 @@ def test_every_built_fp8_variant():
             _check(q8, k8, v8, ds, bool(p["causal"]), out, lse, d ** -0.5)
     if not seen:
         pytest.skip("MISSING-FWD-VARIANT: no e4m3 variant is built")
+
+
+@pytest.mark.parametrize("kind", ["head", "block"])
+def test_dlpack_entry_matches_flash_attn_func(kind):
+    """flashgen.dlpack_api.flash_attn_forward on e4m3 arrays (torch CUDA tensors read through
+    DLPack) with descales: bitwise flash_attn_func's result, into a caller's bf16 out and one it
+    allocates, NaN-poisoned first."""
+    from flashgen import dlpack_api
+
+    _need(128, True)
+    b, sq, sk, h, hk, d = 2, 301, 517, 4, 2, 128
+    q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed=21)
+    ds = _descales(kind, b, sq, sk, h, hk, seed=21)
+    ref, ref_lse = flashgen.flash_attn_func(q8, k8, v8, causal=True, q_descale=ds[0], k_descale=ds[1],
+                                            v_descale=ds[2], return_attn_probs=True)
+    out = torch.full((b, sq, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    dlpack_api.flash_attn_forward(q8, k8, v8, causal=True, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                                  out=out, lse=lse, stream=stream)
+    out2, lse2 = dlpack_api.flash_attn_forward(q8, k8, v8, causal=True, q_descale=ds[0], k_descale=ds[1],
+                                               v_descale=ds[2], stream=stream)
+    torch.cuda.synchronize()
+    assert out2.dtype == torch.bfloat16
+    for o, l in ((out, lse), (out2, lse2)):
+        assert torch.equal(o, ref) and torch.equal(l, ref_lse), "DLPack entry differs from flash_attn_func"

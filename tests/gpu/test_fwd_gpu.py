@@ -80,7 +80,7 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, heads, heads_k)
     (2, 1023, 1024, 8, 1),  # GQA 8
     (1, 4097, 4097, 2, 2),
     # 1152 tiles at block_m 128: several per CTA, one K/V block each; causal: most rows see no key,
-    # so tiles with no block sit between tiles with one (the cross-tile path of fwd.cu.j2)
+    # so tiles with no block sit between tiles with one in the same CTA
     (6, 1000, 70, 24, 8),
 ]
 
@@ -177,8 +177,8 @@ def test_every_built_variant():
             continue  # test_fp8_gpu.py::test_every_built_fp8_variant
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
         softcap = 15.0 if p["softcap"] else 0.0  # FA3's softcap tests: 15, rule factor 3
-        # one tile per CTA; then 192-288 tiles (several per CTA: one tile's first S GEMM runs under
-        # the previous one's epilogue), causal with tiles that see no key between the others
+        # one tile per CTA; then 192-288 tiles (several per CTA, one after another), causal with
+        # tiles that see no key between the others
         for shape, seed in (((2, 301, 517, 4, 2), 11), ((2, 1100, 300, 16, 4), 12)):
             q, k, v = make_inputs(*shape, p["head_dim"], dtype, seed=seed)
             v = v[..., :p["head_dim_v"]].contiguous()
