@@ -120,8 +120,9 @@ class Family:
         return {k: params[k] for k in self.dispatch_keys}
 
     def suggest(self, key: dict) -> dict:
-        """A buildable point (all non-derived keys) serving dispatch ``key``; for error messages."""
-        return dict(key)
+        """A buildable point (all non-derived keys) serving dispatch ``key``; for error messages.
+        Default: the key with every knob at its default."""
+        return {**key, **self.knob_defaults()}
 
 
 def _fmt(v) -> str:

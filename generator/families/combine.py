@@ -61,9 +61,6 @@ class CombineFamily(Family):
     def name_parts(self, p):
         return [p["dtype"], f"m{p['block_m']}", f"t{p['threads']}"]
 
-    def suggest(self, key):
-        return {**key, **self.knob_defaults()}
-
 
 FAMILY = CombineFamily(
     name="combine",

@@ -126,9 +126,6 @@ class QuantFamily(Family):
     def name_parts(self, p):
         return [p["dtype"], f"b{p['min_blocks']}"]
 
-    def suggest(self, key):
-        return {**key, **self.knob_defaults()}
-
 
 FAMILY = QuantFamily(
     name="quant",
