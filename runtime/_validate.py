@@ -650,8 +650,8 @@ def out_problems(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) ->
 
 def check_out(out: ArrayInfo, problem: Problem, ptr: Optional[int] = None) -> None:
     """Check a caller-provided output: shape ``(batch, seqlen_q, heads, head_dim_v)``, q's
-    dtype (bf16 for fp8_e4m3 inputs: ``problem.out_dtype``), q's device, and a layout the TMA store can address (see
-    :func:`tma_layout_problem`; checked once the shape is right). ValueError / TypeError
+    dtype (bf16 for fp8_e4m3 inputs: ``problem.out_dtype``), q's device, and a layout the TMA
+    store can address (see :func:`tma_layout_problem`; checked once the shape is right). ValueError / TypeError
     naming ``out``, :class:`InputError` for both kinds; every problem is listed."""
     raise_problems(out_problems(out, problem, ptr))
 

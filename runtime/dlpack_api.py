@@ -190,7 +190,7 @@ def _tensor_arg(a: _Array, dtype: str, device: int):
 
 
 def _fp32_arg(a: Optional[_Array], device: int):
-    """The core's view of a float32 array (a descale) with its own strides; None for None."""
+    """The core's view of a float32 array (lse, a descale) with its own strides; None for None."""
     return None if a is None else _core.TensorArg(a.ptr, a.info.shape, a.info.strides, "fp32", device)
 
 
@@ -451,8 +451,8 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             passed to each array's ``__dlpack__(stream=...)``, so the producer orders its
             pending writes before our kernel (DLPack's stream handshake).
         out: optional ``(batch, seqlen_q, heads, head_dim_v)`` array of q's dtype (bfloat16
-            for float8_e4m3fn inputs) on q's device, written in place; its last dim must be contiguous and its other strides
-            and base address 16-byte aligned (TMA store).
+            for float8_e4m3fn inputs) on q's device, written in place; its last dim must be
+            contiguous and its other strides and base address 16-byte aligned (TMA store).
         lse: optional float32 C-contiguous ``(batch, heads, seqlen_q)`` array on q's
             device, written in place (natural-log log-sum-exp of each row's logits, with the
             sink). When out or lse is missing it is allocated: with torch when q is a torch
@@ -536,7 +536,7 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         _tensor_arg(ka, p.dtype, dev),
         _tensor_arg(va, p.dtype, dev),
         _tensor_arg(oa, p.out_dtype, dev),
-        _core.TensorArg(la.ptr, la.info.shape, la.info.strides, "fp32", dev),
+        _fp32_arg(la, dev),
         scale,
         causal,
         handle,
