@@ -392,7 +392,7 @@ class PreparedLaunch(NamedTuple):
     kernel: LoadedKernel
     grid: tuple  # (x, y, z) CTAs, ints
     params: bytes  # the packed params struct, the per-call fields zero
-    slots: tuple  # ((struct pack_into, byte offset), ...) of the per-call fields, in launch_prepared's order
+    per_call: tuple  # the names of the per-call fields, in launch_prepared's order
     counter: tuple | None = None  # (pack_into, offset in the argument block) of the pointer field that gets each
     #                               launch's own tile counter
     block_type: type | None = None  # ctypes uint64[n]: the argument array and the params, 8-byte aligned
@@ -410,10 +410,11 @@ def _block_layout(kernel: LoadedKernel, params: bytes, per_call: tuple) -> tuple
     nmaps = len(kernel.record.tensor_maps)
     head = 8 * (nmaps + 1)
     nv = len(per_call)
+    offsets = [off for _, off in packer.slots(per_call)]  # KeyError naming an unknown field
     fmt, picks, chunks, pos = ["<", "Q" * (nmaps + 1)], list(range(nmaps + 1)), [], 0
-    for i in sorted(range(nv), key=lambda i: packer._slots[per_call[i]][1]):
+    for i in sorted(range(nv), key=offsets.__getitem__):
         name = per_call[i]
-        code, off = packer._codes[name], packer._slots[name][1]
+        code, off = packer._codes[name], offsets[i]
         if off < pos:
             raise ValueError(f"flashgen: per-call params field {name!r} overlaps another")
         if off > pos:  # the fixed bytes before this field
@@ -442,14 +443,13 @@ def prepare_launch(kernel: LoadedKernel, grid: tuple, params: dict, per_call: tu
     extra = (counter,) if counter else ()
     fixed = {**params, **{n: 0 for n in (*per_call, *extra)}}
     packed = kernel.packer.pack(fixed)
-    slots = kernel.packer.slots(tuple(per_call))
     block_type, head, pack_block, arrange, chunks = _block_layout(kernel, packed, tuple(per_call))
     ctr = None
     if counter:
         pack_into, offset = kernel.packer.slots(extra)[0]
         ctr = (pack_into, head + offset)  # in the argument block, after the argument array
-    return PreparedLaunch(kernel, tuple(int(g) for g in grid), packed, slots, ctr, block_type, head, pack_block,
-                          arrange, chunks)
+    return PreparedLaunch(kernel, tuple(int(g) for g in grid), packed, tuple(per_call), ctr, block_type, head,
+                          pack_block, arrange, chunks)
 
 
 def launch_prepared(prep: PreparedLaunch, tensor_maps: tuple, values: tuple, stream: int) -> None:
@@ -459,9 +459,9 @@ def launch_prepared(prep: PreparedLaunch, tensor_maps: tuple, values: tuple, str
     call's own. ValueError for a wrong number of tensor maps or values, struct.error for a bad
     value, CudaError if the launch fails."""
     kernel = prep.kernel
-    if len(tensor_maps) != len(kernel.record.tensor_maps) or len(values) != len(prep.slots):
+    if len(tensor_maps) != len(kernel.record.tensor_maps) or len(values) != len(prep.per_call):
         raise ValueError(f"flashgen: {kernel.record.symbol} takes tensor maps {list(kernel.record.tensor_maps)} and "
-                         f"{len(prep.slots)} per-call params, got {len(tensor_maps)} and {len(values)}")
+                         f"{len(prep.per_call)} per-call params, got {len(tensor_maps)} and {len(values)}")
     block = prep.block_type()  # this call's own, zeroed
     prep.pack_block(block, 0, *prep.arrange((*[m.getPtr() for m in tensor_maps], ctypes.addressof(block) + prep.head,
                                              *values, *prep.chunks)))
