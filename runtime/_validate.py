@@ -29,8 +29,8 @@ the kernels' TMA requirements, docs/CONTRACTS.md §2):
   NotImplementedError (:func:`feature_problems`).
 * the backward (:func:`backward_problems`) also takes dout and out, both of out's shape
   ``(batch, seqlen_q, heads, head_dim_v)`` and q's dtype and device, and the forward's lse
-  (float32 ``(batch, heads, seqlen_q)``, C-contiguous); it needs head_dim_v == head_dim
-  (NotImplementedError otherwise). Its gradients dq, dk, dv have q's, k's and v's shapes.
+  (float32 ``(batch, heads, seqlen_q)``, C-contiguous); head_dim_v may differ from head_dim,
+  as in the forward. Its gradients dq, dk, dv have q's, k's and v's shapes.
 
 Errors: every check reports every problem it finds, not only the first. Each
 ``*_problems`` function returns ``(exception class, message)`` pairs and the matching
@@ -698,20 +698,14 @@ def backward_problems(problem: Problem, dout: ArrayInfo, out: ArrayInfo, lse: Ar
     """
     shape = problem.out_shape
     b, sq, h = problem.batch, problem.seqlen_q, problem.heads
-    if (problem.head_dim_v == problem.head_dim and dout.shape == shape and out.shape == shape
+    if (dout.shape == shape and out.shape == shape
             and dout.dtype == problem.dtype and out.dtype == problem.dtype and lse.dtype == "fp32"
             and dout.is_cuda and out.is_cuda and lse.is_cuda
             and dout.device == problem.device and out.device == problem.device and lse.device == problem.device
             and lse.shape == (b, h, sq) and lse.strides == (h * sq, sq, 1) and (lse_ptr is None or lse_ptr % 4 == 0)):
         return []
-    P: list = []
-    if problem.head_dim_v != problem.head_dim:
-        P.append((NotImplementedError,
-                  f"head_dim_v (dim 3 of v) is {problem.head_dim_v} but head_dim (dim 3 of q) is "
-                  f"{problem.head_dim}: the backward supports head_dim_v == head_dim only (no bwd variant "
-                  "implements head_dim_v != head_dim yet)"))
     dims = "(batch, seqlen_q, heads, head_dim_v)"
-    P += array_problems("dout", dout, shape, dims, problem)
+    P = array_problems("dout", dout, shape, dims, problem)
     P += array_problems("out", out, shape, dims, problem)
     P += lse_problems(lse, problem, lse_ptr)
     return P
@@ -722,7 +716,6 @@ def check_backward(problem: Problem, dout: ArrayInfo, out: ArrayInfo, lse: Array
     """Check the backward's inputs besides q, k, v, for valid q, k, v (``problem`` from
     :func:`check_inputs`):
 
-    * head_dim_v must equal head_dim: NotImplementedError naming head_dim_v;
     * dout (the gradient of out) and out (the forward's output): shape
       ``(batch, seqlen_q, heads, head_dim_v)``, q's dtype, q's device: ValueError / TypeError;
     * lse (the forward's log-sum-exp): float32 ``(batch, heads, seqlen_q)`` on q's device,

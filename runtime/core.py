@@ -344,8 +344,9 @@ _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent c
 
 
 def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None) -> _BwdPlan:
-    """The bwd variant serving (dtype, head_dim, mask, softcap) and its three loaded kernels, once
-    per process (head_dim rounds up to the smallest built size that covers it)."""
+    """The bwd variant serving (dtype, head_dim ``d``, mask, softcap) and its three loaded kernels,
+    once per process (``d`` rounds up to the smallest built size that covers it; callers pass
+    max(head_dim, head_dim_v), as FA3 rounds its backward's head dim)."""
     key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device)
     plan = _bwd_plans.get(key)
     if plan is None:
@@ -379,19 +380,20 @@ def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int) -> tup
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int, head_dim: int, dtype: str,
                              causal: bool, device: int, variant: Variant | None = None, *, seqlen_k: int | None = None,
-                             window_size=(-1, -1), softcap: float = 0.0) -> int:
+                             window_size=(-1, -1), softcap: float = 0.0, head_dim_v: int | None = None) -> int:
     """Bytes of device scratch memory :func:`attention_backward` needs for this call (> 0).
 
-    Selects (and loads) the bwd variant the same call of :func:`attention_backward` uses; raises
-    MissingVariantError when none serves (dtype, head_dim, mask, softcap). ``seqlen_k`` is needed
-    with a window (:func:`mask_spec`); heads_k is accepted for symmetry (the workspace does not
-    depend on it)."""
+    Selects (and loads) the bwd variant the same call of :func:`attention_backward` uses: the one
+    serving (dtype, max(head_dim, head_dim_v), mask, softcap); raises MissingVariantError when none
+    does. ``head_dim_v``: v's head dim (None: head_dim). ``seqlen_k`` is needed with a window
+    (:func:`mask_spec`); heads_k is accepted for symmetry (the workspace does not depend on it)."""
     if seqlen_k is None:
         if tuple(-1 if x is None else x for x in window_size) != (-1, -1):
             raise ValueError("flashgen: backward_workspace_bytes needs seqlen_k with a window_size")
         seqlen_k = 0  # without a window, mask_spec does not depend on seqlen_k
     mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
-    plan = _bwd_plan(dtype, head_dim, mask, softcap > 0, device, variant)
+    d = head_dim if head_dim_v is None else max(head_dim, head_dim_v)
+    plan = _bwd_plan(dtype, d, mask, softcap > 0, device, variant)
     return _bwd_workspace(plan, batch, seqlen_q, heads)[0]
 
 
@@ -405,9 +407,14 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     its hopper/ kernels): P is recomputed from the forward's LSE, dS = P ∘ (dP - rowsum(dO ∘ O)),
     dV = P^T dO, dK = scale dS^T Q, dQ = scale dS K; three kernels (templates/bwd.cu.j2).
 
-    dout, q, out, dq: (batch, seqlen_q, heads, head_dim); k, v, dk, dv: (batch, seqlen_k, heads_k,
-    head_dim); all of q's dtype (fp16/bf16) and TMA-addressable (last dim contiguous, other strides
-    and base 16-byte aligned); lse fp32 (batch, heads, seqlen_q) contiguous (the forward's).
+    q, dq: (batch, seqlen_q, heads, head_dim); dout, out: (batch, seqlen_q, heads, head_dim_v); k,
+    dk: (batch, seqlen_k, heads_k, head_dim); v, dv: (batch, seqlen_k, heads_k, head_dim_v); all of
+    q's dtype (fp16/bf16) and TMA-addressable (last dim contiguous, other strides and base 16-byte
+    aligned); lse fp32 (batch, heads, seqlen_q) contiguous (the forward's). head_dim_v may differ
+    from head_dim (e.g. DeepSeek's 192 / 128): the call runs on the bwd variant of max(head_dim,
+    head_dim_v) (rounded up to a built size, as FA3), Q, K and their gradients at head_dim
+    columns, V, dO and dV at head_dim_v (TMA zero-fills the columns past each tensor's width and
+    drops stores past it).
     batch, seqlen_q, seqlen_k >= 1. dk/dv of a GQA group are summed over its query heads.
     ``workspace_ptr``: :func:`backward_workspace_bytes` of device memory, 256-byte aligned, any
     contents, alive until the kernels have run (stream order). ``deterministic``: dQ's fp32
@@ -422,14 +429,12 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     _, sk, hk, dv_dim = v.shape
     if h % hk:
         raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
-    if dv_dim != d:
-        raise ValueError(f"flashgen: the backward needs head_dim_v == head_dim (got {dv_dim} and {d})")
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         _check_tma(name, t)
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _bwd_plan(q.dtype, d, mask, softcap > 0, q.device, variant)
+    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)
@@ -440,7 +445,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
         "do_stride_batch": dout.strides[0], "do_stride_seq": dout.strides[1], "do_stride_head": dout.strides[2],
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
-        "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d,
+        "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
         "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
         "deterministic": 1 if deterministic else 0, "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,

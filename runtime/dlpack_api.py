@@ -581,11 +581,12 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[floa
         d_sink[h] = -sum_{b, i} exp(sink[h] - lse[b, h, i]) * dPsum[b, h, i]
 
     Args:
-        dout: ``(batch, seqlen_q, heads, head_dim)`` CUDA array of q's dtype and device (any
+        dout: ``(batch, seqlen_q, heads, head_dim_v)`` CUDA array of q's dtype and device (any
             object with ``__dlpack__`` / ``__dlpack_device__``: CuPy, JAX, torch, ...).
-        q, k, v: the forward's inputs, as in :func:`flash_attn_forward` (float16 or bfloat16),
-            with head_dim_v == head_dim (NotImplementedError otherwise).
-        out: the forward's output, ``(batch, seqlen_q, heads, head_dim)`` of q's dtype.
+        q, k, v: the forward's inputs, as in :func:`flash_attn_forward` (float16 or bfloat16);
+            head_dim_v may differ from head_dim (the bwd variant of max(head_dim, head_dim_v)
+            serves, as in FA3).
+        out: the forward's output, ``(batch, seqlen_q, heads, head_dim_v)`` of q's dtype.
         lse: the forward's log-sum-exp, float32 C-contiguous ``(batch, heads, seqlen_q)``.
         softmax_scale, causal, window_size, softcap: the forward's (softmax_scale None means
             ``head_dim ** -0.5``; window_size and softcap checked as in
@@ -621,12 +622,12 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[floa
             dk / dv; layouts TMA cannot address; lse not C-contiguous; a gradient read-only;
             softmax_scale / softcap not finite, softcap < 0; window_size not of 2 entries or
             an entry < -1.
-        NotImplementedError: head_dim_v != head_dim; fp8 dtypes.
+        NotImplementedError: fp8 dtypes.
         RuntimeError: GPU not compute capability 9.x.
         flashgen.InputError: problems of several of the kinds above at once (it is both a
             ValueError and a TypeError).
-        flashgen.core.MissingVariantError: no built bwd variant serves (dtype, head_dim,
-            mask, softcap); the message names the ``flashgen add-variant`` command that builds it.
+        flashgen.core.MissingVariantError: no built bwd variant serves (dtype, max(head_dim,
+            head_dim_v), mask, softcap); the message names the ``flashgen add-variant`` command that builds it.
 
     Every problem found is listed in the one error, one line each: first those of q, k, v,
     softmax_scale, window_size, softcap and of any argument that is no DLPack array; once q, k, v are valid, those
@@ -660,7 +661,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: Optional[floa
     if computes:  # the variant first (MissingVariantError before any allocation), then the workspace
         nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
                                                 causal, p.device, seqlen_k=p.seqlen_k, window_size=window,
-                                                softcap=softcap)
+                                                softcap=softcap, head_dim_v=p.head_dim_v)
         workspace, workspace_ptr = _workspace(q, p.device, handle, dl_stream, nbytes, caller)
     # Missing gradients: allocated (right by construction).
     made = _allocate_missing(q, p.device, handle, dl_stream, [

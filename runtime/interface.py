@@ -395,10 +395,10 @@ def _bwd_impl(
     window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``: the gradients of
     :func:`flash_attn_func`'s out with respect to q, k, v.
 
-    dout, out: ``(batch, seqlen_q, heads, head_dim)`` of q's dtype (out and lse are the
+    dout, out: ``(batch, seqlen_q, heads, head_dim_v)`` of q's dtype (out and lse are the
     forward's outputs for the same q, k, v, softmax_scale, causal, window and softcap); lse:
-    float32 ``(batch, heads, seqlen_q)``. q, k, v as in :func:`flash_attn_func`, with
-    head_dim_v == head_dim. Returns contiguous dq, dk, dv of q's, k's and v's shapes and dtype
+    float32 ``(batch, heads, seqlen_q)``. q, k, v as in :func:`flash_attn_func` (head_dim_v may
+    differ from head_dim). Returns contiguous dq, dk, dv of q's, k's and v's shapes and dtype
     (dk, dv of a GQA group summed over its query heads). ``deterministic``: bitwise-reproducible
     results. A learnable sink needs nothing here (the forward's lse includes it); its gradient
     is computed by the autograd formula (:func:`_sink_grad`).
@@ -406,8 +406,8 @@ def _bwd_impl(
     Inputs TMA cannot read in place (e.g. the stride-0 gradient of ``out.sum()``) are copied
     first, as in the forward. Empty problems launch nothing: dq = 0 when seqlen_k is 0, and
     dk = dv = 0 when batch or seqlen_q is 0. Validates its arguments (flashgen.InputError and
-    the rest as :func:`flash_attn_func`; NotImplementedError when head_dim_v != head_dim);
-    MissingVariantError when no bwd variant serves (dtype, head_dim, mask, softcap).
+    the rest as :func:`flash_attn_func`); MissingVariantError when no bwd variant serves (dtype,
+    max(head_dim, head_dim_v), mask, softcap).
     """
     p, lse = _check_backward(dout, q, k, v, out, lse, window_left, window_right, softcap)
     _check_device_capability(p.device)
@@ -420,7 +420,8 @@ def _bwd_impl(
     softcap = float(softcap)
     # selects the variant (cached per key): MissingVariantError before any copy or allocation
     nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
-                                            causal, dev, seqlen_k=p.seqlen_k, window_size=window, softcap=softcap)
+                                            causal, dev, seqlen_k=p.seqlen_k, window_size=window, softcap=softcap,
+                                            head_dim_v=p.head_dim_v)
     inputs = [_tma_arg(t, p.dtype, dev) for t in (dout, q, k, v, out)]  # (tensor kept alive, TensorArg)
     grads = (q.new_empty(p.q_shape), k.new_empty(p.k_shape), v.new_empty(p.v_shape))
     workspace = _workspace(q, nbytes)
@@ -540,7 +541,8 @@ def flash_attn_func(
     tanh's derivative; dk, dv of a GQA group summed over its query heads), and d_sink (see
     learnable_sink). The forward then saves q, k, v, out and lse (and learnable_sink) for it,
     no more. As in FA3, the gradient with respect to the returned lse is ignored (a loss
-    through lse alone gives zero gradients). The backward needs head_dim_v == head_dim.
+    through lse alone gives zero gradients). head_dim_v may differ from head_dim in the backward
+    too (e.g. 192 / 128): it runs on the bwd variant of max(head_dim, head_dim_v), as FA3's.
 
     Args:
         q: ``(batch, seqlen_q, heads, head_dim)`` CUDA tensor, float16, bfloat16 or
@@ -637,8 +639,8 @@ def flash_attn_func(
             checked once q, k, v are valid).
         flashgen.core.MissingVariantError: no built variant serves (dtype, head_dim,
             head_dim_v, mask, softcap); the message names the ``flashgen add-variant``
-            command. In backward: no bwd variant serves (dtype, head_dim, mask, softcap).
-        NotImplementedError (in backward): head_dim_v != head_dim (the forward works).
+            command. In backward: no bwd variant serves (dtype, max(head_dim, head_dim_v),
+            mask, softcap).
     """
     if (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and learnable_sink is None
             and q_descale is None and k_descale is None and v_descale is None and qv is None

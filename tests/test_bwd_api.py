@@ -11,11 +11,16 @@ in float32 by the kernels' formula (from the given out and lse) through the memo
 TensorArgs describe and write them there; the tests compare them with torch autograd of the
 reference attention. A wrong pointer, stride or argument order gives wrong gradients here,
 as on the GPU.
+
+The last section runs the real ``core.attention_backward`` (variant choice, params, TMA maps,
+grids, workspace) on a manifest of bwd records made by the family module, with
+``launch.get_kernel`` / ``launch`` / ``tensor_map`` recording instead of touching a driver.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +33,13 @@ import flashgen.core as core
 import flashgen.dlpack_api as dlpack_api
 import flashgen.interface as interface
 from flashgen import _validate as V
+from flashgen import launch
+from flashgen.generator.families import bwd as bwd_mod
 from flashgen.interface import flash_attn_func
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from fgutil import torch_allocates_on_cpu  # noqa: E402
+from test_prepared_calls import targ  # noqa: E402
 from test_api_validation import (  # noqa: E402,F401
     _view, assert_problems, fake_gpu, fake_gpu_dlpack, mask, qkv, reference,
 )
@@ -52,7 +60,8 @@ def reference_grads(q, k, v, dout, scale, causal, window_size=(-1, -1), softcap=
 
 
 def emulated_grads(q, k, v, out, lse, dout, scale, causal, window_size=(-1, -1), softcap=0.0):
-    """float32 (dq, dk, dv) by the kernels' method, from the forward's out and lse: P = exp(S - lse),
+    """float32 (dq, dk, dv) by the kernels' method, from the forward's out and lse (v, out, dout may
+    have another head dim than q, k): P = exp(S - lse),
     dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)) (times 1 - (S / c)^2 with softcap c),
     dQ = scale dS K, dK = scale dS^T Q; dk and dv summed over each GQA group. (Not torch
     autograd: the core runs below the autograd dispatch key.)"""
@@ -71,7 +80,7 @@ def emulated_grads(q, k, v, out, lse, dout, scale, causal, window_size=(-1, -1),
         ds = ds * (1 - (s / softcap) ** 2).nan_to_num(0.0)  # masked keys: s -inf, p 0
     dq = (ds @ kf) * scale
     dk = ((ds.transpose(-1, -2) @ qf) * scale).view(b, hk, g, sk, d).sum(2)
-    dv = (p.transpose(-1, -2) @ dof).view(b, hk, g, sk, d).sum(2)
+    dv = (p.transpose(-1, -2) @ dof).view(b, hk, g, sk, vf.shape[-1]).sum(2)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -96,15 +105,17 @@ class FakeBwd:
         return 4 * batch * heads * seqlen_q * 67 + 1000  # an odd size: no element count passes for bytes
 
     def backward_workspace_bytes(self, batch, seqlen_q, heads, heads_k, head_dim, dtype, causal, device,
-                                 variant=None, *, seqlen_k=None, window_size=(-1, -1), softcap=0.0):
+                                 variant=None, *, seqlen_k=None, window_size=(-1, -1), softcap=0.0, head_dim_v=None):
         assert min(batch, seqlen_q, heads, heads_k) >= 1 and type(causal) is bool
         assert type(seqlen_k) is int and seqlen_k >= 1  # the API always passes it (needed with a window)
         assert type(window_size) is tuple and all(type(x) is int for x in window_size) and type(softcap) is float
+        assert type(head_dim_v) is int  # the API always passes it (the variant is that of max(head_dim, head_dim_v))
         self.workspace_calls.append(dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
-                                         window_size=window_size, softcap=softcap))
+                                         window_size=window_size, softcap=softcap, head_dim=head_dim,
+                                         head_dim_v=head_dim_v))
         m = core.mask_spec(causal, window_size, seqlen_q, seqlen_k)  # as the real core
-        core.select_variant("bwd", {"dtype": dtype, "head_dim": head_dim, "causal": m.causal, "local": m.local,
-                                    "softcap": softcap > 0})  # may raise
+        core.select_variant("bwd", {"dtype": dtype, "head_dim": max(head_dim, head_dim_v), "causal": m.causal,
+                                    "local": m.local, "softcap": softcap > 0})  # may raise
         return self.nbytes(batch, seqlen_q, heads)
 
     def record_workspace(self, make, size_of):
@@ -122,7 +133,8 @@ class FakeBwd:
         for name, a in arrays.items():
             assert isinstance(a, core.TensorArg) and a.dtype == q.dtype and a.device == q.device, name
             assert V.tma_layout_problem(a.shape, a.strides, V.ELEMENT_SIZE[a.dtype], a.ptr) is None, name
-        assert dout.shape == out.shape == dq.shape == q.shape and dk.shape == dv.shape == k.shape == v.shape
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and v.shape[:3] == k.shape[:3]
+        assert dout.shape == out.shape == (b, sq, h, v.shape[3])  # head_dim_v (may differ from head_dim)
         assert lse.dtype == "fp32" and lse.shape == (b, h, sq) and V.is_c_contiguous(lse.shape, lse.strides)
         assert min(b, sq, k.shape[1]) >= 1
         assert type(softmax_scale) is float and type(causal) is bool and type(deterministic) is bool
@@ -261,14 +273,28 @@ def test_only_the_inputs_that_need_grad_get_one(gpu):
     assert_close(v.grad, reference_grads(q, k, v, torch.ones(q.shape), 64 ** -0.5, False)[2])
 
 
-def test_head_dim_v_differs_forward_works_backward_refused(gpu):
-    q, k, _ = qkv(d=128)
-    v = torch.randn(2, 7, 2, 64).half().requires_grad_(True)
-    out = flash_attn_func(q, k, v)  # the forward serves it
-    assert out.shape == (2, 5, 4, 64)
-    with pytest.raises(NotImplementedError, match=r"head_dim_v \(dim 3 of v\) is 64 but head_dim .* is 128"):
-        out.float().sum().backward()
-    assert gpu.calls == [] and bwd_selected(gpu) == [] and gpu.workspaces == []
+@pytest.mark.parametrize("d,dv", [(128, 64), (64, 128), (192, 128)])
+def test_head_dim_v_differs_gradients_match_reference(gpu, d, dv):
+    """head_dim_v != head_dim (FA3's backward serves it): dq, dk, dv of q's, k's and v's shapes match
+    the reference; the core gets dout, out, v, dv of head_dim_v columns; the bwd variant asked for
+    (and the workspace) is that of max(head_dim, head_dim_v)."""
+    q, k, v = grad_qkv(d=d, dv=dv)
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (2, 5, 4, dv)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).half()
+    (out.float() * w.float()).sum().backward()
+    for t, ref in zip((q, k, v), reference_grads(q, k, v, w, d ** -0.5, True)):
+        assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+        assert_close(t.grad, ref)
+    (call,) = gpu.calls
+    assert call["q"].shape == call["dq"].shape == (2, 5, 4, d) and call["k"].shape == call["dk"].shape == (2, 7, 2, d)
+    assert call["v"].shape == call["dv"].shape == (2, 7, 2, dv)
+    assert call["dout"].shape == call["out"].shape == (2, 5, 4, dv)
+    assert call["scale"] == pytest.approx(d ** -0.5)  # q's head dim, as FA3
+    assert bwd_selected(gpu) == [{"dtype": "fp16", "head_dim": max(d, dv), "causal": True, "local": False,
+                                  "softcap": False}]
+    (ws,) = gpu.workspace_calls
+    assert (ws["head_dim"], ws["head_dim_v"]) == (d, dv)
 
 
 def test_missing_bwd_variant_raises_before_any_allocation(gpu, monkeypatch):
@@ -417,10 +443,15 @@ def test_backward_problems_each_deviation(change, exc, fragment):
 
 def test_backward_problems_head_dim_v():
     p = P._replace(head_dim=128)  # q's head_dim 128, v's 64: out and dout are (2, 5, 4, 64)
-    ((exc, msg),) = V.backward_problems(p, **GOOD)
-    assert exc is NotImplementedError and msg.startswith("head_dim_v (dim 3 of v) is 64 but head_dim")
-    with pytest.raises(NotImplementedError, match="head_dim_v"):
-        V.check_backward(p, **GOOD)
+    assert V.backward_problems(p, **GOOD) == []
+    V.check_backward(p, **GOOD)
+    wide = _info((2, 5, 4, 128))  # q's head dim where v's belongs
+    ((exc, msg),) = V.backward_problems(p, **dict(GOOD, dout=wide))
+    assert exc is ValueError and msg == ("dout must have shape (batch, seqlen_q, heads, head_dim_v) = (2, 5, 4, 64), "
+                                         "got (2, 5, 4, 128)")
+    with pytest.raises(ValueError, match=r"^flashgen: out must have shape \(batch, seqlen_q, heads, head_dim_v\) = "
+                                         r"\(2, 5, 4, 64\), got \(2, 5, 4, 128\)$"):
+        V.check_backward(p, **dict(GOOD, out=wide))
 
 
 # --------------------------------------------------------------------------------------
@@ -582,14 +613,31 @@ def test_dlpack_backward_q_k_v_problems_come_first_with_non_arrays(dl):
     assert dl.calls == []
 
 
-def test_dlpack_backward_head_dim_v_not_implemented(dl):
-    q, k, _ = (t.numpy() for t in qkv(d=128))
-    v = np.zeros((2, 7, 2, 64), np.float16)
-    out = np.zeros((2, 5, 4, 64), np.float16)
-    lse = np.zeros((2, 4, 5), np.float32)
-    with pytest.raises(NotImplementedError, match=r"head_dim_v \(dim 3 of v\) is 64 but head_dim"):
-        dlpack_api.flash_attn_backward(out, q, k, v, out, lse)
-    assert dl.calls == []
+@pytest.mark.parametrize("d,dv", [(128, 64), (192, 128)])
+def test_dlpack_backward_head_dim_v_differs(dl, monkeypatch, d, dv):
+    monkeypatch.setattr(dlpack_api, "_workspace", dl.numpy_workspace)
+    dout, q, k, v, out, lse = _np_case(d=d, dv=dv)
+    assert out.shape == dout.shape == (2, 5, 4, dv)
+    r = dlpack_api.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=0.125,
+                                       dq=np.empty(q.shape, np.float16), dk=np.empty(k.shape, np.float16),
+                                       dv=np.empty(v.shape, np.float16))
+    ref = reference_grads(*(torch.from_numpy(t) for t in (q, k, v, dout)), 0.125, False)
+    for got, x, want in zip(r, (q, k, v), ref):
+        assert got.shape == x.shape
+        assert_close(torch.from_numpy(got), want)
+    (call,) = dl.calls
+    assert call["v"].shape == call["dv"].shape == (2, 7, 2, dv) and call["dk"].shape == (2, 7, 2, d)
+    assert bwd_selected(dl)[-1]["head_dim"] == max(d, dv)
+    assert (dl.workspace_calls[0]["head_dim"], dl.workspace_calls[0]["head_dim_v"]) == (d, dv)
+
+
+def test_dlpack_backward_dout_of_head_dim_refused(dl):
+    dout, q, k, v, out, lse = _np_case(d=128, dv=64)
+    wide = np.zeros((2, 5, 4, 128), np.float16)  # q's head dim, not v's
+    with pytest.raises(ValueError, match=r"dout must have shape \(batch, seqlen_q, heads, head_dim_v\) = "
+                                         r"\(2, 5, 4, 64\), got \(2, 5, 4, 128\)"):
+        dlpack_api.flash_attn_backward(wide, q, k, v, out, lse)
+    assert dl.calls == [] and dl.workspaces == []
 
 
 def test_dlpack_backward_missing_variant_before_allocation(dl, monkeypatch):
@@ -650,3 +698,125 @@ def test_compile_dynamic_shapes_forward_and_backward(gpu):
         flash_attn_func(*eager_in, causal=True).float().sum().backward()
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(compiled_in, eager_in))
     assert len(gpu.calls) == 6
+
+
+# --------------------------------------------------------------------------------------
+# The real core.attention_backward: its variant, params, TMA maps and grids (no driver)
+# --------------------------------------------------------------------------------------
+
+def _bwd_record(dtype: str, head_dim: int, causal: bool) -> dict:
+    """The manifest record of configs/bwd.yaml's variant for this key, from the family module
+    (tile, resources, kernels, params layout); no fatbin behind it."""
+    key = {"dtype": dtype, "head_dim": head_dim, "causal": causal, "local": False, "softcap": False}
+    params = {"family": "bwd", **bwd_mod.FAMILY.suggest(key)}
+    name = f"bwd_{dtype}_hd{head_dim}_{'causal' if causal else 'noncausal'}_fake"
+    kernels = [{"role": k.role, "symbol": f"flashgen_{name}_{k.role}", "threads": k.threads, "cluster": list(k.cluster),
+                "smem_bytes": k.smem_bytes, "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
+                "tensor_maps": list(k.tensor_maps), "sass": list(k.sass), "params": k.params.layout()}
+               for k in bwd_mod.FAMILY.kernels(params, bwd_mod.FAMILY.resources(params))]
+    return {"name": name, "key": "0" * 64, "family": "bwd", "params": params, "dispatch": key, "default": True,
+            "fatbin": f"fatbin/{name}.fatbin", "sha256": "0" * 64, "kernels": kernels}
+
+
+class BwdLaunches:
+    """launch.get_kernel / launch.launch / launch.tensor_map stand-ins: kernels with the manifest's
+    records and params packers, launches recorded after packing their params (KeyError for a
+    field the params struct has and the core did not give), maps recorded as their arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    @staticmethod
+    def get_kernel(variant, role, device):
+        rec = variant.kernel(role)
+        return launch.LoadedKernel(variant, rec, None, device, launch.ParamsPacker(rec.params))
+
+    def launch(self, kernel, grid, tensor_maps, params, stream, device=None):
+        assert len(tensor_maps) == len(kernel.record.tensor_maps)
+        assert len(kernel.packer.pack(params)) == kernel.packer.size
+        assert set(params) == set(kernel.packer.names)  # every field of the struct, nothing else
+        self.launches.append(dict(role=kernel.record.role, variant=kernel.variant.name, grid=tuple(grid),
+                                  maps=dict(zip(kernel.record.tensor_maps, tensor_maps)), params=dict(params),
+                                  stream=stream))
+
+    @staticmethod
+    def tensor_map(ptr, dtype, dims, strides_bytes, box, swizzle=128, device=None):
+        return dict(ptr=ptr, dtype=dtype, dims=tuple(dims), strides=tuple(strides_bytes), box=tuple(box))
+
+
+@pytest.fixture
+def bwd_core(tmp_path, monkeypatch):
+    """The real core on a manifest of bf16 bwd variants (every head dim, causal or not) and
+    BwdLaunches for the launcher."""
+    records = [_bwd_record("bf16", d, c) for d in bwd_mod.HEAD_DIMS for c in (False, True)]
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema": 2, "arch": "sm_90a", "nvcc": {"version": "13.0"},
+                                                        "variants": records}))
+    monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
+    for var in ("FLASHGEN_ROOT", "FLASHGEN_BUILD_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(core, "_bwd_plans", {})
+    fake = BwdLaunches()
+    for name in ("get_kernel", "launch", "tensor_map"):
+        monkeypatch.setattr(launch, name, getattr(fake, name))
+    return fake
+
+
+def _run_backward(b, sq, sk, h, hk, d, dv, causal):
+    """core.attention_backward on TensorArgs at distinct fake addresses; returns (variant, args by name)."""
+    shapes = dict(dout=(b, sq, h, dv), q=(b, sq, h, d), k=(b, sk, hk, d), v=(b, sk, hk, dv), out=(b, sq, h, dv),
+                  dq=(b, sq, h, d), dk=(b, sk, hk, d), dv=(b, sk, hk, dv))
+    args = {name: targ(shape, ptr=0x10000 * (i + 1)) for i, (name, shape) in enumerate(shapes.items())}
+    lse = core.TensorArg(0x900000, (b, h, sq), (h * sq, sq, 1), "fp32", 0)
+    variant = core.attention_backward(*(args[n] for n in ("dout", "q", "k", "v", "out")), lse,
+                                      *(args[n] for n in ("dq", "dk", "dv")), 0.1, causal, False, 77, 0xA00000)
+    return variant, args
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("d,dv,served", [(192, 128, 192), (64, 128, 128), (128, 64, 128), (128, 128, 128),
+                                         (64, 192, 192), (96, 256, 256), (40, 72, 96)],
+                         ids=lambda x: str(x))
+def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal):
+    """(head_dim, head_dim_v) runs on the bwd variant of max(head_dim, head_dim_v) rounded up to a
+    built size; the params carry both; q, k, dk are mapped at head_dim columns and v, dout, dv at
+    head_dim_v (TMA zero-fills past them and drops stores past them); the main grid has the
+    variant's column slices; the workspace is the plan's (head_dim padded), as
+    backward_workspace_bytes says given head_dim_v."""
+    b, sq, sk, h, hk = 2, 113, 239, 4, 2  # GQA 2, odd lengths
+    variant, args = _run_backward(b, sq, sk, h, hk, d, dv, causal)
+    assert variant.dispatch == {"dtype": "bf16", "head_dim": served, "causal": causal, "local": False,
+                                "softcap": False}
+    pre, main, post = bwd_core.launches
+    assert [x["role"] for x in bwd_core.launches] == ["pre", "main", "post"]
+    assert all(x["variant"] == variant.name and x["stream"] == 77 for x in bwd_core.launches)
+    p = main["params"]
+    assert pre["params"] == p == post["params"]
+    assert (p["head_dim"], p["head_dim_v"]) == (d, dv)
+    assert p["o"] == args["out"].ptr and p["dout"] == args["dout"].ptr and p["dq"] == args["dq"].ptr
+    vp = variant.params
+    pad = -(-served // 64) * 64
+    slices = pad // vp["slice"]
+    assert p["num_slices"] == slices and main["grid"] == (-(-sk // 128), slices * hk, b)
+    boxes = {"q": vp["block_m"], "dout": vp["block_m"], "k": 128, "v": 128, "dk": 64, "dv": 64}
+    for name, m in main["maps"].items():
+        width = dv if name in ("v", "dout", "dv") else d
+        assert m["ptr"] == args[name].ptr and m["dims"] == (width, args[name].shape[1], args[name].shape[2], b), name
+        assert m["box"] == (64, boxes[name], 1, 1) and m["dtype"] == "bf16", name
+    assert pre["maps"] == {} and post["maps"] == {}
+    num_m = -(-sq // vp["block_m"])
+    rows = b * h * num_m * vp["block_m"]
+    assert p["sem"] - p["dq_accum"] >= rows * pad * 4  # the dQ accumulator is head_dim-padded wide
+    ws = core.backward_workspace_bytes(b, sq, h, hk, d, "bf16", causal, 0, head_dim_v=dv)
+    assert ws == core.backward_workspace_bytes(b, sq, h, hk, served, "bf16", causal, 0)  # head_dim_v defaults
+    assert p["sem"] + b * h * num_m * slices * 4 <= 0xA00000 + ws
+
+
+def test_core_backward_workspace_head_dim_v_defaults_to_head_dim(bwd_core):
+    """Existing callers (no head_dim_v) get the workspace of head_dim's variant; a larger head_dim_v
+    selects (and sizes for) the larger variant."""
+    def ws(d, **kw):
+        return core.backward_workspace_bytes(2, 300, 4, 2, d, "bf16", False, 0, **kw)
+
+    assert ws(64) == ws(64, head_dim_v=64) == ws(64, head_dim_v=None)
+    assert ws(64, head_dim_v=256) == ws(256) > ws(64)
+    assert ws(192, head_dim_v=64) == ws(192)

@@ -392,7 +392,8 @@ def test_backward_features_reach_the_core(gpu, causal, window, softcap):
     want_window = tuple(-1 if x is None else x for x in window)
     assert call["window_size"] == want_window and call["softcap"] == softcap and call["causal"] is causal
     (ws,) = gpu.workspace_calls
-    assert ws == dict(batch=2, seqlen_q=6, seqlen_k=9, causal=causal, window_size=want_window, softcap=softcap)
+    assert ws == dict(batch=2, seqlen_q=6, seqlen_k=9, causal=causal, window_size=want_window, softcap=softcap,
+                      head_dim=64, head_dim_v=64)
     bwd_key = [key for family, key in gpu.fwd.selected if family == "bwd"]
     m = core.mask_spec(causal, window, 6, 9)
     assert bwd_key == [{"dtype": "fp16", "head_dim": 64, "causal": m.causal, "local": m.local,
@@ -742,7 +743,8 @@ def test_dlpack_backward_features_reach_the_core(dl, monkeypatch):
     (call,) = dl.calls
     assert call["window_size"] == (3, -1) and call["softcap"] == 2.0 and call["causal"] is True
     (ws,) = dl.workspace_calls
-    assert ws == dict(batch=2, seqlen_q=6, seqlen_k=9, causal=True, window_size=(3, -1), softcap=2.0)
+    assert ws == dict(batch=2, seqlen_q=6, seqlen_k=9, causal=True, window_size=(3, -1), softcap=2.0, head_dim=64,
+                      head_dim_v=64)
     for got, want in zip((dq, dk, dv), reference_grads(q, k, v, dout, 0.125, True, (3, -1), 2.0)):
         assert_close(torch.from_numpy(got), want)
 

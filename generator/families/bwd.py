@@ -3,8 +3,9 @@
 
 Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on one stream:
 
-- ``pre``: dPsum = rowsum(dO ∘ O) in fp32, LSE scaled to log2 (an empty row's -inf becomes +inf,
-  so its recomputed P is 0), the fp32 dQ accumulator and the deterministic-mode semaphores zeroed.
+- ``pre``: dPsum = rowsum(dO ∘ O) in fp32 (over head_dim_v columns), LSE scaled to log2 (an
+  empty row's -inf becomes +inf, so its recomputed P is 0), the fp32 dQ accumulator and the
+  deterministic-mode semaphores zeroed.
   Rows past seqlen_q up to the padded length get dPsum 0 and LSE +inf.
 - ``main``: CTA (n_block, slice, head_k, batch). A producer warp loads the CTA's K and V block once
   and streams Q, dO (TMA) and LSE, dPsum (bulk copies) per query block through a ``stages``-deep
@@ -38,6 +39,12 @@ dP^T; head dims above 128 split into slices, each CTA recomputing S^T and dP^T o
 head_dim (FA3 instead shrinks the tile). The dQ GEMM of a consumer is always 64 x 64: with
 block_m 64 each consumer takes half the slice's columns (slice 128), with block_m 128 each takes
 64 query rows of a 64-column slice.
+
+head_dim_v != head_dim (e.g. DeepSeek's 192 / 128): no key of its own. As FA3 does, the runtime
+serves the call with the variant of max(head_dim, head_dim_v) (``BwdParams.head_dim`` and
+``head_dim_v`` carry the real sizes): the TMA maps of Q, K, dK have head_dim columns and those of
+V, dO, dV head_dim_v, so the zero-filled columns add nothing to S^T = K Q^T or dP^T = V dO^T, and
+the dK / dV stores drop the columns past their maps (a slice wholly past them is not stored).
 
 Feasibility (checked before anything is rendered):
 
@@ -73,7 +80,7 @@ PRE_POST_THREADS = 256  # one warp per row
 
 PARAMS = params_struct(
     "BwdParams",
-    ("o", "ptr", "const void*"),  # (batch, seqlen_q, heads, head_dim), q's dtype
+    ("o", "ptr", "const void*"),  # (batch, seqlen_q, heads, head_dim_v), q's dtype
     ("dout", "ptr", "const void*"),  # same shape and dtype
     ("lse", "ptr", "const float*"),  # (batch, heads, seqlen_q) fp32 contiguous, natural log
     ("lse_log2", "ptr", "float*"),  # workspace (batch, heads, seqlen_q_pad)
@@ -89,7 +96,8 @@ PARAMS = params_struct(
     ("heads", "i32"),
     ("heads_k", "i32"),  # divides heads (GQA/MQA)
     ("batch", "i32"),
-    ("head_dim", "i32"),  # the real head_dim (a multiple of 8)
+    ("head_dim", "i32"),  # the real head_dim of q and k (a multiple of 8)
+    ("head_dim_v", "i32"),  # the real head_dim_v of v, o and dout (a multiple of 8)
     ("seqlen_q_pad", "i32"),  # num_m_blocks * block_m
     ("num_m_blocks", "i32"),
     ("num_slices", "i32"),  # head_dim_padded / slice
@@ -192,7 +200,8 @@ FAMILY = BwdFamily(
     doc="FA3 backward (fp16/bf16): dQ, dK, dV",
     keys=(
         Key("dtype", str, "axis", allowed=DTYPES, doc="Q/K/V/O/dO element type (fp32 accumulation)"),
-        Key("head_dim", int, "axis", allowed=HEAD_DIMS, doc="head dim of Q, K and V"),
+        Key("head_dim", int, "axis", allowed=HEAD_DIMS,
+            doc="head dim of Q, K and V (calls with head_dim_v != head_dim: their max)"),
         Key("causal", bool, "axis", doc="bottom-right aligned causal mask"),
         Key("local", bool, "axis", default=False,
             doc="FA3's local mask: a band with runtime bounds (sliding windows, causal with a window)"),
