@@ -10,8 +10,10 @@ Cases (only those whose variant is built run; a family with no runnable case fai
            prefixes of a longer cache.
   bwd      flash_attn_backward (DLPack entry, torch tensors) into NaN-free gradients: bf16 d64 causal,
            fp16 d128 full (both: dQ staged for the reducer warp), bf16 d256 causal, fp16 d192 full
-           (both: the consumers' own dQ reductions), the first two deterministic; same shapes as
-           fwd; out and lse from the float32 reference.
+           (both: the consumers' own dQ reductions), the first two deterministic; head_dim_v !=
+           head_dim: bf16 192/128 causal deterministic (hd192: dV's third slice not stored), fp16
+           64/128 full (hd128: Q, K half zero-filled); same shapes as fwd; out and lse from the
+           float32 reference.
   combine  flash_attn_combine into fp32, bf16 and fp16 (5 splits, seqlen 113, head_dim 64), and
            fp32 with head_dim 62 (the scalar path); FA3's transposed layouts cut from padded
            buffers; splits 2.. of batch 0 saw no key (lse -inf).
@@ -90,11 +92,11 @@ def fwd_case(dtype, d: int, causal: bool, seed: int) -> None:
     check_fwd(q, k, v, causal, out, lse)
 
 
-def bwd_case(dtype, d: int, causal: bool, deterministic: bool, seed: int) -> None:
+def bwd_case(dtype, d: int, dv: int, causal: bool, deterministic: bool, seed: int) -> None:
     b, sq, sk, h, hk = 2, 113, 239, 4, 2
     q, k, v = randn(b, sq, h, d, seed=seed, dtype=dtype), randn(b, sk, hk, d, seed=seed + 1, dtype=dtype), \
-        randn(b, sk, hk, d, seed=seed + 2, dtype=dtype)
-    dout = randn(b, sq, h, d, seed=seed + 3, dtype=dtype)
+        randn(b, sk, hk, dv, seed=seed + 2, dtype=dtype)
+    dout = randn(b, sq, h, dv, seed=seed + 3, dtype=dtype)
     out, lse = attention_ref(q, k, v, causal, d ** -0.5)
     dev = [x.cuda() for x in (dout, q, k, v, out, lse)]
     grads = flashgen.flash_attn_backward(*dev, causal=causal, deterministic=deterministic)
@@ -149,12 +151,17 @@ def fwd_cases():
 
 
 def bwd_cases():
-    for i, (dtype, d, causal, det) in enumerate(((torch.bfloat16, 64, True, True), (torch.float16, 128, False, True),
-                                                 (torch.bfloat16, 256, True, False),
-                                                 (torch.float16, 192, False, False))):
-        if built("bwd", {"dtype": NAME[dtype], "head_dim": d, "causal": causal}):
-            yield f"bwd {NAME[dtype]} d{d} {'causal' if causal else 'full'}{' det' if det else ''} b2 q113 k239 h4/2", \
-                lambda dtype=dtype, d=d, causal=causal, det=det, i=i: bwd_case(dtype, d, causal, det, seed=200 + 10 * i)
+    for i, (dtype, d, dv, causal, det) in enumerate(((torch.bfloat16, 64, 64, True, True),
+                                                     (torch.float16, 128, 128, False, True),
+                                                     (torch.bfloat16, 256, 256, True, False),
+                                                     (torch.float16, 192, 192, False, False),
+                                                     (torch.bfloat16, 192, 128, True, True),
+                                                     (torch.float16, 64, 128, False, False))):
+        if built("bwd", {"dtype": NAME[dtype], "head_dim": max(d, dv), "causal": causal}):
+            yield f"bwd {NAME[dtype]} d{d}{f' dv{dv}' if dv != d else ''} {'causal' if causal else 'full'}" \
+                  f"{' det' if det else ''} b2 q113 k239 h4/2", \
+                lambda dtype=dtype, d=d, dv=dv, causal=causal, det=det, i=i: bwd_case(dtype, d, dv, causal, det,
+                                                                                       seed=200 + 10 * i)
 
 
 def combine_cases():

@@ -32,6 +32,10 @@ What is covered, and how each part can fail:
   gives the bits of autograd through flash_attn_func.
 * torch.compile(fullgraph=True) of a forward + backward step gives eager's bits; a CUDA graph
   of a training step (forward + backward on static tensors) replays on new data correctly.
+* head_dim_v != head_dim ((192, 128), (64, 128), (128, 64), (64, 256), (256, 64); FA3 serves them
+  with the backward of max(head_dim, head_dim_v)): the same rule, GQA 2, odd lengths, causal or
+  not, both deterministic modes, NaN-poisoned gradients; autograd through flash_attn_func where
+  a forward variant serves the pair, with the DLPack entry's bits.
 
 A parameter combination is skipped only when no bwd variant serves it (select_variant('bwd', ...)
 raises MissingVariantError): the skip reason starts with MISSING-BWD-VARIANT. Every other test
@@ -50,6 +54,7 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     attention_ref,
     bitwise_equal,
     check_bwd,
+    check_fwd,
     compiled_step_matches_eager,
     first_difference,
     make_qkv,
@@ -110,11 +115,21 @@ def as_torch(x):
     return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
 
 
+def fwd_missing_dv(dtype, d: int, dv: int, causal: bool):
+    """None when a fwd variant serves head_dim ``d`` with head_dim_v ``dv`` (as the runtime
+    dispatches: head dims round up to a built size, e.g. (64, 128) on hd128), else the skip
+    reason (MISSING-FWD-VARIANT ...; see _ref.variant_missing)."""
+    return variant_missing("fwd", {"dtype": DTYPE_NAMES[dtype], "head_dim": d, "head_dim_v": dv,
+                                   "causal": bool(causal)}, round_up=("head_dim", "head_dim_v"))
+
+
 def forward_out_lse(q, k, v, causal: bool, scale: float):
     """(out, lse) to feed the backward: flashgen's forward when its variant is built, else the
     float32 reference (out rounded to q's dtype, lse float32 (batch, heads, seqlen_q)), so the
     backward kernels of head dims without a forward variant are tested all the same."""
-    if fwd_built(q.dtype, q.shape[-1], causal):
+    d, dv = q.shape[-1], v.shape[-1]
+    built = fwd_built(q.dtype, d, causal) if dv == d else fwd_missing_dv(q.dtype, d, dv, causal) is None
+    if built:
         with torch.no_grad():
             return flashgen.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
     out, lse = attention_ref(q, k, v, causal, scale, upcast=True)
@@ -452,3 +467,85 @@ def test_cuda_graph_training_step_replays_on_new_data():
         for name, a, w in zip(("dq", "dk", "dv"), static, want):
             assert bitwise_equal(a, w), f"replay (seed {seed}): {name} differs from eager: {first_difference(a, w)}"
         check_bwd(nq, nk, nv, ng, True, static)
+
+
+# --------------------------------------------------------------------------------------
+# head_dim_v != head_dim
+# --------------------------------------------------------------------------------------
+
+# (head_dim, head_dim_v): DeepSeek's (192, 128); smaller q/k (64, 128) and v (128, 64) on hd128; and
+# pairs where whole column slices of dK ((64, 256): hd256's second 128-column slice) or dV ((256,
+# 64); (192, 128): hd192's third 64-column slice) lie past the gradient's width.
+HDV_PAIRS = [(192, 128), (64, 128), (128, 64), (64, 256), (256, 64)]
+HDV_SHAPES = [  # (batch, seqlen_q, seqlen_k, heads, heads_k): GQA 2, odd lengths
+    (2, 113, 239, 4, 2),
+    (3, 239, 113, 8, 4),  # causal: 126 rows see no key
+]
+
+
+def make_qkv_dv(b, sq, sk, h, hk, d, dv, dtype, seed: int):
+    """make_qkv's q and k (head_dim d), v of head_dim_v dv."""
+    q, k, _ = make_qkv(b, sq, sk, h, hk, d, dtype, seed=seed)
+    return q, k, randn(b, sk, hk, dv, dtype=dtype, seed=seed + 2)
+
+
+def hdv_id(pair) -> str:
+    return "hd{}v{}".format(*pair)
+
+
+@pytest.mark.parametrize("shape", HDV_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("pair", HDV_PAIRS, ids=hdv_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_backward_head_dim_v_matches_reference(dtype, pair, causal, shape):
+    """head_dim_v != head_dim through flash_attn_backward (NaN-poisoned dq, dk, dv of q's, k's and
+    v's shapes; both deterministic modes) by FA3's rule; it runs on the bwd variant of max(head_dim,
+    head_dim_v). out and lse from flashgen's forward where a variant serves the pair, else from
+    the reference (flashgen's out and lse are checked against it first). Causal rows that see no
+    key get dq exactly 0."""
+    d, dv = pair
+    need_bwd(dtype, max(d, dv), causal)
+    b, sq, sk, h, hk = shape
+    scale = d ** -0.5
+    seed = sq * 7 + sk + d + 3 * dv
+    q, k, v = make_qkv_dv(b, sq, sk, h, hk, d, dv, dtype, seed)
+    dout = randn(b, sq, h, dv, dtype=dtype, seed=seed + 3)
+    out, lse = forward_out_lse(q, k, v, causal, scale)
+    assert out.shape == (b, sq, h, dv)
+    if fwd_missing_dv(dtype, d, dv, causal) is None:  # flashgen's forward: checked first, to tell the two apart
+        check_fwd(q, k, v, causal, out, lse, scale)
+    got = {f"deterministic={det}": fg_backward(dout, q, k, v, out, lse, causal, scale, deterministic=det)
+           for det in (False, True)}
+    torch.cuda.synchronize()
+    check_bwd(q, k, v, dout, causal, got, scale)
+    blind = max(sq - sk, 0) if causal else 0
+    for label, (dq, _, _) in got.items():
+        nz = int((dq[:, :blind] != 0).sum())
+        assert nz == 0, f"{label}: {nz} dq elements of the {blind} rows that see no key are not 0"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("pair", [(192, 128), (64, 128), (128, 64)], ids=hdv_id)
+def test_backward_head_dim_v_autograd_matches_dlpack(pair, causal):
+    """Autograd through flash_attn_func (deterministic=True) for head_dim_v != head_dim: gradients
+    of q's, k's and v's shapes by FA3's rule, with the bits of flash_attn_backward on the same
+    out and lse. Needs a forward variant serving the pair (configs/fwd.yaml builds (192, 128);
+    (64, 128) and (128, 64) run on hd128): skipped with MISSING-FWD-VARIANT otherwise."""
+    d, dv = pair
+    dtype = torch.bfloat16
+    why = fwd_missing_dv(dtype, d, dv, causal) or bwd_missing(dtype, max(d, dv), causal)
+    if why:
+        pytest.skip(why)
+    b, sq, sk, h, hk = 2, 113, 239, 4, 2
+    q, k, v = make_qkv_dv(b, sq, sk, h, hk, d, dv, dtype, seed=d + dv)
+    dout = randn(b, sq, h, dv, dtype=dtype, seed=d + dv + 3)
+    leaves = tuple(x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = flashgen.flash_attn_func(*leaves, causal=causal, deterministic=True, return_attn_probs=True)
+    poison_cached_blocks(8 * sum(x.numel() for x in (q, k, v)))
+    want = torch.autograd.grad(out, leaves, dout)
+    got = fg_backward(dout, q, k, v, out.detach(), lse.detach(), causal, d ** -0.5, deterministic=True)
+    torch.cuda.synchronize()
+    for name, x, g, w in zip(("dq", "dk", "dv"), (q, k, v), got, want):
+        assert w.shape == x.shape and w.dtype == x.dtype, f"{name}: {tuple(w.shape)} {w.dtype}"
+        assert bitwise_equal(g, w), f"{name}: flash_attn_backward differs from autograd's: {first_difference(g, w)}"
+    check_bwd(q, k, v, dout, causal, tuple(want), d ** -0.5)

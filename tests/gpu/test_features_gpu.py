@@ -1,7 +1,8 @@
 """GPU correctness of FA3's masking and logit features through ``flashgen.flash_attn_func``:
 sliding windows (``window_size``), logit soft-capping (``softcap``), learnable sinks
-(``learnable_sink``), head dims served by the next built size (and head_dim 192 / head_dim_v 128),
-forward and backward (autograd), deterministic backward, torch.compile.
+(``learnable_sink``), head dims served by the next built size (and head_dim_v != head_dim: 192 /
+128 forward and backward, 64 / 128 and 128 / 64 backward), forward and backward (autograd),
+deterministic backward, torch.compile.
 
 Semantics (FA3's, hopper/flash_api.cpp and test_util.py; gpt-oss for the sink), as the reference
 :func:`_ref.attention_ref` implements them:
@@ -128,13 +129,14 @@ def case_id(c: Case) -> str:
 def need(c: Case, backward: bool = False) -> None:
     """Skip unless a fwd variant (and with ``backward`` a bwd variant) serves the call: the
     dispatch keys the runtime forms (flashgen.core: ``causal`` / ``local`` from mask_spec,
-    ``softcap`` whether c > 0; head dims round up to a built size)."""
+    ``softcap`` whether c > 0; head dims round up to a built size; the backward of head_dim_v !=
+    head_dim runs on the bwd variant of their max)."""
     m = mask_spec(c.causal, c.window, c.sq, c.sk)
     base = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "causal": m.causal, "local": m.local,
             "softcap": c.softcap > 0}
     why = variant_missing("fwd", {**base, "head_dim_v": c.head_dim_v}, round_up=("head_dim", "head_dim_v"))
     if why is None and backward:
-        why = variant_missing("bwd", base, round_up=("head_dim",))
+        why = variant_missing("bwd", {**base, "head_dim": max(c.d, c.head_dim_v)}, round_up=("head_dim",))
     if why:
         pytest.skip(why)
 
@@ -375,17 +377,6 @@ def test_head_dim_192_v128_forward(c):
     check_forward(c, seed=c.sq)
 
 
-def test_head_dim_v_differs_backward_not_implemented():
-    """The backward needs head_dim_v == head_dim: NotImplementedError (the forward works)."""
-    c = Case(1, 64, 64, 2, 2, 192, BF16, dv=128)
-    need(c)
-    q, k, v, _ = inputs(c, seed=3)
-    q.requires_grad_()
-    with pytest.raises(NotImplementedError):
-        out = flashgen.flash_attn_func(q, k, v)
-        out.float().sum().backward()
-
-
 # --------------------------------------------------------------------------------------
 # Backward (autograd through flash_attn_func)
 # --------------------------------------------------------------------------------------
@@ -423,6 +414,26 @@ def check_backward(c: Case, seed: int, deterministic: bool = False):
 def test_backward_features(c):
     """dq, dk, dv (and d_sink) by FA3's rule; rows that see no key get dq exactly 0."""
     q, k, v, sink, dout, grads = check_backward(c, seed=c.sq + c.sk + c.d)
+    blind = c.blind_rows()
+    if blind.any():
+        nz = int((grads[0][:, blind] != 0).sum())
+        assert nz == 0, f"{nz} dq elements of the {int(blind.sum())} rows that see no key are not 0"
+
+
+@pytest.mark.parametrize("c", [
+    Case(2, 333, 517, 8, 4, 192, BF16, causal=True, dv=128),
+    Case(3, 517, 333, 4, 2, 192, FP16, causal=True, dv=128),              # rows that see no key
+    Case(2, 333, 517, 6, 3, 192, BF16, window=(100, 20), softcap=15.0, sink=True, dv=128),
+    Case(1, 1023, 1024, 4, 2, 192, FP16, causal=True, window=(128, -1), softcap=15.0, sink=True, dv=128),
+    Case(2, 239, 387, 4, 2, 64, BF16, window=(50, 50), dv=128),
+    Case(2, 239, 387, 4, 2, 128, FP16, causal=True, softcap=15.0, dv=64),
+], ids=case_id)
+def test_head_dim_v_differs_backward(c):
+    """head_dim_v != head_dim through autograd, with windows, softcap and sinks (test_bwd_gpu.py
+    has the plain grid): dq, dk, dv (and d_sink) by the rule; the backward runs on the bwd
+    variant of max(head_dim, head_dim_v); rows that see no key get dq exactly 0."""
+    q, k, v, sink, dout, grads = check_backward(c, seed=c.sq + c.d + c.head_dim_v)
+    assert grads[2].shape == (c.b, c.sk, c.hk, c.head_dim_v)
     blind = c.blind_rows()
     if blind.any():
         nz = int((grads[0][:, blind] != 0).sum())
