@@ -157,6 +157,19 @@ def _readonly(a: _Array) -> list:
     return []
 
 
+class _CapsuleOnly:
+    """An array's DLPack protocol and nothing else (no framework type a reader could special-case)."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._obj.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._obj.__dlpack_device__()
+
+
 def _read(name: str, obj: Any, dl_stream: int) -> _Array:
     _v.raise_problems(_not_dlpack(name, obj))
     dev_type, dev_id = obj.__dlpack_device__()
@@ -175,7 +188,13 @@ def _read(name: str, obj: Any, dl_stream: int) -> _Array:
     smv = _smv()
     sp = -1 if dev_type == kDLCPU else dl_stream
     # cuda-core >= 0.4 has the classmethod; older releases take the object in the constructor.
-    view = smv.from_dlpack(obj, stream_ptr=sp) if hasattr(smv, "from_dlpack") else smv(obj, stream_ptr=sp)
+    try:
+        view = smv.from_dlpack(obj, stream_ptr=sp) if hasattr(smv, "from_dlpack") else smv(obj, stream_ptr=sp)
+    except TypeError:
+        # cuda-core's fast path for torch tensors (its AOTI bridge) refuses float8 dtypes ("Unsupported
+        # AOTI dtype code: 24"; H100, cuda-core with torch 2.11): read the same capsule the generic way.
+        view = smv.from_dlpack(_CapsuleOnly(obj), stream_ptr=sp) if hasattr(smv, "from_dlpack") else \
+            smv(_CapsuleOnly(obj), stream_ptr=sp)
     shape = tuple(int(n) for n in view.shape)
     strides = view.strides
     strides = _c_strides(shape) if strides is None else tuple(int(s) for s in strides)

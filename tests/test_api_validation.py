@@ -903,6 +903,30 @@ def test_dlpack_fp8_forward_with_descales(fake_gpu_dlpack, monkeypatch, form):
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+def test_dlpack_fp8_read_when_the_torch_bridge_refuses_float8(fake_gpu_dlpack, monkeypatch):
+    """cuda-core's fast path for torch tensors refuses float8 ("Unsupported AOTI dtype code: 24",
+    seen on the H100 machine): the entry reads the same capsule through the plain DLPack protocol."""
+    real = dlpack_api._smv()
+    tried = []
+
+    class BridgeRefusesFloat8:
+        @staticmethod
+        def from_dlpack(obj, stream_ptr):
+            tried.append(type(obj).__name__)
+            if isinstance(obj, torch.Tensor) and obj.dtype == torch.float8_e4m3fn:
+                raise TypeError("Unsupported AOTI dtype code: 24")
+            return real.from_dlpack(obj, stream_ptr=stream_ptr)
+
+    monkeypatch.setattr(dlpack_api, "_smv", lambda: BridgeRefusesFloat8)
+    q, k, v = _e4m3(*qkv(b=2, sq=5, sk=7, h=4, hk=2, d=64))
+    out = torch.full((2, 5, 4, 64), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((2, 4, 5), float("nan"))
+    dlpack_api.flash_attn_forward(q, k, v, out=out, lse=lse)
+    assert tried.count("_CapsuleOnly") == 3  # q, k, v read again; out and lse the first way
+    ref_out, ref_lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def test_dlpack_fp8_given_out_must_be_bf16(fake_gpu_dlpack):
     q, k, v = _e4m3(*qkv(b=2, sq=5, sk=7, h=4, hk=2, d=64))
     lse = torch.full((2, 4, 5), float("nan"))
