@@ -16,6 +16,8 @@ import datetime
 import re
 from pathlib import Path
 
+from . import families
+
 SCHEMA = 1
 TABLE_DIR = "tune"  # beside the manifest (<kernel dir>/tune) and in a checkout (configs/tune)
 TOP_KEYS = ("schema", "gpu", "date", "flashgen", "protocol", "entries")
@@ -185,8 +187,9 @@ def read_table(path, label: str | None = None) -> tuple[dict | None, list[str]]:
 def named_tiles(data: dict) -> list[tuple[str, str, dict, dict]]:
     """Every tile a valid table names (rows with ``tile: default`` name none): (where, e.g.
     ``entries[2].rows[1]``, family, dispatch key, tile)."""
-    return [(f"entries[{i}].rows[{j}]", e["family"], dict(e["key"]), dict(r["tile"]))
+    return [(f"entries[{i}].rows[{j}]", e["family"], families.full_key(e["family"], e["key"]), dict(r["tile"]))
             for i, e in enumerate(data["entries"]) for j, r in enumerate(e["rows"]) if r["tile"] != "default"]
+
 
 
 def has_tile(params: dict, tile: dict) -> bool:

@@ -120,19 +120,21 @@ _plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent call
 
 
 def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
-          bucket: int = 0) -> _Plan:
+          bucket: int = 0, pack_gqa: bool = False) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
 
     ``bucket``: the call's seqlen_k bucket (``tuning.seqlen_bucket``); the GPU's tune table
-    (flashgen/tuning.py) may name another built tile than the default for it.
+    (flashgen/tuning.py) may name another built tile than the default for it. ``pack_gqa``: a
+    PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``).
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
-    key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device, bucket)
+    key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device, bucket,
+           pack_gqa)
     plan = _plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
             "fwd", {"dtype": _VARIANT_DTYPE.get(dtype, dtype), "head_dim": d, "head_dim_v": dv, "causal": mask.causal, "local": mask.local,
-                    "softcap": softcap}, round_up=_ROUND_UP)
+                    "softcap": softcap, "pack_gqa": pack_gqa}, round_up=_ROUND_UP)
         if variant is None:
             var = tuning.tuned_variant(var, bucket, device, load_manifest())
         p = var.params
@@ -150,6 +152,39 @@ def _bshd_map_spec(t: TensorArg, box_rows: int) -> tuple:
     es = ELEMENT_SIZE[t.dtype]
     return (_VARIANT_DTYPE.get(t.dtype, t.dtype), (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es),
             (128 // es, box_rows, 1, 1), 128, t.device)
+
+
+def _packed_q_map_spec(q: TensorArg, group: int, positions: int) -> tuple:
+    """PackGQA's Q map (fwd.cu.j2: kPackGqa), as :func:`_bshd_map_spec`: 5-D (head_dim, head in
+    group, seqlen, K/V head, batch) with strides (head, seq, group x head, batch), box (one chunk,
+    group, ``positions``, 1, 1), so that a box lands as the tile rows position x group + head in
+    group, in the 2-D map's swizzled layout."""
+    b, s, h, d = q.shape
+    es = ELEMENT_SIZE[q.dtype]
+    sb, ss, sh = (x * es for x in q.strides[:3])
+    return (_VARIANT_DTYPE.get(q.dtype, q.dtype), (d, group, s, h // group, b), (sh, ss, group * sh, sb),
+            (128 // es, group, positions, 1, 1), 128, q.device)
+
+
+#: FA3's PackGQA threshold (hopper/heuristics.h): pack when the unpacked tiles' share of real rows
+#: is below this times the packed tiles' share.
+PACK_GQA_EFFICIENCY = 0.9
+
+
+def pack_gqa_rule(seqlen_q: int, heads: int, heads_k: int, block_m: int) -> bool:
+    """Whether a forward call runs PackGQA (the query heads of a K/V head packed into one tile of
+    ``block_m`` rows, fwd.cu.j2), by FA3's rule on the share of tile rows that hold a query:
+    unpacked seqlen_q / (ceil(seqlen_q / block_m) block_m), packed (group = heads / heads_k, a
+    tile holds block_m // group positions) seqlen_q group / (ceil(seqlen_q / (block_m // group))
+    block_m); pack when the first is below PACK_GQA_EFFICIENCY times the second. False without GQA
+    or with group > block_m. Decode-like calls (seqlen_q 1-64, group >= 4) pack; long prompts do not."""
+    group = heads // heads_k
+    if group <= 1 or group > block_m or seqlen_q < 1:
+        return False
+    unpacked = seqlen_q / (-(-seqlen_q // block_m) * block_m)
+    per_tile = block_m // group
+    packed = seqlen_q * group / (-(-seqlen_q // per_tile) * block_m)
+    return unpacked < PACK_GQA_EFFICIENCY * packed
 
 
 def _bshd_map(t: TensorArg, box_rows: int):
@@ -196,33 +231,35 @@ _PREPARED_CACHE_MAX = 1024  # bounded: cleared when full (dropping entries is sa
 
 
 def _fwd_key(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, causal, window_size, softcap,
-             q_descale, k_descale, v_descale, variant) -> tuple:
+             q_descale, k_descale, v_descale, variant, pack_gqa=None) -> tuple:
     """Everything a PreparedForward depends on: all but the addresses and the softmax scale."""
     return (q[1:], k[1:], v[1:], out[1:], bool(causal),
             window_size if type(window_size) is tuple else tuple(window_size), softcap > 0,
             None if q_descale is None else q_descale[1:], None if k_descale is None else k_descale[1:],
-            None if v_descale is None else v_descale[1:], None if variant is None else variant.name)
+            None if v_descale is None else v_descale[1:], None if variant is None else variant.name, pack_gqa)
 
 
 def prepare_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, causal: bool,
                     variant: Variant | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
                     softmax_scale: float | None = None, q_descale: TensorArg | None = None,
-                    k_descale: TensorArg | None = None, v_descale: TensorArg | None = None) -> PreparedForward:
+                    k_descale: TensorArg | None = None, v_descale: TensorArg | None = None,
+                    pack_gqa: bool | None = None) -> PreparedForward:
     """The :class:`PreparedForward` of a forward call (see :func:`attention_forward` for the
     arguments), resolved once per metadata key and cached (bounded).
 
     Only metadata makes the key: shapes, strides, dtypes and devices of q, k, v, out and the
-    descales, ``causal``, ``window_size``, whether ``softcap`` > 0, ``variant``. The ``ptr`` fields
+    descales, ``causal``, ``window_size``, whether ``softcap`` > 0, ``variant``, ``pack_gqa``. The ``ptr`` fields
     may be 0 (the addresses come with each :func:`launch_forward`, which checks them and the scale
     on every call). On a new key the checks of :func:`attention_forward` run in its order, with
     the non-zero addresses and ``softmax_scale`` when given, and raise what it raises (ValueError
     for heads, layouts, addresses, descale shapes, scale, softcap; MissingVariantError); a key
     that raised is not cached."""
-    key = _fwd_key(q, k, v, out, causal, window_size, softcap, q_descale, k_descale, v_descale, variant)
+    key = _fwd_key(q, k, v, out, causal, window_size, softcap, q_descale, k_descale, v_descale, variant, pack_gqa)
     prep = _prepared_forwards.get(key)
     if prep is None:
         prep = _prepare_forward(q, k, v, out, causal, variant, window_size, softcap,
-                                1.0 if softmax_scale is None else softmax_scale, q_descale, k_descale, v_descale)
+                                1.0 if softmax_scale is None else softmax_scale, q_descale, k_descale, v_descale,
+                                pack_gqa)
         if len(_prepared_forwards) >= _PREPARED_CACHE_MAX:
             _prepared_forwards.clear()
         _prepared_forwards[key] = prep
@@ -230,7 +267,7 @@ def prepare_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, ca
 
 
 def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softmax_scale, q_descale, k_descale,
-                     v_descale) -> PreparedForward:
+                     v_descale, pack_gqa=None) -> PreparedForward:
     """Check a forward call (attention_forward's checks, in its order) and resolve its PreparedForward."""
     b, sq, h, d = q.shape
     _, sk, hk, dv = v.shape
@@ -248,18 +285,39 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
                              + (f" or {block_shape}" if block_shape else "") + ")")
     mask = mask_spec(causal, window_size, sq, sk)
     softmax_constants(softmax_scale, softcap)  # the checks only: the constants are per call
-    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=(sk - 1).bit_length())  # tuning.seqlen_bucket
+    bucket = (sk - 1).bit_length()  # tuning.seqlen_bucket
+    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket)
+    group = h // hk
+    if variant is not None:
+        packed = bool(variant.params.get("pack_gqa"))
+    elif pack_gqa is None:
+        packed = not fp8 and not softcap > 0 and pack_gqa_rule(sq, h, hk, plan.block_m)
+        if packed:
+            try:
+                plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, pack_gqa=True)
+            except MissingVariantError:  # none built for this key: the unpacked kernel serves
+                packed = False
+    else:
+        packed = bool(pack_gqa)
+        if packed:  # asked for: a missing variant raises MissingVariantError
+            plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, pack_gqa=True)
     bm, bn = plan.block_m, plan.block_n
-    num_m = -(-sq // bm)
-    num_tiles = num_m * h * b
+    if packed and group > bm:
+        raise ValueError(f"flashgen: pack_gqa needs heads / heads_k ({group}) <= block_m ({bm})")
+    positions = bm // group if packed else bm  # query positions per tile
+    num_m = -(-sq // positions)
+    num_tiles = num_m * (hk if packed else h) * b
+    pairs_heads = hk if packed else h  # the scheduler's (batch, head) pairs: K/V heads when packed
     params = {"seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "num_m_blocks": num_m,
-              "num_tiles": num_tiles, "section_heads": section_heads(b, h, hk, sk, d, dv, 1 if fp8 else 2), "tile_counter": 0,
+              "num_tiles": num_tiles, "section_heads": section_heads(b, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2),
+              "tile_counter": 0, "group": group, "tile_queries": positions,
               "window_left": mask.left, "window_right": mask.right,
               "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
               "head_dim_v": dv, **_descale_params("q", q_descale, h, hk, True),
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False)}
     geometry = launch.map_geometry
-    maps = (geometry(*_bshd_map_spec(q, bm)), geometry(*_bshd_map_spec(k, bn)), geometry(*_bshd_map_spec(v, bn)),
+    q_map = _packed_q_map_spec(q, group, positions) if packed else _bshd_map_spec(q, bm)
+    maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, bn)), geometry(*_bshd_map_spec(v, bn)),
             geometry(*_bshd_map_spec(out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     # Causal persistent variants claim tiles from a zeroed int32 of each launch's own, when there are
@@ -297,7 +355,7 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
                       softmax_scale: float, causal: bool, stream: int, variant: Variant | None = None, *,
                       window_size=(-1, -1), softcap: float = 0.0, sink: int = 0,
                       q_descale: TensorArg | None = None, k_descale: TensorArg | None = None,
-                      v_descale: TensorArg | None = None) -> Variant:
+                      v_descale: TensorArg | None = None, pack_gqa: bool | None = None) -> Variant:
     """Launch the FA3 forward: out = softmax(logits [+ mask]) v, lse = logsumexp of each row.
 
     logits = softmax_scale * q k^T, or with ``softcap`` c > 0 c * tanh(softmax_scale * q k^T / c).
@@ -312,6 +370,11 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     (batch, heads_k) (FA3's shape: one per GQA group) or (batch, heads, ceil(seqlen_q / 64)) (block
     quantization: one per 64 rows of each query head); k_descale (batch, heads_k) or (batch,
     heads_k, ceil(seqlen_k / 64)); v_descale (batch, heads_k); any strides; positive values.
+    ``pack_gqa`` (FA3's PackGQA: the query heads of a K/V head in one tile, so K and V are read
+    once per group): None = :func:`pack_gqa_rule` decides (falling back to the unpacked kernel
+    when no PackGQA variant is built), True = packed (MissingVariantError if no PackGQA variant
+    serves the call; ValueError if heads / heads_k > block_m), False = unpacked; the output is the
+    same either way (up to fp32 rounding order).
     Head dims with no variant of their own run on the smallest built larger one. Launches on
     `stream` (CUstream as int); returns the variant used. Raises MissingVariantError when no built
     variant serves the call, ValueError for layouts TMA cannot address or a bad softmax_scale /
@@ -322,7 +385,8 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     :func:`launch_forward` (alignment, softmax constants, TMA maps by address, launch).
     """
     prep = prepare_forward(q, k, v, out, causal, variant, window_size=window_size, softcap=softcap,
-                           softmax_scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                           softmax_scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                           pack_gqa=pack_gqa)
     return launch_forward(prep, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, softmax_scale, softcap, stream, sink,
                           0 if q_descale is None else q_descale.ptr, 0 if k_descale is None else k_descale.ptr,
                           0 if v_descale is None else v_descale.ptr)

@@ -45,14 +45,24 @@ def add_variant_command(family: str, key: dict) -> str:
     return f"flashgen add-variant {family} " + " ".join(opts)
 
 
+def full_key(family: str, key: dict) -> dict:
+    """``key`` with the dispatch keys a request may leave out filled in (the family module's
+    defaults, e.g. fwd's ``pack_gqa``: False; generator/families full_key)."""
+    from .generator import families
+
+    return families.full_key(family, key)
+
+
 def select_variant(family: str, key: dict, manifest: Manifest | None = None, round_up: tuple = ()) -> Variant:
-    """The built variant of ``family`` whose dispatch key equals ``key``; MissingVariantError
-    (naming the key, what is built and the command that builds it) if there is none.
+    """The built variant of ``family`` whose dispatch key equals ``key`` (keys with a default may
+    be left out: :func:`full_key`); MissingVariantError (naming the key, what is built
+    and the command that builds it) if there is none.
 
     ``round_up``: keys (e.g. ``("head_dim", "head_dim_v")``) for which a variant built for a larger
     value also serves; without an exact match the candidate with the smallest sum of those keys
     wins (then the tile table's choice, then the name)."""
     m = manifest or load_manifest()
+    asked, key = key, full_key(family, key)
     cands = m.by_key().get((family, *sorted(key.items())))
     if not cands and round_up:
         fixed = {k: x for k, x in key.items() if k not in round_up}
@@ -69,11 +79,11 @@ def select_variant(family: str, key: dict, manifest: Manifest | None = None, rou
     if not cands:
         built = sorted({", ".join(f"{k}={_fmt(x)}" for k, x in v.dispatch.items())
                         for v in m.variants if v.family == family})
-        want = ", ".join(f"{k}={_fmt(x)}" for k, x in key.items())
+        want = ", ".join(f"{k}={_fmt(x)}" for k, x in asked.items())
         raise MissingVariantError(
             f"flashgen: no built {family} variant serves {want} "
             f"(built {family} variants: {'; '.join(built) or 'none'}; manifest {m.path}). "
-            f"Build it with: {add_variant_command(family, key)}"
+            f"Build it with: {add_variant_command(family, asked)}"
         )
     defaults = [v for v in cands if v.default]
     return min(defaults or cands, key=lambda v: v.name)

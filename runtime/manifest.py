@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .generator.families import full_key
+
 MANIFEST_NAME = "manifest.json"
 SUPPORTED_SCHEMA = 2
 
@@ -51,6 +53,10 @@ class Variant:
     fatbin: Path = Path()
     sha256: str = ""
     default: bool = False
+
+    def __post_init__(self):
+        # a record may leave out dispatch keys with a default (fwd's pack_gqa, added later): filled in
+        object.__setattr__(self, "dispatch", full_key(self.family, self.dispatch))
 
     @property
     def key(self) -> tuple:

@@ -59,8 +59,10 @@ class KeyPlan:
 
 
 def keys(dtypes, head_dims, causals) -> list[dict]:
-    """The fwd dispatch keys tuned: dtype x head_dim x causal, head_dim_v = head_dim, no window or softcap."""
-    return [{"dtype": t, "head_dim": d, "head_dim_v": d, "causal": c, "local": False, "softcap": False}
+    """The fwd dispatch keys tuned: dtype x head_dim x causal, head_dim_v = head_dim, no window,
+    softcap or PackGQA."""
+    return [{"dtype": t, "head_dim": d, "head_dim_v": d, "causal": c, "local": False, "softcap": False,
+             "pack_gqa": False}
             for t in dtypes for d in head_dims for c in causals]
 
 

@@ -55,6 +55,7 @@ from pathlib import Path
 
 # The format's validation lives in the generator (generator/tunetable.py), which also reads the
 # checkout's tables to put their tiles into the default build: one check for both.
+from .dispatch import full_key
 from .generator.tunetable import (  # noqa: F401 -- re-exported: flashgen.tuning.check_table etc.
     ENTRY_KEYS, MEASURED_KEYS, ROW_KEYS, SCHEMA, TABLE_DIR, TOP_KEYS, check_table, gpu_slug, has_tile)
 
@@ -104,7 +105,14 @@ class Table:
     date: str
     flashgen: dict
     protocol: dict
-    entries: dict  # (family, *sorted(key.items())) -> Entry
+    entries: dict  # (family, *sorted(key.items())) -> Entry, the key as the file gives it
+
+    def entry_for(self, family: str, dispatch: dict):
+        """The entry of ``family``'s dispatch key ``dispatch``, or None; a key may leave out the
+        dispatch keys at their defaults (e.g. fwd's pack_gqa: False, which tables written before
+        it lack): both sides are compared with them filled in (flashgen.dispatch.full_key)."""
+        want = full_key(family, dispatch)
+        return next((e for e in self.entries.values() if e.family == family and full_key(family, e.key) == want), None)
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -234,6 +242,7 @@ def table_for(device: int, manifest_path=None) -> Table | None:
 def variant_with_tile(manifest, family: str, dispatch: dict, tile: dict):
     """The built variant of ``family`` with dispatch key ``dispatch`` and ``tile`` (None if not
     built; the default among several, then the first by name)."""
+    dispatch = full_key(family, dispatch)
     hits = [v for v in manifest.variants
             if v.family == family and v.dispatch == dispatch and has_tile(v.params, tile)]
     return min(hits, key=lambda v: (not v.default, v.name)) if hits else None
@@ -247,7 +256,7 @@ def tuned_variant(default, bucket: int, device: int, manifest):
         table = table_for(device, manifest.path)
         if table is None:
             return default
-        entry = table.entries.get((default.family, *sorted(default.dispatch.items())))
+        entry = table.entry_for(default.family, default.dispatch)
         row = entry.row_for(bucket) if entry is not None else None
         if row is None or row.tile is None:
             return default

@@ -21,6 +21,8 @@
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
+#   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
+#                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
 mode=${1:-test}
 out=${OUT:-/tmp/flashgen-out}
@@ -35,6 +37,14 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m flashgen.generator.sass build/manifest.json | grep -c '^ok' | sed 's/^/sass ok kernels: /'
 
 case "$mode" in
+packgqa)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_packgqa_gpu.py \
+    tests/gpu/test_fp8_gpu.py::test_dlpack_entry_matches_flash_attn_func 2>&1 | tee "$out/test_packgqa.log" | tail -25
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu -k head_dim_v 2>&1 | tee "$out/test_hdv.log" | tail -25
+  for run in 1 2; do
+    timeout 200 python3 scripts/packgqa_bench.py --csv "$out/packgqa_$run.csv" 2>&1 | tee "$out/packgqa_$run.md" | tail -50
+  done
+  ;;
 test|full)
   timeout 480 python3 -m pytest -q -p no:cacheprovider -rs --durations=10 tests/gpu 2>&1 | tee "$out/test.log" | tail -60
   # a kernel variant the tests needed and did not find (every bwd variant should be built)

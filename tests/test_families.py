@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from fgutil import REPO, SMALL_FWD, cli, compiles, fake_cuda, make_project, read_manifest  # noqa: E402
 
 from flashgen import launch  # noqa: E402
-from flashgen.dispatch import MissingVariantError, add_variant_command, select_variant  # noqa: E402
+from flashgen.dispatch import MissingVariantError, add_variant_command, full_key, select_variant  # noqa: E402
 from flashgen.generator import families  # noqa: E402
 from flashgen.generator.families import bwd as bwd_mod  # noqa: E402
 from flashgen.generator.families import combine as combine_mod  # noqa: E402
@@ -86,9 +86,11 @@ def test_layout_natural_alignment_and_tail_padding():
 
 def test_family_structs_layouts():
     fwd = fwd_mod.PARAMS.layout()
-    assert fwd["struct"] == "FwdParams" and fwd["size"] == 176  # 64 + the e4m3 descales, direct-store O, L2 sections, tile counter
-    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-3:] == [["head_dim_v", "i32", 160], ["section_heads", "i32", 164],
-                                                                                    ["tile_counter", "ptr", 168]]
+    # 64 + the e4m3 descales, direct-store O, L2 sections, tile counter, PackGQA's group and tile queries
+    assert fwd["struct"] == "FwdParams" and fwd["size"] == 184
+    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-5:] == [
+        ["head_dim_v", "i32", 160], ["section_heads", "i32", 164], ["tile_counter", "ptr", 168], ["group", "i32", 176],
+        ["tile_queries", "i32", 180]]
     assert ["sink", "ptr", 56] in fwd["fields"] and ["q_descale", "ptr", 64] in fwd["fields"]
     offs = {n: o for n, _, o in fwd["fields"]}
     assert (offs["softmax_scale"], offs["softcap_scale"], offs["window_left"], offs["window_right"]) == (40, 44, 48, 52)
@@ -176,10 +178,10 @@ def test_params_packer_bytes_match_struct_offsets():
                                        "k_descale": 0, "k_descale_stride_batch": 0, "k_descale_stride_head": 0,
                                        "k_descale_stride_block": 0, "v_descale": 0, "v_descale_stride_batch": 0,
                                        "v_descale_stride_head": 0, "o": 0, "o_stride_batch": 0, "o_stride_seq": 0,
-                                       "o_stride_head": 0, "head_dim_v": 64, "section_heads": 3,
+                                       "o_stride_head": 0, "head_dim_v": 64, "section_heads": 3, "group": 2, "tile_queries": 128,
                                        "tile_counter": 0xC0FFEE00})
-    assert len(fb) == 176 and struct.unpack_from("<iQ", fb, 164) == (3, 0xC0FFEE00)
-    assert len(fb) == 176 and struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
+    assert len(fb) == 184 and struct.unpack_from("<iQii", fb, 164) == (3, 0xC0FFEE00, 2, 128)
+    assert struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
     assert struct.unpack_from("<i", fb, 20) == (2,) and struct.unpack_from("<fff", fb, 36) == (0.5, 0.25, 0.125)
     assert struct.unpack_from("<iiQ", fb, 48) == (3, -4, 0xBEEF00)
 
@@ -366,10 +368,11 @@ def test_suggested_command_runs_and_serves_the_key(tmp_path, monkeypatch, family
     fake_cuda(tmp_path, monkeypatch)
     argv = shlex.split(add_variant_command(family, key))
     assert argv[:3] == ["flashgen", "add-variant", family]
-    before = [v for v in load_variants(proj) if v.family == family and v.dispatch == key]
+    full = full_key(family, key)  # the variant's dispatch has the keys with defaults too (fwd's pack_gqa)
+    before = [v for v in load_variants(proj) if v.family == family and v.dispatch == full]
     r = cli([*argv[1:], "--no-build"], proj.root)
     assert r.exit_code == 0, r.output
-    added = [v for v in load_variants(proj) if v.family == family and v.dispatch == key]
+    added = [v for v in load_variants(proj) if v.family == family and v.dispatch == full]
     assert len(added) == 1
     # a point the configs already make is reported, not appended a second time
     assert (proj.configs_dir / f"{family}_extra.yaml").exists() == (not before)

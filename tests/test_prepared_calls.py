@@ -232,7 +232,8 @@ FWD_OFFSETS = {n: off for n, _, off in FWD_LAYOUT["fields"]}
 
 def record(key: dict, cluster=(1, 1, 1)) -> dict:
     bm = 128 if key["head_dim"] == 128 else 192
-    name = "fwd_{dtype}_hd{head_dim}_c{causal:d}_l{local:d}_s{softcap:d}".format(**key)
+    name = "fwd_{dtype}_hd{head_dim}_c{causal:d}_l{local:d}_s{softcap:d}".format(**key) + \
+        ("_packgqa" if key.get("pack_gqa") else "")
     return {"name": name, "key": "0" * 64, "family": "fwd",
             "params": {"family": "fwd", **key, "block_m": bm, "block_n": 128, "stages": 2, "consumer_wgs": 2,
                        "pingpong": True, "overlap": True, "persistent": key["causal"]},
@@ -405,11 +406,10 @@ def _fresh_state(monkeypatch):
     tuning.reset()
 
 
-@pytest.fixture
-def driver(tmp_path, monkeypatch):
-    """The real core and launcher on a FakeDriver, with a manifest of fwd variants for KEYS."""
+def _fake_driver(tmp_path, monkeypatch, keys):
+    """The real core and launcher on a FakeDriver, with a manifest of fwd variants for ``keys``."""
     (tmp_path / "manifest.json").write_text(json.dumps({"schema": 2, "arch": "sm_90a", "nvcc": {"version": "13.0"},
-                                                        "variants": [record(k) for k in KEYS]}))
+                                                        "variants": [record(k) for k in keys]}))
     monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("FLASHGEN_TUNE_TABLE", "off")
     for var in ("FLASHGEN_ROOT", "FLASHGEN_BUILD_DIR"):
@@ -418,7 +418,13 @@ def driver(tmp_path, monkeypatch):
     d = FakeDriver()
     monkeypatch.setattr(launch, "_driver", lambda: d)
     monkeypatch.setattr(launch, "read_fatbin", lambda path, sha: b"")
-    yield d
+    return d
+
+
+@pytest.fixture
+def driver(tmp_path, monkeypatch):
+    """The real core and launcher on a FakeDriver, with a manifest of fwd variants for KEYS."""
+    yield _fake_driver(tmp_path, monkeypatch, KEYS)
     tuning.reset()
 
 
@@ -443,7 +449,7 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             "num_m_blocks": num_m, "num_tiles": num_m * h * b, "scale_log2": scale_log2, "softmax_scale": float(scale),
             "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right, "sink": sink,
             "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
-            "o_stride_head": out.strides[2], "head_dim_v": dv,
+            "o_stride_head": out.strides[2], "head_dim_v": dv, "group": h // hk, "tile_queries": bm,
             "section_heads": core.section_heads(b, h, hk, sk, d, dv, 1 if q.dtype == "fp8_e4m3" else 2),
             "tile_counter": tile_counter,
             **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
@@ -457,7 +463,8 @@ def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap
     m = core.mask_spec(causal, window, q.shape[1], k.shape[1])
     key = dict(dtype=dt, head_dim=q.shape[3], head_dim_v=v.shape[3], causal=m.causal, local=m.local,
                softcap=softcap > 0)
-    name = "fwd_{dtype}_hd{head_dim}_c{causal:d}_l{local:d}_s{softcap:d}".format(**key)
+    name = "fwd_{dtype}_hd{head_dim}_c{causal:d}_l{local:d}_s{softcap:d}".format(**key) + \
+        ("_packgqa" if key.get("pack_gqa") else "")
     bm = 128 if q.shape[3] == 128 else 192
     tiles = -(-q.shape[1] // bm) * q.shape[2] * q.shape[0]
     persistent = m.causal
@@ -700,3 +707,52 @@ def test_prepare_launch_checks_its_fields():
         launch.prepare_launch(k, (1, 1, 1), {}, ("p",))
     with pytest.raises(ValueError, match="1 per-call params, got 0 and 2"):
         launch.launch_prepared(prep, (), (1, 2), 0)
+
+
+# ======================================================================== PackGQA (flashgen.core.pack_gqa_rule)
+PACK_KEYS = KEYS + [dict(dtype="bf16", head_dim=128, head_dim_v=128, causal=c, local=False, softcap=False,
+                         pack_gqa=True) for c in (False, True)]
+
+
+def test_pack_gqa_rule():
+    # FA3's share-of-rows rule at block_m 128: decode packs, full tiles do not, no GQA never
+    assert core.pack_gqa_rule(1, 32, 4, 128) and core.pack_gqa_rule(16, 32, 8, 128) and core.pack_gqa_rule(64, 32, 4, 128)
+    assert not core.pack_gqa_rule(128, 32, 4, 128) and not core.pack_gqa_rule(2048, 32, 4, 128)
+    assert not core.pack_gqa_rule(1, 8, 8, 128)  # group 1
+    assert not core.pack_gqa_rule(1, 512, 1, 128)  # group 512 > block_m: a tile cannot hold one position
+    # group 7 at block_m 128: 18 positions (126 rows) per tile; 300 rows unpacked fill 300/384, packed 2100/2176
+    assert core.pack_gqa_rule(300, 28, 4, 128)
+
+
+def test_packed_launch_maps_params_and_grid(tmp_path, monkeypatch):
+    d = _fake_driver(tmp_path, monkeypatch, PACK_KEYS)
+    try:
+        b, sq, sk, h, hk = 3, 17, 513, 28, 4  # group 7: 18 positions and 2 padding rows per 128-row tile
+        q = targ((b, sq, h, 128), ptr=1 << 24)
+        k, v = targ((b, sk, hk, 128), ptr=2 << 24), targ((b, sk, hk, 128), ptr=3 << 24)
+        out, lse = targ((b, sq, h, 128), ptr=4 << 24), targ((b, h, sq), "fp32", 5 << 24)
+        used = core.attention_forward(q, k, v, out, lse, 0.1, True, 5)
+        assert used.params["pack_gqa"] and "packgqa" in d.launches[-1]["symbol"]
+        rec = d.launches[-1]
+        num_m = -(-sq // 18)
+        got = {n: struct.unpack_from({"i32": "<i", "ptr": "<Q", "f32": "<f", "i64": "<q"}[t], rec["params"], off)[0]
+               for n, t, off in FWD_LAYOUT["fields"]}
+        assert (got["group"], got["tile_queries"], got["num_m_blocks"], got["num_tiles"]) == (7, 18, num_m, num_m * hk * b)
+        assert got["section_heads"] == core.section_heads(b, hk, hk, sk, 128, 128, 2) and got["heads"] == h
+        assert rec["grid"] == (min(num_m * hk * b, FakeDriver.SM_COUNT), 1, 1)
+        qm = rec["maps"][0]  # 5-D: (head_dim, head in group, seqlen, K/V head, batch), box one chunk x 7 x 18
+        assert (qm.dims, qm.box) == ((128, 7, sq, hk, b), (64, 7, 18, 1, 1))
+        assert qm.strides == (128 * 2, h * 128 * 2, 7 * 128 * 2, sq * h * 128 * 2)
+        # the unpacked kernel when the rule says so, or when no packed variant serves the key
+        core.attention_forward(targ((b, 300, h, 128), ptr=6 << 24), k, v, targ((b, 300, h, 128), ptr=7 << 24),
+                               targ((b, h, 300), "fp32", 8 << 24), 0.1, True, 5, pack_gqa=False)
+        assert "packgqa" not in d.launches[-1]["symbol"]
+        q16 = targ((b, sq, h, 128), "fp16", 9 << 24)
+        kv16 = targ((b, sk, hk, 128), "fp16", 10 << 24)
+        core.attention_forward(q16, kv16, kv16, targ((b, sq, h, 128), "fp16", 11 << 24), lse, 0.1, True, 5)
+        assert "packgqa" not in d.launches[-1]["symbol"]  # no fp16 packed variant: the rule's choice falls back
+        with pytest.raises(core.MissingVariantError):  # asked for: no fallback
+            core.attention_forward(q16, kv16, kv16, targ((b, sq, h, 128), "fp16", 11 << 24), lse, 0.1, True, 5,
+                                   pack_gqa=True)
+    finally:
+        tuning.reset()

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from fgutil import REPO, SMALL_FWD, cli, fake_cuda, make_project  # noqa: E402
 
 from flashgen import core, launch, tune, tuning  # noqa: E402
+from flashgen.dispatch import full_key  # noqa: E402
 from flashgen.generator.config import load_variants, select  # noqa: E402
 from flashgen.generator.errors import ConfigError, TuneTableWarning  # noqa: E402
 from flashgen.generator.project import Project  # noqa: E402
@@ -31,7 +32,8 @@ KNOBS = {"pingpong": True, "overlap": True, "persistent": True}
 DEFAULT = {"block_m": 128, "block_n": 128, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND = {"block_m": 128, "block_n": 176, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND2 = {"block_m": 128, "block_n": 112, "stages": 2, "consumer_wgs": 2, **KNOBS}
-KEY = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": False, "local": False, "softcap": False}
+KEY = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": False, "local": False, "softcap": False,
+       "pack_gqa": False}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -601,7 +603,7 @@ def test_shipped_tables(path):
     for e in t.entries.values():
         for r in e.rows:
             if r.tile is not None:
-                hits = [v for v in vs if v.family == e.family and v.dispatch == e.key
+                hits = [v for v in vs if v.family == e.family and v.dispatch == full_key(e.family, e.key)
                         and all(v.params.get(k) == x for k, x in r.tile.items())]
                 assert hits, (path.name, e.key, r.tile)
                 pick = min(hits, key=lambda v: (not v.default, v.name))  # what the runtime serves when built
@@ -619,7 +621,7 @@ def test_default_set_is_the_configs_plus_the_shipped_winners():
         for e in tuning.load_table(path).entries.values():
             for r in e.rows:
                 if r.tile is not None:
-                    hits = [v for v in vs if v.family == e.family and v.dispatch == e.key
+                    hits = [v for v in vs if v.family == e.family and v.dispatch == full_key(e.family, e.key)
                             and all(v.params.get(k) == x for k, x in r.tile.items())]
                     named.add(min(hits, key=lambda v: (not v.default, v.name)).name)
     by_config = {f"configs/{p.name}" for p in REPO.glob("configs/*.yaml")

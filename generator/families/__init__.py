@@ -94,6 +94,12 @@ class Family:
     def knob_defaults(self) -> dict:
         return {k.name: k.default for k in self.keys if k.role == "knob"}
 
+    def dispatch_defaults(self) -> dict:
+        """The dispatch keys a request (a call's key, a tune table's entry) may leave out: those
+        with a default (e.g. fwd's ``pack_gqa``: False)."""
+        return {k: self._by_name[k].default for k in self.dispatch_keys
+                if k in self._by_name and self._by_name[k].default is not None}
+
     # -- hooks -------------------------------------------------------------------------
     def derive(self, params: dict) -> dict:
         """Fill derived keys a point left out (default: none)."""
@@ -141,3 +147,13 @@ def get(name: str) -> Family:
     if name not in names():
         raise KeyError(f"unknown family {name!r}; known: {', '.join(names())}")
     return importlib.import_module(f"{__name__}.{name}").FAMILY
+
+
+def full_key(family: str, key: dict) -> dict:
+    """A request's dispatch key (a call's, a tune table entry's) with the keys it may leave out
+    (:meth:`Family.dispatch_defaults`, e.g. fwd's pack_gqa: False, which tables written before it
+    lack) filled in; as given for an unknown family."""
+    try:
+        return {**key, **{k: x for k, x in get(family).dispatch_defaults().items() if k not in key}}
+    except KeyError:
+        return dict(key)

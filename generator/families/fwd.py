@@ -15,6 +15,10 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   local kernel: the band's per-element test cost the causal kernel 2-7 % (H200).
 - ``softcap`` (FA3's, Gemma 2's logit soft-capping) is compiled in: S <- tanh(S * softcap_scale)
   before masking, with softcap_scale = softmax_scale / softcap and scale_log2 = softcap * log2(e).
+- ``pack_gqa`` (FA3's PackGQA): a tile holds the query heads of one K/V head (rows = query
+  position x group + head in group), so K and V are read once per group; Q comes through a 5-D TMA
+  map, O and LSE are stored from registers row by row. 16-bit only. The runtime chooses it per call
+  (flashgen.core.pack_gqa_rule); a tile holds block_m // group query positions.
 - block_n a multiple of 16 in [16, 256]: the N of the S = Q K^T WGMMA (N <= 256) and the PV GEMM
   steps k16 over it.
 - consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
@@ -47,6 +51,7 @@ BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
 REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
 # e4m3: the producer warpgroup also transposes V (warps 1-3), which spilled at 24 registers.
+# pack_gqa: the producer's 5-D Q load and packed tile bounds spilled 8 bytes at 24 (causal, 2 WGs).
 REG_SPLIT_FP8 = {2: (40, 232), 3: (32, 160)}
 ACC_REG_HEADROOM = 32
 
@@ -58,8 +63,8 @@ PARAMS = params_struct(
     ("heads", "i32"),
     ("heads_k", "i32"),  # divides heads (GQA/MQA)
     ("batch", "i32"),
-    ("num_m_blocks", "i32"),  # ceil(seqlen_q / block_m)
-    ("num_tiles", "i32"),  # num_m_blocks * heads * batch
+    ("num_m_blocks", "i32"),  # ceil(seqlen_q / tile_queries)
+    ("num_tiles", "i32"),  # num_m_blocks * heads * batch (pack_gqa variants: heads_k)
     ("scale_log2", "f32"),  # softmax_scale * log2(e), any sign; softcap variants: softcap * log2(e)
     ("softmax_scale", "f32"),
     ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused
@@ -81,6 +86,8 @@ PARAMS = params_struct(
     ("head_dim_v", "i32"),  # the call's (columns of O past it are not stored)
     ("section_heads", "i32"),  # causal: (batch, head) pairs per L2 section of the tile order (scheduler.cuh)
     ("tile_counter", "ptr", "int*"),  # dynamic_schedule variants: one int32, 0 at launch (the launch's own)
+    ("group", "i32"),  # heads / heads_k
+    ("tile_queries", "i32"),  # query positions per tile: block_m, or block_m // group (pack_gqa variants)
 )
 
 
@@ -112,6 +119,8 @@ def smem_layout(params: dict) -> dict:
     sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e}
     if dt == "e4m3":  # V^T ring (keys padded to whole 128-byte chunks); O is stored from registers
         sizes["vt"] = st * pv * _pad_chunk(bn, dt)
+        sizes["o"] = 0
+    elif params.get("pack_gqa"):  # O is stored from registers
         sizes["o"] = 0
     else:
         sizes["o"] = bm * pv * DTYPE_BYTES[OUT_DTYPE.get(dt, dt)]
@@ -146,7 +155,8 @@ class FwdFamily(Family):
         V^T's key columns, block_n padded to 128)."""
         wgs = int(params["consumer_wgs"])
         smem = smem_layout(params)
-        producer_regs, consumer_regs = (REG_SPLIT_FP8 if params["dtype"] == "e4m3" else REG_SPLIT).get(wgs, (24, 240))
+        split = REG_SPLIT_FP8 if params["dtype"] == "e4m3" or params.get("pack_gqa") else REG_SPLIT
+        producer_regs, consumer_regs = split.get(wgs, (24, 240))
         return dict(
             threads=128 * (wgs + 1),
             smem=smem,
@@ -174,9 +184,9 @@ class FwdFamily(Family):
             if isinstance(bn, int) and bn % QUANT_BLOCK:
                 out.append(("block_n", bn, f"a multiple of {QUANT_BLOCK} with dtype e4m3 (each {QUANT_BLOCK}-key "
                                            "block of K may have its own descale)"))
-            for k in ("local", "softcap"):
+            for k in ("local", "softcap", "pack_gqa"):
                 if params.get(k):
-                    out.append((k, True, "false with dtype e4m3 (the FP8 forward has no window or softcap yet)"))
+                    out.append((k, True, "false with dtype e4m3 (the FP8 forward has no window, softcap or PackGQA yet)"))
             if hd != hdv:
                 out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) with dtype e4m3"))
         if out:
@@ -216,6 +226,7 @@ class FwdFamily(Family):
     def name_parts(self, p):
         hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")
         return [p["dtype"], hd, "causal" if p["causal"] else "local" if p["local"] else "noncausal", *(["softcap"] if p["softcap"] else []),
+                *(["packgqa"] if p.get("pack_gqa") else []),
                 f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops"]
@@ -248,6 +259,8 @@ FAMILY = FwdFamily(
         Key("local", bool, "axis", default=False,
             doc="FA3's local mask: a band with runtime bounds (sliding windows, causal with a window)"),
         Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
+        Key("pack_gqa", bool, "axis", default=False,
+            doc="FA3's PackGQA: the query heads of a K/V head packed into one tile (K/V read once per group)"),
         Key("block_m", int, "tile", allowed=(128, 192), doc="query rows per CTA tile (64 x consumer_wgs)"),
         Key("block_n", int, "tile", check=_block_n, doc="key rows per K/V stage"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="K/V ring depth"),
@@ -256,7 +269,7 @@ FAMILY = FwdFamily(
         Key("overlap", bool, "knob", default=True, doc="intra-warpgroup GEMM/softmax overlap (Algorithm 2)"),
         Key("persistent", bool, "knob", default=True, doc="persistent grid (#SMs CTAs)"),
     ),
-    tile_match=("head_dim", "dtype", "causal", "local", "softcap"),
+    tile_match=("head_dim", "dtype", "causal", "local", "softcap", "pack_gqa"),
     tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),
-    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal", "local", "softcap"),
+    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal", "local", "softcap", "pack_gqa"),
 )

@@ -54,18 +54,17 @@ __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, i
 // (col0: the first column of the map the tile's column 0 goes to.)
 
 // O (m64nN accumulator, R = N/2 registers, already normalised) -> global memory without staging:
-// this thread's rows row0 and row0 + 8 (rows at or past `rows` dropped), columns 8j + 2 (lane % 4)
-// and +1 below `cols` (a multiple of 8), one 4-byte store each. `out` points at row 0, column 0;
-// rows are stride_row elements apart (a multiple of 2). The FP8 forward stores O this way: its
-// shared memory has no room for a 16-bit O tile beside the e4m3 rings and V^T at head_dim 256.
-template <typename T, int R>
-__device__ __forceinline__ void store_o_direct(const float (&o)[R], T* out, int64_t stride_row, int row0, int rows,
-                                               int cols, int lane) {
+// this thread's rows h = 0, 1 (accumulator rows row0 and row0 + 8) at row_ptr(h) (null: dropped),
+// columns 8j + 2 (lane % 4) and +1 below `cols` (a multiple of 8), one 4-byte store each. The FP8
+// forward stores O this way (its shared memory has no room for a 16-bit O tile beside the e4m3
+// rings and V^T at head_dim 256), and so does PackGQA (a tile's rows are of several heads).
+template <typename T, int R, typename RowPtr>
+__device__ __forceinline__ void store_o_rows(const float (&o)[R], RowPtr&& row_ptr, int cols, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 8 * h;
-    if (row < rows) {
-      T* dst = out + row * stride_row + 2 * (lane % 4);
+    T* dst = row_ptr(h);
+    if (dst != nullptr) {
+      dst += 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < R / 4; ++j) {
         if (8 * j + 2 * (lane % 4) < cols)
@@ -75,19 +74,35 @@ __device__ __forceinline__ void store_o_direct(const float (&o)[R], T* out, int6
   }
 }
 
+// store_o_rows for rows of one (batch, head): `out` points at row 0, column 0; rows are stride_row
+// elements apart (a multiple of 2); rows at or past `rows` are dropped.
+template <typename T, int R>
+__device__ __forceinline__ void store_o_direct(const float (&o)[R], T* out, int64_t stride_row, int row0, int rows,
+                                               int cols, int lane) {
+  store_o_rows<T>(o, [&](int h) -> T* { return row0 + 8 * h < rows ? out + (row0 + 8 * h) * stride_row : nullptr; },
+                  cols, lane);
+}
+
 // Before the CTA exits: its TMA stores must have completed (one thread per warpgroup that stored).
 __device__ __forceinline__ void store_o_drain() { ptx::cp_async_bulk_wait_group(ptx::n32_t<0>{}); }
 
-// LSE of this thread's rows row0 and row0 + 8 (global rows of one (batch, head)), written by one
-// thread of each quad; rows at or past seqlen_q are dropped.
-__device__ __forceinline__ void write_lse(float* lse_rows, const float (&lse)[2], int row0, int seqlen_q, int lane) {
+// LSE of this thread's rows h = 0, 1 at lse_ptr(h) (null: dropped), written by one thread of each quad.
+template <typename LsePtr>
+__device__ __forceinline__ void write_lse_rows(const float (&lse)[2], LsePtr&& lse_ptr, int lane) {
   if (lane % 4 == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = row0 + 8 * h;
-      if (row < seqlen_q) lse_rows[row] = lse[h];
+      float* dst = lse_ptr(h);
+      if (dst != nullptr) *dst = lse[h];
     }
   }
+}
+
+// LSE of this thread's rows row0 and row0 + 8 (global rows of one (batch, head)); rows at or past
+// seqlen_q are dropped.
+__device__ __forceinline__ void write_lse(float* lse_rows, const float (&lse)[2], int row0, int seqlen_q, int lane) {
+  write_lse_rows(lse, [&](int h) -> float* { return row0 + 8 * h < seqlen_q ? lse_rows + row0 + 8 * h : nullptr; },
+                 lane);
 }
 
 }  // namespace flashgen

@@ -55,49 +55,76 @@ struct Band {
 };
 
 // The forward's view: S (rows queries, columns keys) of query block m and key block n.
-template <int BlockM, int BlockN, bool Causal, bool Local>
+// PackGqa (FA3's PackGQA): a tile holds the query heads of one K/V head, `group` of them; its row r
+// is query position m * q_per_tile + r / group of head r % group of the group, q_per_tile =
+// BlockM / group positions per tile (the last BlockM % group rows are padding, never stored).
+// Otherwise row r of tile m is query m * BlockM + r.
+template <int BlockM, int BlockN, bool Causal, bool Local, bool PackGqa = false>
 struct BlockMask {
   Band band;  // left / right are read by Local only
+  int group = 1;            // PackGqa only: query heads per K/V head
+  int q_per_tile = BlockM;  // PackGqa only: BlockM / group
+
+  // The query position of row r (0 <= r < BlockM) of tile m.
+  __device__ __forceinline__ int query(int m, int r) const {
+    return PackGqa ? m * q_per_tile + r / group : m * BlockM + r;
+  }
+  // apply()'s dq for a thread's first row r of tile m.
+  __device__ __forceinline__ int second_row_step(int m, int r) const {
+    return PackGqa ? query(m, r + 8) - query(m, r) : 8;
+  }
 
   // Tile m attends to K/V blocks [begin, end).
   __device__ __forceinline__ IndexRange n_range(int m) const {
-    const int num_n = (band.seqlen_k + BlockN - 1) / BlockN;
-    if constexpr (Local) return band.key_blocks<BlockN>(m * BlockM, (m + 1) * BlockM - 1, num_n);
-    if constexpr (Causal) {
-      const int x = (m + 1) * BlockM + band.seqlen_k - band.seqlen_q;
-      return {0, min(num_n, x <= 0 ? 0 : (x + BlockN - 1) / BlockN)};
-    }
-    return {0, num_n};
+    return PackGqa ? n_range_of(m * q_per_tile, (m + 1) * q_per_tile) : n_range_of(m * BlockM, (m + 1) * BlockM);
   }
 
   // Whether block n of tile m has a masked element: it crosses the sequence end, the diagonal or
   // a band edge (rows past seqlen_q do not count: their output is never stored).
   __device__ __forceinline__ bool needs_mask(int n, int m) const {
+    return PackGqa ? needs_mask_of(n, m * q_per_tile, (m + 1) * q_per_tile)
+                   : needs_mask_of(n, m * BlockM, (m + 1) * BlockM);
+  }
+
+  // The same for the tile of queries [q0, q1). (Spelled with the bounds as arguments: with the
+  // bounds from inline functions, ptxas allocated the unpacked hd64 local kernel differently and
+  // it spilled 16-24 bytes.)
+  __device__ __forceinline__ IndexRange n_range_of(int q0, int q1) const {
+    const int num_n = (band.seqlen_k + BlockN - 1) / BlockN;
+    if constexpr (Local) return band.key_blocks<BlockN>(q0, q1 - 1, num_n);
+    if constexpr (Causal) {
+      const int x = q1 + band.seqlen_k - band.seqlen_q;
+      return {0, min(num_n, x <= 0 ? 0 : (x + BlockN - 1) / BlockN)};
+    }
+    return {0, num_n};
+  }
+  __device__ __forceinline__ bool needs_mask_of(int n, int q0, int q1) const {
     const bool ragged = (n + 1) * BlockN > band.seqlen_k;
     if constexpr (Local)
-      return ragged || band.crosses(m * BlockM, min((m + 1) * BlockM, band.seqlen_q) - 1, n * BlockN, (n + 1) * BlockN - 1);
-    if constexpr (Causal) return ragged || ((n + 1) * BlockN - 1 > m * BlockM + band.seqlen_k - band.seqlen_q);
+      return ragged || band.crosses(q0, min(q1, band.seqlen_q) - 1, n * BlockN, (n + 1) * BlockN - 1);
+    if constexpr (Causal) return ragged || ((n + 1) * BlockN - 1 > q0 + band.seqlen_k - band.seqlen_q);
     return ragged;
   }
 
   // S[i][j] = -inf where key j is past the sequence end or not seen by query i.
-  // row0: this thread's first query row (global), n: the K/V block of S. (Local tests col - row
-  // against two constants, so no per-row bound stays live across the main loop: with per-row
-  // bounds hoisted, head_dim 256 spilled.)
-  __device__ __forceinline__ void apply(float (&s)[BlockN / 2], int n, int row0, int lane) const {
+  // n: the K/V block of S; q0: the query of this thread's first row (accumulator row r0), dq: the
+  // query of its second (row r0 + 8) minus q0 (8 unpacked). (Local tests key - query against two
+  // constants, so no per-row bound stays live across the main loop: with per-row bounds hoisted,
+  // head_dim 256 spilled.)
+  __device__ __forceinline__ void apply(float (&s)[BlockN / 2], int n, int q0, int dq, int lane) const {
     const int col0 = n * BlockN + 2 * (lane % 4);
-    const int diag = col0 - row0;  // col - row of register 0
+    const int diag = col0 - q0;  // key - query of register 0
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       int limit = band.seqlen_k;
-      if constexpr (Causal) limit = min(limit, row0 + 8 * h + 1 + band.seqlen_k - band.seqlen_q);
+      if constexpr (Causal) limit = min(limit, q0 + (h ? dq : 0) + 1 + band.seqlen_k - band.seqlen_q);
 #pragma unroll
       for (int j = 0; j < BlockN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           bool out = col0 + 8 * j + e >= limit;
           if constexpr (Local) {
-            const int d = diag + 8 * j + e - 8 * h;  // key - query
+            const int d = diag + 8 * j + e - (h ? dq : 0);  // key - query
             out = out || d > band.seqlen_k - band.seqlen_q + band.right || d < band.seqlen_k - band.seqlen_q - band.left;
           }
           if (out) s[4 * j + 2 * h + e] = -INFINITY;

@@ -45,6 +45,13 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, i
   ptx::cp_async_bulk_tensor(ptx::space_cluster, ptx::space_global, dst, map, coords, bar);
 }
 
+// 5-D tile load (PackGQA's Q: head_dim, head in group, seqlen, K/V head, batch), completing on `bar`.
+__device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
+                                            uint64_t* bar) {
+  const int32_t coords[5] = {c0, c1, c2, c3, c4};
+  ptx::cp_async_bulk_tensor(ptx::space_cluster, ptx::space_global, dst, map, coords, bar);
+}
+
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
   const int32_t coords[4] = {c0, c1, c2, c3};
   ptx::cp_async_bulk_tensor(ptx::space_global, ptx::space_shared, map, coords, src);

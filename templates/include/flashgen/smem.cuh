@@ -78,6 +78,15 @@ struct SmemTileSW128 {
       tma_load_4d(ptr() + ch * kChunkBytes, map, ch * kChunkCols, row, head, batch, bar);
   }
 
+  // TMA: the same from a 5-D (dim, c1, c2, c3, c4) map whose box is one chunk of up to Rows rows
+  // (PackGQA's Q: c1 the head in the group, c2 the query position; the box's rows land in order).
+  __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, int c1, int c2, int c3, int c4,
+                                              uint64_t* bar) const {
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch)
+      flashgen::tma_load_5d(ptr() + ch * kChunkBytes, map, ch * kChunkCols, c1, c2, c3, c4, bar);
+  }
+
   // TMA: store tile rows [tile_row, tile_row + box rows) to rows [row, ...) and columns [col0, ...)
   // of a 4-D tensor map, one box per chunk (not committed). One thread.
   __device__ __forceinline__ void tma_store(const CUtensorMap* map, int tile_row, int row, int head, int batch,

@@ -140,12 +140,14 @@ struct OnlineSoftmax {
   // every row's denominator that adds nothing to O (gpt-oss; FA4's learnable_sink). o_factor:
   // FP8's V descale. A row with nothing attended and no sink (or a NaN sum) gets O = 0 and
   // lse = -inf; with a sink, O = 0 and lse = sink.
+  // sink_rows_log2[h]: row h's sink (PackGQA: a thread's two rows may be of two query heads).
   template <int R>
   __device__ __forceinline__ void finalize(float (&o)[R], float scale_log2, float (&lse)[2],
-                                           float sink_log2 = -INFINITY, float o_factor = 1.f) {
+                                           const float (&sink_rows_log2)[2], float o_factor = 1.f) {
     const float unit = kRawMax ? scale_log2 : 1.f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      const float sink_log2 = sink_rows_log2[h];
       float l = row_sum[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -162,6 +164,12 @@ struct OnlineSoftmax {
       lse[h] = empty ? -INFINITY : (m + __log2f(l)) * 0.6931471805599453f;
     }
     rescale_rows(o, scale);
+  }
+  template <int R>
+  __device__ __forceinline__ void finalize(float (&o)[R], float scale_log2, float (&lse)[2],
+                                           float sink_log2 = -INFINITY, float o_factor = 1.f) {
+    const float sinks[2] = {sink_log2, sink_log2};
+    finalize(o, scale_log2, lse, sinks, o_factor);
   }
 };
 

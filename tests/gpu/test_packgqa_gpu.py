@@ -1,0 +1,157 @@
+"""GPU correctness of PackGQA (FA3's: the query heads of one K/V head packed into one tile;
+templates/fwd.cu.j2 ``kPackGqa``, flashgen.core.pack_gqa_rule) through ``flashgen.flash_attn_func``.
+
+Each case runs twice, with the rule forced to pack and forced not to (``core.pack_gqa_rule``
+patched, the prepared-call caches emptied), and a spy on ``core.launch_forward`` asserts which
+kernel ran. Both outputs are checked against the float32 reference on upcast inputs with FA3's
+rule (_ref.check_fwd: out within 2x the low-precision baseline's error, lse -inf exactly where the
+reference's is), out and lse allocated from NaN-poisoned blocks (an element not written shows up
+as NaN). Shapes: GQA groups 2-16 (7 and 6: groups that do not divide the tile, whose last rows are
+padding), MQA, odd lengths, seqlen_q > seqlen_k (causal rows that see no key), several tiles per
+CTA (the persistent loop and the causal tile counter), windows, sinks (per query head: a thread's
+two rows may be of two heads), and the rule's own choice for decode-like calls.
+
+A case whose PackGQA variant is not built skips (MISSING-FWD-VARIANT). Skipped without an sm_90 GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+import flashgen.core as core  # noqa: E402
+import flashgen.interface as interface  # noqa: E402
+from flashgen.core import mask_spec  # noqa: E402
+from _ref import DTYPE_NAMES, bitwise_equal, check_fwd, make_qkv, poison_cached_blocks, variant_missing  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+# (batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, causal, window)
+CASES = [
+    (2, 1, 1000, 32, 4, 128, BF16, False, (-1, -1)),    # decode, group 8
+    (2, 1, 1000, 32, 4, 128, BF16, True, (-1, -1)),     # causal decode = unmasked (FA3)
+    (3, 7, 333, 12, 2, 64, FP16, True, (-1, -1)),       # group 6: 192 rows = 32 positions x 6
+    (1, 17, 513, 28, 4, 128, BF16, True, (-1, -1)),     # group 7 (Qwen2): 126 of 128 rows, 2 padding
+    (2, 113, 203, 16, 2, 256, BF16, False, (-1, -1)),   # several tiles per head
+    (2, 113, 203, 16, 2, 256, FP16, True, (-1, -1)),
+    (1, 300, 300, 8, 1, 64, BF16, True, (-1, -1)),      # MQA
+    (2, 239, 61, 8, 2, 128, FP16, True, (-1, -1)),      # seqlen_q > seqlen_k: early rows see no key
+    (16, 200, 777, 16, 2, 128, BF16, True, (-1, -1)),   # 416 tiles: persistent CTAs, tile counter
+    (16, 200, 777, 16, 2, 64, FP16, False, (-1, -1)),   # 224 tiles, static persistent order
+    (2, 57, 500, 32, 2, 96, BF16, False, (-1, -1)),     # head_dim 96, group 16
+    (2, 129, 400, 8, 2, 128, BF16, False, (100, 3)),    # sliding window (local)
+    (2, 64, 1024, 32, 8, 64, FP16, True, (256, -1)),    # causal with a window
+    (2, 65, 129, 4, 4, 128, BF16, False, (-1, -1)),     # group 1 (MHA) forced packed
+]
+
+
+def case_id(c) -> str:
+    b, sq, sk, h, hk, d, dt, causal, w = c
+    s = f"{DTYPE_NAMES[dt]}-hd{d}-b{b}_q{sq}_k{sk}_h{h}_hk{hk}"
+    return s + ("-causal" if causal else "") + ("" if w == (-1, -1) else "-w{}_{}".format(*w))
+
+
+def need_pack(c) -> None:
+    b, sq, sk, h, hk, d, dt, causal, w = c
+    m = mask_spec(causal, w, sq, sk)
+    why = variant_missing("fwd", {"dtype": DTYPE_NAMES[dt], "head_dim": d, "head_dim_v": d, "causal": m.causal,
+                                  "local": m.local, "softcap": False, "pack_gqa": True},
+                          round_up=("head_dim", "head_dim_v"))
+    if why:
+        pytest.skip(why)
+
+
+@pytest.fixture
+def used(monkeypatch):
+    """The variants core.launch_forward launched, in order (the prepared calls emptied afterwards)."""
+    seen = []
+    real = core.launch_forward
+
+    def spy(prep, *a, **kw):
+        seen.append(prep.plan.variant)
+        return real(prep, *a, **kw)
+
+    monkeypatch.setattr(core, "launch_forward", spy)
+    yield seen
+    interface._fwd_calls.clear()  # prepared under a forced rule: not for later tests
+    core._prepared_forwards.clear()
+
+
+def forced(monkeypatch, pack: bool) -> None:
+    """The rule forced to ``pack``; the prepared calls emptied so that the next call asks it."""
+    monkeypatch.setattr(core, "pack_gqa_rule", lambda *a: pack)
+    interface._fwd_calls.clear()
+    core._prepared_forwards.clear()
+
+
+def run(q, k, v, causal, window, sink=None):
+    b, sq, h = q.shape[:3]
+    poison_cached_blocks(q.element_size() * b * sq * h * v.shape[-1] + 4 * b * h * sq)
+    with torch.no_grad():
+        out, lse = flashgen.flash_attn_func(q, k, v, causal=causal, window_size=window, learnable_sink=sink,
+                                           return_attn_probs=True)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+@pytest.mark.parametrize("c", CASES, ids=case_id)
+def test_packed_and_unpacked_match_the_reference(c, used, monkeypatch):
+    need_pack(c)
+    b, sq, sk, h, hk, d, dt, causal, w = c
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dt, seed=sq + sk + h)
+    results = {}
+    for pack in (True, False):
+        forced(monkeypatch, pack)
+        out, lse = run(q, k, v, causal, w)
+        assert bool(used[-1].params.get("pack_gqa")) == pack, f"ran {used[-1].name}, wanted pack_gqa={pack}"
+        check_fwd(q, k, v, causal, out, lse, window_size=w)
+        results[pack] = out
+    # the same softmax in another row order: equal up to fp32 rounding
+    torch.testing.assert_close(results[True], results[False], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("c", [(2, 5, 300, 16, 2, 128, BF16, True, (-1, -1)),
+                               (1, 33, 129, 12, 2, 64, FP16, False, (-1, -1))], ids=case_id)
+def test_packed_sinks_per_query_head(c, used, monkeypatch):
+    """A tile's rows belong to several heads: each row adds its own head's sink."""
+    need_pack(c)
+    b, sq, sk, h, hk, d, dt, causal, w = c
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dt, seed=7)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sink = 3.0 * torch.randn(h, generator=g, device="cuda", dtype=torch.float32)
+    sink[0], sink[-1] = 6.0, -20.0
+    forced(monkeypatch, True)
+    out, lse = run(q, k, v, causal, w, sink)
+    assert used[-1].params.get("pack_gqa")
+    check_fwd(q, k, v, causal, out, lse, sink=sink)
+
+
+def test_rule_packs_decode_and_not_prefill(used, monkeypatch):
+    """The rule's own choice (flashgen.core.pack_gqa_rule): a decode step (seqlen_q 1, group 8)
+    packs, a prompt (seqlen_q 2048) does not; both correct."""
+    need_pack((1, 1, 64, 32, 4, 128, BF16, False, (-1, -1)))
+    interface._fwd_calls.clear()
+    core._prepared_forwards.clear()
+    for sq, want in ((1, True), (2048, False)):
+        q, k, v = make_qkv(2, sq, 2048, 32, 4, 128, BF16, seed=sq)
+        out, lse = run(q, k, v, True, (-1, -1))
+        assert bool(used[-1].params.get("pack_gqa")) == want, (sq, used[-1].name)
+        check_fwd(q, k, v, True, out, lse)
+
+
+def test_packed_is_deterministic(used, monkeypatch):
+    """Many tiles per CTA with the causal tile counter: 20 runs bitwise equal (a race would move)."""
+    c = (16, 200, 777, 16, 2, 128, BF16, True, (-1, -1))
+    need_pack(c)
+    b, sq, sk, h, hk, d, dt, causal, w = c
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dt, seed=11)
+    forced(monkeypatch, True)
+    first, _ = run(q, k, v, causal, w)
+    assert used[-1].params.get("pack_gqa")
+    for _ in range(19):
+        again, _ = run(q, k, v, causal, w)
+        assert bitwise_equal(again, first)
