@@ -584,7 +584,8 @@ def flash_attn_func(
         qv, attention_chunk: FA3 arguments no built variant implements yet; anything but their
             defaults (None / 0) raises NotImplementedError naming the argument.
         num_splits, pack_gqa, sm_margin: FA3 scheduling hints; accepted and ignored (they
-            never change the result).
+            never change the result). PackGQA (a K/V head's query heads in one tile) is chosen
+            per call by flashgen.core.pack_gqa_rule, measured on decode-like calls (docs/PERF.md).
         deterministic: the backward gives bitwise-reproducible gradients (its dq
             accumulation runs in a fixed order, at some cost in speed); the forward is
             always deterministic.

@@ -26,18 +26,13 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-FWD_FIELDS = [
-    ["lse", "ptr", 0], ["seqlen_q", "i32", 8], ["seqlen_k", "i32", 12], ["heads", "i32", 16], ["heads_k", "i32", 20],
-    ["batch", "i32", 24], ["num_m_blocks", "i32", 28], ["num_tiles", "i32", 32], ["scale_log2", "f32", 36],
-    ["softmax_scale", "f32", 40], ["softcap_scale", "f32", 44], ["window_left", "i32", 48],
-    ["window_right", "i32", 52], ["sink", "ptr", 56], ["q_descale", "ptr", 64], ["q_descale_stride_batch", "i32", 72],
-    ["q_descale_stride_head", "i32", 76], ["q_descale_stride_block", "i32", 80], ["q_descale_head_div", "i32", 84],
-    ["k_descale", "ptr", 88], ["k_descale_stride_batch", "i32", 96], ["k_descale_stride_head", "i32", 100],
-    ["k_descale_stride_block", "i32", 104], ["v_descale", "ptr", 112], ["v_descale_stride_batch", "i32", 120],
-    ["v_descale_stride_head", "i32", 124], ["o", "ptr", 128], ["o_stride_batch", "i64", 136],
-    ["o_stride_seq", "i64", 144], ["o_stride_head", "i64", 152], ["head_dim_v", "i32", 160],
-    ["section_heads", "i32", 164], ["tile_counter", "ptr", 168],
-]
+
+
+def fwd_params_layout() -> dict:
+    """The real FwdParams layout (generator/families/fwd.py), as the manifest records it."""
+    from flashgen.generator.families.fwd import PARAMS
+
+    return PARAMS.layout()
 
 
 def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
@@ -50,7 +45,7 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
            "kernels": [{"role": "main", "symbol": f"flashgen_{name}_main", "threads": 384, "cluster": list(cluster),
                         "smem_bytes": 198656, "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
                         "tensor_maps": ["q", "k", "v", "o"], "sass": [],
-                        "params": {"struct": "FwdParams", "size": 176, "fields": FWD_FIELDS}}]}
+                        "params": fwd_params_layout()}]}
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"}, "variants": [rec]}, f)
 

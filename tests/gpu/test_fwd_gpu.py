@@ -69,7 +69,9 @@ def built(dtype, d, causal):
         m = load_manifest()
     except Exception:
         return False
-    return any(v.dispatch == {"dtype": DT[dtype], "head_dim": d, "head_dim_v": d, "causal": causal, "local": False, "softcap": False}
+    # the unpacked kernel (pack_gqa false): the one these shapes run
+    return any(v.dispatch == {"dtype": DT[dtype], "head_dim": d, "head_dim_v": d, "causal": causal, "local": False,
+                              "softcap": False, "pack_gqa": False}
                for v in m.variants if v.family == "fwd")
 
 
