@@ -78,8 +78,9 @@ def put(view: torch.Tensor, src: torch.Tensor) -> None:
             put(view[i], src[i])
 
 
-def fwd_case(dtype, d: int, causal: bool, seed: int) -> None:
-    b, sq, sk, cap, h, hk = 2, 113, 239, 320, 4, 2
+def fwd_case(dtype, d: int, causal: bool, seed: int, shape=(2, 113, 239, 4, 2)) -> None:
+    b, sq, sk, h, hk = shape
+    cap = sk + 81
     q, k, v = randn(b, sq, h, d, seed=seed, dtype=dtype), randn(b, sk, hk, d, seed=seed + 1, dtype=dtype), \
         randn(b, sk, hk, d, seed=seed + 2, dtype=dtype)
     q_dev = q.cuda()
@@ -150,6 +151,17 @@ def fwd_cases():
                 lambda dtype=dtype, d=d, causal=causal, i=i: fwd_case(dtype, d, causal, seed=10 * i)
 
 
+def fwd_packed_cases():
+    """PackGQA (decode-like calls, group 4: core.pack_gqa_rule packs them): 5-D Q loads, per-row stores."""
+    for i, (dtype, d, causal) in enumerate(((torch.bfloat16, 128, True), (torch.float16, 64, False),
+                                            (torch.bfloat16, 256, False))):
+        key = {"dtype": NAME[dtype], "head_dim": d, "head_dim_v": d, "causal": causal, "pack_gqa": True}
+        if built("fwd", key):
+            yield f"fwd packgqa {NAME[dtype]} d{d} {'causal' if causal else 'full'} b2 q5 k239 h8/2", \
+                lambda dtype=dtype, d=d, causal=causal, i=i: fwd_case(dtype, d, causal, seed=100 + i,
+                                                                      shape=(2, 5, 239, 8, 2))
+
+
 def bwd_cases():
     for i, (dtype, d, dv, causal, det) in enumerate(((torch.bfloat16, 64, 64, True, True),
                                                      (torch.float16, 128, 128, False, True),
@@ -183,7 +195,7 @@ def quant_cases():
 
 
 #: family -> generator of (name, case); every family in the manifest needs an entry.
-CASES = {"fwd": fwd_cases, "bwd": bwd_cases, "combine": combine_cases, "quant": quant_cases}
+CASES = {"fwd": lambda: (*fwd_cases(), *fwd_packed_cases()), "bwd": bwd_cases, "combine": combine_cases, "quant": quant_cases}
 
 
 def main() -> int:

@@ -64,6 +64,10 @@ struct LoadPipeline {
 
   // One thread per consumer warpgroup, after the warpgroup's last read of the stage.
   __device__ __forceinline__ void consumer_release(PipeState<Stages> st) const { mbar_arrive(&empty[st.stage]); }
+  // `count` consumers' releases by one thread (their accesses ordered before it by a barrier).
+  __device__ __forceinline__ void consumer_release(PipeState<Stages> st, uint32_t count) const {
+    mbar_arrive(&empty[st.stage], count);
+  }
 };
 
 // Pingpong: the consumer warpgroups take turns issuing their GEMMs, so one's softmax runs while
