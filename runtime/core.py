@@ -128,8 +128,8 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
     PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``).
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
-    key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device, bucket,
-           pack_gqa)
+    key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device,
+           pack_gqa, bucket)
     plan = _plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
