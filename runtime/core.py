@@ -286,21 +286,18 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     mask = mask_spec(causal, window_size, sq, sk)
     softmax_constants(softmax_scale, softcap)  # the checks only: the constants are per call
     bucket = (sk - 1).bit_length()  # tuning.seqlen_bucket
-    plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket)
     group = h // hk
-    if variant is not None:
-        packed = bool(variant.params.get("pack_gqa"))
-    elif pack_gqa is None:
-        packed = not fp8 and not softcap > 0 and pack_gqa_rule(sq, h, hk, plan.block_m)
+    if variant is not None or pack_gqa:  # a named variant, or PackGQA asked for (MissingVariantError if none)
+        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, pack_gqa=bool(pack_gqa))
+        packed = bool(plan.variant.params.get("pack_gqa"))
+    else:
+        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket)
+        packed = pack_gqa is None and not fp8 and not softcap > 0 and pack_gqa_rule(sq, h, hk, plan.block_m)
         if packed:
             try:
                 plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, pack_gqa=True)
             except MissingVariantError:  # none built for this key: the unpacked kernel serves
                 packed = False
-    else:
-        packed = bool(pack_gqa)
-        if packed:  # asked for: a missing variant raises MissingVariantError
-            plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, pack_gqa=True)
     bm, bn = plan.block_m, plan.block_n
     if packed and group > bm:
         raise ValueError(f"flashgen: pack_gqa needs heads / heads_k ({group}) <= block_m ({bm})")
