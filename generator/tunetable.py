@@ -191,7 +191,6 @@ def named_tiles(data: dict) -> list[tuple[str, str, dict, dict]]:
             for i, e in enumerate(data["entries"]) for j, r in enumerate(e["rows"]) if r["tile"] != "default"]
 
 
-
 def has_tile(params: dict, tile: dict) -> bool:
     """Whether a variant's params carry ``tile`` (the runtime's match, flashgen/tuning.py)."""
     return all(params.get(k) == x for k, x in tile.items())

@@ -15,6 +15,7 @@ sizes that cover the call serve it.
 
 from __future__ import annotations
 
+from .generator.families import full_key  # noqa: F401 -- re-exported: keys with defaults filled in
 from .manifest import Manifest, Variant, load_manifest
 
 
@@ -43,14 +44,6 @@ def add_variant_command(family: str, key: dict) -> str:
         else:
             opts.append(f"{flag} {v}")
     return f"flashgen add-variant {family} " + " ".join(opts)
-
-
-def full_key(family: str, key: dict) -> dict:
-    """``key`` with the dispatch keys a request may leave out filled in (the family module's
-    defaults, e.g. fwd's ``pack_gqa``: False; generator/families full_key)."""
-    from .generator import families
-
-    return families.full_key(family, key)
 
 
 def select_variant(family: str, key: dict, manifest: Manifest | None = None, round_up: tuple = ()) -> Variant:

@@ -14,6 +14,7 @@ SDPA's is_causal is top-left aligned, FA3's bottom-right: causal rows are timed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import sys
 
@@ -49,12 +50,19 @@ def _sdpa(backend, q, k, v):
     return None, None
 
 
-def _forced(pack):
+@contextlib.contextmanager
+def _forced(pack: bool):
+    """core.pack_gqa_rule answering ``pack``; the prepared calls emptied on entry and exit."""
     real = core.pack_gqa_rule
-    core.pack_gqa_rule = (lambda *a: pack) if pack is not None else real
+    core.pack_gqa_rule = lambda *a: pack
     interface._fwd_calls.clear()
     core._prepared_forwards.clear()
-    return real
+    try:
+        yield
+    finally:
+        core.pack_gqa_rule = real
+        interface._fwd_calls.clear()
+        core._prepared_forwards.clear()
 
 
 def main(argv=None) -> int:
@@ -82,29 +90,22 @@ def main(argv=None) -> int:
                     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
                     k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
                     t = {}
-                    real = None
-                    try:
-                        for pack in (True, False):
-                            real = _forced(pack)
+                    for pack in (True, False):
+                        with _forced(pack):
                             t[pack] = 1e3 * _time_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
-                            core.pack_gqa_rule = real
-                    finally:
-                        if real is not None:
-                            core.pack_gqa_rule = real
-                        interface._fwd_calls.clear()
-                        core._prepared_forwards.clear()
                     plan = core._plan("bf16", d, d, core.mask_spec(causal, (-1, -1), sq, sk), False, 0, None,
                                       bucket=(sk - 1).bit_length())
                     rule = core.pack_gqa_rule(sq, h, hk, plan.block_m)
-                    peers = {}
+                    peers, forms = {}, {}
                     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-                        fn, _ = (None, None) if causal else _sdpa(backend, q, k, v)
+                        fn, gqa = (None, None) if causal else _sdpa(backend, q, k, v)
                         peers[name] = 1e3 * _time_ms(fn) if fn else float("nan")
+                        forms[f"{name}_form"] = "" if fn is None else "enable_gqa" if gqa else "expanded"
                     best = min((x for x in peers.values() if x == x), default=float("nan"))
                     fg = t[rule]
                     row = dict(seqlen_q=sq, seqlen_k=sk, group=group, causal=causal, packed_us=t[True],
                                unpacked_us=t[False], speedup=t[False] / t[True], rule="pack" if rule else "unpacked",
-                               cudnn_us=peers["cudnn"], fa2_us=peers["fa2"], vs_best_sdpa=best / fg)
+                               cudnn_us=peers["cudnn"], fa2_us=peers["fa2"], vs_best_sdpa=best / fg, **forms)
                     rows.append(row)
                     print(f"| {sq} | {sk} | {group} | {'yes' if causal else 'no'} | {t[True]:.1f} | {t[False]:.1f} | "
                           f"{row['speedup']:.2f} | {row['rule']} | {peers['cudnn']:.1f} | {peers['fa2']:.1f} | "

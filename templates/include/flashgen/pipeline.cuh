@@ -62,7 +62,8 @@ struct LoadPipeline {
   // writes to the stage are done (and fenced for the async proxy where WGMMA reads them).
   __device__ __forceinline__ void producer_commit(PipeState<Stages> st) const { mbar_arrive(&full[st.stage]); }
 
-  // One thread per consumer warpgroup, after the warpgroup's last read of the stage.
+  // One arrive, after the caller's last read of the stage (how many arrive per stage is the empty
+  // barrier's count: one thread per consumer warpgroup, or every reading thread).
   __device__ __forceinline__ void consumer_release(PipeState<Stages> st) const { mbar_arrive(&empty[st.stage]); }
   // `count` consumers' releases by one thread (their accesses ordered before it by a barrier).
   __device__ __forceinline__ void consumer_release(PipeState<Stages> st, uint32_t count) const {
