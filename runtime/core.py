@@ -14,7 +14,7 @@ from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
 from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
 from .manifest import Variant, load_manifest
-from .generator.families.fwd import dynamic_schedule  # noqa: E402 -- which variants take a tile counter
+from .generator.families.fwd import dynamic_schedule, operand_row_bytes  # noqa: E402 -- tile counter, TMA rows
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
            "launch_forward", "PreparedForward", "attention_backward",
@@ -144,17 +144,19 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
     return plan
 
 
-def _bshd_map_spec(t: TensorArg, box_rows: int) -> tuple:
-    """The arguments of :func:`launch.tensor_map` after the address for a 128B-swizzled 4-D TMA
-    map over a BSHD tensor, tiles of box_rows x 128 bytes (64 16-bit or 128 8-bit elements): dims
-    innermost first (head_dim, seqlen, heads, batch). Depends on the metadata only."""
+def _bshd_map_spec(t: TensorArg, box_rows: int, row_bytes: int = 128) -> tuple:
+    """The arguments of :func:`launch.tensor_map` after the address for a swizzled 4-D TMA map
+    over a BSHD tensor, tiles of box_rows x row_bytes bytes (128: 64 16-bit or 128 8-bit elements,
+    the 128-byte swizzle; 64: the 64-byte swizzle, the forward's e4m3 head_dim 64, see
+    generator.families.fwd.operand_row_bytes): dims innermost first (head_dim, seqlen, heads,
+    batch). Depends on the metadata only."""
     b, s, h, d = t.shape
     es = ELEMENT_SIZE[t.dtype]
     return (_VARIANT_DTYPE.get(t.dtype, t.dtype), (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es),
-            (128 // es, box_rows, 1, 1), 128, t.device)
+            (row_bytes // es, box_rows, 1, 1), row_bytes, t.device)
 
 
-def _packed_q_map_spec(q: TensorArg, group: int, positions: int) -> tuple:
+def _packed_q_map_spec(q: TensorArg, group: int, positions: int, row_bytes: int = 128) -> tuple:
     """PackGQA's Q map (fwd.cu.j2: kPackGqa), as :func:`_bshd_map_spec`: 5-D (head_dim, head in
     group, seqlen, K/V head, batch) with strides (head, seq, group x head, batch), box (one chunk,
     group, ``positions``, 1, 1), so that a box lands as the tile rows position x group + head in
@@ -163,7 +165,7 @@ def _packed_q_map_spec(q: TensorArg, group: int, positions: int) -> tuple:
     es = ELEMENT_SIZE[q.dtype]
     sb, ss, sh = (x * es for x in q.strides[:3])
     return (_VARIANT_DTYPE.get(q.dtype, q.dtype), (d, group, s, h // group, b), (sh, ss, group * sh, sb),
-            (128 // es, group, positions, 1, 1), 128, q.device)
+            (row_bytes // es, group, positions, 1, 1), row_bytes, q.device)
 
 
 #: FA3's PackGQA threshold (hopper/heuristics.h): pack when the unpacked tiles' share of real rows
@@ -313,8 +315,11 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               "head_dim_v": dv, **_descale_params("q", q_descale, h, hk, True),
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False)}
     geometry = launch.map_geometry
-    q_map = _packed_q_map_spec(q, group, positions) if packed else _bshd_map_spec(q, bm)
-    maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, bn)), geometry(*_bshd_map_spec(v, bn)),
+    vp = plan.variant.params  # the tiles' shared-memory rows (64 or 128 bytes), which the maps' boxes match
+    qk_rows = operand_row_bytes(vp["head_dim"], vp["dtype"])
+    v_rows = operand_row_bytes(vp.get("head_dim_v", vp["head_dim"]), vp["dtype"])
+    q_map = _packed_q_map_spec(q, group, positions, qk_rows) if packed else _bshd_map_spec(q, bm, qk_rows)
+    maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, bn, qk_rows)), geometry(*_bshd_map_spec(v, bn, v_rows)),
             geometry(*_bshd_map_spec(out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     # Causal persistent variants claim tiles from a zeroed int32 of each launch's own, when there are

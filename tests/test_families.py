@@ -448,6 +448,11 @@ def test_smem_layout_is_the_feasibility_layout():
         if v.params["dtype"] == "e4m3":  # V^T ring: head_dim rows x block_n padded to 128 byte columns
             assert r["smem"]["vt"]["bytes"] == v.params["stages"] * r["head_dim_v_padded"] * r["block_n_vt"]
             assert r["smem"]["o"]["bytes"] == 0 and r["block_n_vt"] % 128 == 0
+        # Q/K/V rows: 64 bytes for e4m3 head_dim <= 64 (not padded to 128: that doubled both GEMMs), else 128
+        hd, e = v.params["head_dim"], 1 if v.params["dtype"] == "e4m3" else 2
+        assert r["qk_row_bytes"] == (64 if e == 1 and hd <= 64 else 128) == fwd_mod.operand_row_bytes(hd, v.params["dtype"])
+        assert r["head_dim_padded"] == -(-hd // (r["qk_row_bytes"] // e)) * (r["qk_row_bytes"] // e)
+        assert r["smem"]["q"]["bytes"] == v.params["block_m"] * r["head_dim_padded"] * e
         end = 0
         for region in r["smem"].values():
             assert region["offset"] == end

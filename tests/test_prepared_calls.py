@@ -225,7 +225,8 @@ def test_capability_is_checked_on_every_call(fake_gpu, monkeypatch):
 KEYS = [dict(dtype=dt, head_dim=hd, head_dim_v=hd, causal=c, local=lo, softcap=sc)
         for dt in ("bf16", "fp16") for hd in (64, 128) for c in (False, True) for lo in (False, True)
         for sc in (False, True) if not (c and lo)] + \
-       [dict(dtype="e4m3", head_dim=128, head_dim_v=128, causal=c, local=False, softcap=False) for c in (False, True)]
+       [dict(dtype="e4m3", head_dim=hd, head_dim_v=hd, causal=c, local=False, softcap=False)
+        for hd in (64, 128) for c in (False, True)]
 FWD_LAYOUT = fwd_mod.PARAMS.layout()
 FWD_OFFSETS = {n: off for n, _, off in FWD_LAYOUT["fields"]}
 
@@ -477,11 +478,16 @@ def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap
                                                                 sink, bm, FakeDriver.SM_COUNT, descales,
                                                                 rec["tile_counter"]))
     assert rec["params"] == want
+    # the variant's head dim decides each map's row: 64 bytes (SWIZZLE_64B) for e4m3 head_dim <= 64,
+    # else 128 (smem.cuh: SmemTileSW, fwd.operand_row_bytes); the output (16-bit) is always 128
+    swz = {"bf16": 128, "fp16": 128, "fp8_e4m3": 64 if q.shape[3] <= 64 else 128}
     for t, tm, rows in zip((q, k, v, out), rec["maps"], (bm, 128, 128, 64)):
         es = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1}[t.dtype]
         b, s, h, d = t.shape
+        row_bytes = swz[t.dtype]
         assert (tm.ptr, tm.dims, tm.strides, tm.box) == (
-            t.ptr, (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es), (128 // es, rows, 1, 1))
+            t.ptr, (d, s, h, b), (t.strides[1] * es, t.strides[2] * es, t.strides[0] * es), (row_bytes // es, rows, 1, 1))
+        assert tm.swizzle == getattr(launch._driver().CUtensorMapSwizzle, launch._SWIZZLE[row_bytes])
 
 
 CONFIGS = [  # (q shape, k/v shape, dtype, causal, window, softcap)
@@ -534,6 +540,20 @@ def test_fp8_descales_metadata_and_addresses(driver):
         core.attention_forward(q, k, v, out, lse, 0.09, True, 1, q_descale=qd, k_descale=kd)
         check_launch(driver.launches[-1], q, k, v, out, lse, 0.09, True, stream=1, descales=(qd, kd, None))
     assert len(core._prepared_forwards) == 2
+
+
+def test_fp8_head_dim_64_maps_have_64_byte_rows(driver):
+    """e4m3 at head_dim <= 64 runs on 64-byte shared-memory rows (the 64-byte swizzle), not padded
+    to 128: the TMA boxes are 64 elements wide and the maps swizzle 64 bytes (check_launch)."""
+    for d in (64, 48):  # 48: served by the head_dim 64 variant
+        q, k, v = (targ((2, 70, 4, d), "fp8_e4m3", p << 20) for p in (1, 2, 3))
+        out, lse = targ((2, 70, 4, d), "bf16", 4 << 20), targ((2, 4, 70), "fp32", 5 << 20)
+        used = core.attention_forward(q, k, v, out, lse, 0.125, False, 1)
+        assert used.params["head_dim"] == 64
+        if d == 64:
+            check_launch(driver.launches[-1], q, k, v, out, lse, 0.125, False, stream=1)
+        assert [(m.box[0], m.swizzle) for m in driver.launches[-1]["maps"]] == \
+            [(64, "CU_TENSOR_MAP_SWIZZLE_64B")] * 3 + [(64, "CU_TENSOR_MAP_SWIZZLE_128B")]
 
 
 def test_misaligned_address_after_a_cache_hit_is_refused_as_before(driver):

@@ -23,10 +23,11 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   steps k16 over it.
 - consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
 - stages in 1..4.
-- Shared memory (:func:`smem_layout`; P = head_dim rounded up to 64, 2 bytes per element):
-  Q block_m*P, K and V stages*block_n*P each, O block_m*Pv when it still fits (``separate_o``,
-  else O is staged in Q's buffer), 1024 bytes of mbarriers, plus 1024 bytes of alignment slack:
-  at most 227 KB = 232448 bytes.
+- Shared memory (:func:`smem_layout`; P = head_dim rounded up to whole rows: 128 bytes = 64
+  16-bit elements, or 128 e4m3 ones, except that an e4m3 head_dim <= 64 takes one 64-byte row
+  (:func:`operand_row_bytes`)): Q block_m*P, K and V stages*block_n*P each, O block_m*Pv when
+  it still fits (``separate_o``, else O is staged in Q's buffer), 1024 bytes of mbarriers, plus
+  1024 bytes of alignment slack: at most 227 KB = 232448 bytes.
 - Registers (setmaxnreg): 2 consumer WGs get 240 regs/thread, 3 get 160 (producer 24 / 32).
   With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128. For both, the fp32 S accumulator
   (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4) registers per thread
@@ -107,6 +108,21 @@ def _pad_chunk(x: int, dtype: str) -> int:
     return -(-int(x) // c) * c
 
 
+def operand_row_bytes(width: int, dtype: str) -> int:
+    """Bytes per shared-memory row of a Q, K or V tile whose rows hold ``width`` (head_dim or
+    head_dim_v) elements of ``dtype``: 64 (the 64-byte swizzle) for an 8-bit row of at most 64
+    elements, so that e4m3 head_dim 64 is not padded to 128 (which doubled both GEMMs), else 128.
+    The kernel's tile types (smem.cuh: SmemTileSW) and the runtime's TMA maps (box and swizzle)
+    both follow it."""
+    return 64 if DTYPE_BYTES.get(dtype, 2) == 1 and int(width) <= 64 else 128
+
+
+def _pad_operand(x: int, dtype: str) -> int:
+    """head_dim or head_dim_v rounded up to whole shared-memory rows (:func:`operand_row_bytes`)."""
+    c = operand_row_bytes(x, dtype) // DTYPE_BYTES.get(dtype, 2)
+    return -(-int(x) // c) * c
+
+
 def smem_layout(params: dict) -> dict:
     """Shared-memory regions ``{name: {"offset", "bytes"}}`` in address order (what the kernel
     uses and what feasibility checks). O gets its own staging buffer when it fits, so Q is released
@@ -114,7 +130,7 @@ def smem_layout(params: dict) -> dict:
     staged in Q's buffer (region ``o`` has 0 bytes)."""
     dt = params["dtype"]
     e = DTYPE_BYTES.get(dt, 2)
-    p, pv = _pad_chunk(params["head_dim"], dt), _pad_chunk(params["head_dim_v"], dt)
+    p, pv = _pad_operand(params["head_dim"], dt), _pad_operand(params["head_dim_v"], dt)
     bm, bn, st = int(params["block_m"]), int(params["block_n"]), int(params["stages"])
     sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e}
     if dt == "e4m3":  # V^T ring (keys padded to whole 128-byte chunks); O is stored from registers
@@ -151,8 +167,9 @@ class FwdFamily(Family):
 
     def resources(self, params):
         """threads, smem (layout), smem_bytes, producer_regs, consumer_regs, head_dim_padded,
-        head_dim_v_padded (whole 128-byte chunks), separate_o, fp8, out_dtype, block_n_vt (e4m3:
-        V^T's key columns, block_n padded to 128)."""
+        head_dim_v_padded (whole shared-memory rows), qk_row_bytes / v_row_bytes (those rows' bytes:
+        :func:`operand_row_bytes`), separate_o, fp8, out_dtype, block_n_vt (e4m3: V^T's key
+        columns, block_n padded to 128)."""
         wgs = int(params["consumer_wgs"])
         smem = smem_layout(params)
         split = REG_SPLIT_FP8 if params["dtype"] == "e4m3" or params.get("pack_gqa") else REG_SPLIT
@@ -163,8 +180,10 @@ class FwdFamily(Family):
             smem_bytes=smem["bars"]["offset"] + smem["bars"]["bytes"] + ALIGN_SLACK_BYTES,
             producer_regs=producer_regs,
             consumer_regs=consumer_regs,
-            head_dim_padded=_pad_chunk(params["head_dim"], params["dtype"]),
-            head_dim_v_padded=_pad_chunk(params["head_dim_v"], params["dtype"]),
+            head_dim_padded=_pad_operand(params["head_dim"], params["dtype"]),
+            head_dim_v_padded=_pad_operand(params["head_dim_v"], params["dtype"]),
+            qk_row_bytes=operand_row_bytes(params["head_dim"], params["dtype"]),
+            v_row_bytes=operand_row_bytes(params["head_dim_v"], params["dtype"]),
             separate_o=smem["o"]["bytes"] > 0,
             fp8=params["dtype"] == "e4m3",
             out_dtype=OUT_DTYPE.get(params["dtype"], params["dtype"]),

@@ -14,8 +14,9 @@ namespace flashgen {
 // ldmatrix.x4 reads keys 16g + {0..7} and 16g + {8..15} of two 16-byte column blocks; a byte
 // permute pairs key i with key i + 8 (PRMT); one stmatrix.x4.trans writes the pairs transposed
 // (FA3's LDSM / STSM transpose). kWarps warps (a warp each, `warp` = 0..kWarps-1) split the units
-// round robin. Both swizzles XOR bits 4-6 of an address with a row constant, and the tiles are
-// 1024-byte aligned, so a lane's address for column block k of a source chunk is its address for
+// round robin. The swizzles XOR the 16-byte unit bits of an address (4-6 with 128-byte rows, 4-5
+// with V's 64-byte rows at head_dim 64) with a row constant that 16 rows do not change, and the tiles
+// are 1024-byte aligned, so a lane's address for column block k of a source chunk is its address for
 // block 0 XOR (k << 5), and for key block k of a V^T chunk its address for block 0 XOR (k << 4):
 // per unit, one LOP3 per access plus immediates (the loop is unrolled per warp; the lane's two
 // addresses come from the tiles' offset()). The caller fences the generic-proxy writes
@@ -23,7 +24,8 @@ namespace flashgen {
 template <typename SrcTile, typename DstTile, int kWarps>
 struct VTransposer {
   static_assert(SrcTile::kRows % 16 == 0 && SrcTile::kCols % 32 == 0, "16 keys x 32 bytes units");
-  static_assert(SrcTile::kChunkCols == 128 && DstTile::kChunkCols == 128, "8-bit elements, 128-byte rows");
+  static_assert(SrcTile::kChunkCols == SrcTile::kRowBytes && DstTile::kChunkCols == 128, "8-bit elements, 128-byte V^T rows");
+  static constexpr int kSrcBlocks = SrcTile::kRowBytes / 32;  // 32-byte column blocks per source row
   static_assert(DstTile::kRows == SrcTile::kCols && DstTile::kCols >= SrcTile::kRows, "V^T holds V");
   static constexpr int kKeyGroups = SrcTile::kRows / 16;
   static constexpr int kUnits = kKeyGroups * (SrcTile::kCols / 32);
@@ -62,7 +64,7 @@ struct VTransposer {
       const int g = u % kKeyGroups;   // 16-key group
       const int cb = u / kKeyGroups;  // 32-byte head_dim block
       uint32_t x[4];
-      ldmatrix_x4((v ^ ((cb % 4) << 5)) + (cb / 4) * SrcTile::kChunkBytes + 16 * g * SrcTile::kRowBytes, x);
+      ldmatrix_x4((v ^ ((cb % kSrcBlocks) << 5)) + (cb / kSrcBlocks) * SrcTile::kChunkBytes + 16 * g * SrcTile::kRowBytes, x);
       // x0/x1: keys i, i + 8 (i = lane / 4) at bytes 4c..4c+3 of block 0; x2/x3 the same of block 1.
       const uint32_t w[4] = {__byte_perm(x[0], x[1], 0x5140), __byte_perm(x[0], x[1], 0x7362),
                              __byte_perm(x[2], x[3], 0x5140), __byte_perm(x[2], x[3], 0x7362)};

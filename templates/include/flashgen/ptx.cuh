@@ -102,19 +102,19 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
-// WGMMA shared-memory matrix descriptor with 128-byte swizzle (PTX ISA "Matrix Descriptor Format"):
+// WGMMA shared-memory matrix descriptor of a swizzled tile (PTX ISA "Matrix Descriptor Format"):
 // bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
-// 62-63 swizzle mode (1 = 128B). Tiles are 1024-byte aligned, so the base offset is 0.
-//  K-major (Q, K): rows of 128 bytes, 8-row atoms, SBO = 1024; LBO unused (16).
-//  MN-major (V with trans-b): LBO = bytes between 64-element MN chunks, SBO = 1024 (8 K-rows).
+// 62-63 swizzle mode (1 = 128B, 2 = 64B). Tiles are 1024-byte aligned, so the base offset is 0.
+//  K-major (Q, K): rows of 128 (64) bytes, 8-row atoms, SBO = 1024 (512); LBO unused (16).
+//  MN-major (V with trans-b, 128B only): LBO = bytes between 64-element MN chunks, SBO = 1024 (8 K-rows).
 // The address field is (smem_addr + offset) >> 4 with no mask: shared-window addresses are below
 // 2^18, so the field never carries into LBO's, and with offset (a multiple of 16) passed apart from
 // the tile's address, the descriptors of one tile's k-steps share smem_addr >> 4 and differ by one
 // add of an immediate (no per-k-step shift and mask: fewer issue slots in the GEMM-issuing warps).
-__device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
-                                                         uint32_t offset = 0) {
+__device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
+                                                   uint32_t offset, uint32_t mode) {
   const uint32_t lo = (smem_addr >> 4) + (offset >> 4) + (((lbo_bytes >> 4) & 0x3FFF) << 16);
-  const uint32_t hi = ((sbo_bytes >> 4) & 0x3FFF) | (1u << 30);
+  const uint32_t hi = ((sbo_bytes >> 4) & 0x3FFF) | (mode << 30);
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 

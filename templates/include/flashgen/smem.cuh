@@ -1,10 +1,14 @@
-// Typed shared-memory tiles in the 128-byte-swizzle layout that TMA writes and WGMMA reads (FA3,
+// Typed shared-memory tiles in the swizzled layouts that TMA writes and WGMMA reads (FA3,
 // arXiv 2407.08608, §2.2 and Algorithm 1: the Q, K, V tiles of the circular buffer and the O
 // staging tile).
 //
-// A Rows x Cols tile of T is stored as column chunks of 128 bytes (128 / sizeof(T) columns), each
-// chunk Rows rows of 128 bytes; inside a chunk, 16-byte unit u of row r sits at unit u ^ (r % 8)
-// (8-row, 1024-byte swizzle atoms). TMA writes one chunk per box. A tile is a view: the shared-window
+// A Rows x Cols tile of T is stored as column chunks of RowBytes bytes (RowBytes / sizeof(T)
+// columns), each chunk Rows rows of RowBytes bytes. RowBytes 128 (the 128-byte swizzle): inside a
+// chunk, 16-byte unit u of row r sits at unit u ^ (r % 8) (8-row, 1024-byte atoms). RowBytes 64 (the
+// 64-byte swizzle, for 8-bit rows of at most 64 elements: e4m3 head_dim 64 without padding to 128):
+// unit u of row r at u ^ ((r / 2) % 4) (8-row, 512-byte atoms). Both are the address-bit swizzle
+// "bits 4.. XOR bits 7..", which TMA's SWIZZLE_128B / SWIZZLE_64B and the WGMMA descriptor's modes 1
+// / 2 share. TMA writes one chunk per box. A tile is a view: the shared-window
 // address of its first byte (1024-byte aligned, so the descriptors' base offset is 0) plus
 // compile-time geometry. It holds the 32-bit address rather than a pointer so that descriptor and
 // stage arithmetic stays 32-bit; ptr() converts back where a generic pointer is needed (it folds away).
@@ -21,12 +25,16 @@ __device__ __forceinline__ uint8_t* align_1024(uint8_t* smem_raw) {
   return smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
 }
 
-template <typename T, int Rows, int Cols>
-struct SmemTileSW128 {
+template <typename T, int Rows, int Cols, int RowBytes = 128>
+struct SmemTileSW {
   static_assert(sizeof(T) == 1 || sizeof(T) == 2, "16-bit (f16/bf16) or 8-bit (e4m3/e5m2) elements");
+  static_assert(RowBytes == 128 || RowBytes == 64, "the 128- or 64-byte swizzle");
   static constexpr int kRows = Rows;
   static constexpr int kCols = Cols;
-  static constexpr int kRowBytes = 128;
+  static constexpr int kRowBytes = RowBytes;
+  // The swizzle mode in WGMMA's descriptor (1 = 128B, 2 = 64B) and the bytes of an 8-row atom.
+  static constexpr uint32_t kDescMode = RowBytes == 128 ? 1u : 2u;
+  static constexpr int kAtomBytes = 8 * RowBytes;
   static constexpr int kChunkCols = kRowBytes / static_cast<int>(sizeof(T));
   static constexpr int kChunks = Cols / kChunkCols;
   static constexpr int kChunkBytes = Rows * kRowBytes;
@@ -41,11 +49,11 @@ struct SmemTileSW128 {
   __device__ __forceinline__ uint8_t* ptr() const { return smem_ptr(addr); }
 
   // Tile s of a ring of such tiles laid out back to back from this one.
-  __device__ __forceinline__ SmemTileSW128 stage(int s) const { return {addr + s * kBytes}; }
+  __device__ __forceinline__ SmemTileSW stage(int s) const { return {addr + s * kBytes}; }
 
   // The C columns from column chunk `chunk` on, as a tile of their own (same rows, same layout).
   template <int C>
-  __device__ __forceinline__ SmemTileSW128<T, Rows, C> cols(int chunk) const {
+  __device__ __forceinline__ SmemTileSW<T, Rows, C, RowBytes> cols(int chunk) const {
     static_assert(C % kChunkCols == 0 && C <= Cols, "whole chunks of this tile");
     return {addr + chunk * kChunkBytes};
   }
@@ -53,21 +61,23 @@ struct SmemTileSW128 {
   // Byte offset of element (row, col) from the tile's first byte.
   __device__ __forceinline__ static int offset(int row, int col) {
     const int byte = (col % kChunkCols) * static_cast<int>(sizeof(T));
-    return (col / kChunkCols) * kChunkBytes + row * kRowBytes + (((byte / 16) ^ (row % 8)) << 4) + byte % 16;
+    const int phase = (row * kRowBytes / 128) % (kRowBytes / 16);  // address bits 7.. of the row
+    return (col / kChunkCols) * kChunkBytes + row * kRowBytes + (((byte / 16) ^ phase) << 4) + byte % 16;
   }
 
   // K-major operand (rows are M or N, columns are K; Q and K of S = Q K^T): k-step ks of the rows
-  // from `row` (a multiple of 8) on. SBO = 1024 (8-row atoms); LBO is unused with this swizzle.
+  // from `row` (a multiple of 8) on. SBO = the 8-row atom; LBO is unused with these swizzles.
   __device__ __forceinline__ uint64_t desc_k_major(int ks, int row = 0) const {
-    return make_smem_desc_sw128(addr, 16, 1024,
-                                row * kRowBytes + (ks / kKStepsPerChunk) * kChunkBytes + (ks % kKStepsPerChunk) * 32);
+    return make_smem_desc(addr, 16, kAtomBytes,
+                          row * kRowBytes + (ks / kKStepsPerChunk) * kChunkBytes + (ks % kKStepsPerChunk) * 32,
+                          kDescMode);
   }
 
   // MN-major operand (rows are K, columns are N; V as the transposed B of O += P V): k-step ks.
   // LBO = bytes between column chunks, SBO = 1024 (8 K-rows).
   __device__ __forceinline__ uint64_t desc_mn_major(int ks) const {
-    static_assert(sizeof(T) == 2, "WGMMA reads transposed (MN-major) operands only for 16-bit types");
-    return make_smem_desc_sw128(addr, kChunkBytes, 1024, ks * kKStep * kRowBytes);
+    static_assert(sizeof(T) == 2 && RowBytes == 128, "WGMMA reads transposed (MN-major) operands only for 16-bit types");
+    return make_smem_desc(addr, kChunkBytes, 1024, ks * kKStep * kRowBytes, kDescMode);
   }
 
   // TMA: load rows [row, row + Rows) of a 4-D (dim, seq, head, batch) tensor map whose box is one
@@ -96,5 +106,8 @@ struct SmemTileSW128 {
       tma_store_4d(map, ptr() + ch * kChunkBytes + tile_row * kRowBytes, col0 + ch * kChunkCols, row, head, batch);
   }
 };
+
+template <typename T, int Rows, int Cols>
+using SmemTileSW128 = SmemTileSW<T, Rows, Cols, 128>;
 
 }  // namespace flashgen
