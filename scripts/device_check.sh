@@ -17,7 +17,8 @@
 #   bash scripts/device_check.sh tests     every GPU test, then the host overhead per call (flash_attn_func, core launch, SDPA)
 #   bash scripts/device_check.sh compare   this tree against .base/ in one session: the e4m3 forward (fp8_bench.py, 16k) and
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
-#                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward)
+#                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward; TESTS: GPU
+#                                          tests run first; VARIANTS: fp8_bench.py --variants args, this tree)
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
@@ -86,11 +87,17 @@ compare)
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
   (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,bwd_bf16*,fwd_bf16*,quant*' -j "$(nproc)" 2>&1 | tail -1)
   oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
+  if [ -n "${TESTS:-}" ]; then  # TESTS: GPU tests to pass first (correctness before timing)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=line $TESTS 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  fi
   f8=${F8ARGS:---seqlens 4096,16384}; bw="--backward-only --seqlens 4096,16384 --head-dims 64,128,256 --dtypes bf16 --no-ablation"
   for r in 1 2; do
     echo "== old fp8 run $r"; oldenv python3 scripts/fp8_bench.py $f8 2>&1 | grep '^|' | tail -12
     echo "== new fp8 run $r"; python3 scripts/fp8_bench.py $f8 2>&1 | grep '^|' | tail -12
   done
+  if [ -n "${VARIANTS:-}" ]; then  # VARIANTS: fp8_bench.py --variants arguments (every built e4m3 tile, this tree)
+    python3 scripts/fp8_bench.py --variants $VARIANTS 2>&1 | tee "$out/fp8_variants.md" | grep '^|'
+  fi
   if [ "${BWD:-1}" != 0 ]; then  # BWD=0: the e4m3 forward only
     echo "== old bwd"; oldenv python3 -m flashgen.cli bench $bw --csv "$out/bwd_old.csv" 2>&1 | tail -8
     echo "== new bwd"; python3 -m flashgen.cli bench $bw --csv "$out/bwd_new.csv" 2>&1 | tail -8
