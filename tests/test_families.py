@@ -425,6 +425,23 @@ def test_template_vars_contract():
         assert isinstance(tv["smem"], dict) and "smem_bytes" in tv
 
 
+def test_register_splits_fit_the_launch_allocation():
+    """Every warp-specialized variant's setmaxnreg split fits the registers its CTA is launched with
+    (65536 / threads, rounded down to 8, per thread): setmaxnreg.inc waits until the other warpgroups
+    have released enough, so an over-full split (e4m3 with 32 / 240: 65536 > 64512) hangs every launch."""
+    seen = 0
+    for v in load_variants(Project(REPO)):
+        r = v.resources
+        if "producer_regs" not in r:
+            continue
+        main = next(k for k in v.kernels if k.role == "main")
+        launch_regs = 65536 // main.threads // 8 * 8
+        consumers = main.threads // 128 - 1
+        assert 128 * r["producer_regs"] + 128 * consumers * r["consumer_regs"] <= launch_regs * main.threads, v.name
+        seen += 1
+    assert seen > 100
+
+
 def test_smem_layout_is_the_feasibility_layout():
     """The shared-memory regions the template gets are the ones feasibility checked: in address
     order, contiguous, smem_bytes = end of the last one + 1024, and infeasible exactly above the limit."""

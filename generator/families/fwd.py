@@ -51,13 +51,13 @@ STAGES = (1, 2, 3, 4)
 BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
 REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
-# e4m3: the producer warpgroup also transposes V (warps 1-3), which spilled at 24 registers; at 32 it
-# does not, and the consumers keep 240 (128 x 32 + 256 x 240 = 64 K registers): hd256 128x128 fits
-# non-causal (spilled 96-112 bytes at 232).
-REG_SPLIT_FP8 = {2: (32, 240), 3: (32, 160)}
-# pack_gqa: the producer's 5-D Q load and packed tile bounds spilled 8 bytes at 24 (causal, 2 WGs);
-# measured with 40 / 232 (docs/PERF.md, PackGQA).
-REG_SPLIT_PACK = {2: (40, 232), 3: (32, 160)}
+# e4m3: the producer warpgroup also transposes V (warps 1-3), which spilled at 24 registers.
+# pack_gqa: the producer's 5-D Q load and packed tile bounds spilled 8 bytes at 24 (causal, 2 WGs).
+# A split must fit the registers the CTA is launched with (:func:`launch_regs` x threads): setmaxnreg.inc
+# waits for registers that the other warpgroups have released, so 32 / 240 with 2 consumer warpgroups
+# (128 x 32 + 256 x 240 = 65536 > 384 x 168 = 64512) hangs every launch (H200, tried).
+REG_SPLIT_FP8 = {2: (40, 232), 3: (32, 160)}
+REG_SPLIT_PACK = REG_SPLIT_FP8
 ACC_REG_HEADROOM = 32
 
 PARAMS = params_struct(
