@@ -281,12 +281,13 @@ def _write_csv(rows, path):
 
 
 def tensor_arg(t):
-    """flashgen.core.TensorArg of a CUDA torch tensor (fp32, bf16 or fp16)."""
+    """flashgen.core.TensorArg of a CUDA torch tensor (fp32, bf16, fp16 or float8_e4m3fn)."""
     import torch
 
     from . import core
 
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[t.dtype]
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+             torch.float8_e4m3fn: "fp8_e4m3"}[t.dtype]
     return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index or 0)
 
 

@@ -2,7 +2,8 @@
 
 Protocol (FA3 paper §4.1, DESIGN.md §6): per dispatch key (dtype, head_dim, causal; head_dim_v =
 head_dim, no window, no softcap) and seqlen, total tokens 16384 (batch = 16384 / seqlen), hidden
-2048 (heads = 2048 // head_dim), random normal q/k/v in BSHD. FLOPs = 4 * batch * heads * seqlen^2
+2048 (heads = 2048 // head_dim), random normal q/k/v in BSHD (e4m3: rounded to e4m3, no descales,
+bf16 output). FLOPs = 4 * batch * heads * seqlen^2
 * head_dim, halved for causal. Each built variant of the key is launched through
 ``flashgen.core.attention_forward(..., variant=...)`` and timed with ``flashgen.bench._time_ms``
 (triton's do_bench: L2 flushed before every repetition, median). The default tile is timed first
@@ -141,11 +142,14 @@ class _Point:
         from . import bench, core
 
         self._core, self._bench, self._torch = core, bench, torch
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[key["dtype"]]
+        fp8 = key["dtype"] == "e4m3"  # e4m3 q/k/v (random normal rounded to e4m3), no descales, bf16 out
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}[key["dtype"]]
         d, self.causal = key["head_dim"], key["causal"]
         b, h = TOTAL_TOKENS // seqlen, HIDDEN // d
         q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=dtype) for _ in range(3))
         self.out = torch.empty_like(q)
+        if fp8:
+            q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
         self._keep = (q, k, v, torch.empty(b, h, seqlen, device="cuda", dtype=torch.float32))
         self.args = tuple(bench.tensor_arg(t) for t in (q, k, v, self.out, self._keep[3]))
         self.flops = bench._flops(b, h, seqlen, d, self.causal)
@@ -245,7 +249,8 @@ def _commit(root) -> str:
 
 def protocol(seqlens, warmup_ms, rep_ms, min_gain) -> dict:
     return {"family": "fwd", "total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "seqlens": list(seqlens),
-            "inputs": "random normal, BSHD, batch = total_tokens / seqlen, heads = hidden // head_dim",
+            "inputs": "random normal, BSHD, batch = total_tokens / seqlen, heads = hidden // head_dim; "
+                      "e4m3: rounded to e4m3, no descales, bf16 output",
             "flops": "4 * batch * heads * seqlen^2 * head_dim, halved for causal",
             "timer": "flashgen.bench._time_ms (triton do_bench: L2 flushed before each repetition, median)",
             "warmup_ms": warmup_ms, "rep_ms": rep_ms,
@@ -365,7 +370,8 @@ def _bool(text: str) -> bool:
 @click.command("tune")
 @click.option("--family", type=click.Choice(FAMILIES), default=FAMILIES[0], show_default=True,
               help="Kernel family to tune (the forward; its tables are what the runtime reads).")
-@click.option("--dtypes", default="bf16,fp16", show_default=True, help="Comma-separated dtypes (bf16, fp16).")
+@click.option("--dtypes", default="bf16,fp16,e4m3", show_default=True,
+              help="Comma-separated dtypes (bf16, fp16, e4m3: e4m3 inputs without descales, bf16 output).")
 @click.option("--head-dims", default="64,128,256", show_default=True, help="Comma-separated head dims.")
 @click.option("--causal", "causal_s", default="false,true", show_default=True, help="Comma-separated: false, true.")
 @click.option("--seqlens", default=",".join(map(str, DEFAULT_SEQLENS)), show_default=True,
