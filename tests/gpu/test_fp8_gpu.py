@@ -14,7 +14,11 @@ lse: -inf exactly where the reference's is, else within 2e-3 + 2^-11 x the row's
 ``|scale| sum_d |q_d k_d|``: Hopper's FP8 tensor cores accumulate with reduced precision (about 14
 bits kept, DeepSeek-V3 report §3.3.2), so each score carries an error of about 2^-13 of its
 magnitude sum, which the fixed 2e-3 of the 16-bit tests does not cover (measured on H200: 3.6e-3 at
-head_dim 192 with scores near 10; larger with softmax_scale 2 and with outliers). Lengths odd, FA3's kinds of (seqlen_q, seqlen_k), GQA 1/2/8,
+head_dim 192 with scores near 10; larger with softmax_scale 2). With outlier inputs that error
+reaches 2-3e-2 (H200), beyond the bound: there the lse is compared with the same softmax on scores
+from cuBLAS's FP8 GEMM accumulating in the tensor cores (``torch._scaled_mm(use_fast_accum=True)``),
+which flashgen's lse matches to about 2.5e-6 while both are 2-3e-2 off float64
+(scripts/fp8_lse_diag.py, H200). Lengths odd, FA3's kinds of (seqlen_q, seqlen_k), GQA 1/2/8,
 poisoned caching-allocator blocks before each call (a row not written shows as NaN).
 
 A test whose variant is not built skips with MISSING-FWD-VARIANT. Skipped without an sm_90 GPU.
@@ -81,7 +85,32 @@ def _baseline(qf, kf, vf, causal, scale):
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def _check(q8, k8, v8, descales, causal, out, lse, scale):
+def _fp8_gemm_lse(q8, k8, descales, causal, scale):
+    """(batch, heads, seqlen_q) float64 lse of the scores that cuBLAS's FP8 GEMM gives when it
+    accumulates in the tensor cores as QGMMA does (torch._scaled_mm, use_fast_accum=True), with the
+    descales applied to the fp32 scores afterwards as the kernel does: the lse reference where
+    outliers make the tensor cores' accumulation error exceed the bound of :func:`_check`."""
+    b, sq, h, _ = q8.shape
+    sk, hk = k8.shape[1], k8.shape[2]
+    ones = lambda t: torch.ones(t.shape[:3] + (1,), device=t.device).to(E4M3)
+    fq = dequantize_fp8(ones(q8), descales[0])[..., 0].double()  # (b, sq, h): each row's q descale
+    fk = dequantize_fp8(ones(k8), descales[1])[..., 0].double()  # (b, sk, hk)
+    one = torch.ones((), device=q8.device)
+    vis = visible_mask(sq, sk, causal, device=q8.device)
+    lse = torch.empty(b, h, sq, dtype=torch.float64, device=q8.device)
+    for bi in range(b):
+        for hi in range(h):
+            kh = hi // (h // hk)
+            s = torch._scaled_mm(q8[bi, :, hi].contiguous(), k8[bi, :, kh].contiguous().t(), scale_a=one, scale_b=one,
+                                 out_dtype=torch.float32, use_fast_accum=True).double()
+            s = s * fq[bi, :, hi, None] * fk[bi, None, :, kh] * scale
+            if vis is not None:
+                s = s.masked_fill(~vis, float("-inf"))
+            lse[bi, hi] = torch.logsumexp(s, dim=-1)
+    return lse
+
+
+def _check(q8, k8, v8, descales, causal, out, lse, scale, lse_vs_gemm=False):
     qf, kf, vf = (dequantize_fp8(x, d) for x, d in zip((q8, k8, v8), descales))
     ref, lse_ref = attention_ref(qf, kf, vf, causal, scale, upcast=True)
     pt = _baseline(qf, kf, vf, causal, scale)
@@ -92,6 +121,10 @@ def _check(q8, k8, v8, descales, causal, out, lse, scale):
     assert ok, f"max|out - ref| = {err:.3e} > 2 x the FP8 baseline's {base:.3e}"
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite), "lse: -inf pattern differs from the reference"
+    if lse_vs_gemm:  # outliers: against the tensor cores' own accumulation (module docstring)
+        err = (lse.double() - _fp8_gemm_lse(q8, k8, descales, causal, scale)).abs()[finite]
+        assert float(err.max()) <= 2e-4, f"lse: max error {float(err.max()):.3e} against cuBLAS FP8 GEMM's scores"
+        return
     h, hk = qf.shape[2], kf.shape[2]
     mag = torch.einsum("bqhd,bkhd->bhqk", qf.abs(), kf.abs().repeat_interleave(h // hk, dim=2))
     tol = 2e-3 + 2.0 ** -11 * abs(scale) * mag.amax(-1)  # (batch, heads, seqlen_q)
@@ -101,7 +134,7 @@ def _check(q8, k8, v8, descales, causal, out, lse, scale):
         f"(largest bound {tol[finite].max().item():.3e})")
 
 
-def _run(b, sq, sk, h, hk, d, causal, kind, seed=0, outliers=False, scale=None):
+def _run(b, sq, sk, h, hk, d, causal, kind, seed=0, outliers=False, scale=None, lse_vs_gemm=False):
     _need(d, causal)
     q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed, outliers)
     ds = _descales(kind, b, sq, sk, h, hk, seed)
@@ -109,7 +142,7 @@ def _run(b, sq, sk, h, hk, d, causal, kind, seed=0, outliers=False, scale=None):
     poison_cached_blocks(b * sq * h * d * 2)
     out, lse = flashgen.flash_attn_func(q8, k8, v8, softmax_scale=scale, causal=causal, q_descale=ds[0],
                                         k_descale=ds[1], v_descale=ds[2], return_attn_probs=True)
-    _check(q8, k8, v8, ds, causal, out, lse, scale)
+    _check(q8, k8, v8, ds, causal, out, lse, scale, lse_vs_gemm)
     return out
 
 
@@ -131,26 +164,14 @@ def test_fp8_descales_gqa(d, causal, kind, h, hk):
     _run(3, 333, 517, h, hk, d, causal, kind, seed=h * 10 + hk)
 
 
-@pytest.mark.xfail(strict=True, reason="known: with outlier inputs (N(0,100) x Bernoulli(1e-3)) the lse of some "
-                   "rows is off by ~4.8e-2, over the 2^-11 x score-magnitude bound (H200, d228ddd); out passes "
-                   "FA3's rule. Open: FP8 accumulation or a kernel defect, not yet told apart")
 @pytest.mark.parametrize("d", [128, 256])
 def test_fp8_outliers_and_long(d):
-    _run(1, 4224, 4224, 2, 1, d, True, "block", seed=7, outliers=True)
-    _run(1, 4224, 4224, 2, 2, d, False, "head", seed=8, outliers=True)
-
-
-def test_fp8_outliers_out():
-    """Outlier inputs at (4224, 4224): out within FA3's FP8 rule (lse: see the xfail above)."""
-    d = 128
-    _need(d, True)
-    q8, k8, v8 = _inputs(1, 4224, 4224, 2, 1, d, seed=7, outliers=True)
-    ds = _descales("block", 1, 4224, 4224, 2, 1, seed=7)
-    out = flashgen.flash_attn_func(q8, k8, v8, causal=True, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
-    qf, kf, vf = (dequantize_fp8(x, dd) for x, dd in zip((q8, k8, v8), ds))
-    ref, _ = attention_ref(qf, kf, vf, True, d ** -0.5, upcast=True)
-    ok, err, base = fa3_rule_ok(out, ref.to(torch.bfloat16), _baseline(qf, kf, vf, True, d ** -0.5), 2.0)
-    assert ok, f"max|out - ref| = {err:.3e} > 2 x the FP8 baseline's {base:.3e}"
+    """Outlier inputs (N(0,100) x Bernoulli(1e-3)) at (4224, 4224), block and head descales: out
+    within FA3's FP8 rule; lse against the tensor cores' accumulation (:func:`_fp8_gemm_lse`), since
+    that error (2-3e-2) exceeds the 2^-11 bound. (An xfail until scripts/fp8_lse_diag.py told a kernel
+    defect and the accumulation apart.)"""
+    _run(1, 4224, 4224, 2, 1, d, True, "block", seed=7, outliers=True, lse_vs_gemm=True)
+    _run(1, 4224, 4224, 2, 2, d, False, "head", seed=8, outliers=True, lse_vs_gemm=True)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.3, 2.0])
