@@ -17,8 +17,8 @@ the kernels' TMA requirements, docs/CONTRACTS.md §2):
   other fp8 formats (fp8_e5m2; fp8_other: e4m3fnuz, e5m2fnuz, e4m3b11fnuz, whose exponent bias
   or NaN encoding differ, so reading them as e4m3fn would be silently wrong) are recognised and
   refused with NotImplementedError. FP8 takes q_descale / k_descale / v_descale
-  (:func:`descale_problems`) and has no window, softcap, sink, head_dim_v != head_dim or backward
-  yet (:func:`fp8_problems`).
+  (:func:`descale_problems`) and has no head_dim_v != head_dim or backward yet
+  (:func:`fp8_problems`); windows, softcap and sinks it serves as the 16-bit forward does.
 * a TMA descriptor can address an array when its last dim has stride 1, every other
   stride is a multiple of 16 bytes, no stride is negative or a broadcast 0, and its base
   address is 16-byte aligned (CUDA driver API, ``cuTensorMapEncodeTiled``).
@@ -360,25 +360,13 @@ def descale_problems(problem: "Problem", descales: dict) -> list:
     return P
 
 
-def fp8_problems(problem: "Problem", *, local: bool = False, softcap=0.0, learnable_sink=None) -> list:
+def fp8_problems(problem: "Problem") -> list:
     """NotImplementedError (see :func:`raise_problems`) for what the FP8 (fp8_e4m3) forward does not
-    implement yet: a sliding window (``local``: the call's mask, ``flashgen.core.mask_spec``, is a
-    band; causal is served), ``softcap`` > 0, a ``learnable_sink``, head_dim_v != head_dim.
-    Empty for 16-bit inputs."""
-    if problem.dtype != "fp8_e4m3":
+    implement yet: head_dim_v != head_dim. Empty for 16-bit inputs."""
+    if problem.dtype != "fp8_e4m3" or problem.head_dim_v == problem.head_dim:
         return []
-    P: list = []
-    if local:
-        P.append((NotImplementedError, "window_size: sliding windows are not supported with float8_e4m3fn inputs "
-                                       "yet (causal is); pass window_size=(-1, -1)"))
-    if softcap:
-        P.append((NotImplementedError, "softcap is not supported with float8_e4m3fn inputs yet; pass softcap=0.0"))
-    if learnable_sink is not None:
-        P.append((NotImplementedError, "learnable_sink is not supported with float8_e4m3fn inputs yet"))
-    if problem.head_dim_v != problem.head_dim:
-        P.append((NotImplementedError, f"head_dim_v ({problem.head_dim_v}) != head_dim ({problem.head_dim}) is not "
-                                       "supported with float8_e4m3fn inputs yet"))
-    return P
+    return [(NotImplementedError, f"head_dim_v ({problem.head_dim_v}) != head_dim ({problem.head_dim}) is not "
+                                  "supported with float8_e4m3fn inputs yet")]
 
 
 def check_features(**features) -> None:

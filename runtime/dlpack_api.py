@@ -536,9 +536,7 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         problems += _v.learnable_sink_problems(sa.info, p, sa.ptr, contiguous=True)
     descales = tuple(arrays.get(n) for n in descale_names)
     problems += _v.descale_problems(p, {n: None if a is None else a.info for n, a in zip(descale_names, descales)})
-    if p.dtype == "fp8_e4m3":
-        local = _core.mask_spec(causal, window, p.seqlen_q, p.seqlen_k).local
-        problems += _v.fp8_problems(p, local=local, softcap=softcap, learnable_sink=learnable_sink)
+    problems += _v.fp8_problems(p)
     _v.raise_problems(problems)
     # Missing outputs: allocated (right by construction).
     (out, oa), (lse, la) = _allocate_missing(q, p.device, handle, dl_stream, [

@@ -253,8 +253,7 @@ def _check_extras(p: _v.Problem, causal, window_left, window_right, softcap, lea
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if p.dtype == "fp8_e4m3" or any(t is not None for t in descales.values()):
         P += _v.descale_problems(p, {n: None if t is None else _array_info(t) for n, t in descales.items()})
-        local = _core.mask_spec(bool(causal), (window_left, window_right), p.seqlen_q, p.seqlen_k).local
-        P += _v.fp8_problems(p, local=local, softcap=softcap, learnable_sink=learnable_sink)
+        P += _v.fp8_problems(p)
     _v.raise_problems(P)
 
 
@@ -579,8 +578,9 @@ def flash_attn_func(
             ``(batch, heads, ceil(seqlen_q / 64))`` (block quantization: one per 64 rows of each
             query head); k_descale ``(batch, heads_k)`` or ``(batch, heads_k, ceil(seqlen_k /
             64))``; v_descale ``(batch, heads_k)``. ``flashgen.quantize_fp8(q, k, v)`` makes e4m3
-            inputs and descales from fp16/bf16 ones. FP8 serves causal and non-causal masks,
-            head_dim_v == head_dim, no softcap, window, sink or backward yet.
+            inputs and descales from fp16/bf16 ones. FP8 serves every mask (causal, windows),
+            softcap and learnable_sink as the 16-bit forward does (with softcap the descales
+            scale q.k before the tanh); head_dim_v == head_dim only, and no backward yet.
         qv, attention_chunk: FA3 arguments no built variant implements yet; anything but their
             defaults (None / 0) raises NotImplementedError naming the argument.
         num_splits, pack_gqa, sm_margin: FA3 scheduling hints; accepted and ignored (they

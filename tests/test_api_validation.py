@@ -473,13 +473,19 @@ def test_fp8_forward_with_descales(fake_gpu, form):
     (dict(v_descale=torch.ones(2, 4, 2)), ValueError, r"v_descale must have shape \(batch, heads_k\) = \(2, 2\)"),
     (dict(v_descale=torch.ones(2, 2, dtype=torch.float16)), TypeError, "v_descale must have dtype float32"),
     (dict(q_descale=[1.0]), TypeError, "q_descale must be None or a float32 torch.Tensor, got list"),
-    (dict(softcap=10.0), NotImplementedError, "softcap is not supported with float8_e4m3fn"),
-    (dict(window_size=(16, 0)), NotImplementedError, "sliding windows are not supported with float8_e4m3fn"),
-    (dict(learnable_sink=torch.zeros(4)), NotImplementedError, "learnable_sink is not supported with float8"),
 ])
 def test_fp8_argument_problems(fake_gpu, kwargs, exc, match):
     q, k, v = _e4m3(*qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64))
     _raises(fake_gpu, exc, match, q, k, v, **kwargs)
+
+
+def test_fp8_window_softcap_and_sink_are_served(fake_gpu):
+    """FP8 serves sliding windows, softcap and learnable_sink (fwd_fp8.yaml builds local and softcap
+    variants): the call selects the e4m3 key with them instead of raising."""
+    q, k, v = _e4m3(*qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64))
+    flash_attn_func(q, k, v, window_size=(16, 0), softcap=10.0, learnable_sink=torch.zeros(4, device=q.device))
+    family, key = fake_gpu.selected[-1]
+    assert family == "fwd" and key["dtype"] == "e4m3" and key["local"] is True and key["softcap"] is True
 
 
 def test_fp8_causal_spelled_as_a_window_is_served(fake_gpu):
@@ -943,8 +949,6 @@ def test_dlpack_fp8_given_out_must_be_bf16(fake_gpu_dlpack):
     (dict(q_descale=torch.ones(2, 4)), ValueError, r"q_descale must have shape \(batch, heads_k\) = \(2, 2\)"),
     (dict(v_descale=torch.ones(2, 2, dtype=torch.float16)), TypeError, "v_descale must have dtype float32"),
     (dict(q_descale=[1.0]), TypeError, "q_descale must be a DLPack array"),
-    (dict(softcap=10.0), NotImplementedError, "softcap is not supported with float8_e4m3fn"),
-    (dict(window_size=(16, 0)), NotImplementedError, "sliding windows are not supported with float8_e4m3fn"),
 ])
 def test_dlpack_fp8_argument_problems(fake_gpu_dlpack, kwargs, exc, match):
     q, k, v = _e4m3(*qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64))

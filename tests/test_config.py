@@ -191,11 +191,11 @@ def test_real_configs():
     assert {v.params["dtype"] for v in quant} == {"bf16", "fp16"} and all(v.default for v in quant)
     # fwd and bwd: {dtype} x {head_dim} x {none, causal, local} x {softcap}; fwd also head_dim 192 / head_dim_v 128,
     # PackGQA for {dtype} x {head_dim} x {none, causal, local} without softcap (30),
-    # and e4m3 x {64, 128, 256} x causal (configs/fwd_fp8.yaml); plus the tiles the shipped tune tables name
-    # (configs/tune/; tests/test_tune.py checks those), left out here
+    # and e4m3 x {64, 128, 256} x {none, causal, local} x {softcap} (configs/fwd_fp8.yaml); plus the tiles the
+    # shipped tune tables name (configs/tune/; tests/test_tune.py checks those), left out here
     tuned = [v for v in vs if v.tuned]
     assert all(v.default_build and not v.default for v in tuned)
-    assert len(select(vs)) == 60 + 12 + 30 + 6 + 60 + 3 + 2 + len(tuned)
+    assert len(select(vs)) == 60 + 12 + 30 + 18 + 60 + 3 + 2 + len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa")]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
     all_vs, vs = vs, [v for v in vs if not v.tuned]
@@ -246,7 +246,7 @@ def test_real_configs():
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) + len(tuned) == 60 + 12 + 30 + 6 + 60 + 3 + 2 + len({v.name for v in abl + tune + tuned if not v.default})
+    assert len(vs) + len(tuned) == 60 + 12 + 30 + 18 + 60 + 3 + 2 + len({v.name for v in abl + tune + tuned if not v.default})
     assert len(select(vs, all_=True)) == len(vs)
 
 
@@ -268,9 +268,10 @@ def test_register_budget_rejects_hd96_on_three_wgs(tmp_path):
 
 def test_select_filter():
     vs = [v for v in load_variants(Project(REPO)) if not v.tuned]  # the shipped tune tables' tiles: test_tune.py
-    # {bf16, fp16} x ({none, causal, local} x {softcap} + PackGQA {none, causal, local}); e4m3 x causal
-    assert len(select(vs, "fwd_*hd64*")) == 20
-    assert len(select(vs, "*hd64*")) == 32  # fwd and bwd
+    # {bf16, fp16} x ({none, causal, local} x {softcap} + PackGQA {none, causal, local}); e4m3 x {none, causal,
+    # local} x {softcap}
+    assert len(select(vs, "fwd_*hd64*")) == 24
+    assert len(select(vs, "*hd64*")) == 36  # fwd and bwd
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
     assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 12  # 6 + 3 packed; causal, causal_softcap, packed

@@ -207,9 +207,8 @@ class FwdFamily(Family):
             if isinstance(bn, int) and bn % QUANT_BLOCK:
                 out.append(("block_n", bn, f"a multiple of {QUANT_BLOCK} with dtype e4m3 (each {QUANT_BLOCK}-key "
                                            "block of K may have its own descale)"))
-            for k in ("local", "softcap", "pack_gqa"):
-                if params.get(k):
-                    out.append((k, True, "false with dtype e4m3 (the FP8 forward has no window, softcap or PackGQA yet)"))
+            if params.get("pack_gqa"):
+                out.append(("pack_gqa", True, "false with dtype e4m3 (the FP8 forward has no PackGQA yet)"))
             if hd != hdv:
                 out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) with dtype e4m3"))
         if out:

@@ -47,9 +47,9 @@ E4M3 = getattr(torch, "float8_e4m3fn", None)
 QB = 64  # flashgen's block quantization granularity (rows per descale)
 
 
-def _need(head_dim: int, causal: bool):
+def _need(head_dim: int, causal: bool, local: bool = False, softcap: bool = False):
     why = variant_missing("fwd", {"dtype": "e4m3", "head_dim": head_dim, "head_dim_v": head_dim,
-                                  "causal": causal, "local": False, "softcap": False},
+                                  "causal": causal and not local, "local": local, "softcap": softcap},
                           round_up=("head_dim", "head_dim_v"))
     if why:
         pytest.skip(why)
@@ -72,16 +72,25 @@ def _descales(kind: str, b, sq, sk, h, hk, seed=0):
     return r(b, h, -(-sq // QB)), r(b, hk, -(-sk // QB)), r(b, hk)
 
 
-def _baseline(qf, kf, vf, causal, scale):
-    """FA3's out_pt for FP8: bf16 computation on the dequantized inputs, P quantized to e4m3."""
+def _baseline(qf, kf, vf, causal, scale, window_size=(-1, -1), softcap=0.0, sink=None):
+    """FA3's out_pt for FP8: bf16 computation on the dequantized inputs (softcap's tanh too), P
+    quantized to e4m3; with a sink, the softmax in float32 over the logits and the sink's column."""
     q, k, v = (x.to(torch.bfloat16) for x in (qf, kf, vf))
     h, hk = q.shape[2], k.shape[2]
     k, v = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
-    vis = visible_mask(q.shape[1], k.shape[1], causal, device=q.device)
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    vis = visible_mask(q.shape[1], k.shape[1], causal, window_size, device=q.device)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(E4M3).to(torch.bfloat16)
+    if sink is None:
+        p = torch.softmax(s, dim=-1)
+    else:
+        b, sq = s.shape[0], s.shape[2]
+        logits = torch.cat([s.float(), sink.float().view(1, h, 1, 1).expand(b, h, sq, 1)], dim=-1)
+        p = torch.softmax(logits, dim=-1)[..., :-1]
+    p = p.nan_to_num(0.0).to(E4M3).to(torch.bfloat16)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 
@@ -110,14 +119,16 @@ def _fp8_gemm_lse(q8, k8, descales, causal, scale):
     return lse
 
 
-def _check(q8, k8, v8, descales, causal, out, lse, scale, lse_vs_gemm=False):
+def _check(q8, k8, v8, descales, causal, out, lse, scale, lse_vs_gemm=False, window_size=(-1, -1), softcap=0.0,
+           sink=None):
     qf, kf, vf = (dequantize_fp8(x, d) for x, d in zip((q8, k8, v8), descales))
-    ref, lse_ref = attention_ref(qf, kf, vf, causal, scale, upcast=True)
-    pt = _baseline(qf, kf, vf, causal, scale)
+    feats = dict(window_size=window_size, softcap=softcap, sink=sink)
+    ref, lse_ref = attention_ref(qf, kf, vf, causal, scale, upcast=True, **feats)
+    pt = _baseline(qf, kf, vf, causal, scale, **feats)
     assert out.dtype == torch.bfloat16 and out.shape == q8.shape[:3] + (v8.shape[3],)
     nan = int(torch.isnan(out).sum())
     assert nan == 0, f"out has {nan} NaN elements (not written, or a NaN leaked)"
-    ok, err, base = fa3_rule_ok(out, ref.to(torch.bfloat16), pt, 2.0)
+    ok, err, base = fa3_rule_ok(out, ref.to(torch.bfloat16), pt, 3.0 if softcap > 0 else 2.0)  # FA3: x3 with softcap
     assert ok, f"max|out - ref| = {err:.3e} > 2 x the FP8 baseline's {base:.3e}"
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite), "lse: -inf pattern differs from the reference"
@@ -134,15 +145,18 @@ def _check(q8, k8, v8, descales, causal, out, lse, scale, lse_vs_gemm=False):
         f"(largest bound {tol[finite].max().item():.3e})")
 
 
-def _run(b, sq, sk, h, hk, d, causal, kind, seed=0, outliers=False, scale=None, lse_vs_gemm=False):
-    _need(d, causal)
+def _run(b, sq, sk, h, hk, d, causal, kind, seed=0, outliers=False, scale=None, lse_vs_gemm=False,
+         window_size=(-1, -1), softcap=0.0, sink=None):
+    m = flashgen.core.mask_spec(causal, window_size, sq, sk)  # which kernel serves the call
+    _need(d, m.causal, local=m.local, softcap=softcap > 0)
     q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed, outliers)
     ds = _descales(kind, b, sq, sk, h, hk, seed)
     scale = d ** -0.5 if scale is None else scale
     poison_cached_blocks(b * sq * h * d * 2)
     out, lse = flashgen.flash_attn_func(q8, k8, v8, softmax_scale=scale, causal=causal, q_descale=ds[0],
-                                        k_descale=ds[1], v_descale=ds[2], return_attn_probs=True)
-    _check(q8, k8, v8, ds, causal, out, lse, scale, lse_vs_gemm)
+                                        k_descale=ds[1], v_descale=ds[2], return_attn_probs=True,
+                                        window_size=window_size, softcap=softcap, learnable_sink=sink)
+    _check(q8, k8, v8, ds, causal, out, lse, scale, lse_vs_gemm, window_size, softcap, sink)
     return out
 
 
@@ -172,6 +186,26 @@ def test_fp8_outliers_and_long(d):
     defect and the accumulation apart.)"""
     _run(1, 4224, 4224, 2, 1, d, True, "block", seed=7, outliers=True, lse_vs_gemm=True)
     _run(1, 4224, 4224, 2, 2, d, False, "head", seed=8, outliers=True, lse_vs_gemm=True)
+
+
+FEATURES = [  # (causal, window_size, softcap, sink, descales): FA3's fp8 forward matrix has softcap 15 and local
+    (False, (17, 5), 0.0, False, "head"),
+    (True, (33, -1), 0.0, False, "block"),  # a causal sliding window
+    (False, (-1, -1), 15.0, False, "block"),  # block descales scale q.k before the tanh
+    (True, (-1, -1), 15.0, True, "head"),
+    (False, (40, 0), 15.0, True, "block"),
+]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,window,softcap,sink,kind", FEATURES)
+@pytest.mark.parametrize("sq,sk", [(1, 1), (239, 1), (113, 203), (1023, 1024)])
+def test_fp8_window_softcap_sink(d, causal, window, softcap, sink, kind, sq, sk):
+    """Sliding windows, softcap and learnable sinks with e4m3 inputs (FA3's rule, x3 with softcap;
+    the sink in the reference's softmax and lse), GQA 2, odd lengths, poisoned outputs."""
+    h = 4
+    s = (torch.randn(h, generator=torch.Generator().manual_seed(sq + d)) * 2).cuda() if sink else None
+    _run(2, sq, sk, h, 2, d, causal, kind, seed=sq + sk + d, window_size=window, softcap=softcap, sink=s)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.3, 2.0])

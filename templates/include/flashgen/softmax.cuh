@@ -30,6 +30,20 @@ __device__ __forceinline__ void apply_softcap(float (&s)[R], float softcap_scale
   for (int i = 0; i < R; ++i) s[i] = tanh_approx(s[i] * softcap_scale);
 }
 
+// Multiply the columns of an m64nN accumulator (R = N/2 registers) group by group: Groups groups
+// of N / Groups adjacent columns, group g by f[g] (FP8 with softcap: each 64-key block's descales,
+// which must scale the scores before the tanh).
+template <int Groups, int R>
+__device__ __forceinline__ void scale_column_groups(float (&s)[R], const float (&f)[Groups]) {
+  static_assert((R / 4) % Groups == 0, "groups of whole 8-column blocks");
+  constexpr int kJ = R / 4 / Groups;  // 8-column blocks (4 registers each) per group
+#pragma unroll
+  for (int j = 0; j < R / 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[4 * j + e] *= f[j / kJ];
+  }
+}
+
 // Multiply each row of an m64nN accumulator (R = N/2 registers) by its factor.
 template <int R>
 __device__ __forceinline__ void rescale_rows(float (&acc)[R], const float (&f)[2]) {
