@@ -31,6 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
+from flashgen.core import mask_spec  # noqa: E402
 from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     attention_ref,
     dequantize_fp8,
@@ -147,7 +148,7 @@ def _check(q8, k8, v8, descales, causal, out, lse, scale, lse_vs_gemm=False, win
 
 def _run(b, sq, sk, h, hk, d, causal, kind, seed=0, outliers=False, scale=None, lse_vs_gemm=False,
          window_size=(-1, -1), softcap=0.0, sink=None):
-    m = flashgen.core.mask_spec(causal, window_size, sq, sk)  # which kernel serves the call
+    m = mask_spec(causal, window_size, sq, sk)  # which kernel serves the call
     _need(d, m.causal, local=m.local, softcap=softcap > 0)
     q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed, outliers)
     ds = _descales(kind, b, sq, sk, h, hk, seed)
