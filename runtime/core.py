@@ -119,6 +119,26 @@ class _Plan(NamedTuple):
 _plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent calls may share them
 
 
+def _check_named_variant(var: Variant, dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool) -> None:
+    """ValueError unless a forward variant named by the caller computes this call: its dtype, head
+    dims at least the call's (zero padded), softcap compiled in exactly when the call has one, and a
+    mask kernel that serves the call's mask (a local kernel serves every mask through its runtime
+    band; otherwise causal must match and the call must not be local). Without this a softcap
+    variant called with softcap 0 would compute tanh(0) scores: silently wrong."""
+    p = var.params
+    want = {"dtype": _VARIANT_DTYPE.get(dtype, dtype), "softcap": bool(softcap)}
+    bad = [f"{k} {p.get(k)!r} (the call: {v!r})" for k, v in want.items() if p.get(k) != v]
+    if p.get("head_dim", 0) < d or p.get("head_dim_v", p.get("head_dim", 0)) < dv:
+        bad.append(f"head dims {p.get('head_dim')}/{p.get('head_dim_v', p.get('head_dim'))} (the call: {d}/{dv})")
+    if var.family != "fwd":
+        bad.append(f"family {var.family!r} (the call: 'fwd')")
+    if not p.get("local") and (bool(p.get("causal")) != mask.causal or mask.local):
+        bad.append(f"mask {'causal' if p.get('causal') else 'none'} (the call: "
+                   f"{'local' if mask.local else 'causal' if mask.causal else 'none'})")
+    if bad:
+        raise ValueError(f"flashgen: variant {var.name} does not serve this call: " + "; ".join(bad))
+
+
 def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
           bucket: int = 0, pack_gqa: bool = False) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
@@ -132,6 +152,8 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
            pack_gqa, bucket)
     plan = _plans.get(key)
     if plan is None:
+        if variant is not None:
+            _check_named_variant(variant, dtype, d, dv, mask, softcap)
         var = variant if variant is not None else select_variant(
             "fwd", {"dtype": _VARIANT_DTYPE.get(dtype, dtype), "head_dim": d, "head_dim_v": dv, "causal": mask.causal, "local": mask.local,
                     "softcap": softcap, "pack_gqa": pack_gqa}, round_up=_ROUND_UP)

@@ -556,6 +556,32 @@ def test_fp8_head_dim_64_maps_have_64_byte_rows(driver):
             [(64, "CU_TENSOR_MAP_SWIZZLE_64B")] * 3 + [(64, "CU_TENSOR_MAP_SWIZZLE_128B")]
 
 
+def test_a_named_variant_must_serve_the_call(driver):
+    """core.attention_forward(variant=...) refuses a variant that would compute something else
+    (a softcap variant without softcap, a causal one for a non-causal call, a smaller head dim,
+    another dtype) instead of launching it; a local variant serves any mask."""
+    from flashgen.manifest import load_manifest
+
+    by_key = {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"]): v
+              for v in load_manifest().variants}
+    q, k, v = (targ((1, 64, 2, 128), ptr=p << 20) for p in (1, 2, 3))
+    out, lse = targ((1, 64, 2, 128), ptr=4 << 20), targ((1, 2, 64), "fp32", 5 << 20)
+    run = lambda var, causal=False, **kw: core.attention_forward(q, k, v, out, lse, 0.1, causal, 1, variant=var, **kw)
+    for var, kw, causal, why in ((by_key["bf16", 128, False, False, True], {}, False, "softcap True"),
+                                 (by_key["bf16", 128, True, False, False], {}, False, "mask causal"),
+                                 (by_key["bf16", 64, False, False, False], {}, False, "head dims 64/64"),
+                                 (by_key["fp16", 128, False, False, False], {}, False, "dtype 'fp16'"),
+                                 (by_key["bf16", 128, False, False, False], {"window_size": (8, 8)}, False, "local")):
+        with pytest.raises(ValueError, match=f"does not serve this call: .*{why}"):
+            run(var, causal, **kw)
+    n = len(driver.launches)
+    assert n == 0
+    run(by_key["bf16", 128, False, True, False], True)  # the local kernel serves causal
+    run(by_key["bf16", 128, False, True, False], False, window_size=(8, 8))
+    run(by_key["bf16", 128, False, False, True], False, softcap=5.0)
+    assert len(driver.launches) == 3
+
+
 def test_misaligned_address_after_a_cache_hit_is_refused_as_before(driver):
     q, k, v = targ((1, 64, 2, 128)), targ((1, 64, 2, 128), ptr=2 << 20), targ((1, 64, 2, 128), ptr=3 << 20)
     out, lse = targ((1, 64, 2, 128), ptr=4 << 20), targ((1, 2, 64), "fp32", 5 << 20)

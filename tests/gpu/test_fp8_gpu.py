@@ -292,6 +292,7 @@ def test_every_built_fp8_variant():
             continue
         seen += 1
         d = p["head_dim"]
+        softcap = 15.0 if p["softcap"] else 0.0  # FA3's softcap tests: 15 (rule x3: _check)
         # one tile per CTA; then 192-288 tiles (several per CTA, one after another), causal with
         # tiles that see no key between the others
         for b, sq, sk, h, hk in ((2, 301, 517, 4, 2), (2, 1100, 300, 16, 4)):
@@ -303,8 +304,8 @@ def test_every_built_fp8_variant():
                                    arg(lse, "fp32"), d ** -0.5, bool(p["causal"]),
                                    torch.cuda.current_stream().cuda_stream, variant=var,
                                    q_descale=arg(ds[0], "fp32"), k_descale=arg(ds[1], "fp32"),
-                                   v_descale=arg(ds[2], "fp32"))
-            _check(q8, k8, v8, ds, bool(p["causal"]), out, lse, d ** -0.5)
+                                   v_descale=arg(ds[2], "fp32"), softcap=softcap)
+            _check(q8, k8, v8, ds, bool(p["causal"]), out, lse, d ** -0.5, softcap=softcap)
     if not seen:
         pytest.skip("MISSING-FWD-VARIANT: no e4m3 variant is built")
 
