@@ -462,8 +462,8 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             k_descale``, out uses ``v * v_descale``. Shapes: q_descale ``(batch, heads_k)``
             (FA3's) or ``(batch, heads, ceil(seqlen_q / 64))`` (block quantization);
             k_descale ``(batch, heads_k)`` or ``(batch, heads_k, ceil(seqlen_k / 64))``;
-            v_descale ``(batch, heads_k)``. FP8 serves causal and non-causal masks and
-            head_dim_v == head_dim; no softcap, window or sink.
+            v_descale ``(batch, heads_k)``. FP8 serves every mask, softcap (the descales
+            scale q.k before the tanh) and sinks; head_dim_v == head_dim only.
         stream: where to launch: None (default) = the legacy default stream (handle 0, which
             synchronises with all blocking streams), an int CUstream handle, or a stream
             object (``__cuda_stream__``, torch.cuda.Stream, cupy.cuda.Stream). It is also
