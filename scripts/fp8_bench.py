@@ -5,7 +5,9 @@ quantize_fp8 exists. Timed like `flashgen bench` (triton do_bench median, L2 flu
 repetitions). TFLOP/s = 4 b h s^2 d (halved for causal) / time.
 --variants: instead, every built e4m3 variant of each (head_dim, causal) key (default tiles and
 configs/fwd_fp8_tune.yaml's candidates), launched through flashgen.core with the variant forced.
-Usage: python scripts/fp8_bench.py [--seqlens 512,...,16384] [--head-dims 64,128,256] [--causal both] [--variants]"""
+--softcap C: both the e4m3 and the bf16 calls with softcap C (FA3's tests use 15).
+Usage: python scripts/fp8_bench.py [--seqlens 512,...,16384] [--head-dims 64,128,256] [--causal both] [--variants]
+       [--softcap C]"""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +24,7 @@ def main() -> None:
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--softcap", type=float, default=0.0)
     a = ap.parse_args()
     if a.variants:
         return tiles(a)
@@ -30,7 +33,8 @@ def main() -> None:
         quant = flashgen.quantize_fp8
     except AttributeError:
         quant = None
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}" + (f"  softcap {a.softcap}" if a.softcap else ""))
+    cap = a.softcap
     print("| head_dim | causal | seqlen | e4m3 kernel | e4m3 from bf16 (quantize + attn) | bf16 | e4m3 / bf16 |")
     print("|---|---|---|---|---|---|---|")
     for d in (int(x) for x in a.head_dims.split(",")):
@@ -42,14 +46,14 @@ def main() -> None:
                 ds = [torch.ones(b, h, device="cuda") for _ in range(3)]
                 fl = _flops(b, h, s, d, causal) / 1e12
                 t8 = _time_ms(lambda: flashgen.flash_attn_func(q8, k8, v8, causal=causal, q_descale=ds[0],
-                                                               k_descale=ds[1], v_descale=ds[2]))
-                t16 = _time_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
+                                                               k_descale=ds[1], v_descale=ds[2], softcap=cap))
+                t16 = _time_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal, softcap=cap))
                 e2e = "-"
                 if quant is not None:
                     def full():
                         q_, k_, v_, qd, kd, vd = quant(q, k, v)
                         return flashgen.flash_attn_func(q_, k_, v_, causal=causal, q_descale=qd, k_descale=kd,
-                                                        v_descale=vd)
+                                                        v_descale=vd, softcap=cap)
                     e2e = f"{fl / _time_ms(full) * 1e3:.0f}"
                 print(f"| {d} | {causal} | {s} | {fl / t8 * 1e3:.0f} | {e2e} | {fl / t16 * 1e3:.0f} | "
                       f"{t16 / t8:.2f} |", flush=True)
