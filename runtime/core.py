@@ -211,6 +211,25 @@ def pack_gqa_rule(seqlen_q: int, heads: int, heads_k: int, block_m: int) -> bool
     return unpacked < PACK_GQA_EFFICIENCY * packed
 
 
+def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window_size, seqlen_q: int,
+                    seqlen_k: int, softcap: float, heads: int, heads_k: int, device: int) -> bool:
+    """Whether a forward call with this metadata can run PackGQA (``attention_forward(pack_gqa=True)``
+    without an error): GQA (heads > heads_k), a built PackGQA variant for its key, and a group that
+    fits the variant's tile (heads / heads_k <= block_m). flash_attn_func's ``pack_gqa=True`` hint
+    packs exactly then (FA3's hint; the output is the same either way). dtype: the core's name
+    (fp16, bf16, fp8_e4m3)."""
+    group = heads // heads_k
+    if group <= 1 or seqlen_q < 1 or seqlen_k < 1:
+        return False
+    mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
+    try:
+        plan = _plan(dtype, head_dim, head_dim_v, mask, softcap > 0, device, None, bucket=(seqlen_k - 1).bit_length(),
+                     pack_gqa=True)
+    except MissingVariantError:
+        return False
+    return group <= plan.block_m
+
+
 def _bshd_map(t: TensorArg, box_rows: int):
     """The TMA map of :func:`_bshd_map_spec` at ``t``'s address."""
     return launch.tensor_map(t.ptr, *_bshd_map_spec(t, box_rows))

@@ -173,6 +173,7 @@ class _FwdCall(NamedTuple):
     lse_strides: tuple  # of the fresh contiguous lse
     empty: bool  # nothing to launch: batch, seqlen_q or seqlen_k is 0
     launch: Optional[_core.PreparedForward]  # when q, k, v are all read in place (and not empty); else None
+    pack_gqa: Optional[bool] = None  # the core's pack_gqa for this call (:func:`_pack_gqa_arg`)
 
 
 _fwd_calls: dict = {}  # key (see flash_attn_func) -> _FwdCall; immutable values
@@ -197,16 +198,34 @@ def _input_layout(t: torch.Tensor, elem_size: int):
     return shape, (_v.tma_strides(shape, strides) if 1 in shape else strides)
 
 
+def _pack_gqa_arg(p: _v.Problem, causal: bool, window_left: int, window_right: int, softcap: float,
+                  pack_gqa: Optional[bool]) -> Optional[bool]:
+    """The core's ``pack_gqa`` for flash_attn_func's hint (FA3's ``pack_gqa``): None = the
+    measured rule decides (core.pack_gqa_rule); False = unpacked; True = packed where PackGQA can
+    serve the call (GQA, a built PackGQA variant, the group fits its tile:
+    core.pack_gqa_served), else unpacked. A hint never changes the result, only the kernel."""
+    if pack_gqa is None or not pack_gqa:
+        return None if pack_gqa is None else False
+    return _core.pack_gqa_served(p.dtype, p.head_dim, p.head_dim_v, causal, (window_left, window_right), p.seqlen_q,
+                                 p.seqlen_k, softcap, p.heads, p.heads_k, p.device)
+
+
 def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_left: int,
-              window_right: int, softcap: float, descales=(None, None, None)) -> _FwdCall:
-    """The :class:`_FwdCall` of valid arguments (``p``: q, k, v's Problem). When q, k, v can be
-    read in place this prepares the core's launch: RuntimeError on a GPU that is not Hopper, then
-    MissingVariantError when no built variant serves the call (before any allocation)."""
+              window_right: int, softcap: float, descales=(None, None, None), pack_gqa: Optional[bool] = None) -> _FwdCall:
+    """The :class:`_FwdCall` of valid arguments (``p``: q, k, v's Problem; ``pack_gqa``: the
+    caller's hint). When q, k, v can be read in place this prepares the core's launch:
+    RuntimeError on a GPU that is not Hopper, then MissingVariantError when no built variant
+    serves the call (before any allocation)."""
     es = _v.ELEMENT_SIZE[p.dtype]
     inputs = tuple(_input_layout(t, es) for t in (q, k, v))
     out_strides = _v.tma_strides(p.out_shape, _contiguous_strides(p.out_shape))
     empty = p.nothing_to_compute or p.seqlen_k == 0
     prepared = None
+    core_pack = None
+    if not empty and pack_gqa is not None:
+        if pack_gqa:
+            _check_device_capability(p.device)  # before the core looks up (and loads) a PackGQA kernel
+        core_pack = _pack_gqa_arg(p, causal, window_left, window_right, softcap, pack_gqa)
     if not empty and None not in inputs:
         dev = p.device
         _check_device_capability(dev)  # before the core selects and loads a kernel
@@ -216,19 +235,19 @@ def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             _core.TensorArg(0, vs, vst, p.dtype, dev), _core.TensorArg(0, p.out_shape, out_strides, p.out_dtype, dev),
             causal, window_size=(window_left, window_right), softcap=softcap,
             q_descale=_descale_arg(descales[0], dev, 0), k_descale=_descale_arg(descales[1], dev, 0),
-            v_descale=_descale_arg(descales[2], dev, 0))
+            v_descale=_descale_arg(descales[2], dev, 0), pack_gqa=core_pack)
     return _FwdCall(p, p.out_shape, p.lse_shape, _TORCH_DTYPES[p.out_dtype], inputs, out_strides,
-                    _contiguous_strides(p.lse_shape), empty, prepared)
+                    _contiguous_strides(p.lse_shape), empty, prepared, core_pack)
 
 
 def _new_fwd_call(key: tuple, q, k, v, causal: bool, window_left: int, window_right: int, softcap: float, sink,
-                  descales: tuple) -> _FwdCall:
+                  descales: tuple, pack_gqa: Optional[bool] = None) -> _FwdCall:
     """flash_attn_func's eager path on a key not in ``_fwd_calls``: validate q, k, v (and the sink,
     the descales and what FP8 lacks), make the key's :class:`_FwdCall` and cache it (bounded)."""
     p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
     if sink is not None or p.dtype == "fp8_e4m3" or descales != (None, None, None):
         _check_extras(p, causal, window_left, window_right, softcap, sink, *descales)
-    call = _fwd_call(p, q, k, v, causal, window_left, window_right, softcap, descales)
+    call = _fwd_call(p, q, k, v, causal, window_left, window_right, softcap, descales, pack_gqa)
     if len(_fwd_calls) >= _FWD_CALL_CACHE_MAX:
         _fwd_calls.clear()
     _fwd_calls[key] = call
@@ -262,10 +281,11 @@ def _fwd_impl(
     deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
     k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
+    pack_gqa: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
     window_right=-1, softcap=0.0, learnable_sink=None, q_descale=None, k_descale=None,
-    v_descale=None) -> (out, lse)``.
+    v_descale=None, pack_gqa=None) -> (out, lse)``.
 
     The registered op behind :func:`flash_attn_func`; same arguments (softmax_scale already
     resolved to a float; ``window_size`` as two ints, -1 unbounded), always returns
@@ -275,11 +295,13 @@ def _fwd_impl(
     its arguments itself (see :func:`flash_attn_func`), so calling it directly is safe.
     ``deterministic`` does not change the forward (always deterministic); it is an argument of
     the op so that its autograd formula hands it to the backward, also in a torch.compile graph.
+    ``pack_gqa``: FA3's PackGQA hint (see :func:`flash_attn_func`); it never changes the result.
     """
     p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal, q_descale, k_descale,
                    v_descale)
     descales = (q_descale, k_descale, v_descale)
-    call = _fwd_call(p, q, k, v, bool(causal), int(window_left), int(window_right), float(softcap), descales)
+    call = _fwd_call(p, q, k, v, bool(causal), int(window_left), int(window_right), float(softcap), descales,
+                     None if pack_gqa is None else bool(pack_gqa))
     return _fwd_run(call, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink, descales)
 
 
@@ -345,6 +367,7 @@ def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window
         q_descale=_descale_arg(descales[0], dev),
         k_descale=_descale_arg(descales[1], dev),
         v_descale=_descale_arg(descales[2], dev),
+        pack_gqa=call.pack_gqa,
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     del qc, kc, vc, sink  # any copies are released only after the launch is enqueued
     return out, lse
@@ -365,7 +388,7 @@ _fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=())
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-              learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
+              learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, pack_gqa=None):
     p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal, q_descale, k_descale,
                    v_descale)
     out = q.new_empty(p.out_shape, dtype=_TORCH_DTYPES[p.out_dtype])  # contiguous, on q's device: as the real op
@@ -492,7 +515,7 @@ def _backward(ctx, grad_out, grad_lse):
     d_sink = None
     if ctx.has_sink and ctx.needs_input_grad[9]:
         d_sink = _sink_grad(grad_out, out, lse, rest[0])
-    return dq, dk, dv, None, None, None, None, None, None, d_sink, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, d_sink, None, None, None, None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -583,9 +606,14 @@ def flash_attn_func(
             scale q.k before the tanh); head_dim_v == head_dim only, and no backward yet.
         qv, attention_chunk: FA3 arguments no built variant implements yet; anything but their
             defaults (None / 0) raises NotImplementedError naming the argument.
-        num_splits, pack_gqa, sm_margin: FA3 scheduling hints; accepted and ignored (they
-            never change the result). PackGQA (a K/V head's query heads in one tile) is chosen
-            per call by flashgen.core.pack_gqa_rule, measured on decode-like calls (docs/PERF.md).
+        pack_gqa: FA3's PackGQA hint (a K/V head's query heads in one tile, so K and V are read
+            once per group); it never changes the result. None: flashgen.core.pack_gqa_rule
+            decides (measured on decode-like calls, docs/PERF.md); False: never packed; True:
+            packed when the call has GQA (heads > heads_k) and a built PackGQA variant serves it
+            (no softcap, no FP8 ones yet), else unpacked. Anything but None/True/False raises
+            TypeError.
+        num_splits, sm_margin: FA3 scheduling hints; accepted and ignored (they never change
+            the result).
         deterministic: the backward gives bitwise-reproducible gradients (its dq
             accumulation runs in a fixed order, at some cost in speed); the forward is
             always deterministic.
@@ -649,6 +677,7 @@ def flash_attn_func(
             and (softmax_scale is None or type(softmax_scale) is float and -math.inf < softmax_scale < math.inf)
             and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
             and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1
+            and (pack_gqa is None or type(pack_gqa) is bool)
             and not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
             and not torch.compiler.is_compiling()):
         # The common call, eager, checked inline: plain tensors, no sink, descales, qv or
@@ -661,9 +690,10 @@ def flash_attn_func(
         causal = bool(causal)
         window_left, window_right = window_size
         key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
-               v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, None)
+               v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, None,
+               pack_gqa)
         call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap, None,
-                                                    (None, None, None))
+                                                    (None, None, None), pack_gqa)
         out, lse = _fwd_run(call, q, k, v, call.problem.head_dim ** -0.5 if softmax_scale is None else softmax_scale,
                             causal, window_left, window_right, softcap, None, (None, None, None))
         return (out, lse) if return_attn_probs else out
@@ -673,6 +703,8 @@ def flash_attn_func(
     if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
         not_tensors.append((TypeError, "learnable_sink must be None or a float32 (heads,) torch.Tensor, got "
                                        f"{type(learnable_sink).__name__}"))
+    if pack_gqa is not None and type(pack_gqa) is not bool:
+        not_tensors.append((TypeError, f"pack_gqa must be None, True or False, got {type(pack_gqa).__name__}"))
     if q_descale is not None or k_descale is not None or v_descale is not None:
         for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
             if t is not None and not isinstance(t, torch.Tensor):
@@ -713,13 +745,14 @@ def flash_attn_func(
             None if sink is None else (sink.shape, sink.dtype, _device_of(sink)),
             *(None if t is None else (t.shape, t.stride(), t.dtype, _device_of(t)) for t in descales))
         key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
-               v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, extras)
+               v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, extras,
+               pack_gqa)
         call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap, sink,
-                                                    descales)
+                                                    descales, pack_gqa)
         out, lse = _fwd_run(call, q, k, v, scale, causal, window_left, window_right, softcap, sink, descales)
     else:
         out, lse = torch.ops.flashgen.fwd(q, k, v, scale, causal, bool(deterministic), window_left,
-                                          window_right, softcap, sink, *descales)
+                                          window_right, softcap, sink, *descales, pack_gqa)
     if return_attn_probs:
         return out, lse
     return out

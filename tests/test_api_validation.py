@@ -101,6 +101,13 @@ class FakeCore:
     def __init__(self):
         self.calls = []
         self.selected = []
+        self.served = []  # pack_gqa_served's arguments (flash_attn_func's pack_gqa=True hint)
+
+    def pack_gqa_served(self, dtype, head_dim, head_dim_v, causal, window_size, seqlen_q, seqlen_k, softcap, heads,
+                        heads_k, device):
+        """As core.pack_gqa_served, with PackGQA variants for every 16-bit key without softcap."""
+        self.served.append((dtype, heads, heads_k, softcap))
+        return heads > heads_k and dtype != "fp8_e4m3" and not softcap > 0
 
     def select_variant(self, family, key, manifest=None):
         self.selected.append((family, dict(key)))
@@ -109,7 +116,7 @@ class FakeCore:
 
     def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None, *,
                           window_size=(-1, -1), softcap=0.0, sink=0, q_descale=None, k_descale=None,
-                          v_descale=None):
+                          v_descale=None, pack_gqa=None):
         if variant is None:  # as the real core: select (MissingVariantError) before any launch
             m = core.mask_spec(causal, window_size, q.shape[1], k.shape[1])
             variant = core.select_variant(
@@ -128,7 +135,7 @@ class FakeCore:
                     for n, t in (("q", q_descale), ("k", k_descale), ("v", v_descale))}
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, scale=softmax_scale, causal=causal, stream=stream,
                                variant=variant, window_size=window_size, softcap=softcap, sink=sink,
-                               sink_values=sink_t, descales=descales))
+                               sink_values=sink_t, descales=descales, pack_gqa=pack_gqa))
         qv, kv, vv = _view(q), _view(k), _view(v)
         if q.dtype == "fp8_e4m3":  # emulated: dequantized in float32
             qv, kv, vv = (dequantize_fp8(x, descales[n]) for x, n in ((qv, "q"), (kv, "k"), (vv, "v")))
@@ -138,7 +145,7 @@ class FakeCore:
         return variant
 
     def prepare_forward(self, q, k, v, out, causal, variant=None, *, window_size=(-1, -1), softcap=0.0,
-                        softmax_scale=None, q_descale=None, k_descale=None, v_descale=None):
+                        softmax_scale=None, q_descale=None, k_descale=None, v_descale=None, pack_gqa=None):
         """As core.prepare_forward: metadata only (addresses 0), the variant selected here."""
         for a in (q, k, v, out, q_descale, k_descale, v_descale):
             assert a is None or (isinstance(a, core.TensorArg) and a.ptr == 0)
@@ -148,7 +155,7 @@ class FakeCore:
                 "fwd", {"dtype": core._VARIANT_DTYPE.get(q.dtype, q.dtype), "head_dim": q.shape[3],
                         "head_dim_v": v.shape[3], "causal": m.causal, "local": m.local, "softcap": softcap > 0})
         return dict(q=q, k=k, v=v, out=out, causal=causal, variant=variant, window_size=window_size,
-                    descales=(q_descale, k_descale, v_descale))
+                    descales=(q_descale, k_descale, v_descale), pack_gqa=pack_gqa)
 
     def launch_forward(self, prep, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, softmax_scale, softcap, stream, sink=0,
                        q_descale=0, k_descale=0, v_descale=0):
@@ -163,7 +170,8 @@ class FakeCore:
         return self.attention_forward(q._replace(ptr=q_ptr), prep["k"]._replace(ptr=k_ptr), prep["v"]._replace(ptr=v_ptr),
                                       prep["out"]._replace(ptr=out_ptr), lse, softmax_scale, prep["causal"], stream,
                                       prep["variant"], window_size=prep["window_size"], softcap=softcap, sink=sink,
-                                      q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+                                      q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                                      pack_gqa=prep["pack_gqa"])
 
 
 @pytest.fixture
@@ -180,6 +188,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(core, "attention_forward", fc.attention_forward)
     monkeypatch.setattr(core, "prepare_forward", fc.prepare_forward)
     monkeypatch.setattr(core, "launch_forward", fc.launch_forward)
+    monkeypatch.setattr(core, "pack_gqa_served", fc.pack_gqa_served)
     return fc
 
 
@@ -244,6 +253,29 @@ def test_scheduling_hints_are_accepted(fake_gpu):
     a = flash_attn_func(q, k, v, num_splits=3, pack_gqa=True, sm_margin=4)
     b = flash_attn_func(q, k, v)
     assert torch.equal(a, b)
+
+
+def test_pack_gqa_hint_reaches_the_core(fake_gpu):
+    """FA3's pack_gqa hint: None leaves the choice to the core's rule, False asks for the unpacked
+    kernel, True for PackGQA where it can serve the call (GQA with a built PackGQA variant; else
+    unpacked); each hint is its own cached call, in place and through copies, and anything but
+    None/True/False is a TypeError."""
+    q, k, v = qkv(b=2, sq=5, sk=9, h=8, hk=2, d=64)
+    outs = []
+    for hint, want in ((None, None), (False, False), (True, True)):
+        outs.append(flash_attn_func(q, k, v, pack_gqa=hint))
+        assert fake_gpu.calls[-1]["pack_gqa"] is want
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    flash_attn_func(q, k, v, pack_gqa=True, softcap=5.0)  # no PackGQA variant with softcap: unpacked
+    assert fake_gpu.calls[-1]["pack_gqa"] is False
+    flash_attn_func(q, k[:, :, :1].expand(2, 9, 8, 64), v[:, :, :1].expand(2, 9, 8, 64), pack_gqa=True)  # group 1
+    assert fake_gpu.calls[-1]["pack_gqa"] is False
+    q_odd = torch.zeros(2, 5, 8, 68, dtype=q.dtype)[..., :64]  # rows of 136 bytes: copied for TMA
+    q_odd.copy_(q)
+    assert torch.equal(flash_attn_func(q_odd, k, v, pack_gqa=True), outs[0])
+    assert fake_gpu.calls[-1]["pack_gqa"] is True
+    with pytest.raises(TypeError, match="pack_gqa must be None, True or False, got int"):
+        flash_attn_func(q, k, v, pack_gqa=1)
 
 
 def test_ops_entry_point_validates_too(fake_gpu):

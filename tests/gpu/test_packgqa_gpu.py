@@ -155,3 +155,27 @@ def test_packed_is_deterministic(used, monkeypatch):
     for _ in range(19):
         again, _ = run(q, k, v, causal, w)
         assert bitwise_equal(again, first)
+
+
+def test_flash_attn_func_pack_gqa_hint(used):
+    """FA3's pack_gqa hint through flash_attn_func: True packs a GQA call with a PackGQA variant
+    (here one the rule would not pack: a prompt), False never packs (here a decode step the rule
+    would pack), None leaves it to the rule; softcap has no PackGQA variant, so True runs unpacked.
+    Every output against the reference."""
+    need_pack((1, 1, 64, 32, 4, 128, BF16, False, (-1, -1)))
+    interface._fwd_calls.clear()
+    core._prepared_forwards.clear()
+    for sq, hint, want in ((2048, True, True), (1, False, False), (1, None, True), (2048, None, False)):
+        q, k, v = make_qkv(2, sq, 2048, 32, 4, 128, BF16, seed=sq + 1)
+        b, h = q.shape[0], q.shape[2]
+        poison_cached_blocks(q.element_size() * b * sq * h * 128 + 4 * b * h * sq)
+        with torch.no_grad():
+            out, lse = flashgen.flash_attn_func(q, k, v, causal=True, pack_gqa=hint, return_attn_probs=True)
+        torch.cuda.synchronize()
+        assert bool(used[-1].params.get("pack_gqa")) == want, (sq, hint, used[-1].name)
+        check_fwd(q, k, v, True, out, lse)
+    q, k, v = make_qkv(2, 1, 512, 32, 4, 128, BF16, seed=5)
+    with torch.no_grad():
+        out, lse = flashgen.flash_attn_func(q, k, v, softcap=15.0, pack_gqa=True, return_attn_probs=True)
+    assert not used[-1].params.get("pack_gqa")
+    check_fwd(q, k, v, False, out, lse, softcap=15.0, factor=3.0)
