@@ -10,7 +10,8 @@ Two ops, registered with ``torch.library.custom_op``, each with a fake (meta)
 implementation:
 
 * ``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
-  window_right=-1, softcap=0.0, learnable_sink=None) -> (out, lse)``, whose autograd formula
+  window_right=-1, softcap=0.0, learnable_sink=None, q_descale=None, k_descale=None,
+  v_descale=None, pack_gqa=None) -> (out, lse)``, whose autograd formula
   saves q, k, v, out and lse (and learnable_sink when given; no more) and calls
 * ``torch.ops.flashgen.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
   window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``; the sink's gradient is
