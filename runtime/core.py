@@ -222,12 +222,19 @@ def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, wi
     if group <= 1 or seqlen_q < 1 or seqlen_k < 1:
         return False
     mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
+    return _packed_plan(dtype, head_dim, head_dim_v, mask, softcap > 0, device, (seqlen_k - 1).bit_length(),
+                        group) is not None
+
+
+def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
+                 group: int) -> _Plan | None:
+    """The PackGQA plan of a call key when a PackGQA variant is built for it and ``group`` query
+    heads fit its tile (group <= block_m); else None (the unpacked kernel serves)."""
     try:
-        plan = _plan(dtype, head_dim, head_dim_v, mask, softcap > 0, device, None, bucket=(seqlen_k - 1).bit_length(),
-                     pack_gqa=True)
+        plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True)
     except MissingVariantError:
-        return False
-    return group <= plan.block_m
+        return None
+    return plan if group <= plan.block_m else None
 
 
 def _bshd_map(t: TensorArg, box_rows: int):
@@ -335,12 +342,10 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
         packed = bool(plan.variant.params.get("pack_gqa"))
     else:
         plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket)
-        packed = pack_gqa is None and not fp8 and not softcap > 0 and pack_gqa_rule(sq, h, hk, plan.block_m)
-        if packed:
-            try:
-                plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, pack_gqa=True)
-            except MissingVariantError:  # none built for this key: the unpacked kernel serves
-                packed = False
+        pp = (_packed_plan(q.dtype, d, dv, mask, softcap > 0, q.device, bucket, group)
+              if pack_gqa is None and pack_gqa_rule(sq, h, hk, plan.block_m) else None)
+        packed = pp is not None
+        plan = pp or plan
     bm, bn = plan.block_m, plan.block_n
     if packed and group > bm:
         raise ValueError(f"flashgen: pack_gqa needs heads / heads_k ({group}) <= block_m ({bm})")

@@ -498,7 +498,7 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             softcap not finite, softcap < 0; window_size not of 2 entries or an entry < -1;
             learnable_sink not of shape (heads,), not on q's device or not C-contiguous.
         RuntimeError: GPU not compute capability 9.x.
-        NotImplementedError: float8_e5m2; float8_e4m3fn with a window, softcap, sink or
+        NotImplementedError: float8_e5m2 or an fnuz fp8 format; float8_e4m3fn with
             head_dim_v != head_dim.
         ValueError (descales): a descale of the wrong shape or device, or given with 16-bit
             inputs; TypeError: a descale not float32.

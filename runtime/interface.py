@@ -205,8 +205,8 @@ def _pack_gqa_arg(p: _v.Problem, causal: bool, window_left: int, window_right: i
     measured rule decides (core.pack_gqa_rule); False = unpacked; True = packed where PackGQA can
     serve the call (GQA, a built PackGQA variant, the group fits its tile:
     core.pack_gqa_served), else unpacked. A hint never changes the result, only the kernel."""
-    if pack_gqa is None or not pack_gqa:
-        return None if pack_gqa is None else False
+    if not pack_gqa:
+        return pack_gqa  # None or False, as given
     return _core.pack_gqa_served(p.dtype, p.head_dim, p.head_dim_v, causal, (window_left, window_right), p.seqlen_q,
                                  p.seqlen_k, softcap, p.heads, p.heads_k, p.device)
 
@@ -247,7 +247,7 @@ def _new_fwd_call(key: tuple, q, k, v, causal: bool, window_left: int, window_ri
     the descales and what FP8 lacks), make the key's :class:`_FwdCall` and cache it (bounded)."""
     p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
     if sink is not None or p.dtype == "fp8_e4m3" or descales != (None, None, None):
-        _check_extras(p, causal, window_left, window_right, softcap, sink, *descales)
+        _check_extras(p, sink, *descales)
     call = _fwd_call(p, q, k, v, causal, window_left, window_right, softcap, descales, pack_gqa)
     if len(_fwd_calls) >= _FWD_CALL_CACHE_MAX:
         _fwd_calls.clear()
@@ -255,19 +255,18 @@ def _new_fwd_call(key: tuple, q, k, v, causal: bool, window_left: int, window_ri
     return call
 
 
-def _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal=False, q_descale=None,
-               k_descale=None, v_descale=None) -> _v.Problem:
+def _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, q_descale=None, k_descale=None,
+               v_descale=None) -> _v.Problem:
     """q, k, v, the window and softcap checked together (every problem in one error), then
     learnable_sink and the FP8 descales (whose expected shapes and device come from q); returns
     the Problem."""
     p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v),
                         also=_v.window_size_problems((window_left, window_right)) + _v.softcap_problems(softcap))
-    _check_extras(p, causal, window_left, window_right, softcap, learnable_sink, q_descale, k_descale, v_descale)
+    _check_extras(p, learnable_sink, q_descale, k_descale, v_descale)
     return p
 
 
-def _check_extras(p: _v.Problem, causal, window_left, window_right, softcap, learnable_sink, q_descale, k_descale,
-                  v_descale) -> None:
+def _check_extras(p: _v.Problem, learnable_sink, q_descale, k_descale, v_descale) -> None:
     """learnable_sink, the FP8 descales and what the FP8 forward lacks, for valid q, k, v (``p``)."""
     P = [] if learnable_sink is None else _v.learnable_sink_problems(_array_info(learnable_sink), p)
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
@@ -298,8 +297,7 @@ def _fwd_impl(
     the op so that its autograd formula hands it to the backward, also in a torch.compile graph.
     ``pack_gqa``: FA3's PackGQA hint (see :func:`flash_attn_func`); it never changes the result.
     """
-    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal, q_descale, k_descale,
-                   v_descale)
+    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, q_descale, k_descale, v_descale)
     descales = (q_descale, k_descale, v_descale)
     call = _fwd_call(p, q, k, v, bool(causal), int(window_left), int(window_right), float(softcap), descales,
                      None if pack_gqa is None else bool(pack_gqa))
@@ -390,8 +388,7 @@ _fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=())
 @_fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
               learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, pack_gqa=None):
-    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, causal, q_descale, k_descale,
-                   v_descale)
+    p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, q_descale, k_descale, v_descale)
     out = q.new_empty(p.out_shape, dtype=_TORCH_DTYPES[p.out_dtype])  # contiguous, on q's device: as the real op
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
     return out, lse
@@ -660,7 +657,7 @@ def flash_attn_func(
             on q's device.
         RuntimeError: the GPU is not compute capability 9.x (Hopper).
         NotImplementedError: an FA3 feature not built yet (see above), float8_e5m2 or an fnuz
-            fp8 format (only OCP float8_e4m3fn is read), FP8 with a window, softcap, sink or
+            fp8 format (only OCP float8_e4m3fn is read), FP8 with head_dim_v != head_dim or
             inputs that require grad.
         ValueError (descales): a descale of the wrong shape or device, or given with 16-bit inputs.
         flashgen.InputError: problems of several of the kinds above at once (it is both a

@@ -53,11 +53,11 @@ ALIGN_SLACK_BYTES = 1024
 REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
 # e4m3: the producer warpgroup also transposes V (warps 1-3), which spilled at 24 registers.
 # pack_gqa: the producer's 5-D Q load and packed tile bounds spilled 8 bytes at 24 (causal, 2 WGs).
-# A split must fit the registers the CTA is launched with (:func:`launch_regs` x threads): setmaxnreg.inc
-# waits for registers that the other warpgroups have released, so 32 / 240 with 2 consumer warpgroups
-# (128 x 32 + 256 x 240 = 65536 > 384 x 168 = 64512) hangs every launch (H200, tried).
+# A split must fit the registers the CTA is launched with (65536 / threads, rounded down to 8, per
+# thread; tests/test_families.py checks every variant): setmaxnreg.inc waits for registers that the
+# other warpgroups have released, so 32 / 240 with 2 consumer warpgroups (128 x 32 + 256 x 240 =
+# 65536 > 384 x 168 = 64512) hangs every launch (H200, tried).
 REG_SPLIT_FP8 = {2: (40, 232), 3: (32, 160)}
-REG_SPLIT_PACK = REG_SPLIT_FP8
 ACC_REG_HEADROOM = 32
 
 PARAMS = params_struct(
@@ -176,7 +176,7 @@ class FwdFamily(Family):
         columns, block_n padded to 128)."""
         wgs = int(params["consumer_wgs"])
         smem = smem_layout(params)
-        split = REG_SPLIT_FP8 if params["dtype"] == "e4m3" else REG_SPLIT_PACK if params.get("pack_gqa") else REG_SPLIT
+        split = REG_SPLIT_FP8 if params["dtype"] == "e4m3" or params.get("pack_gqa") else REG_SPLIT
         producer_regs, consumer_regs = split.get(wgs, (24, 240))
         return dict(
             threads=128 * (wgs + 1),
