@@ -19,6 +19,10 @@
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
 #                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward; TESTS: GPU
 #                                          tests run first; VARIANTS: fp8_bench.py --variants args, this tree)
+#   bash scripts/device_check.sh bwd       backward change check: bwd GPU tests (TESTS overrides), then the backward alone of
+#                                          .base/ and this tree alternated old, new, old, new (bf16, hd 64/128/256;
+#                                          SEQLENS, default 512,2048,16384), default and deterministic, SDPA peers;
+#                                          new/old table printed last (scripts/bwd_compare.py)
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
@@ -102,6 +106,20 @@ compare)
     echo "== old bwd"; oldenv python3 -m flashgen.cli bench $bw --csv "$out/bwd_old.csv" 2>&1 | tail -8
     echo "== new bwd"; python3 -m flashgen.cli bench $bw --csv "$out/bwd_new.csv" 2>&1 | tail -8
   fi
+  ;;
+bwd)
+  test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'bwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS:-tests/gpu/test_bwd_gpu.py tests/gpu/test_features_gpu.py -k "determin or bwd or grad"} 2>&1 \
+    | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  bw="--backward-only --seqlens ${SEQLENS:-512,2048,16384} --head-dims 64,128,256 --dtypes bf16 --no-ablation --no-overhead --no-combine"
+  oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
+  for r in 1 2; do
+    oldenv python3 -m flashgen.cli bench $bw --csv "$out/bwd_old$r.csv" --png /tmp/o.png 2>&1 | tail -1
+    python3 -m flashgen.cli bench $bw --csv "$out/bwd_new$r.csv" --png /tmp/n.png 2>&1 | tail -1
+  done
+  python3 scripts/bwd_compare.py "$out"/bwd_old1.csv "$out"/bwd_new1.csv "$out"/bwd_old2.csv "$out"/bwd_new2.csv | tee "$out/bwd_compare.md"
   ;;
 perf)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

@@ -141,9 +141,9 @@ __device__ __forceinline__ void wait_flag_at_least(const int* flag, int target) 
   } while (v < target);
 }
 
-// *flag += 1 with release semantics (gpu scope): the signal half; the caller fences its prior writes.
-__device__ __forceinline__ void signal_flag(int* flag) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
+// *flag += n with release semantics (gpu scope): the signal half; the caller fences its prior writes.
+__device__ __forceinline__ void signal_flag(int* flag, int n = 1) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(n) : "memory");
 }
 
 // 1-D bulk reduction shared -> global: dst[i] += src[i] over `bytes` of fp32 (a multiple of 16,
