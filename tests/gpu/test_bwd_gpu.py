@@ -320,6 +320,34 @@ def test_deterministic_race_big(d, causal, shape):
     _repeat_bitwise(torch.bfloat16, d, causal, shape, repeats=500, seed=d + 1)
 
 
+@pytest.mark.parametrize("d,causal,shape", [
+    (128, False, (32, 512, 512, 16, 16)),
+    (128, True, (32, 512, 512, 16, 16)),
+    (64, False, (16, 1024, 1024, 32, 8)),
+    (256, True, (8, 1000, 1000, 8, 8)),
+    (256, False, (8, 2048, 2048, 8, 8)),
+], ids=["hd128_512x32", "hd128_512x32_causal", "hd64_1024x16_gqa", "hd256_1000x8_causal", "hd256_2048x8"])
+def test_deterministic_many_waves_finish(d, causal, shape):
+    """The deterministic hand-off with more CTAs than fit on the GPU at once (FA3-protocol shapes:
+    2048 CTAs at seqlen 512): 200 runs in a child process under a time limit, every result
+    bitwise equal to the first. A two-reducer-warp hand-off passed every single-wave test and hung
+    here (docs/results/bwd_det_h200/); a hang must fail the test, not the suite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    need_bwd(torch.bfloat16, d, causal)
+    here = Path(__file__).resolve().parent
+    child = (f"import sys; sys.path[:0] = [{str(here)!r}]; import torch, test_bwd_gpu as t; "
+             f"t._repeat_bitwise(torch.bfloat16, {d}, {causal}, {shape}, repeats=200, seed=5); print('ok')")
+    try:
+        r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"200 deterministic backward runs of {shape} (hd {d}, causal {causal}) did not finish in 180 s: "
+                    "a cross-CTA hand-off deadlock")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------------------
 # Layouts, dtypes and shapes of the gradients
 # --------------------------------------------------------------------------------------
