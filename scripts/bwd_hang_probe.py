@@ -10,7 +10,7 @@ import sys
 
 CHILD = r"""
 import sys, time, torch
-from flashgen.bench import _flashgen_bwd_fn
+from flashgen.bench import _flashgen_bwd_fn, _flops
 hd, causal, s, det, reps = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
 b, h = 16384 // s, 2048 // hd
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -21,7 +21,7 @@ t = time.perf_counter()
 for _ in range(reps): fn()
 torch.cuda.synchronize()
 ms = (time.perf_counter() - t) / reps * 1e3
-print(f"{ms:.3f} ms, {2.5 * 4 * b * h * s * s * hd / (2 if causal else 1) / ms / 1e9:.0f} TFLOP/s")
+print(f"{ms:.3f} ms, {2.5 * _flops(b, h, s, hd, causal) / ms / 1e9:.0f} TFLOP/s")
 """
 
 
