@@ -796,8 +796,9 @@ def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal):
     vp = variant.params
     pad = -(-served // 64) * 64
     slices = pad // vp["slice"]
-    assert p["num_slices"] == slices and main["grid"] == (-(-sk // 128), slices * hk, b)
-    boxes = {"q": vp["block_m"], "dout": vp["block_m"], "k": 128, "v": 128, "dk": 64, "dv": 64}
+    bn = vp["block_n"]
+    assert p["num_slices"] == slices and main["grid"] == (-(-sk // bn), slices * hk, b)
+    boxes = {"q": vp["block_m"], "dout": vp["block_m"], "k": bn, "v": bn, "dk": 64, "dv": 64}
     for name, m in main["maps"].items():
         width = dv if name in ("v", "dout", "dv") else d
         assert m["ptr"] == args[name].ptr and m["dims"] == (width, args[name].shape[1], args[name].shape[2], b), name

@@ -69,13 +69,15 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = ("bf16", "fp16")
 ELEM = 2
 BLOCK_N = 128
+ROLES_BLOCK_N = 64  # block_n 64: the two consumers split the work by role (see the module docstring)
 CONSUMER_WGS = 2
-TILES = ((64, 128), (128, 64))  # (block_m, slice)
+TILES = ((64, 128), (128, 64))  # (block_m, slice) with block_n 128
 STAGES = (1, 2)
 BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 REG_HEADROOM = 48
+ROLES_REG_HEADROOM = 16  # the role tiles' consumers hold fewer live arrays beside their accumulators
 PRE_POST_THREADS = 256  # one warp per row
 
 PARAMS = params_struct(
@@ -117,13 +119,19 @@ def _pad64(x: int) -> int:
 DQ_TILE_BYTES = 64 * 64 * 4  # one consumer's fp32 dQ tile
 
 
+def roles(params: dict) -> bool:
+    """Whether the tile splits the consumers by role (block_n 64) rather than by key rows."""
+    return int(params["block_n"]) == ROLES_BLOCK_N
+
+
 def smem_layout(params: dict, ds_buffers: int, dq_buffers: int) -> dict:
-    """Shared-memory regions ``{name: {"offset", "bytes"}}`` of the main kernel, in address order."""
+    """Shared-memory regions ``{name: {"offset", "bytes"}}`` of the main kernel, in address order
+    (``pd``: the role tiles' fp32 P^T hand-off, 64 x block_m; empty otherwise)."""
     p, bm, st = _pad64(params["head_dim"]), int(params["block_m"]), int(params["stages"])
     bn = int(params["block_n"])
     sizes = {"k": bn * p * ELEM, "v": bn * p * ELEM, "q": st * bm * p * ELEM, "do": st * bm * p * ELEM,
              "ds": ds_buffers * bn * bm * ELEM, "dq": dq_buffers * DQ_TILE_BYTES, "lse": st * bm * 4,
-             "dpsum": st * bm * 4, "bars": BARRIER_BYTES}
+             "dpsum": st * bm * 4, "pd": (64 * bm * 4 if roles(params) else 0), "bars": BARRIER_BYTES}
     out, off = {}, 0
     for name, size in sizes.items():
         out[name] = {"offset": off, "bytes": size}
@@ -139,8 +147,9 @@ class BwdFamily(Family):
     def resources(self, params):
         """threads, smem (main kernel layout), smem_bytes, ds_buffers, dq_buffers, producer/consumer
         regs, head_dim_padded, num_slices. The buffer counts are the first of (dS^T, dQ) = (2, 2),
-        (1, 2), (1, 0) that fits in shared memory."""
-        for ds_buffers, dq_buffers in ((2, 2), (1, 2), (1, 0)):
+        (1, 2), (1, 0) that fits in shared memory; role tiles take (1, 0) (their P^T hand-off
+        orders the one dS^T buffer's reuse; their consumers reduce dQ themselves)."""
+        for ds_buffers, dq_buffers in ((1, 0),) if roles(params) else ((2, 2), (1, 2), (1, 0)):
             smem = smem_layout(params, ds_buffers, dq_buffers)
             if _smem_total(smem) <= SMEM_LIMIT:
                 break
@@ -156,16 +165,27 @@ class BwdFamily(Family):
         p = _pad64(params["head_dim"])
         if params["causal"] and params.get("local", False):
             out.append(("local", True, "false with causal: true (the local kernel serves causal with a window)"))
-        if (bm, sl) not in TILES:
+        if roles(params):
+            if bm != 64:
+                out.append(("block_m", bm, "64 with block_n 64 (the role tiles)"))
+            if sl != p:
+                out.append(("slice", sl, f"head_dim padded to 64 ({p}) with block_n 64: the role tiles do not slice"))
+        elif (bm, sl) not in TILES:
             out.append(("slice", sl, "128 with block_m 64, 64 with block_m 128 (each consumer's dQ GEMM is 64 x 64)"))
         elif p % sl:
             out.append(("slice", sl, f"a divisor of head_dim padded to 64 ({p})"))
         if out:
             return out
-        need = bm // 2 * 2 + sl // 2 * 2
-        if need > CONSUMER_REGS - REG_HEADROOM:
-            out.append(("block_m", bm, f"S^T, dP^T (block_m/2 each) + dK, dV (slice/2 each) = {need} registers > "
-                                       f"{CONSUMER_REGS - REG_HEADROOM}: lower block_m or slice"))
+        if roles(params):  # S^T or dP^T, dV or dK, and up to two 64 x 64 dQ chunks
+            need = bm // 2 + p // 2 + 32 * min(2, -(-p // 128))
+            what = "S^T or dP^T (block_m/2) + dV or dK (head_dim/2) + dQ chunks (32 each)"
+            limit = CONSUMER_REGS - ROLES_REG_HEADROOM
+        else:
+            need = bm // 2 * 2 + sl // 2 * 2
+            what = "S^T, dP^T (block_m/2 each) + dK, dV (slice/2 each)"
+            limit = CONSUMER_REGS - REG_HEADROOM
+        if need > limit:
+            out.append(("block_m", bm, f"{what} = {need} registers > {limit}: lower block_m or slice"))
         r = self.resources(params)
         if r["smem_bytes"] > SMEM_LIMIT:
             out.append(("stages", st, f"small enough for 227 KB of shared memory ({r['smem_bytes']} bytes needed: "
@@ -190,9 +210,10 @@ class BwdFamily(Family):
         if isinstance(key.get("head_dim"), int):
             key = {**key, "head_dim": min((h for h in HEAD_DIMS if h >= key["head_dim"]), default=key["head_dim"])}
         p = _pad64(key["head_dim"])
-        bm, sl = (64, 128) if p in (128, 256) else (128, 64)
-        stages = 2 if p <= 128 else 1
-        return {**key, "block_m": bm, "block_n": BLOCK_N, "slice": sl, "stages": stages}
+        if p >= 192:  # the role tiles: no recomputed S^T / dP^T
+            return {**key, "block_m": 64, "block_n": ROLES_BLOCK_N, "slice": p, "stages": 2}
+        bm, sl = (64, 128) if p == 128 else (128, 64)
+        return {**key, "block_m": bm, "block_n": BLOCK_N, "slice": sl, "stages": 2}
 
 
 FAMILY = BwdFamily(
@@ -207,8 +228,9 @@ FAMILY = BwdFamily(
             doc="FA3's local mask: a band with runtime bounds (sliding windows, causal with a window)"),
         Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
         Key("block_m", int, "tile", allowed=(64, 128), doc="query rows per step of the main loop"),
-        Key("block_n", int, "tile", allowed=(BLOCK_N,), doc="key rows per CTA (2 consumer warpgroups x 64)"),
-        Key("slice", int, "tile", allowed=(64, 128), doc="dK/dV/dQ columns per CTA"),
+        Key("block_n", int, "tile", allowed=(ROLES_BLOCK_N, BLOCK_N),
+            doc="key rows per CTA: 128 (2 consumer warpgroups x 64 rows) or 64 (both consumers, split by role)"),
+        Key("slice", int, "tile", allowed=(64, 128, 192, 256), doc="dK/dV/dQ columns per CTA"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="Q/dO ring depth"),
     ),
     tile_match=("head_dim", "dtype", "causal", "local", "softcap"),
