@@ -19,7 +19,7 @@
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
 #                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward; TESTS: GPU
 #                                          tests run first; VARIANTS: fp8_bench.py --variants args, this tree)
-#   bash scripts/device_check.sh bwd       backward change check: bwd GPU tests (TESTS overrides), then the backward alone of
+#   bash scripts/device_check.sh bwd       backward change check: bwd GPU tests (TESTS: files, TESTS_K: -k), then the backward alone of
 #                                          .base/ and this tree alternated old, new, old, new (bf16, hd 64/128/256;
 #                                          SEQLENS, default 512,2048,16384; HEAD_DIMS, default 64,128,256), default
 #                                          and deterministic, SDPA peers;
@@ -113,7 +113,8 @@ bwd)
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
   (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'bwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
   if [ "${TESTS:-}" != none ]; then
-    timeout 330 python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS:-tests/gpu/test_bwd_gpu.py tests/gpu/test_features_gpu.py -k "determin or bwd or grad"} 2>&1 \
+    timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS:-tests/gpu/test_bwd_gpu.py tests/gpu/test_features_gpu.py} \
+      -k "${TESTS_K:-determin or bwd or grad}" 2>&1 \
       | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   fi
   bw="--backward-only --seqlens ${SEQLENS:-512,2048,16384} --head-dims ${HEAD_DIMS:-64,128,256} --dtypes bf16 --no-ablation --no-overhead --no-combine"
