@@ -76,8 +76,11 @@ STAGES = (1, 2)
 BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
+# The role tiles' producer warpgroup also runs the staged dQ's reducer warp, whose loop (with the
+# loads' state live beside it) does not fit 24 registers: 32 / 232 (128 x 32 + 256 x 232 <= 65536).
+ROLES_PRODUCER_REGS, ROLES_CONSUMER_REGS = 32, 232
 REG_HEADROOM = 48
-ROLES_REG_HEADROOM = 16  # the role tiles' consumers hold fewer live arrays beside their accumulators
+ROLES_REG_HEADROOM = 8  # the role tiles' consumers hold fewer live arrays beside their accumulators
 PRE_POST_THREADS = 256  # one warp per row
 
 PARAMS = params_struct(
@@ -156,7 +159,8 @@ class BwdFamily(Family):
         p = _pad64(params["head_dim"])
         return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
                     dq_buffers=dq_buffers,
-                    producer_regs=PRODUCER_REGS, consumer_regs=CONSUMER_REGS, head_dim_padded=p,
+                    producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
+                    consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
                     num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS)
 
     def problems(self, params):
@@ -179,7 +183,7 @@ class BwdFamily(Family):
         if roles(params):  # S^T or dP^T, dV or dK, and up to two 64 x 64 dQ chunks
             need = bm // 2 + p // 2 + 32 * min(2, -(-p // 128))
             what = "S^T or dP^T (block_m/2) + dV or dK (head_dim/2) + dQ chunks (32 each)"
-            limit = CONSUMER_REGS - ROLES_REG_HEADROOM
+            limit = ROLES_CONSUMER_REGS - ROLES_REG_HEADROOM
         else:
             need = bm // 2 * 2 + sl // 2 * 2
             what = "S^T, dP^T (block_m/2 each) + dK, dV (slice/2 each)"
