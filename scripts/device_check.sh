@@ -21,7 +21,7 @@
 #                                          tests run first; VARIANTS: fp8_bench.py --variants args, this tree)
 #   bash scripts/device_check.sh bwd       backward change check: bwd GPU tests (TESTS: files, TESTS_K: -k), then the backward alone of
 #                                          .base/ and this tree alternated old, new, old, new (bf16, hd 64/128/256;
-#                                          SEQLENS, default 512,2048,16384; HEAD_DIMS, default 64,128,256), default
+#                                          SEQLENS, default 512,2048,16384; HEAD_DIMS, default 64,128,256; DTYPES), default
 #                                          and deterministic, SDPA peers;
 #                                          new/old table printed last (scripts/bwd_compare.py)
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
@@ -111,13 +111,13 @@ compare)
 bwd)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
-  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'bwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'bwd_*,fwd_bf16*,fwd_fp16*' -j "$(nproc)" 2>&1 | tail -1)
   if [ "${TESTS:-}" != none ]; then
     timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS:-tests/gpu/test_bwd_gpu.py tests/gpu/test_features_gpu.py} \
       -k "${TESTS_K:-determin or bwd or grad}" 2>&1 \
       | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   fi
-  bw="--backward-only --seqlens ${SEQLENS:-512,2048,16384} --head-dims ${HEAD_DIMS:-64,128,256} --dtypes bf16 --no-ablation --no-overhead --no-combine"
+  bw="--backward-only --seqlens ${SEQLENS:-512,2048,16384} --head-dims ${HEAD_DIMS:-64,128,256} --dtypes ${DTYPES:-bf16} --no-ablation --no-overhead --no-combine"
   oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
   for r in 1 2; do  # a hang shows as a timeout with the bench's last line in its log
     oldenv timeout ${BENCH_TIMEOUT:-200} python3 -m flashgen.cli bench $bw --csv "$out/bwd_old$r.csv" --png /tmp/o.png > "$out/bench_old$r.log" 2>&1
