@@ -450,6 +450,7 @@ class _BwdPlan(NamedTuple):
     block_n: int
     head_dim_padded: int
     num_slices: int
+    sms: int  # the device's SM count (the deterministic hand-off's mode)
 
 
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
@@ -468,12 +469,26 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
         p = var.params
         pad = -(-p["head_dim"] // 64) * 64
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
-                        p["block_m"], p["block_n"], pad, pad // p["slice"])
+                        p["block_m"], p["block_n"], pad, pad // p["slice"], launch.num_sms(device))
         _bwd_plans[key] = plan
     return plan
 
 
 _WS_ALIGN = 256
+
+
+def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int) -> int:
+    """BwdParams.deterministic: 0 (unordered dQ additions), 1 (ordered; each CTA signals a query
+    block's hand-off once its additions have landed) or 2 (ordered; signalled one block late,
+    after the next block's additions are issued). 2 when a query block's chain of key-block CTAs
+    is longer than the GPU holds at once (they start staggered anyway, so the later signal costs
+    no ramp, and it takes the landing wait off each CTA's path): measured on an H200 at head_dim
+    256, 2 was 1.12-1.15x faster at seqlen 16k and 0.76-0.88x at 512-2k (docs/PERF.md). Only the
+    role tiles' staged reducer (head_dim 256) reads the difference; the other paths treat any
+    nonzero value as 1."""
+    if not deterministic:
+        return 0
+    return 2 if num_n_blocks > sms else 1
 
 
 def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int) -> tuple:
@@ -559,7 +574,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
         "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
         "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
-        "deterministic": 1 if deterministic else 0, "scale_log2": scale_log2, "softmax_scale": scale,
+        "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms), "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
     }
     rows_per_cta = plan.pre.record.threads // 32

@@ -758,18 +758,34 @@ def bwd_core(tmp_path, monkeypatch):
     fake = BwdLaunches()
     for name in ("get_kernel", "launch", "tensor_map"):
         monkeypatch.setattr(launch, name, getattr(fake, name))
+    monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     return fake
 
 
-def _run_backward(b, sq, sk, h, hk, d, dv, causal):
+def _run_backward(b, sq, sk, h, hk, d, dv, causal, deterministic=False):
     """core.attention_backward on TensorArgs at distinct fake addresses; returns (variant, args by name)."""
     shapes = dict(dout=(b, sq, h, dv), q=(b, sq, h, d), k=(b, sk, hk, d), v=(b, sk, hk, dv), out=(b, sq, h, dv),
                   dq=(b, sq, h, d), dk=(b, sk, hk, d), dv=(b, sk, hk, dv))
     args = {name: targ(shape, ptr=0x10000 * (i + 1)) for i, (name, shape) in enumerate(shapes.items())}
     lse = core.TensorArg(0x900000, (b, h, sq), (h * sq, sq, 1), "fp32", 0)
     variant = core.attention_backward(*(args[n] for n in ("dout", "q", "k", "v", "out")), lse,
-                                      *(args[n] for n in ("dq", "dk", "dv")), 0.1, causal, False, 77, 0xA00000)
+                                      *(args[n] for n in ("dq", "dk", "dv")), 0.1, causal, deterministic, 77, 0xA00000)
     return variant, args
+
+
+@pytest.mark.parametrize("d", [128, 256], ids=lambda d: f"hd{d}")
+def test_core_backward_deterministic_mode(bwd_core, d):
+    """BwdParams.deterministic: 0 without determinism; 1 while a query block's chain of key-block
+    CTAs fits the GPU (132 SMs here), 2 (the hand-off signalled one block late) once it is longer."""
+    bn = None
+    for det, sk, want in ((False, 100000, 0), (True, 1000, 1), (True, 100000, 2)):
+        variant, _ = _run_backward(1, 300, sk, 2, 2, d, d, False, deterministic=det)
+        bn = variant.params["block_n"]
+        main = bwd_core.launches[-2]
+        assert main["role"] == "main" and main["params"]["deterministic"] == want, (det, sk)
+        assert (main["grid"][0] > 132) == (sk == 100000)
+    assert core._deterministic_mode(True, 132, 132) == 1 and core._deterministic_mode(True, 133, 132) == 2
+    assert bn in (64, 128)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])

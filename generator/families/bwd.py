@@ -106,7 +106,7 @@ PARAMS = params_struct(
     ("seqlen_q_pad", "i32"),  # num_m_blocks * block_m
     ("num_m_blocks", "i32"),
     ("num_slices", "i32"),  # head_dim_padded / slice
-    ("deterministic", "i32"),  # 1: dQ additions ordered by n_block (bitwise reproducible)
+    ("deterministic", "i32"),  # 1, 2: dQ additions ordered by n_block (bitwise reproducible); 2: hand-off signalled one block late (core._deterministic_mode)
     ("scale_log2", "f32"),  # softmax_scale * log2(e), any sign; softcap variants: softcap * log2(e)
     ("softmax_scale", "f32"),
     ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused

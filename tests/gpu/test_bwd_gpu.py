@@ -218,6 +218,15 @@ def test_backward_long_4224(dtype, d, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("d", [128, 256], ids=lambda d: f"hd{d}")
+def test_backward_chain_longer_than_the_gpu(d, causal):
+    """seqlen_k 9001: 141 key blocks of 64 (71 of 128) add to each query block's dQ, more CTAs
+    than the GPU holds at once where block_n is 64, so the deterministic run takes the hand-off
+    signalled one block late (core._deterministic_mode 2); both modes against the reference."""
+    _check_shape(torch.bfloat16, d, causal, (1, 333, 9001, 2, 1), seed=9001 + d)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"hd{d}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_backward_outliers(dtype, d, causal):
@@ -326,12 +335,16 @@ def test_deterministic_race_big(d, causal, shape):
     (64, False, (16, 1024, 1024, 32, 8)),
     (256, True, (8, 1000, 1000, 8, 8)),
     (256, False, (8, 2048, 2048, 8, 8)),
-], ids=["hd128_512x32", "hd128_512x32_causal", "hd64_1024x16_gqa", "hd256_1000x8_causal", "hd256_2048x8"])
+    (256, False, (1, 1000, 16384, 4, 2)),
+    (256, True, (1, 16384, 16384, 2, 2)),
+], ids=["hd128_512x32", "hd128_512x32_causal", "hd64_1024x16_gqa", "hd256_1000x8_causal", "hd256_2048x8",
+        "hd256_k16384_late_handoff", "hd256_16384_causal_late_handoff"])
 def test_deterministic_many_waves_finish(d, causal, shape):
     """The deterministic hand-off with more CTAs than fit on the GPU at once (FA3-protocol shapes:
     2048 CTAs at seqlen 512): 200 runs in a child process under a time limit, every result
     bitwise equal to the first. A two-reducer-warp hand-off passed every single-wave test and hung
-    here (docs/results/bwd_det_h200/); a hang must fail the test, not the suite."""
+    here (docs/results/bwd_det_h200/); a hang must fail the test, not the suite. The seqlen_k 16384
+    shapes have chains of 256 key blocks per query block: the late hand-off (mode 2)."""
     import subprocess
     import sys
     from pathlib import Path
