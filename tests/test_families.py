@@ -614,3 +614,42 @@ def test_add_variant_help_lists_families_and_keys():
     assert r.exit_code == 0 and "--block-m" in r.output and "--threads" in r.output and "--head-dim" not in r.output
     r = cli(["add-variant", "nope", "--dtype", "bf16"])
     assert r.exit_code == 2 and "nope" in r.output
+
+
+def _bwd_params(**kw):
+    p = {"dtype": "bf16", "head_dim": 256, "causal": False, "local": False, "softcap": False,
+         "block_m": 64, "block_n": 64, "slice": 256, "stages": 2}
+    p.update(kw)
+    return p
+
+
+def test_bwd_role_tiles_rules_and_resources():
+    """block_n 64 (the role tiles): block_m 64 and slice = head_dim padded, or a problem naming the
+    key; their resources: one dS^T buffer, no dQ staging tiles, the fp32 P^T region, 32 / 232
+    registers, fitting 227 KB at head_dim 256 with 2 stages; the suggested tile at 192 and 256."""
+    fam = bwd_mod.FAMILY
+    assert fam.problems(_bwd_params()) == []
+    assert fam.problems(_bwd_params(head_dim=192, slice=192)) == []
+    assert [k for k, _, _ in fam.problems(_bwd_params(block_m=128))] == ["block_m"]
+    assert [k for k, _, _ in fam.problems(_bwd_params(slice=128))] == ["slice"]
+    r = fam.resources(_bwd_params())
+    assert (r["ds_buffers"], r["dq_buffers"], r["num_slices"]) == (1, 0, 1)
+    assert (r["producer_regs"], r["consumer_regs"]) == (32, 232)
+    assert 128 * 32 + 256 * 232 <= 65536
+    assert r["smem"]["pd"]["bytes"] == 64 * 64 * 4 and r["smem"]["k"]["bytes"] == 64 * 256 * 2
+    assert r["smem_bytes"] <= bwd_mod.SMEM_LIMIT
+    old = fam.resources(_bwd_params(block_n=128, slice=128, stages=1))  # the slice tile keeps its layout
+    assert old["smem"]["pd"]["bytes"] == 0 and (old["producer_regs"], old["consumer_regs"]) == (24, 240)
+    assert old["num_slices"] == 2
+    for d in (192, 256):
+        t = fam.suggest({"dtype": "fp16", "head_dim": d, "causal": True})
+        assert (t["block_m"], t["block_n"], t["slice"], t["stages"]) == (64, 64, d, 2)
+    t = fam.suggest({"dtype": "fp16", "head_dim": 160, "causal": True})  # rounds up to 192's tile
+    assert (t["block_n"], t["slice"]) == (64, 192)
+
+
+def test_bwd_default_build_uses_role_tiles_above_128():
+    """configs/bwd.yaml: head dims 192 and 256 on role tiles, the others on block_n 128."""
+    for v in load_variants(Project(REPO)):
+        if v.family == "bwd":
+            assert (v.params["block_n"] == 64) == (v.params["head_dim"] >= 192), v.name

@@ -33,12 +33,34 @@ scale_log2 - LSE_log2) and scale dS by the tanh's derivative 1 - t^2 (FA3's soft
 Learnable sinks need nothing here: the forward's LSE includes the sink, and its gradient is
 -sum(exp(sink - LSE) * dPsum), computed by the caller.
 
-Slices: the dK/dV/dQ columns a CTA produces (``slice`` of head_dim_padded). The dK and dV
-accumulators of 64 key rows x slice columns must fit in a consumer's registers beside S^T and
-dP^T; head dims above 128 split into slices, each CTA recomputing S^T and dP^T over the full
-head_dim (FA3 instead shrinks the tile). The dQ GEMM of a consumer is always 64 x 64: with
-block_m 64 each consumer takes half the slice's columns (slice 128), with block_m 128 each takes
-64 query rows of a 64-column slice.
+Slices (block_n 128): the dK/dV/dQ columns a CTA produces (``slice`` of head_dim_padded). The dK
+and dV accumulators of 64 key rows x slice columns must fit in a consumer's registers beside S^T
+and dP^T; head dims above 128 could split into slices, each CTA recomputing S^T and dP^T over the
+full head_dim (7/5 of the GEMM work at 256, 9/5 at 192). The dQ GEMM of a consumer is 64 x 64:
+with block_m 64 each consumer takes half the slice's columns (slice 128), with block_m 128 each
+takes 64 query rows of a 64-column slice.
+
+Role tiles (block_n 64, block_m 64, slice = head_dim_padded; the default at head_dim 192 and 256):
+both consumers work on the CTA's 64 key rows, split by role rather than rows, so every GEMM is
+done once. Consumer 0 computes S^T, P^T and dV += P^T dO, and hands P^T (times 1 - tanh^2 with
+softcap: all dS^T needs of it) to consumer 1 through shared memory in fp32, in accumulator
+fragment order (``pd``); consumer 1 computes dP^T, dS^T (staged for dQ) and dK += dS^T Q. Each then
+computes dQ = dS K over half of its 64-column chunks (one m64n128 GEMM for two). One accumulator
+of 64 x head_dim per consumer: 128 registers at 256, where dK and dV together would not fit.
+block_n 64 doubles the dQ additions per key of block_n 128 (one per 64 keys): at head_dim 256
+they are staged in the Q and dO ring buffers themselves, each consumer writing its fp32 chunks
+into the buffer whose last reader it is (consumer 0: dO's, after dV; consumer 1: Q's, after dK),
+and the reducer warp adds each consumer's 32 KB with one bulk reduction and only then releases
+the buffer to the loads (the empty barriers count its arrival too). Measured on an H200
+(docs/PERF.md): no dQ additions at all 547 TFLOP/s at 16k, the consumers' ``red.v4`` 377, the
+staging alone (bulk reductions dropped) 442, staged 418-425; the staging's cost is shared-memory
+bandwidth (64 KB written and read per block beside ~256 KB of operand reads). At head_dim 192 the
+chunks do not fit the 24 KB buffers and the consumers add them with ``red.v4``. The block's target
+reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
+Deterministic: ``BwdParams.deterministic`` 1 signals a block's hand-off once its additions have
+landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
+block later, after the next block's reductions are issued (at 16k 1.07-1.14x faster; at
+512-2k, where all of a chain's CTAs start together, it delays each CTA by a block: 0.76-0.88x).
 
 head_dim_v != head_dim (e.g. DeepSeek's 192 / 128): no key of its own. As FA3 does, the runtime
 serves the call with the variant of max(head_dim, head_dim_v) (``BwdParams.head_dim`` and
@@ -49,13 +71,15 @@ the dK / dV stores drop the columns past their maps (a slice wholly past them is
 Feasibility (checked before anything is rendered):
 
 - head_dim in {64, 96, 128, 192, 256} (P = head_dim padded to 64; TMA zero-fills the padding).
-- block_n = 128 (2 consumer warpgroups x 64 key rows).
-- (block_m, slice) in {(64, 128), (128, 64)}; slice divides P.
-- Registers: S^T and dP^T (block_m/2 each) plus dK and dV (slice/2 each) <= 240 - 48 per
-  consumer thread.
+- block_n = 128 (2 consumer warpgroups x 64 key rows): (block_m, slice) in {(64, 128), (128, 64)},
+  slice divides P; registers: S^T and dP^T (block_m/2 each) plus dK and dV (slice/2 each) <= 240 -
+  48 per consumer thread.
+- block_n = 64 (role tiles): block_m = 64, slice = P; registers: S^T or dP^T (block_m/2) plus dV or
+  dK (P/2) plus up to two 32-register dQ chunks <= 232 - 8.
 - Shared memory: K and V (block_n x P each), stages x (Q and dO, block_m x P each, and LSE and
   dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), dq_buffers x 16 KB of dQ
-  staging, 1024 bytes of mbarriers and 1024 of alignment slack <= 227 KB. dS^T is double-buffered
+  staging, the role tiles' fp32 P^T (64 x block_m), 1024 bytes of mbarriers (and slots) and 1024 of
+  alignment slack <= 227 KB. dS^T is double-buffered
   when that fits (one fewer barrier per query block); dQ staging is 2 buffers (one per consumer)
   or none (the consumers' own reductions).
 """
