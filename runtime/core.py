@@ -483,7 +483,7 @@ def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int) -> int
     after the next block's additions are issued). 2 when a query block's chain of key-block CTAs
     is longer than the GPU holds at once (they start staggered anyway, so the later signal costs
     no ramp, and it takes the landing wait off each CTA's path): measured on an H200 at head_dim
-    256, 2 was 1.12-1.15x faster at seqlen 16k and 0.76-0.88x at 512-2k (docs/PERF.md). Only the
+    256, 2 was 1.07-1.15x faster at seqlen 16k and 0.76-0.87x at 512-2k (docs/PERF.md). Only the
     role tiles' staged reducer (head_dim 256) reads the difference; the other paths treat any
     nonzero value as 1."""
     if not deterministic:

@@ -59,8 +59,8 @@ chunks do not fit the 24 KB buffers and the consumers add them with ``red.v4``. 
 reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
 Deterministic: ``BwdParams.deterministic`` 1 signals a block's hand-off once its additions have
 landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
-block later, after the next block's reductions are issued (at 16k 1.07-1.14x faster; at
-512-2k, where all of a chain's CTAs start together, it delays each CTA by a block: 0.76-0.88x).
+block later, after the next block's reductions are issued (at 16k 1.07-1.15x faster; at
+512-2k, where all of a chain's CTAs start together, it delays each CTA by a block: 0.76-0.87x).
 
 head_dim_v != head_dim (e.g. DeepSeek's 192 / 128): no key of its own. As FA3 does, the runtime
 serves the call with the variant of max(head_dim, head_dim_v) (``BwdParams.head_dim`` and
