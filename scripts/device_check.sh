@@ -27,6 +27,9 @@
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
+#   bash scripts/device_check.sh fp8var    FP8 GPU tests (TESTS_K: -k, default every built variant and the outliers), then
+#                                          fp8_bench.py --variants twice over the variants matching MATCH (default
+#                                          '*noncausal_m*'; SEQLENS default 2048,16384; HEAD_DIMS default 64,128,256)
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
 #                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
@@ -38,11 +41,19 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
 python3 -c "import torch, cuda.bindings, triton; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__, 'triton', triton.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 t0=$(date +%s)
-flashgen build --all -j "$(nproc)" 2>&1 | tail -3 | tee "$out/build.log"
+flashgen build --all ${BUILD_FILTER:+--filter "$BUILD_FILTER"} -j "$(nproc)" 2>&1 | tail -3 | tee "$out/build.log"
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m flashgen.generator.sass build/manifest.json | grep -c '^ok' | sed 's/^/sass ok kernels: /'
 
 case "$mode" in
+fp8var)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fp8_gpu.py \
+    -k "${TESTS_K:-every_built or outliers}" 2>&1 | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
+  for run in 1 2; do
+    timeout 200 python3 scripts/fp8_bench.py --variants --match "${MATCH:-*noncausal_m*}" --causal no \
+      --seqlens "${SEQLENS:-2048,16384}" --head-dims "${HEAD_DIMS:-64,128,256}" 2>&1 | tee "$out/fp8var_$run.md" | grep '^|'
+  done
+  ;;
 packgqa)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_packgqa_gpu.py \
     tests/gpu/test_fp8_gpu.py::test_dlpack_entry_matches_flash_attn_func 2>&1 | tee "$out/test_packgqa.log" | tail -25

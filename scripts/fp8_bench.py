@@ -6,11 +6,13 @@ repetitions). TFLOP/s = 4 b h s^2 d (halved for causal) / time.
 --variants: instead, every built e4m3 variant of each (head_dim, causal) key (default tiles and
 configs/fwd_fp8_tune.yaml's candidates), launched through flashgen.core with the variant forced.
 --softcap C: both the e4m3 and the bf16 calls with softcap C (FA3's tests use 15).
+--match GLOB: with --variants, only the variants whose names match (e.g. '*noncausal_m*').
 Usage: python scripts/fp8_bench.py [--seqlens 512,...,16384] [--head-dims 64,128,256] [--causal both] [--variants]
        [--softcap C]"""
 from __future__ import annotations
 
 import argparse
+import fnmatch
 
 import torch
 
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--softcap", type=float, default=0.0)
+    ap.add_argument("--match", default="*", help="--variants: only variant names matching this glob")
     a = ap.parse_args()
     if a.variants:
         return tiles(a)
@@ -67,7 +70,8 @@ def tiles(a) -> None:
         return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index)
 
     stream = torch.cuda.current_stream().cuda_stream
-    variants = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == "e4m3"]
+    variants = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == "e4m3"
+                and fnmatch.fnmatch(v.name, a.match)]
     print(f"# {torch.cuda.get_device_name()}: e4m3 TFLOP/s per tile (block_m x block_n, stages; * = default)")
     print("| head_dim | causal | tile | " + " | ".join(a.seqlens.split(",")) + " |")
     print("|---|---|---|" + "---|" * len(a.seqlens.split(",")))
@@ -87,7 +91,8 @@ def tiles(a) -> None:
                                                         arg(out, "bf16"), arg(lse, "fp32"), d ** -0.5, causal, stream,
                                                         variant=v, q_descale=ds, k_descale=ds, v_descale=ds)
                     cells.append(f"{_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn):.0f}")
-                tile = f"{p['block_m']}x{p['block_n']} s{p['stages']}" + (" *" if v.default else "")
+                tile = (f"{p['block_m']}x{p['block_n']} s{p['stages']}" + (f" fe{p['exp2_fma']}" if p.get("exp2_fma") else "")
+                        + (" rs" if p.get("rowsum_mma") else "") + (" *" if v.default else ""))
                 print(f"| {d} | {causal} | {tile} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -67,9 +67,15 @@ __device__ __forceinline__ void fence_proxy_async_smem() { ptx::fence_proxy_asyn
 // ---------------------------------------------------------------- own wrappers (no CCCL equivalent)
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
+// Tag: only the PTX comment differs, so that two otherwise identical waits in the two arms of a
+// branch are not merged into one before the branch (OnlineSoftmax::rescale_after).
+template <int N, int Tag = 0>
 __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  if constexpr (Tag == 0) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  } else {
+    asm volatile("wgmma.wait_group.sync.aligned %0; // %1\n" ::"n"(N), "n"(Tag) : "memory");
+  }
 }
 
 template <int R>

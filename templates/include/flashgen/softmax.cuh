@@ -8,6 +8,8 @@
 // thread-partial until finalize.
 #pragma once
 
+#include <type_traits>
+
 #include "flashgen/ptx.cuh"
 
 namespace flashgen {
@@ -140,6 +142,22 @@ struct OnlineSoftmax {
   template <int R>
   __device__ __forceinline__ void rescale(float (&o)[R]) const {
     if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
+  }
+
+  // rescale, with O's pending GEMM completed in between: `wait(tag)` (wgmma_wait<0, tag> and
+  // fence_regs(O)) is called in each arm of the branch, tag 1 or 2. ptxas hoists a wgmma.wait_group
+  // above the independent arithmetic of its basic block: with the wait in the softmax's block (as
+  // FA3's Algorithm 2 writes it), the wait for P V_{j-1} landed before the softmax of S_j in SASS,
+  // and the softmax no longer ran under that GEMM. A block of its own after the vote keeps it
+  // after the exponentials.
+  template <int R, typename Wait>
+  __device__ __forceinline__ void rescale_after(float (&o)[R], Wait&& wait) const {
+    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+      wait(std::integral_constant<int, 1>{});
+      rescale_rows(o, scale);
+    } else {
+      wait(std::integral_constant<int, 2>{});
+    }
   }
 
   __device__ __forceinline__ void update(float (&s)[N / 2], float scale_log2) {
