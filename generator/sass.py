@@ -34,6 +34,24 @@ def functions(sass_text: str) -> dict[str, str]:
     return out
 
 
+def softmax_under_pv(body: str) -> bool:
+    """Whether a forward kernel's SASS keeps the intra-warpgroup overlap (FA3, arXiv 2407.08608,
+    Algorithm 2): after each wait for a block's S GEMM with the previous P V GEMM still pending
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), the softmax's MUFU.EX2 come before the wait for that
+    P V GEMM (``gsb0, 0x0``). ptxas moved that wait above the softmax when it shared the softmax's
+    basic block (softmax.cuh: OnlineSoftmax::rescale_after). False also when no such wait exists."""
+    pending = False
+    seen = False
+    for wait, mufu in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)|(MUFU\.EX2)", body):
+        if mufu:
+            pending = False
+        elif int(wait, 16) == 1:
+            pending, seen = True, True
+        elif pending:  # the P V wait before any exponential of the block
+            return False
+    return seen
+
+
 def opcodes(body: str) -> set[str]:
     """Opcode base names (e.g. HGMMA, UTMALDG) found in a SASS listing."""
     return set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", body))

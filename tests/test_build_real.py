@@ -85,6 +85,17 @@ def test_real_template_sass(real_subset):
     assert set(report) == {v.symbol("main") for v in pick}
 
 
+def test_real_template_softmax_runs_under_the_pv_gemm(real_subset):
+    """Every subset variant (all with intra-warpgroup overlap) waits for the P V GEMM only after the
+    softmax's exponentials (generator/sass.py softmax_under_pv); a wait hoisted above them fails."""
+    proj, res, pick = real_subset
+    for v in pick:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        assert sass.softmax_under_pv(body), v.name
+    hoisted = "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\nWARPGROUP.DEPBAR.LE gsb0, 0x0 ;\nMUFU.EX2 R0, R1 ;"
+    assert not sass.softmax_under_pv(hoisted) and not sass.softmax_under_pv("MUFU.EX2 R0, R1 ;")
+
+
 def test_real_rebuild_is_cached_and_fast(real_subset):
     proj, res, pick = real_subset
     t0 = time.monotonic()
