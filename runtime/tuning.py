@@ -239,13 +239,19 @@ def table_for(device: int, manifest_path=None) -> Table | None:
     return table
 
 
-def variant_with_tile(manifest, family: str, dispatch: dict, tile: dict):
+def variant_with_tile(manifest, family: str, dispatch: dict, tile: dict, like=None):
     """The built variant of ``family`` with dispatch key ``dispatch`` and ``tile`` (None if not
-    built; the default among several, then the first by name)."""
+    built). Among several (a table written before a knob existed names no value for it): the
+    default, then the one that agrees with ``like`` (the key's default variant) on the keys the tile
+    leaves out, then the first by name."""
     dispatch = full_key(family, dispatch)
     hits = [v for v in manifest.variants
             if v.family == family and v.dispatch == dispatch and has_tile(v.params, tile)]
-    return min(hits, key=lambda v: (not v.default, v.name)) if hits else None
+
+    def unlike(v):
+        return like is not None and any(v.params.get(k) != x for k, x in like.params.items() if k not in tile)
+
+    return min(hits, key=lambda v: (not v.default, unlike(v), v.name)) if hits else None
 
 
 def tuned_variant(default, bucket: int, device: int, manifest):
@@ -260,7 +266,7 @@ def tuned_variant(default, bucket: int, device: int, manifest):
         row = entry.row_for(bucket) if entry is not None else None
         if row is None or row.tile is None:
             return default
-        return variant_with_tile(manifest, default.family, default.dispatch, row.tile) or default
+        return variant_with_tile(manifest, default.family, default.dispatch, row.tile, like=default) or default
     except Exception as e:  # noqa: BLE001 -- a table must never fail a call
         _warn_once(f"flashgen: tune table lookup failed ({type(e).__name__}: {e}); the default tiles serve")
         return default

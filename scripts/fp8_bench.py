@@ -91,8 +91,8 @@ def tiles(a) -> None:
                                                         arg(out, "bf16"), arg(lse, "fp32"), d ** -0.5, causal, stream,
                                                         variant=v, q_descale=ds, k_descale=ds, v_descale=ds)
                     cells.append(f"{_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn):.0f}")
-                tile = (f"{p['block_m']}x{p['block_n']} s{p['stages']}" + (f" fe{p['exp2_fma']}" if p.get("exp2_fma") else "")
-                        + (" rs" if p.get("rowsum_mma") else "") + (" *" if v.default else ""))
+                tile = (f"{p['block_m']}x{p['block_n']} s{p['stages']}"
+                        + ("" if p.get("late_pv_wait", True) else " ew") + (" *" if v.default else ""))
                 print(f"| {d} | {causal} | {tile} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -28,7 +28,7 @@ from flashgen.generator.project import Project  # noqa: E402
 
 GPU = "NVIDIA Test GPU 80GB HBM3"  # no shipped table has this name
 SLUG = "nvidia-test-gpu-80gb-hbm3"
-KNOBS = {"pingpong": True, "overlap": True, "persistent": True}
+KNOBS = {"pingpong": True, "overlap": True, "persistent": True, "late_pv_wait": True}
 DEFAULT = {"block_m": 128, "block_n": 128, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND = {"block_m": 128, "block_n": 176, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND2 = {"block_m": 128, "block_n": 112, "stages": 2, "consumer_wgs": 2, **KNOBS}
@@ -835,3 +835,26 @@ def test_sweep_through_the_real_point_with_a_fake_timer(gpu, monkeypatch):
     data, md = tune.build_table(GPU, plans, [512, 1024], res, tune.protocol([512, 1024], 5, 20, 0.02), "c", "0.1.0")
     assert [(r["max_seqlen_k"], r["tile"]) for r in data["entries"][0]["rows"]] == [(None, CAND)]
     assert md[0][3] == "128x176 s2 wg2" and md[0][5] == pytest.approx(0.25)
+
+
+def test_tile_without_a_newer_knob_prefers_the_default_variants_value():
+    """A table row written before a knob existed names no value for it: of the built variants with
+    that tile, the one agreeing with the key's default variant on the unnamed keys serves (not the
+    first by name)."""
+    from types import SimpleNamespace as NS
+
+    key = dict(dtype="e4m3", head_dim=256, head_dim_v=256, causal=False)
+    disp = tuning.full_key("fwd", key)
+    base = dict(block_m=128, block_n=64, consumer_wgs=2, pingpong=True, overlap=True, persistent=True)
+
+    def var(name, default, **kw):
+        return NS(family="fwd", dispatch=disp, name=name, default=default, params={**key, **base, **kw})
+
+    default = var("d", True, stages=2, late_pv_wait=False)
+    late_s3, early_s3 = var("a_late", False, stages=3, late_pv_wait=True), var("b_early", False, stages=3, late_pv_wait=False)
+    m = NS(variants=[default, late_s3, early_s3])
+    old_row = {**base, "stages": 3}  # no late_pv_wait: written before it existed
+    assert tuning.variant_with_tile(m, "fwd", key, old_row) is late_s3  # by name alone
+    assert tuning.variant_with_tile(m, "fwd", key, old_row, like=default) is early_s3
+    assert tuning.variant_with_tile(m, "fwd", key, {**old_row, "late_pv_wait": True}, like=default) is late_s3
+    assert tuning.variant_with_tile(m, "fwd", key, {**base, "stages": 4}, like=default) is None

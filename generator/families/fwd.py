@@ -251,7 +251,8 @@ class FwdFamily(Family):
                 *(["packgqa"] if p.get("pack_gqa") else []),
                 f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
-                "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops"]
+                "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops",
+                *([] if p.get("late_pv_wait", True) else ["ew"])]
 
     def suggest(self, key):
         """FA3's published tiles (DESIGN.md §4) as the starting point for a missing key (head dims
@@ -290,6 +291,10 @@ FAMILY = FwdFamily(
         Key("pingpong", bool, "knob", default=True, doc="named-barrier pingpong between consumer warpgroups"),
         Key("overlap", bool, "knob", default=True, doc="intra-warpgroup GEMM/softmax overlap (Algorithm 2)"),
         Key("persistent", bool, "knob", default=True, doc="persistent grid (#SMs CTAs)"),
+        Key("late_pv_wait", bool, "knob", default=True,
+            doc="with overlap: wait for P V_{j-1} after the softmax of S_j, so that the softmax runs under "
+                "that GEMM (false: the wait ptxas hoists above the softmax; measured better for e4m3 "
+                "head_dim 256 and head_dim 64 causal)"),
     ),
     tile_match=("head_dim", "dtype", "causal", "local", "softcap", "pack_gqa"),
     tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),
