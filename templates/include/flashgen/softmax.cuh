@@ -141,7 +141,7 @@ struct OnlineSoftmax {
   // exactly 1, so skipping is exact): one vote instead of N_v / 2 FMULs on most blocks of a long row.
   template <int R>
   __device__ __forceinline__ void rescale(float (&o)[R]) const {
-    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
+    rescale_after(o, [](auto) {});
   }
 
   // rescale, with O's pending GEMM completed in between: `wait(tag)` (wgmma_wait<0, tag> and
