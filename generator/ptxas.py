@@ -1,7 +1,9 @@
 """Parsing ``ptxas -v`` output (with ``nvcc -fatbin`` it arrives on stderr) and judging it.
 
 A build fails on any spill byte and on the ptxas advisories that mean a slow Hopper kernel:
-C7515/C7511/C7517/C7519 (wgmma serialized or pipelining lost) and C7508 (setmaxnreg ignored).
+C7511/C7512/C7515/C7517/C7519, and any other advisory saying that wgmma.mma_async instructions
+are serialized (C7512: "due to insufficient register resources", which a bwd tile at head_dim 256
+hit unnoticed), and C7508 (setmaxnreg ignored).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import re
 BAD_CODES = {
     "C7508": "setmaxnreg ignored",
     "C7511": "wgmma serialized",
+    "C7512": "wgmma serialized (insufficient register resources)",
     "C7515": "wgmma serialized",
     "C7517": "wgmma serialized",
     "C7519": "wgmma serialized",
@@ -22,6 +25,7 @@ _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _BARS = re.compile(r"used (\d+) barriers")
 _CODE = re.compile(r"\((C\d{4})\)")
+_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
 def parse(text: str) -> dict:
@@ -58,7 +62,7 @@ def parse(text: str) -> dict:
             continue
         if ("ptxas" in line and ("warning" in line or "(C" in line)) or _CODE.search(line):
             advisories.append(line.strip())
-            if (c := _CODE.search(line)) and c.group(1) in BAD_CODES:
+            if (c := _CODE.search(line)) and (c.group(1) in BAD_CODES or _SERIALIZED in line):
                 bad.append(line.strip())
     regs = [f.get("registers", 0) for n, f in funcs.items() if f.get("entry")]
     return {
@@ -84,5 +88,5 @@ def problems(report: dict, symbol: str | None = None) -> list[str]:
         out.append(f"register spills ({report['spill_bytes']} bytes: {detail})")
     for line in report["bad_advisories"]:
         code = _CODE.search(line).group(1)
-        out.append(f"ptxas {code} ({BAD_CODES[code]}): {line}")
+        out.append(f"ptxas {code} ({BAD_CODES.get(code, 'wgmma serialized')}): {line}")
     return out
