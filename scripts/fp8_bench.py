@@ -63,8 +63,9 @@ def main() -> None:
 
 
 def tiles(a) -> None:
-    from flashgen import core
+    from flashgen import core, tuning
     from flashgen.manifest import load_manifest
+    from flashgen.tune import tile_label
 
     def arg(t, dtype):
         return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index)
@@ -72,7 +73,7 @@ def tiles(a) -> None:
     stream = torch.cuda.current_stream().cuda_stream
     variants = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == "e4m3"
                 and fnmatch.fnmatch(v.name, a.match)]
-    print(f"# {torch.cuda.get_device_name()}: e4m3 TFLOP/s per tile (block_m x block_n, stages; * = default)")
+    print(f"# {torch.cuda.get_device_name()}: e4m3 TFLOP/s per tile (flashgen tune's labels; * = default)")
     print("| head_dim | causal | tile | " + " | ".join(a.seqlens.split(",")) + " |")
     print("|---|---|---|" + "---|" * len(a.seqlens.split(",")))
     for d in (int(x) for x in a.head_dims.split(",")):
@@ -91,8 +92,7 @@ def tiles(a) -> None:
                                                         arg(out, "bf16"), arg(lse, "fp32"), d ** -0.5, causal, stream,
                                                         variant=v, q_descale=ds, k_descale=ds, v_descale=ds)
                     cells.append(f"{_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn):.0f}")
-                tile = (f"{p['block_m']}x{p['block_n']} s{p['stages']}"
-                        + ("" if p.get("late_pv_wait", True) else " ew") + (" *" if v.default else ""))
+                tile = tile_label(tuning.tile_of(p, v.dispatch)) + (" *" if v.default else "")
                 print(f"| {d} | {causal} | {tile} | " + " | ".join(cells) + " |", flush=True)
 
 
