@@ -93,19 +93,24 @@ _ROUND_UP = ("head_dim", "head_dim_v")  # a variant built for a larger head dim 
 _VARIANT_DTYPE = {"fp8_e4m3": "e4m3"}  # the configs' name of an input dtype, where it differs
 QUANT_BLOCK = 64  # FP8 block quantization: rows of Q / K per descale (generator/families/fwd.py)
 # Causal tile order (scheduler.cuh): the (batch, head) pairs run in sections whose K and V fit in
-# this many bytes of L2 together (FA3's LPT scheduler uses 32 MB; the H100 and H200 have 50 MB).
+# this many bytes of L2 together (FA3's LPT scheduler uses 32 MB; the H100 and H200 have 50 MB),
+# and of at most L2_SECTION_KV_HEADS K/V heads: with short K/V the bytes alone put up to 128 heads
+# in one section at seqlen 512, whose tiles then ran far enough apart that each query block re-read
+# its head's K/V from HBM (H100, hd128 causal 512: 241 MB read against 192 MB of unique Q, K and V;
+# a 16-head cap gave +16 %, docs/PERF.md "L2 sections of at most 16 K/V heads").
 L2_SECTION_BYTES = 32 << 20
+L2_SECTION_KV_HEADS = 16
 
 
 def section_heads(batch: int, heads: int, heads_k: int, seqlen_k: int, head_dim: int, head_dim_v: int,
                   element_bytes: int) -> int:
-    """(batch, head) pairs per L2 section of the causal tile order, in [1, batch * heads]: as many
-    query heads as have their K and V (seqlen_k x (head_dim + head_dim_v) elements of
-    ``element_bytes``, shared by the heads // heads_k query heads of a group) within
-    L2_SECTION_BYTES."""
+    """(batch, head) pairs per L2 section of the causal tile order, in [1, batch * heads]: the query
+    heads of as many K/V heads (each seqlen_k x (head_dim + head_dim_v) elements of ``element_bytes``,
+    shared by the heads // heads_k query heads of a group) as fit in L2_SECTION_BYTES, and of at
+    most L2_SECTION_KV_HEADS K/V heads."""
     kv_bytes = seqlen_k * (head_dim + head_dim_v) * element_bytes
-    per_section = (L2_SECTION_BYTES * (heads // heads_k)) // max(kv_bytes, 1)
-    return max(1, min(batch * heads, per_section))
+    kv_heads = max(1, min(L2_SECTION_BYTES // max(kv_bytes, 1), L2_SECTION_KV_HEADS))
+    return max(1, min(batch * heads, kv_heads * (heads // heads_k)))
 
 
 class _Plan(NamedTuple):

@@ -27,12 +27,31 @@
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
+#   bash scripts/device_check.sh sections  the causal forward grid with the L2 sections overridden (SECTIONS: default, MiB), twice each,
+#                                          alternated, SDPA peers in every run (scripts/section_table.py prints the table)
+#   bash scripts/device_check.sh prof      Nsight Compute profiles (PROFS: "name:profile_fwd.py args;..."), key lines printed,
+#                                          details pages and per-SASS-line stall samples tarred
 #   bash scripts/device_check.sh fp8var    FP8 GPU tests (TESTS_K: -k, default every built variant and the outliers), then
 #                                          fp8_bench.py --variants twice over the variants matching MATCH (default
 #                                          '*noncausal_m*'; SEQLENS default 2048,16384; HEAD_DIMS default 64,128,256)
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
 #                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
+# Nsight Compute profile of the kernels of profile_fwd.py's last call (its NVTX range "prof"): details page and
+# per-SASS-line stall samples under /tmp/prof, key lines printed. prof NAME PROFILE_FWD_ARGS...
+prof() {
+  local name=$1; shift
+  timeout 150 ncu --clock-control none --nvtx --nvtx-include "prof/" --launch-count 4 \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hgmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+    --section SourceCounters -f -o "/tmp/prof/$name" python3 scripts/profile_fwd.py "$@" 2>&1 | grep -v '^==PROF==' | tail -3
+  ncu -i "/tmp/prof/$name.ncu-rep" --page details > "/tmp/prof/$name.details.txt" 2>&1
+  ncu -i "/tmp/prof/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/prof/$name.sass.csv" 2>&1
+  grep -E '^  [a-zA-Z_]|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L2 Hit Rate  |dram__bytes|hgmma_cycles' \
+    "/tmp/prof/$name.details.txt" | sed "s/^/$name: /"
+}
+
 mode=${1:-test}
 out=${OUT:-/tmp/flashgen-out}
 mkdir -p "$out"
@@ -77,22 +96,32 @@ test|full)
   ;;
 tune)
   timeout 300 flashgen tune -o "$out/tune.yaml" 2>&1 | tee "$out/tune.log" | tail -40
-  prof() {  # name, profile_fwd.py args
-    local name=$1; shift
-    timeout 120 ncu --clock-control none -k regex:flashgen_fwd --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-      --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
-      --section SourceCounters -f -o "/tmp/prof/$name" python3 scripts/profile_fwd.py "$@" 2>&1 | grep -v '^==PROF==' | tail -3
-    ncu -i "/tmp/prof/$name.ncu-rep" --page details > "/tmp/prof/$name.details.txt" 2>&1
-    ncu -i "/tmp/prof/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/prof/$name.sass.csv" 2>&1
-    grep -E 'Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible' "/tmp/prof/$name.details.txt" | sed "s/^/$name: /"
-  }
   mkdir -p /tmp/prof
   prof e4m3_hd128 --dtype e4m3 --head-dim 128
   prof e4m3_hd256 --dtype e4m3 --head-dim 256
   prof bf16_hd128 --dtype bf16 --head-dim 128
   prof e4m3_hd64 --dtype e4m3 --head-dim 64
   (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
+  ;;
+prof)
+  # PROFS: profiles separated by ';', each "name:profile_fwd.py args" (--impl cudnn|fa2 for SDPA's kernel)
+  mkdir -p /tmp/prof
+  IFS=';' read -ra items <<< "${PROFS:-fg_hd128_c512:--dtype bf16 --head-dim 128 --causal --seqlen 512}"
+  for item in "${items[@]}"; do prof "${item%%:*}" ${item#*:}; done
+  (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
+  ;;
+sections)
+  # the causal forward with the tile order's L2 sections overridden (SECTIONS: "default" = core's rule, or MiB
+  # values with no cap on K/V heads; the first is the reference), each setting twice, alternated; SDPA peers in
+  # every run; ratios to the first setting printed last
+  g="--causal yes --dtypes ${DTYPES:-bf16} --seqlens ${SEQLENS:-512,1024,2048,4096,16384} --head-dims ${HEAD_DIMS:-64,128,256}"
+  for r in 1 2; do
+    for mb in ${SECTIONS:-32 16 8 4}; do
+      ov=""; [ "$mb" = default ] || ov="--l2-section-mb $mb --l2-section-kv-heads 1000000"
+      python3 scripts/regress_fwd.py run --label "s$mb" $ov --csv "$out/sec${mb}_$r.csv" $g 2>&1 | tail -1
+    done
+  done
+  python3 scripts/section_table.py "$out" ${SECTIONS:-32 16 8 4} | tee "$out/sections.md"
   ;;
 tests)
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"

@@ -1,8 +1,11 @@
 """A few forward calls of one FA3-protocol point, for Nsight Compute (scripts/device_check.sh profile).
 
 Usage: python scripts/profile_fwd.py --dtype e4m3|bf16|fp16 --head-dim 128 [--causal] [--seqlen 16384] [--calls 3]
+                                     [--impl flashgen|cudnn|fa2]
 16384 tokens, hidden 2048 (batch = 16384 / seqlen, heads = 2048 / head_dim); e4m3 inputs are bf16 random
-normal cast to float8_e4m3fn with unit FA3 descales. Prints the kernel time of the last call (CUDA events)."""
+normal cast to float8_e4m3fn with unit FA3 descales. --impl cudnn / fa2: PyTorch SDPA with that backend on
+the same tensors in BSHD strides (16-bit only). The last call runs inside the NVTX range "prof" (for
+`ncu --nvtx --nvtx-include prof/`). Prints the kernel time of the last call (CUDA events)."""
 import argparse
 
 import torch
@@ -17,6 +20,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--impl", default="flashgen", choices=("flashgen", "cudnn", "fa2"))
     a = ap.parse_args()
     s, d = a.seqlen, a.head_dim
     b, h = 16384 // s, 2048 // d
@@ -26,15 +30,31 @@ def main() -> None:
     if a.dtype == "e4m3":
         q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
         kw = {n: torch.ones(b, h, device="cuda") for n in ("q_descale", "k_descale", "v_descale")}
+    if a.impl == "flashgen":
+        def call():
+            flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
+    else:
+        if a.dtype == "e4m3":
+            raise SystemExit("--impl cudnn/fa2: 16-bit dtypes only")
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = SDPBackend.CUDNN_ATTENTION if a.impl == "cudnn" else SDPBackend.FLASH_ATTENTION
+
+        def call():
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=a.causal)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(a.calls):
+    for i in range(a.calls):
+        if i == a.calls - 1:
+            torch.cuda.nvtx.range_push("prof")
         e0.record()
-        flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
+        call()
         e1.record()
+    torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     ms = e0.elapsed_time(e1)
     flops = 4 * b * h * s * s * d / (2 if a.causal else 1)
-    print(f"{a.dtype} hd{d} causal={a.causal} s{s}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (last call)")
+    print(f"{a.impl} {a.dtype} hd{d} causal={a.causal} s{s}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (last call)")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,14 @@ def run(a) -> int:
     from flashgen import flash_attn_func
 
     print(f"[{a.label}] flashgen from {Path(flashgen.__file__).resolve().parent}", flush=True)
+    import flashgen.core as core  # experiments on the causal tile order (scheduler.cuh's L2 sections)
+    if a.l2_section_mb is not None:
+        core.L2_SECTION_BYTES = int(a.l2_section_mb * (1 << 20))
+    if a.l2_section_kv_heads is not None:
+        core.L2_SECTION_KV_HEADS = a.l2_section_kv_heads
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
     rows = _bench_module().run_grid([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.head_dims.split(",")],
-                                    a.dtypes.split(","), [False, True], attn=flash_attn_func, peers=not a.no_peers)
+                                    a.dtypes.split(","), causals, attn=flash_attn_func, peers=not a.no_peers)
     with open(a.csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["label", *rows[0].keys()])
         w.writeheader()
@@ -112,6 +118,11 @@ def main(argv=None) -> int:
     r.add_argument("--head-dims", default="64,128,256")
     r.add_argument("--dtypes", default="bf16,fp16")
     r.add_argument("--no-peers", action="store_true")
+    r.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    r.add_argument("--l2-section-mb", type=float, default=None,
+                   help="override core.L2_SECTION_BYTES (MiB) for this run: the causal tile order's L2 sections")
+    r.add_argument("--l2-section-kv-heads", type=int, default=None,
+                   help="override core.L2_SECTION_KV_HEADS (the cap on K/V heads per L2 section) for this run")
     c = sub.add_parser("compare")
     c.add_argument("csvs", nargs="+")
     pr = sub.add_parser("peers")

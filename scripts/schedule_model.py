@@ -15,6 +15,7 @@ import math
 
 CTAS = 132
 L2_SECTION_BYTES = 32 << 20  # core.L2_SECTION_BYTES
+L2_SECTION_KV_HEADS = 16  # core.L2_SECTION_KV_HEADS
 
 
 def order(num_m: int, pairs: int, section: int) -> list:
@@ -51,7 +52,7 @@ def main() -> int:
         heads = 2048 // hd
         for s in (512, 1024, 2048, 4096, 8192, 16384):
             pairs, num_m = (16384 // s) * heads, -(-s // bm)
-            section = max(1, min(pairs, L2_SECTION_BYTES // (s * 2 * hd * 2)))
+            section = max(1, min(pairs, L2_SECTION_BYTES // (s * 2 * hd * 2), L2_SECTION_KV_HEADS))
             plain, cut = order(num_m, pairs, pairs), order(num_m, pairs, section)
             print(f"| {hd} | {s} | {pairs} | {section} | {imbalance(plain, bm, bn, False):.3f} | "
                   f"{imbalance(cut, bm, bn, False):.3f} | {imbalance(cut, bm, bn, True):.3f} |")

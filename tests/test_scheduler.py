@@ -3,7 +3,8 @@ tile() is __host__ __device__, so nvcc compiles it into a small host program tha
 
 Checked: every tile of every shape runs exactly once; causal tiles run longest first within each L2
 section, the (batch, head) pairs of a section fastest; a section of all pairs is the plain
-longest-first order; core.section_heads keeps a section's K and V within L2_SECTION_BYTES."""
+longest-first order; core.section_heads keeps a section's K and V within L2_SECTION_BYTES and
+L2_SECTION_KV_HEADS K/V heads."""
 from __future__ import annotations
 
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.core import L2_SECTION_BYTES, section_heads
+from flashgen.core import L2_SECTION_BYTES, L2_SECTION_KV_HEADS, section_heads
 from flashgen.generator.errors import ToolchainError
 from flashgen.generator.toolchain import find_nvcc
 
@@ -99,11 +100,21 @@ def test_noncausal_m_fastest(orders):
 
 
 def test_section_heads_fits_l2():
-    # 16k tokens, hidden 2048, head_dim 128, bf16: K+V of one head at seqlen 512 is 256 KiB
-    assert section_heads(32, 16, 16, 512, 128, 128, 2) == L2_SECTION_BYTES // (512 * 256 * 2) == 128
-    assert section_heads(1, 16, 16, 16384, 128, 128, 2) == 4
+    # 16k tokens, hidden 2048, head_dim 128, bf16: K+V of one head is 8 MiB at seqlen 16384
+    assert section_heads(1, 16, 16, 16384, 128, 128, 2) == L2_SECTION_BYTES // (16384 * 256 * 2) == 4
     assert section_heads(1, 16, 16, 10 ** 7, 256, 256, 2) == 1  # K/V larger than L2: one pair
     assert section_heads(2, 4, 4, 64, 64, 64, 2) == 8  # everything fits: one section of all pairs
     # GQA: 8 query heads share one K/V head, so 8x the query heads fit
     assert section_heads(32, 64, 8, 4096, 128, 128, 2) == 8 * section_heads(32, 64, 64, 4096, 128, 128, 2)
-    assert section_heads(32, 16, 16, 512, 128, 128, 1) == 256  # e4m3: one byte per element
+    assert section_heads(1, 16, 16, 16384, 128, 128, 1) == 8  # e4m3: one byte per element
+
+
+def test_section_heads_caps_short_kv():
+    # seqlen 512: K+V of one head is 256 KiB, so 128 heads would fit in L2_SECTION_BYTES; the cap keeps
+    # a section to L2_SECTION_KV_HEADS K/V heads (their query blocks then run close enough in time to
+    # share the K/V in L2), times the query heads of a group with GQA
+    assert L2_SECTION_BYTES // (512 * 256 * 2) == 128
+    assert section_heads(32, 16, 16, 512, 128, 128, 2) == L2_SECTION_KV_HEADS == 16
+    assert section_heads(32, 16, 16, 512, 128, 128, 1) == 16
+    assert section_heads(32, 32, 4, 512, 128, 128, 2) == 8 * L2_SECTION_KV_HEADS
+    assert section_heads(1, 8, 8, 512, 128, 128, 2) == 8  # fewer pairs than the cap
