@@ -185,7 +185,9 @@ grid)
   # (TUNE=1: `flashgen tune` first, its table under $OUT and read by the runs that follow)
   if [ -n "${TUNE:-}" ]; then
     slug=$(python3 -c "from flashgen import tune; print(tune.default_output(tune.gpu_name()).name)")
-    timeout 300 flashgen tune -o "$out/$slug" > "$out/tune.log" 2>&1; echo "tune: rc $? -> $out/$slug"
+    # (TUNE_COMMIT: the commit to record: the device's copy of .git may not know the one sent)
+    timeout 300 flashgen tune -o "$out/$slug" ${TUNE_COMMIT:+--commit "$TUNE_COMMIT"} > "$out/tune.log" 2>&1
+    echo "tune: rc $? -> $out/$slug"
     export FLASHGEN_TUNE_TABLE="$out/$slug"
   fi
   if [ "${GPU_TESTS:-1}" != 0 ]; then
