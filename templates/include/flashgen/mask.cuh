@@ -112,26 +112,21 @@ struct BlockMask {
   // constants, so no per-row bound stays live across the main loop: with per-row bounds hoisted,
   // head_dim 256 spilled.)
   __device__ __forceinline__ void apply(float (&s)[BlockN / 2], int n, int q0, int dq, int lane) const {
-    // The tests are of the register's column offset (8j + e, a constant) against per-row bounds
-    // relative to this thread's first column: one ISETP with an immediate and one FSEL per element
-    // (absolute columns cost a VIADD per column pair more).
     const int col0 = n * BlockN + 2 * (lane % 4);
+    const int diag = col0 - q0;  // key - query of register 0
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       int limit = band.seqlen_k;
       if constexpr (Causal) limit = min(limit, q0 + (h ? dq : 0) + 1 + band.seqlen_k - band.seqlen_q);
-      const int lim = limit - col0;  // offsets >= lim are masked
-      // Local: key - query = offset + diag; masked when above hi or below lo.
-      const int diag = col0 - q0 - (h ? dq : 0);
-      const int hi = band.seqlen_k - band.seqlen_q + band.right - diag;
-      const int lo = band.seqlen_k - band.seqlen_q - band.left - diag;
 #pragma unroll
       for (int j = 0; j < BlockN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int c = 8 * j + e;
-          bool out = c >= lim;
-          if constexpr (Local) out = out || c > hi || c < lo;
+          bool out = col0 + 8 * j + e >= limit;
+          if constexpr (Local) {
+            const int d = diag + 8 * j + e - (h ? dq : 0);  // key - query
+            out = out || d > band.seqlen_k - band.seqlen_q + band.right || d < band.seqlen_k - band.seqlen_q - band.left;
+          }
           if (out) s[4 * j + 2 * h + e] = -INFINITY;
         }
       }
