@@ -191,7 +191,8 @@ def build_cmd(pattern, all_, jobs):
 
     Compiles only what the content-addressed cache (build/cache) lacks; a rebuild with nothing
     changed compiles nothing. Fails (exit 1) on compiler errors, register spills, or ptxas
-    advisories that mean a slow kernel (C7508/C7511/C7515/C7517/C7519)."""
+    advisories that mean a slow kernel (C7508, C7511/C7512/C7515/C7517/C7519 and any
+    other "wgmma serialized" advisory: generator/ptxas.py)."""
     from .generator.config import select
 
     project, variants = _load()
