@@ -153,6 +153,28 @@ def test_causal_tile_claims(d, monkeypatch):
         assert torch.equal(out1, out3) and torch.equal(lse1, lse3), "graph replay differs"
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("ramp", [4.0, 40.0])
+def test_growing_row_max(d, causal, ramp):
+    """Lazy rescaling (softmax.cuh, FA4's): a 16-bit row keeps its running max until a block's max
+    exceeds it by more than 2^8. Keys get a logit ramp that grows by `ramp` (natural units) per 128
+    keys toward key 0, which the kernel reaches last (blocks run right to left), so every block
+    raises the row max: by less than 2^8 per block (ramp 4: the stale max is kept for a block, P up
+    to e^4 = 2^5.8, then O is rescaled) and by far more (ramp 40: O and l rescaled every block).
+    FA3's rule against the float32 reference, LSE to 2e-3."""
+    dtype = torch.bfloat16
+    if not built(dtype, d, causal):
+        pytest.skip(f"MISSING-FWD-VARIANT {DT[dtype]} hd{d} causal={causal}")
+    b, sq, sk, h = 2, 301, 1000, 4
+    q, k, v = make_inputs(b, sq, sk, h, h, d, dtype, seed=d + int(ramp))
+    u = torch.ones(d, device="cuda") / d ** 0.5  # unit vector: q.u = sqrt(d) adds ramp_j to the logit (scale 1/sqrt(d))
+    ramp_j = ramp * (sk - 1 - torch.arange(sk, device="cuda", dtype=torch.float32)) / 128
+    q = (q.float() + d ** 0.5 * u).to(dtype)
+    k = (k.float() + ramp_j[None, :, None, None] * u).to(dtype)
+    check(q, k, v, causal)
+
+
 @pytest.mark.parametrize("scale", [0.3, -0.2, 0.0, 2.0])
 def test_any_softmax_scale(scale):
     q, k, v = make_inputs(2, 129, 257, 4, 4, 128, torch.bfloat16, seed=3)

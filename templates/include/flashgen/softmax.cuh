@@ -93,8 +93,13 @@ __device__ __forceinline__ void acc_to_a_frag_e4m3(const float (&s)[R], uint32_t
 // one update to the next (FP8 again). With one fixed scale the row maximum is kept in raw score
 // units and scaled when used (one FMUL per row); otherwise it is kept scaled (log2 units), since
 // raw scores of differently scaled columns are not comparable.
-template <int N, int Offset = 0, int Groups = 1, bool Varying = false>
+// Lazy (FA4's conditional rescaling): a row keeps its running max until a block's max exceeds it
+// by more than Lazy (log2 units), so P <= 2^Lazy; O and l are rescaled only then, and finalize's
+// O / l and lse are unchanged (both carry the same stale max). 0: the max follows every increase.
+// 16-bit P only (P <= 2^8 is far inside bf16/fp16 range); FP8 keeps 0 (P's range is its Offset).
+template <int N, int Offset = 0, int Groups = 1, bool Varying = false, int Lazy = 0>
 struct OnlineSoftmax {
+  static_assert(Lazy == 0 || Offset == 0, "lazy rescaling widens P's range: 16-bit P only");
   static constexpr bool kRawMax = Groups == 1 && !Varying;
   static_assert((N / 8) % Groups == 0, "groups of whole 8-column blocks");
   static constexpr int kJ = N / 8 / Groups;  // 8-column blocks per group
@@ -120,8 +125,16 @@ struct OnlineSoftmax {
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // Lazy: keep the running max while the new one exceeds it by at most Lazy (log2 units); a
+      // row that attended to nothing yet takes the new one. (Lazy = 0: the max follows, and its
+      // factor is exactly 1 when the max did not change.)
+      bool keep = mx == row_max[h];
+      if constexpr (Lazy != 0) {
+        keep = row_max[h] != -INFINITY && (mx - row_max[h]) * unit <= static_cast<float>(Lazy);
+        if (keep) mx = row_max[h];
+      }
       const float ms = (mx == -INFINITY) ? 0.f : mx * unit - Offset;  // a fully masked row stays exp2(-inf) = 0
-      scale[h] = (mx == row_max[h] || row_max[h] == -INFINITY) ? 1.f : exp2f(row_max[h] * unit - Offset - ms);
+      scale[h] = (keep || row_max[h] == -INFINITY) ? 1.f : exp2f(row_max[h] * unit - Offset - ms);
       row_max[h] = mx;
       float sum = 0.f;
 #pragma unroll
