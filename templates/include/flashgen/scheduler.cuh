@@ -24,9 +24,10 @@ struct WorkTile {
 // Causal: longest rows first (m descending) within L2 sections (FA3's LPT order): the (batch, head)
 // pairs are cut into sections of `section_heads` consecutive pairs whose K/V fit in L2 together
 // (the host sizes them: core.py L2_SECTION_BYTES, L2_SECTION_KV_HEADS); a section runs all its
-// tiles, longest first with the pairs fastest, before the next section starts. With one section of all pairs (section_heads
-// = heads * batch) this is the plain longest-first order, which at short seqlen_k re-read every
-// head's K/V from HBM once per query block (the other pairs' tiles evicted it in between).
+// tiles, longest first with the pairs fastest, before the next section starts. With one section
+// of all pairs (section_heads = heads * batch) this is the plain longest-first order, which at
+// short seqlen_k re-read every head's K/V from HBM once per query block (the other pairs' tiles
+// evicted it in between); so did sections of 32 MiB of short K/V (128 heads at seqlen 512).
 template <bool Causal, bool Dynamic = false>
 struct TileScheduler {
   int num_m_blocks;
