@@ -6,7 +6,8 @@
 #   bash scripts/device_check.sh regress   forward grid of the base commit (.base/, made by scripts/make_base.sh)
 #                                          and of this tree, alternated twice, same harness; table printed last
 #                                          (GPU_TESTS=1: every GPU test first; FP8=1: e4m3 at 4k/16k old/new too;
-#                                          REGRESS_ARGS: a sub-grid)
+#                                          REGRESS_ARGS: a sub-grid; each tree serves its own tune tables, so for a
+#                                          kernel-only comparison run with FLASHGEN_TUNE_TABLE=off)
 #   bash scripts/device_check.sh grid      every GPU test, the forward grid twice (bf16, fp16) with SDPA peers and the ratio
 #                                          table (regress_fwd.py peers), e4m3 at 16k, host overhead per call
 #   bash scripts/device_check.sh full      test, then `flashgen bench --backward` (forward and backward grids vs SDPA
@@ -42,13 +43,13 @@ set -uo pipefail
 prof() {
   local name=$1; shift
   timeout 150 ncu --clock-control none --nvtx --nvtx-include "prof/" --launch-count 4 \
-    --metrics dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hgmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
     --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
     --section SourceCounters -f -o "/tmp/prof/$name" python3 scripts/profile_fwd.py "$@" 2>&1 | grep -v '^==PROF==' | tail -3
   ncu -i "/tmp/prof/$name.ncu-rep" --page details > "/tmp/prof/$name.details.txt" 2>&1
   ncu -i "/tmp/prof/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/prof/$name.sass.csv" 2>&1
-  grep -E '^  [a-zA-Z_]|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L2 Hit Rate  |dram__bytes|hgmma_cycles' \
+  grep -E '^  [a-zA-Z_]|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L2 Hit Rate  |dram__bytes' \
     "/tmp/prof/$name.details.txt" | sed "s/^/$name: /"
 }
 

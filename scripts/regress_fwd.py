@@ -81,6 +81,11 @@ def compare(paths) -> int:
     return 0
 
 
+def best_sdpa(row: dict) -> float:
+    """TFLOP/s of the faster SDPA backend (cuDNN or FA2) in one CSV row of `run`."""
+    return max(float(row[c]) for c in ("cudnn", "fa2") if row[c] not in ("", "nan"))
+
+
 def peers(paths) -> int:
     """Issue 11's table: flashgen / the best SDPA backend (cuDNN or FA2) of the same run, per point
     (mean over the runs), its geometric mean over all runs and points, and the points at >= 1.0 in
@@ -89,8 +94,7 @@ def peers(paths) -> int:
     for p in paths:
         with open(p) as f:
             runs.append({(r["dtype"], int(r["head_dim"]), r["causal"], int(r["seqlen"])): r for r in csv.DictReader(f)})
-    best = lambda r: max(float(r[c]) for c in ("cudnn", "fa2") if r[c] not in ("", "nan"))  # noqa: E731
-    ratios = {pt: [float(r[pt]["flashgen"]) / best(r[pt]) for r in runs] for pt in runs[0]}
+    ratios = {pt: [float(r[pt]["flashgen"]) / best_sdpa(r[pt]) for r in runs] for pt in runs[0]}
     seqlens = sorted({pt[3] for pt in ratios})
     for dt in sorted({pt[0] for pt in ratios}):
         print(f"\n{dt}: flashgen / best SDPA backend, mean of {len(runs)} runs\n"

@@ -11,6 +11,8 @@ import math
 import sys
 from pathlib import Path
 
+from regress_fwd import best_sdpa  # the same "best SDPA backend" as the grid's peers table
+
 
 def main(argv) -> int:
     out, settings = Path(argv[0]), argv[1:]
@@ -23,7 +25,6 @@ def main(argv) -> int:
     ref = settings[0]
     points = list(runs[ref][0])
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    best = lambda r: max(float(r[c]) for c in ("cudnn", "fa2") if r[c] not in ("", "nan"))  # noqa: E731
     head = " | ".join(f"{mb} MiB" for mb in settings)
     print(f"| dtype | hd | seqlen | {head} | " + " | ".join(f"{mb} / {ref}" for mb in settings[1:])
           + " | " + " | ".join(f"{mb} / SDPA" for mb in settings) + " |")
@@ -31,7 +32,7 @@ def main(argv) -> int:
     logs = {mb: [] for mb in settings}
     for pt in points:
         tf = {mb: mean([float(r[pt]["flashgen"]) for r in runs[mb]]) for mb in settings}
-        vs = {mb: mean([float(r[pt]["flashgen"]) / best(r[pt]) for r in runs[mb]]) for mb in settings}
+        vs = {mb: mean([float(r[pt]["flashgen"]) / best_sdpa(r[pt]) for r in runs[mb]]) for mb in settings}
         for mb in settings:
             logs[mb].append(math.log(vs[mb]))
         print(f"| {pt[0]} | {pt[1]} | {pt[2]} | " + " | ".join(f"{tf[mb]:.0f}" for mb in settings) + " | "
