@@ -483,17 +483,29 @@ _WS_ALIGN = 256
 
 
 def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int) -> int:
-    """BwdParams.deterministic: 0 (unordered dQ additions), 1 (ordered; each CTA signals a query
-    block's hand-off once its additions have landed) or 2 (ordered; signalled one block late,
-    after the next block's additions are issued). 2 when a query block's chain of key-block CTAs
-    is longer than the GPU holds at once (they start staggered anyway, so the later signal costs
-    no ramp, and it takes the landing wait off each CTA's path): measured on an H200 at head_dim
-    256, 2 was 1.07-1.15x faster at seqlen 16k and 0.76-0.87x at 512-2k (docs/PERF.md). Only the
-    role tiles' staged reducer (head_dim 256) reads the difference; the other paths treat any
-    nonzero value as 1."""
+    """BwdParams.deterministic: the order of the backward's fp32 dQ additions across key-block CTAs.
+
+    0: unordered (not deterministic). Ordered modes, each bitwise reproducible (templates/bwd.cu.j2):
+
+    - 3 (a query block's chain of num_n_blocks key-block CTAs <= sms / 2): the chain's CTAs are
+      resident together, so a CTA may wait for one launched after it: non-causal CTAs visit the
+      query blocks rotated (key block n from query block n on; dQ[m] adds in the order its visitors
+      reach it), causal CTAs launch longest first. Each CTA waits only for a neighbour's previous
+      block, where in key-block order CTA n first waited for n hand-offs (the ramp). The half-GPU
+      bound leaves room for other kernels that hold SMs (e.g. a collective running beside it).
+    - 1 (chains up to sms): key-block order (causal: last to first, launched in that order); every
+      CTA waited for launched before the waiting one. The hand-off is signalled once a block's
+      additions have landed (modes 1 and 3).
+    - 2 (chains longer than sms): as 1, signalled one block late, after the next block's additions
+      are issued (the CTAs start staggered anyway). Measured on an H200 at head_dim 256: 2 was
+      1.07-1.15x faster than 1 at seqlen 16k and 0.76-0.87x at 512-2k (docs/PERF.md). Only the role
+      tiles' staged reducer (head_dim 256) signals late; the other paths treat 2 as 1.
+    """
     if not deterministic:
         return 0
-    return 2 if num_n_blocks > sms else 1
+    if num_n_blocks > sms:
+        return 2
+    return 3 if num_n_blocks <= sms // 2 else 1
 
 
 def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int) -> tuple:

@@ -775,16 +775,18 @@ def _run_backward(b, sq, sk, h, hk, d, dv, causal, deterministic=False):
 
 @pytest.mark.parametrize("d", [128, 256], ids=lambda d: f"hd{d}")
 def test_core_backward_deterministic_mode(bwd_core, d):
-    """BwdParams.deterministic: 0 without determinism; 1 while a query block's chain of key-block
-    CTAs fits the GPU (132 SMs here), 2 (the hand-off signalled one block late) once it is longer."""
+    """BwdParams.deterministic: 0 without determinism; 3 (rotated / longest-first orders) while a
+    query block's chain of key-block CTAs fits half the GPU (132 SMs here), 1 while it fits the GPU,
+    2 (the hand-off signalled one block late) once it is longer."""
     bn = None
-    for det, sk, want in ((False, 100000, 0), (True, 1000, 1), (True, 100000, 2)):
+    for det, sk, want in ((False, 100000, 0), (True, 1000, 3), (True, 100000, 2)):
         variant, _ = _run_backward(1, 300, sk, 2, 2, d, d, False, deterministic=det)
         bn = variant.params["block_n"]
         main = bwd_core.launches[-2]
         assert main["role"] == "main" and main["params"]["deterministic"] == want, (det, sk)
         assert (main["grid"][0] > 132) == (sk == 100000)
-    assert core._deterministic_mode(True, 132, 132) == 1 and core._deterministic_mode(True, 133, 132) == 2
+    assert [core._deterministic_mode(True, n, 132) for n in (1, 66, 67, 132, 133)] == [3, 3, 1, 1, 2]
+    assert core._deterministic_mode(False, 1, 132) == 0
     assert bn in (64, 128)
 
 

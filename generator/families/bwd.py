@@ -57,10 +57,13 @@ staging alone (bulk reductions dropped) 442, staged 418-425; the staging's cost 
 bandwidth (64 KB written and read per block beside ~256 KB of operand reads). At head_dim 192 the
 chunks do not fit the 24 KB buffers and the consumers add them with ``red.v4``. The block's target
 reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
-Deterministic: ``BwdParams.deterministic`` 1 signals a block's hand-off once its additions have
-landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
+Deterministic: ``BwdParams.deterministic`` 1 and 3 signal a block's hand-off once its additions
+have landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
 block later, after the next block's reductions are issued (at 16k 1.07-1.15x faster; at
 512-2k, where all of a chain's CTAs start together, it delays each CTA by a block: 0.76-0.87x).
+3 (chains of at most half the SM count, resident together) changes the order: non-causal key
+blocks visit the query blocks rotated, each from its own index on, and causal ones launch longest
+first, so no CTA waits for the hand-offs of every CTA before it in the chain.
 
 head_dim_v != head_dim (e.g. DeepSeek's 192 / 128): no key of its own. As FA3 does, the runtime
 serves the call with the variant of max(head_dim, head_dim_v) (``BwdParams.head_dim`` and
@@ -130,7 +133,7 @@ PARAMS = params_struct(
     ("seqlen_q_pad", "i32"),  # num_m_blocks * block_m
     ("num_m_blocks", "i32"),
     ("num_slices", "i32"),  # head_dim_padded / slice
-    ("deterministic", "i32"),  # 1, 2: dQ additions ordered by n_block (bitwise reproducible); 2: hand-off signalled one block late (core._deterministic_mode)
+    ("deterministic", "i32"),  # 1, 2, 3: dQ additions in a fixed order (bitwise reproducible); 2: hand-off signalled one block late; 3: rotated / longest-first orders (core._deterministic_mode)
     ("scale_log2", "f32"),  # softmax_scale * log2(e), any sign; softcap variants: softcap * log2(e)
     ("softmax_scale", "f32"),
     ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused

@@ -337,14 +337,19 @@ def test_deterministic_race_big(d, causal, shape):
     (256, False, (8, 2048, 2048, 8, 8)),
     (256, False, (1, 1000, 16384, 4, 2)),
     (256, True, (1, 16384, 16384, 2, 2)),
+    (256, True, (2, 8192, 8192, 2, 1)),
+    (128, False, (2, 9001, 9001, 2, 2)),
 ], ids=["hd128_512x32", "hd128_512x32_causal", "hd64_1024x16_gqa", "hd256_1000x8_causal", "hd256_2048x8",
-        "hd256_k16384_late_handoff", "hd256_16384_causal_late_handoff"])
+        "hd256_k16384_late_handoff", "hd256_16384_causal_late_handoff", "hd256_8192_causal_mode1",
+        "hd128_9001_mode1"])
 def test_deterministic_many_waves_finish(d, causal, shape):
     """The deterministic hand-off with more CTAs than fit on the GPU at once (FA3-protocol shapes:
     2048 CTAs at seqlen 512): 200 runs in a child process under a time limit, every result
     bitwise equal to the first. A two-reducer-warp hand-off passed every single-wave test and hung
     here (docs/results/bwd_det_h200/); a hang must fail the test, not the suite. The seqlen_k 16384
-    shapes have chains of 256 key blocks per query block: the late hand-off (mode 2)."""
+    shapes have chains of 256 key blocks per query block: the late hand-off (mode 2); the 8192 and
+    9001 ones 128 and 71 (mode 1: more than half the SMs); the others at most 32 (mode 3: rotated
+    non-causal, longest-first causal: core._deterministic_mode)."""
     import subprocess
     import sys
     from pathlib import Path
