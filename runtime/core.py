@@ -494,13 +494,12 @@ def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int) -> int
       n first waited for n hand-offs (the ramp). The half-GPU bound leaves room for other kernels
       that hold SMs (e.g. a collective running beside it). Causal calls run as in 1.
     - 1 (chains up to sms): key-block order (causal: last to first, launched in that order); every
-      CTA waited for launched before the waiting one.
-    - 2 (chains longer than sms): as 1; the staged hand-offs are deferred (below) in every order.
-
-    Where the dQ additions are staged (head_dim 64-128, 256), a block's hand-off is signalled once
-    its additions have landed, or deferred to just before the CTA's next wait, where the CTA
-    waiting for it reaches the query block a block later in its own order (rotated, causal, mode
-    2): see ``defer_handoff`` in templates/bwd.cu.j2.
+      CTA waited for launched before the waiting one. The hand-off is signalled once a block's
+      additions have landed (modes 1 and 3).
+    - 2 (chains longer than sms): as 1, signalled one block late, after the next block's additions
+      are issued (the CTAs start staggered anyway). Measured on an H200 at head_dim 256: 2 was
+      1.07-1.15x faster than 1 at seqlen 16k and 0.76-0.87x at 512-2k (docs/PERF.md). Only the role
+      tiles' staged reducer (head_dim 256) signals late; the other paths treat 2 as 1.
     """
     if not deterministic:
         return 0

@@ -777,7 +777,7 @@ def _run_backward(b, sq, sk, h, hk, d, dv, causal, deterministic=False):
 def test_core_backward_deterministic_mode(bwd_core, d):
     """BwdParams.deterministic: 0 without determinism; 3 (the rotated non-causal order) while a
     query block's chain of key-block CTAs fits half the GPU (132 SMs here), 1 while it fits the GPU,
-    2 once it is longer."""
+    2 (the hand-off signalled one block late) once it is longer."""
     bn = None
     for det, sk, want in ((False, 100000, 0), (True, 1000, 3), (True, 100000, 2)):
         variant, _ = _run_backward(1, 300, sk, 2, 2, d, d, False, deterministic=det)

@@ -57,14 +57,13 @@ staging alone (bulk reductions dropped) 442, staged 418-425; the staging's cost 
 bandwidth (64 KB written and read per block beside ~256 KB of operand reads). At head_dim 192 the
 chunks do not fit the 24 KB buffers and the consumers add them with ``red.v4``. The block's target
 reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
-Deterministic (``BwdParams.deterministic``, ``core._deterministic_mode``): the dQ additions of the
-key blocks visiting a query block happen in a fixed order, each CTA waiting for its turn on a
-per-(query block, slice) semaphore. In key-block order (causal: last to first) by default; with 3
-(chains of at most half the SM count, resident together) non-causal key blocks visit the query
-blocks rotated, each from its own index on, so no CTA waits for the hand-offs of every CTA before
-it in the chain. A staged block's hand-off is signalled once its additions have landed, or deferred
-to just before the CTA's next wait where the waiting CTA reaches the query block a block later in
-its own order (rotated, causal, and 2: chains longer than the SM count).
+Deterministic: ``BwdParams.deterministic`` 1 and 3 signal a block's hand-off once its additions
+have landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
+block later, after the next block's reductions are issued (at 16k 1.07-1.15x faster; at
+512-2k, where all of a chain's CTAs start together, it delays each CTA by a block: 0.76-0.87x).
+3 (chains of at most half the SM count, resident together) changes the non-causal order: key
+blocks visit the query blocks rotated, each from its own index on, so no CTA waits for the
+hand-offs of every CTA before it in the chain (causal runs as 1).
 
 head_dim_v != head_dim (e.g. DeepSeek's 192 / 128): no key of its own. As FA3 does, the runtime
 serves the call with the variant of max(head_dim, head_dim_v) (``BwdParams.head_dim`` and
@@ -134,7 +133,7 @@ PARAMS = params_struct(
     ("seqlen_q_pad", "i32"),  # num_m_blocks * block_m
     ("num_m_blocks", "i32"),
     ("num_slices", "i32"),  # head_dim_padded / slice
-    ("deterministic", "i32"),  # 1, 2, 3: dQ additions in a fixed order (bitwise reproducible); 2: chain longer than the SMs; 3: rotated non-causal order (core._deterministic_mode)
+    ("deterministic", "i32"),  # 1, 2, 3: dQ additions in a fixed order (bitwise reproducible); 2: hand-off signalled one block late; 3: the rotated non-causal order (core._deterministic_mode)
     ("scale_log2", "f32"),  # softmax_scale * log2(e), any sign; softcap variants: softcap * log2(e)
     ("softmax_scale", "f32"),
     ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused

@@ -222,7 +222,7 @@ def test_backward_long_4224(dtype, d, causal):
 def test_backward_chain_longer_than_the_gpu(d, causal):
     """seqlen_k 9001: 141 key blocks of 64 (71 of 128) add to each query block's dQ, more CTAs
     than the GPU holds at once where block_n is 64, so the deterministic run takes the hand-off
-    deferred in every order (core._deterministic_mode 2); both modes against the reference."""
+    signalled one block late (core._deterministic_mode 2); both modes against the reference."""
     _check_shape(torch.bfloat16, d, causal, (1, 333, 9001, 2, 1), seed=9001 + d)
 
 
@@ -347,7 +347,7 @@ def test_deterministic_many_waves_finish(d, causal, shape):
     2048 CTAs at seqlen 512): 200 runs in a child process under a time limit, every result
     bitwise equal to the first. A two-reducer-warp hand-off passed every single-wave test and hung
     here (docs/results/bwd_det_h200/); a hang must fail the test, not the suite. The seqlen_k 16384
-    shapes have chains of 256 key blocks per query block (mode 2: more than the SMs); the 8192 and
+    shapes have chains of 256 key blocks per query block: the late hand-off (mode 2); the 8192 and
     9001 ones 128 and 71 (mode 1: more than half the SMs); the others at most 32 (mode 3: the
     rotated non-causal order; core._deterministic_mode)."""
     import subprocess
