@@ -34,7 +34,12 @@
 #                                          details pages and per-SASS-line stall samples tarred
 #   bash scripts/device_check.sh fp8var    FP8 GPU tests (TESTS_K: -k, default every built variant and the outliers), then
 #                                          fp8_bench.py --variants twice over the variants matching MATCH (default
-#                                          '*noncausal_m*'; SEQLENS default 2048,16384; HEAD_DIMS default 64,128,256)
+#                                          '*noncausal_m*'; CAUSAL no|yes|both, default no; SEQLENS default 2048,16384;
+#                                          HEAD_DIMS default 64,128,256)
+#   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
+#                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
+#                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
+#                                          peers; the old/new table printed last
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
 #                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
@@ -70,7 +75,7 @@ fp8var)
   timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fp8_gpu.py \
     -k "${TESTS_K:-every_built or outliers}" 2>&1 | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
   for run in 1 2; do
-    timeout 200 python3 scripts/fp8_bench.py --variants --match "${MATCH:-*noncausal_m*}" --causal no \
+    timeout 200 python3 scripts/fp8_bench.py --variants --match "${MATCH:-*noncausal_m*}" --causal "${CAUSAL:-no}" \
       --seqlens "${SEQLENS:-2048,16384}" --head-dims "${HEAD_DIMS:-64,128,256}" 2>&1 | tee "$out/fp8var_$run.md" | grep '^|'
   done
   ;;
@@ -167,6 +172,25 @@ bwd)
     echo "new run $r: rc $? $(tail -1 "$out/bench_new$r.log")"
   done
   python3 scripts/bwd_compare.py "$out"/bwd_old1_bwd.csv "$out"/bwd_new1_bwd.csv "$out"/bwd_old2_bwd.csv "$out"/bwd_new2_bwd.csv | tee "$out/bwd_compare.md"
+  ;;
+fwdchange)
+  test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,fwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
+  f8=${F8ARGS:---seqlens 2048,16384}
+  for r in 1 2; do
+    oldenv timeout 100 python3 scripts/fp8_bench.py $f8 > "$out/f8_old$r.md" 2>&1
+    timeout 100 python3 scripts/fp8_bench.py $f8 > "$out/f8_new$r.md" 2>&1
+  done
+  python3 scripts/fp8_compare.py "$out"/f8_old1.md "$out"/f8_new1.md "$out"/f8_old2.md "$out"/f8_new2.md | tee "$out/f8_compare.md"
+  g="${REGRESS_ARGS:---seqlens 512,2048,16384 --head-dims 64,128,256 --dtypes bf16}"
+  for r in 1 2; do
+    python3 scripts/regress_fwd.py run --label new $g --csv "$out/new$r.csv" 2>&1 | tail -1
+    oldenv python3 scripts/regress_fwd.py run --label old $g --csv "$out/old$r.csv" 2>&1 | tail -1
+  done
+  python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt" | tail -25
   ;;
 perf)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

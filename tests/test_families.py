@@ -442,6 +442,31 @@ def test_register_splits_fit_the_launch_allocation():
     assert seen > 100
 
 
+def test_register_split_rule():
+    """fwd.register_split: FA3's 24 / 240 only for e4m3 tiles whose accumulators do not fit 232 - 32
+    (head_dim 256 at block_n 128); other e4m3 and PackGQA tiles keep 40 / 232, 16-bit ones 24 / 240,
+    3 consumer warpgroups 32 / 160. The rendered kernel takes the 24-register transposer (its key-group
+    loop) exactly when the producer has 24 registers."""
+    from flashgen.generator.families import fwd as fwd_mod
+
+    def split(**kw):
+        p = dict(dtype="e4m3", head_dim=256, head_dim_v=256, block_n=128, consumer_wgs=2)
+        p.update(kw)
+        return fwd_mod.register_split(p)
+
+    assert split() == (24, 240)
+    assert split(block_n=64) == (40, 232)
+    assert split(head_dim=128, head_dim_v=128, block_n=192) == (40, 232)
+    assert split(dtype="bf16") == (24, 240)
+    assert split(dtype="bf16", pack_gqa=True, head_dim=128, head_dim_v=128) == (40, 232)
+    assert split(head_dim=64, head_dim_v=64, consumer_wgs=3) == (32, 160)
+    wide = [v for v in load_variants(Project(REPO)) if v.family == "fwd" and v.params["dtype"] == "e4m3"
+            and v.resources["producer_regs"] == 24]
+    assert wide and all(v.params["head_dim"] == 256 and v.params["block_n"] == 128 for v in wide)
+    src = (REPO / "templates" / "fwd.cu.j2").read_text()
+    assert "(kProducerRegs <= 24)>" in src  # VTransposer's kGroupLoop
+
+
 def test_smem_layout_is_the_feasibility_layout():
     """The shared-memory regions the template gets are the ones feasibility checked: in address
     order, contiguous, smem_bytes = end of the last one + 1024, and infeasible exactly above the limit."""

@@ -28,7 +28,10 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   (:func:`operand_row_bytes`)): Q block_m*P, K and V stages*block_n*P each, O block_m*Pv when
   it still fits (``separate_o``, else O is staged in Q's buffer), 1024 bytes of mbarriers, plus
   1024 bytes of alignment slack: at most 227 KB = 232448 bytes.
-- Registers (setmaxnreg): 2 consumer WGs get 240 regs/thread, 3 get 160 (producer 24 / 32).
+- Registers (setmaxnreg, :func:`register_split`): 2 consumer WGs get 240 regs/thread, 3 get 160
+  (producer 24 / 32). e4m3 and PackGQA with 2 consumer WGs: 40 / 232 (the V transpose and the
+  5-D Q load need the producer's registers), except e4m3 tiles whose accumulators need more than
+  200 (head_dim 256 at block_n 128): 24 / 240, as FA3.
   With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128. For both, the fp32 S accumulator
   (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4) registers per thread
   must leave 32 for addresses and softmax state: block_n/2 + head_dim_v_padded/2 + block_n/4 <=
@@ -58,7 +61,27 @@ REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, cons
 # other warpgroups have released, so 32 / 240 with 2 consumer warpgroups (128 x 32 + 256 x 240 =
 # 65536 > 384 x 168 = 64512) hangs every launch (H200, tried).
 REG_SPLIT_FP8 = {2: (40, 232), 3: (32, 160)}
+# e4m3 with 2 consumer warpgroups whose accumulators do not fit 232 (head_dim 256 at block_n 128):
+# FA3's 24 / 240; the transposer's loop over key groups (fp8.cuh: VTransposer) fits 24 registers.
+REG_SPLIT_FP8_WIDE = (24, 240)
 ACC_REG_HEADROOM = 32
+
+
+def _acc_regs(block_n, head_dim_v_padded, fp8):
+    """Registers per consumer thread for the fp32 S and O accumulators and the packed P."""
+    return block_n // 2 + head_dim_v_padded // 2 + block_n // (8 if fp8 else 4)
+
+
+def register_split(params):
+    """(producer_regs, consumer_regs) per thread (setmaxnreg) for a variant's parameters."""
+    wgs = int(params["consumer_wgs"])
+    fp8 = params["dtype"] == "e4m3"
+    split = (REG_SPLIT_FP8 if fp8 or params.get("pack_gqa") else REG_SPLIT).get(wgs, (24, 240))
+    if fp8 and wgs == 2 and isinstance(params.get("block_n"), int):
+        need = _acc_regs(params["block_n"], _pad_operand(params["head_dim_v"], "e4m3"), True)
+        if need > split[1] - ACC_REG_HEADROOM:
+            split = REG_SPLIT_FP8_WIDE
+    return split
 
 PARAMS = params_struct(
     "FwdParams",
@@ -176,8 +199,7 @@ class FwdFamily(Family):
         columns, block_n padded to 128)."""
         wgs = int(params["consumer_wgs"])
         smem = smem_layout(params)
-        split = REG_SPLIT_FP8 if params["dtype"] == "e4m3" or params.get("pack_gqa") else REG_SPLIT
-        producer_regs, consumer_regs = split.get(wgs, (24, 240))
+        producer_regs, consumer_regs = register_split(params)
         return dict(
             threads=128 * (wgs + 1),
             smem=smem,
@@ -227,7 +249,7 @@ class FwdFamily(Family):
             if bn > 128:
                 out.append(("block_n", bn, "<= 128 with 3 consumer warpgroups (160 registers/thread)"))
         if len(out) == n_before:
-            need = bn // 2 + r["head_dim_v_padded"] // 2 + bn // (8 if r["fp8"] else 4)  # S, O, packed P
+            need = _acc_regs(bn, r["head_dim_v_padded"], r["fp8"])  # S, O, packed P
             limit = r["consumer_regs"] - ACC_REG_HEADROOM
             if need > limit:
                 out.append((

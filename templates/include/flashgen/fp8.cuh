@@ -13,28 +13,35 @@ namespace flashgen {
 // holds (key i, key i + 8). Unit (g, cb) = keys 16g..16g+15 x head_dim bytes 32cb..32cb+31: one
 // ldmatrix.x4 reads keys 16g + {0..7} and 16g + {8..15} of two 16-byte column blocks; a byte
 // permute pairs key i with key i + 8 (PRMT); one stmatrix.x4.trans writes the pairs transposed
-// (FA3's LDSM / STSM transpose). kWarps warps (a warp each, `warp` = 0..kWarps-1) split the units
-// round robin. The swizzles XOR the 16-byte unit bits of an address (4-6 with 128-byte rows, 4-5
-// with V's 64-byte rows at head_dim 64) with a row constant that 16 rows do not change, and the tiles
-// are 1024-byte aligned, so a lane's address for column block k of a source chunk is its address for
-// block 0 XOR (k << 5), and for key block k of a V^T chunk its address for block 0 XOR (k << 4):
-// per unit, one LOP3 per access plus immediates (the loop is unrolled per warp; the lane's two
-// addresses come from the tiles' offset()). The caller fences the generic-proxy writes
-// (fence_proxy_async_smem) before WGMMA reads V^T.
-template <typename SrcTile, typename DstTile, int kWarps>
+// (FA3's LDSM / STSM transpose). The swizzles XOR the 16-byte unit bits of an address (4-6 with
+// 128-byte rows, 4-5 with V's 64-byte rows at head_dim 64) with a row constant that 16 rows do not
+// change, and the tiles are 1024-byte aligned, so a lane's address for column block k of a source
+// chunk is its address for block 0 XOR (k << 5), and for key block k of a V^T chunk its address for
+// block 0 XOR (k << 4) (the lane's two addresses come from the tiles' offset()). kWarps warps (a warp
+// each, `warp` = 0..kWarps-1) split the units:
+// - kGroupLoop false: round robin over all units, every one unrolled: per unit one LOP3 per access
+//   plus immediates, but ptxas keeps the XOR variants of both addresses live (12 at head_dim 256);
+// - kGroupLoop true (a 24-register producer: e4m3 head_dim 256 at block_n 128, FA3's split): round
+//   robin over the 16-key groups, a loop, each group's column blocks unrolled in the order that
+//   finishes one source XOR before the next; about 20 live registers. The warps' shares differ by up
+//   to one group (8 groups: 3 / 3 / 2).
+// The caller fences the generic-proxy writes (fence_proxy_async_smem) before WGMMA reads V^T.
+template <typename SrcTile, typename DstTile, int kWarps, bool kGroupLoop>
 struct VTransposer {
   static_assert(SrcTile::kRows % 16 == 0 && SrcTile::kCols % 32 == 0, "16 keys x 32 bytes units");
   static_assert(SrcTile::kChunkCols == SrcTile::kRowBytes && DstTile::kChunkCols == 128, "8-bit elements, 128-byte V^T rows");
   static constexpr int kSrcBlocks = SrcTile::kRowBytes / 32;  // 32-byte column blocks per source row
   static_assert(DstTile::kRows == SrcTile::kCols && DstTile::kCols >= SrcTile::kRows, "V^T holds V");
   static constexpr int kKeyGroups = SrcTile::kRows / 16;
-  static constexpr int kUnits = kKeyGroups * (SrcTile::kCols / 32);
+  static constexpr int kColBlocks = SrcTile::kCols / 32;
+  static_assert(kColBlocks % kSrcBlocks == 0, "whole source chunks");
+  static constexpr int kUnits = kKeyGroups * kColBlocks;
 
   uint32_t src;  // offset of this lane's ldmatrix row: key group 0, column block 0
   uint32_t dst;  // offset of this lane's stmatrix row: head_dim block 0, key block 0
-  int warp;
+  uint32_t warp;
 
-  __device__ __forceinline__ explicit VTransposer(int warp_) : warp(warp_) {
+  __device__ __forceinline__ explicit VTransposer(uint32_t warp_) : warp(warp_) {
     const int lane = threadIdx.x % 32;
     const int m = lane / 8;  // the matrix this lane addresses
     const int j = lane % 8;  // its row
@@ -45,30 +52,48 @@ struct VTransposer {
 
   // V tile -> V^T tile (both 1024-byte aligned).
   __device__ __forceinline__ void operator()(const SrcTile& v, const DstTile& vt) const {
-    dispatch<0>(v.addr + src, vt.addr + dst);
+    if constexpr (kGroupLoop) {
+      groups(v.addr + src, vt.addr + dst);
+    } else {
+      dispatch<0>(v.addr + src, vt.addr + dst);
+    }
   }
 
  private:
+  // Unit (g, cb), given the lane's addresses of key group g (source) and of column block 0 of key
+  // group g (V^T).
+  __device__ __forceinline__ static void unit(uint32_t v_g, uint32_t vt_g, int cb) {
+    uint32_t x[4];
+    ldmatrix_x4((v_g ^ ((cb % kSrcBlocks) << 5)) + (cb / kSrcBlocks) * SrcTile::kChunkBytes, x);
+    // x0/x1: keys i, i + 8 (i = lane / 4) at bytes 4c..4c+3 of block 0; x2/x3 the same of block 1.
+    const uint32_t w[4] = {__byte_perm(x[0], x[1], 0x5140), __byte_perm(x[0], x[1], 0x7362),
+                           __byte_perm(x[2], x[3], 0x5140), __byte_perm(x[2], x[3], 0x7362)};
+    stmatrix_x4_trans(vt_g + 32 * cb * DstTile::kRowBytes, w);
+  }
+  __device__ __forceinline__ static uint32_t vt_group(uint32_t vt, uint32_t g) {
+    return (vt ^ ((g % 8) << 4)) + (g / 8) * DstTile::kChunkBytes;
+  }
+
   template <int W>
   __device__ __forceinline__ void dispatch(uint32_t v, uint32_t vt) const {
     if constexpr (W + 1 < kWarps) {
       if (warp != W) return dispatch<W + 1>(v, vt);
     }
-    units<W>(v, vt);
-  }
-
-  template <int W>
-  __device__ __forceinline__ void units(uint32_t v, uint32_t vt) const {
 #pragma unroll
     for (int u = W; u < kUnits; u += kWarps) {
-      const int g = u % kKeyGroups;   // 16-key group
-      const int cb = u / kKeyGroups;  // 32-byte head_dim block
-      uint32_t x[4];
-      ldmatrix_x4((v ^ ((cb % kSrcBlocks) << 5)) + (cb / kSrcBlocks) * SrcTile::kChunkBytes + 16 * g * SrcTile::kRowBytes, x);
-      // x0/x1: keys i, i + 8 (i = lane / 4) at bytes 4c..4c+3 of block 0; x2/x3 the same of block 1.
-      const uint32_t w[4] = {__byte_perm(x[0], x[1], 0x5140), __byte_perm(x[0], x[1], 0x7362),
-                             __byte_perm(x[2], x[3], 0x5140), __byte_perm(x[2], x[3], 0x7362)};
-      stmatrix_x4_trans((vt ^ ((g % 8) << 4)) + (g / 8) * DstTile::kChunkBytes + 32 * cb * DstTile::kRowBytes, w);
+      const int g = u % kKeyGroups;  // 16-key group
+      unit(v + 16 * g * SrcTile::kRowBytes, vt_group(vt, g), u / kKeyGroups);
+    }
+  }
+
+  __device__ __forceinline__ void groups(uint32_t v, uint32_t vt) const {
+    constexpr int kPerXor = kColBlocks / kSrcBlocks;
+#pragma unroll 1
+    for (uint32_t g = warp; g < kKeyGroups; g += kWarps) {
+      const uint32_t v_g = v + 16 * g * SrcTile::kRowBytes;
+      const uint32_t vt_g = vt_group(vt, g);
+#pragma unroll
+      for (int u = 0; u < kColBlocks; ++u) unit(v_g, vt_g, (u % kPerXor) * kSrcBlocks + u / kPerXor);
     }
   }
 };

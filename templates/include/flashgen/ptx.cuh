@@ -23,6 +23,19 @@ __device__ __forceinline__ uint8_t* smem_ptr(uint32_t addr) {
   return static_cast<uint8_t*>(__cvta_shared_to_generic(addr));
 }
 
+// x, through a volatile asm that the compiler cannot see through or move: what a loop derives from
+// it is computed in the loop, not hoisted out of it and held (or spilled) across every iteration.
+// For the producer of the wide e4m3 tiles (24 registers per thread).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ const T* opaque(const T* x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+
 // ---------------------------------------------------------------- mbarrier (cuda::ptx)
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) { ptx::mbarrier_init(bar, count); }
 
