@@ -13,8 +13,9 @@ template <int Stages>
 struct PipeState {
   int stage;
   uint32_t phase;
-  __device__ __forceinline__ static PipeState at(int n) {
-    return {n % Stages, static_cast<uint32_t>((n / Stages) & 1)};
+  __device__ __forceinline__ static PipeState at(int n) {  // n >= 0: unsigned, a mask and a shift
+    const uint32_t u = static_cast<uint32_t>(n);
+    return {static_cast<int>(u % Stages), (u / Stages) & 1u};
   }
 };
 
