@@ -280,6 +280,26 @@ def compiled_step_matches_eager(step, compiled, inputs, w, label: str) -> tuple:
     return eager_leaves, comp_leaves
 
 
+def run_child_or_fail(call: str, timeout: float, hang: str) -> None:
+    """Run ``call`` (Python source naming a test module of tests/gpu, e.g. ``"import test_fp8_gpu as t;
+    t._repeat(30)"``) in a child interpreter under a time limit (seconds): a kernel that deadlocks
+    fails the calling test with ``hang`` instead of hanging the suite; the child's failure fails it
+    with the child's stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    here = Path(__file__).resolve().parent
+    child = f"import sys; sys.path[:0] = [{str(here)!r}]; {call}; print('ok')"
+    try:
+        r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{hang} (did not finish in {timeout:g} s)")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def poison_cached_blocks(nbytes: int, device="cuda") -> None:
     """Leave NaN in torch's caching allocator: a block of max(nbytes, 2 MiB) (large pool) and one
     of 1 MiB (small pool) are filled with float32 NaN on the current stream and freed, so that

@@ -60,6 +60,7 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     make_qkv,
     poison_cached_blocks,
     randn,
+    run_child_or_fail,
     variant_missing,
 )
 
@@ -350,20 +351,10 @@ def test_deterministic_many_waves_finish(d, causal, shape):
     shapes have chains of 256 key blocks per query block: the late hand-off (mode 2); the 8192 and
     9001 ones 128 and 71 (mode 1: more than half the SMs); the others at most 32 (mode 3: the
     rotated non-causal order; core._deterministic_mode)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     need_bwd(torch.bfloat16, d, causal)
-    here = Path(__file__).resolve().parent
-    child = (f"import sys; sys.path[:0] = [{str(here)!r}]; import torch, test_bwd_gpu as t; "
-             f"t._repeat_bitwise(torch.bfloat16, {d}, {causal}, {shape}, repeats=200, seed=5); print('ok')")
-    try:
-        r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"200 deterministic backward runs of {shape} (hd {d}, causal {causal}) did not finish in 180 s: "
-                    "a cross-CTA hand-off deadlock")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_child_or_fail(f"import torch, test_bwd_gpu as t; "
+                      f"t._repeat_bitwise(torch.bfloat16, {d}, {causal}, {shape}, repeats=200, seed=5)", 180,
+                      f"200 deterministic backward runs of {shape} (hd {d}, causal {causal}): a cross-CTA hand-off deadlock")
 
 
 # --------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     fa3_rule_ok,
     poison_cached_blocks,
     randn,
+    run_child_or_fail,
     variant_missing,
     visible_mask,
 )
@@ -350,22 +351,12 @@ def test_fp8_many_tiles_finish():
     a stop flag instead made them skip the last V block when the producer got there first (the
     consumers then waited for its V^T forever): every other test passed, and the FA3-protocol
     benchmark hung (H200)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from flashgen.manifest import load_manifest
 
     if not any(v.family == "fwd" and v.params["dtype"] == "e4m3" for v in load_manifest().variants):
         pytest.skip("MISSING-FWD-VARIANT: no e4m3 variant is built")
-    here = Path(__file__).resolve().parent
-    child = (f"import sys; sys.path[:0] = [{str(here)!r}]; import test_fp8_gpu as t; "
-             f"t._repeat_every_variant(30); print('ok')")
-    try:
-        r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail("30 launches of every e4m3 variant did not finish in 240 s: a producer/transposer deadlock")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_child_or_fail("import test_fp8_gpu as t; t._repeat_every_variant(30)", 240,
+                      "30 launches of every e4m3 variant: a producer/transposer deadlock")
 
 
 @pytest.mark.parametrize("kind", ["head", "block"])
