@@ -17,6 +17,10 @@ Cases (only those whose variant is built run; a family with no runnable case fai
   combine  flash_attn_combine into fp32, bf16 and fp16 (5 splits, seqlen 113, head_dim 64), and
            fp32 with head_dim 62 (the scalar path); FA3's transposed layouts cut from padded
            buffers; splits 2.. of batch 0 saw no key (lse -inf).
+  fwd e4m3 flash_attn_func on e4m3 inputs with (batch, heads_k) descales, head_dim 64 causal, 128
+           full, 256 full and causal (the V transposer threads and their stop index; hd256: the
+           24-register producer), batch 2, seqlen_q 300, seqlen_k 517, heads 4 over heads_k 2;
+           FA3's FP8 rule (tests/gpu/test_fp8_gpu.py: _check).
   quant    quantize_fp8, bf16 and fp16, head dims 128 / 96 / 192 (head_dim_v 128), all four scale
            modes over the cases, batch 2, seqlen_q 113, seqlen_k 239, heads 4 over heads_k 2; k and
            v are KV-cache prefixes of a longer cache (the rows past seqlen_k are never written).
@@ -31,7 +35,9 @@ With PYTORCH_NO_CUDA_MEMORY_CACHING=1 (sanitize.sh sets it for memcheck and init
 tensor is its own cudaMalloc, so memcheck bounds each exactly.
 
 Every family in the manifest (flashgen.load_manifest().variants[i].family) must have an entry in
-CASES: a new family fails here until a case is written for it.
+CASES: a new family fails here until a case is written for it. SANITIZE_ONLY=TEXT (environment)
+runs only the cases whose names contain TEXT (e.g. "e4m3": a sanitizer pass over one change); the
+families it leaves without a case are then skipped, not failed.
 
 Exit status: 0 when every case ran and matched its reference; 1 otherwise.
 """
@@ -39,6 +45,7 @@ Exit status: 0 when every case ran and matched its reference; 1 otherwise.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -162,6 +169,25 @@ def fwd_packed_cases():
                                                                       shape=(2, 5, 239, 8, 2))
 
 
+def fwd_fp8_cases():
+    """e4m3: the transposer threads, their stop at the producer's V block index, the 24-register producer (hd256)."""
+    for i, (d, causal) in enumerate(((64, True), (128, False), (256, False), (256, True))):
+        if built("fwd", {"dtype": "e4m3", "head_dim": d, "head_dim_v": d, "causal": causal}):
+            yield f"fwd e4m3 d{d} {'causal' if causal else 'full'} b2 q300 k517 h4/2", \
+                lambda d=d, causal=causal, i=i: fwd_fp8_case(d, causal, seed=200 + i)
+
+
+def fwd_fp8_case(d: int, causal: bool, seed: int) -> None:
+    import test_fp8_gpu as t  # its inputs, descales and FA3's FP8 rule
+
+    b, sq, sk, h, hk = 2, 300, 517, 4, 2
+    q8, k8, v8 = t._inputs(b, sq, sk, h, hk, d, seed)
+    ds = t._descales("head", b, sq, sk, h, hk, seed)
+    out, lse = flashgen.flash_attn_func(q8, k8, v8, causal=causal, q_descale=ds[0], k_descale=ds[1],
+                                        v_descale=ds[2], return_attn_probs=True)
+    t._check(q8, k8, v8, ds, causal, out, lse, d ** -0.5)
+
+
 def bwd_cases():
     for i, (dtype, d, dv, causal, det) in enumerate(((torch.bfloat16, 64, 64, True, True),
                                                      (torch.float16, 128, 128, False, True),
@@ -195,7 +221,8 @@ def quant_cases():
 
 
 #: family -> generator of (name, case); every family in the manifest needs an entry.
-CASES = {"fwd": lambda: (*fwd_cases(), *fwd_packed_cases()), "bwd": bwd_cases, "combine": combine_cases, "quant": quant_cases}
+CASES = {"fwd": lambda: (*fwd_cases(), *fwd_packed_cases(), *fwd_fp8_cases()), "bwd": bwd_cases, "combine": combine_cases,
+         "quant": quant_cases}
 
 
 def main() -> int:
@@ -203,10 +230,12 @@ def main() -> int:
     failed = [f"family {f}: present in the manifest, no case in {Path(__file__).name} (add one to CASES)"
               for f in families if f not in CASES]
     ran = 0
+    only = os.environ.get("SANITIZE_ONLY", "")
     for family in families:
         cases = list(CASES.get(family, lambda: ())())
         if family in CASES and not cases:
             failed.append(f"family {family}: none of its cases' variants is built")
+        cases = [(name, case) for name, case in cases if only in name]
         for name, case in cases:
             ran += 1
             try:
