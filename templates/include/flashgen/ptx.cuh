@@ -80,8 +80,8 @@ __device__ __forceinline__ void fence_proxy_async_smem() { ptx::fence_proxy_asyn
 // ---------------------------------------------------------------- own wrappers (no CCCL equivalent)
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-// Tag: only the PTX comment differs (OnlineSoftmax::rescale_after's wait carries one: its own
-// block, not merged with another wait).
+// Tag: only the PTX comment differs, so that two otherwise identical waits in the two arms of a
+// branch are not merged into one before the branch (OnlineSoftmax::rescale_after).
 template <int N, int Tag = 0>
 __device__ __forceinline__ void wgmma_wait() {
   if constexpr (Tag == 0) {

@@ -154,22 +154,23 @@ struct OnlineSoftmax {
   // exactly 1, so skipping is exact): one vote instead of N_v / 2 FMULs on most blocks of a long row.
   template <int R>
   __device__ __forceinline__ void rescale(float (&o)[R]) const {
-    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
+    rescale_after(o, [](auto) {});
   }
 
   // rescale, with O's pending GEMM completed in between: `wait(tag)` (wgmma_wait<0, tag> and
-  // fence_regs(O)). ptxas hoists a wgmma.wait_group above the independent arithmetic of its basic
-  // block: with the wait in the softmax's block (as FA3's Algorithm 2 writes it), the wait for
-  // P V_{j-1} landed before the softmax of S_j in SASS, and the softmax no longer ran under that
-  // GEMM. So the wait gets a block of its own, behind a branch every thread takes (on opaque(1),
-  // which ptxas cannot fold). One wait for all: wgmma.wait_group is .aligned (every thread of the
-  // warpgroup at the same instruction), and the rescale's vote is per warp; a wait in each arm of
-  // `if (vote)` ran at two PCs within a warpgroup (compute-sanitizer's synccheck, H100, e4m3).
+  // fence_regs(O)) is called in each arm of the branch, tag 1 or 2. ptxas hoists a wgmma.wait_group
+  // above the independent arithmetic of its basic block: with the wait in the softmax's block (as
+  // FA3's Algorithm 2 writes it), the wait for P V_{j-1} landed before the softmax of S_j in SASS,
+  // and the softmax no longer ran under that GEMM. A block of its own after the vote keeps it
+  // after the exponentials.
   template <int R, typename Wait>
   __device__ __forceinline__ void rescale_after(float (&o)[R], Wait&& wait) const {
-    const bool any = __any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f);
-    if (opaque(1)) wait(std::integral_constant<int, 1>{});
-    if (any) rescale_rows(o, scale);
+    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+      wait(std::integral_constant<int, 1>{});
+      rescale_rows(o, scale);
+    } else {
+      wait(std::integral_constant<int, 2>{});
+    }
   }
 
   __device__ __forceinline__ void update(float (&s)[N / 2], float scale_log2) {
