@@ -277,21 +277,37 @@ def test_fp8_deterministic_run_to_run():
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
 
 
-def test_every_built_fp8_variant():
-    """Each e4m3 variant in the manifest (tile candidates and added points too) is correct on one
-    odd shape, launched through the core with the variant forced."""
-    from flashgen import core
+def _built_e4m3_variants() -> list:
+    """The manifest's e4m3 forward variants (tile candidates and added points too)."""
     from flashgen.manifest import load_manifest
+
+    return [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == "e4m3"]
+
+
+def _forward_forced(var, q8, k8, v8, ds, softcap: float):
+    """(out, lse) of `var` on e4m3 q8, k8, v8 with descales ds, launched through flashgen.core with the
+    variant forced (out and lse NaN before the launch: a row not written stays NaN)."""
+    from flashgen import core
 
     def arg(t, dtype):
         return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index)
 
-    seen = 0
-    for var in load_manifest().variants:
+    (b, sq, h, d), scale = q8.shape, q8.shape[3] ** -0.5
+    out = torch.full((b, sq, h, v8.shape[3]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
+    core.attention_forward(arg(q8, "fp8_e4m3"), arg(k8, "fp8_e4m3"), arg(v8, "fp8_e4m3"), arg(out, "bf16"),
+                           arg(lse, "fp32"), scale, bool(var.params["causal"]), torch.cuda.current_stream().cuda_stream,
+                           variant=var, q_descale=arg(ds[0], "fp32"), k_descale=arg(ds[1], "fp32"),
+                           v_descale=arg(ds[2], "fp32"), softcap=softcap)
+    return out, lse
+
+
+def test_every_built_fp8_variant():
+    """Each e4m3 variant in the manifest (tile candidates and added points too) is correct on one
+    odd shape, launched through the core with the variant forced."""
+    variants = _built_e4m3_variants()
+    for var in variants:
         p = var.params
-        if var.family != "fwd" or p["dtype"] != "e4m3":
-            continue
-        seen += 1
         d = p["head_dim"]
         softcap = 15.0 if p["softcap"] else 0.0  # FA3's softcap tests: 15 (rule x3: _check)
         # one tile per CTA; then 192-288 tiles (several per CTA, one after another), causal with
@@ -299,15 +315,9 @@ def test_every_built_fp8_variant():
         for b, sq, sk, h, hk in ((2, 301, 517, 4, 2), (2, 1100, 300, 16, 4)):
             q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed=13)
             ds = _descales("block", b, sq, sk, h, hk, seed=13)
-            out = torch.full((b, sq, h, d), float("nan"), dtype=torch.bfloat16, device="cuda")
-            lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
-            core.attention_forward(arg(q8, "fp8_e4m3"), arg(k8, "fp8_e4m3"), arg(v8, "fp8_e4m3"), arg(out, "bf16"),
-                                   arg(lse, "fp32"), d ** -0.5, bool(p["causal"]),
-                                   torch.cuda.current_stream().cuda_stream, variant=var,
-                                   q_descale=arg(ds[0], "fp32"), k_descale=arg(ds[1], "fp32"),
-                                   v_descale=arg(ds[2], "fp32"), softcap=softcap)
+            out, lse = _forward_forced(var, q8, k8, v8, ds, softcap)
             _check(q8, k8, v8, ds, bool(p["causal"]), out, lse, d ** -0.5, softcap=softcap)
-    if not seen:
+    if not variants:
         pytest.skip("MISSING-FWD-VARIANT: no e4m3 variant is built")
 
 
@@ -315,31 +325,14 @@ def _repeat_every_variant(repeats: int) -> None:
     """Each built e4m3 variant, forced, `repeats` launches on FA3-protocol shapes (seqlen 2048 and
     4096, 16k tokens: 4-16 tiles per CTA), every output bitwise equal to the first (child process of
     test_fp8_many_tiles_finish)."""
-    from flashgen import core
-    from flashgen.manifest import load_manifest
-
-    def arg(t, dtype):
-        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index)
-
-    stream = torch.cuda.current_stream().cuda_stream
-    for var in load_manifest().variants:
+    for var in _built_e4m3_variants():
         p = var.params
-        if var.family != "fwd" or p["dtype"] != "e4m3":
-            continue
         d = p["head_dim"]
         for s in (2048, 4096):
             b, h = 16384 // s, 2048 // d
             q8, k8, v8 = _inputs(b, s, s, h, h, d, seed=3)
             ds = _descales("head", b, s, s, h, h, seed=3)
-            outs = []
-            for _ in range(repeats):
-                out = torch.empty(b, s, h, d, dtype=torch.bfloat16, device="cuda")
-                lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
-                core.attention_forward(arg(q8, "fp8_e4m3"), arg(k8, "fp8_e4m3"), arg(v8, "fp8_e4m3"), arg(out, "bf16"),
-                                       arg(lse, "fp32"), d ** -0.5, bool(p["causal"]), stream, variant=var,
-                                       q_descale=arg(ds[0], "fp32"), k_descale=arg(ds[1], "fp32"),
-                                       v_descale=arg(ds[2], "fp32"), softcap=15.0 if p["softcap"] else 0.0)
-                outs.append(out)
+            outs = [_forward_forced(var, q8, k8, v8, ds, 15.0 if p["softcap"] else 0.0)[0] for _ in range(repeats)]
             torch.cuda.synchronize()
             assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:]), var.name
 
@@ -351,9 +344,7 @@ def test_fp8_many_tiles_finish():
     a stop flag instead made them skip the last V block when the producer got there first (the
     consumers then waited for its V^T forever): every other test passed, and the FA3-protocol
     benchmark hung (H200)."""
-    from flashgen.manifest import load_manifest
-
-    if not any(v.family == "fwd" and v.params["dtype"] == "e4m3" for v in load_manifest().variants):
+    if not _built_e4m3_variants():
         pytest.skip("MISSING-FWD-VARIANT: no e4m3 variant is built")
     run_child_or_fail("import test_fp8_gpu as t; t._repeat_every_variant(30)", 240,
                       "30 launches of every e4m3 variant: a producer/transposer deadlock")
