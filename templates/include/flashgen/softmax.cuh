@@ -154,23 +154,28 @@ struct OnlineSoftmax {
   // exactly 1, so skipping is exact): one vote instead of N_v / 2 FMULs on most blocks of a long row.
   template <int R>
   __device__ __forceinline__ void rescale(float (&o)[R]) const {
-    rescale_after(o, [](auto) {});
+    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
   }
 
   // rescale, with O's pending GEMM completed in between: `wait(tag)` (wgmma_wait<0, tag> and
-  // fence_regs(O)) is called in each arm of the branch, tag 1 or 2. ptxas hoists a wgmma.wait_group
-  // above the independent arithmetic of its basic block: with the wait in the softmax's block (as
-  // FA3's Algorithm 2 writes it), the wait for P V_{j-1} landed before the softmax of S_j in SASS,
-  // and the softmax no longer ran under that GEMM. A block of its own after the vote keeps it
-  // after the exponentials.
+  // fence_regs(O)). ptxas hoists a wgmma.wait_group above the independent arithmetic of its basic
+  // block: with the wait in the softmax's block (as FA3's Algorithm 2 writes it), the wait for
+  // P V_{j-1} landed before the softmax of S_j in SASS, and the softmax no longer ran under that
+  // GEMM. So the wait sits in both arms of a branch that every thread takes the same way
+  // (opaque_true(), which neither compiler folds): blocks of their own, after the exponentials,
+  // and a wait on every path (with one arm empty, ptxas serialized the GEMMs: C7514). The branch
+  // must be uniform over the warpgroup: wgmma.wait_group is .aligned, and with the per-warp
+  // rescale vote as its condition the warps of one warpgroup waited at two PCs (compute-sanitizer
+  // synccheck, H100, e4m3 hd64 causal).
   template <int R, typename Wait>
   __device__ __forceinline__ void rescale_after(float (&o)[R], Wait&& wait) const {
-    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+    const bool any = __any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f);
+    if (opaque_true()) {
       wait(std::integral_constant<int, 1>{});
-      rescale_rows(o, scale);
     } else {
       wait(std::integral_constant<int, 2>{});
     }
+    if (any) rescale_rows(o, scale);
   }
 
   __device__ __forceinline__ void update(float (&s)[N / 2], float scale_log2) {
