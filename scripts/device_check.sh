@@ -40,6 +40,9 @@
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
 #                                          peers; the old/new table printed last
+#   bash scripts/device_check.sh sanity    compute-sanitizer (the nvidia-h100-x1 kind has it): synccheck over every case of
+#                                          scripts/sanitize_driver.py, racecheck over the cases matching RACE (default
+#                                          'bwd'), then the GPU tests (TESTS: files, default all of tests/gpu)
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
 #                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
@@ -128,6 +131,13 @@ sections)
     done
   done
   python3 scripts/section_table.py "$out" ${SECTIONS:-32 16 8 4} | tee "$out/sections.md"
+  ;;
+sanity)
+  SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-200} OUT=$out bash scripts/sanitize.sh synccheck 2>&1 | grep --line-buffered -vE '^ok ' | tail -12
+  SANITIZE_ONLY=${RACE:-bwd} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-200} OUT=$out bash scripts/sanitize.sh racecheck 2>&1 \
+    | grep --line-buffered -vE '^ok ' | tail -8
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS:-tests/gpu} 2>&1 | tee "$out/test.log" \
+    | grep -E "FAILED|ERROR|passed|failed" | tail -15
   ;;
 tests)
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"
