@@ -4,7 +4,7 @@ THIS checkout's harness (runtime/bench.py, loaded by path), so an old commit's p
 one are measured the same way in the same GPU session.
 
     python scripts/regress_fwd.py run --label new --csv new1.csv [--no-peers]
-    PYTHONPATH=/tmp/oldsite FLASHGEN_KERNEL_DIR=.base/build python scripts/regress_fwd.py run --label old --csv old1.csv
+    PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=.base FLASHGEN_KERNEL_DIR=.base/build python scripts/regress_fwd.py run --label old --csv old1.csv
     python scripts/regress_fwd.py compare new1.csv old1.csv new2.csv old2.csv     # the table, printed last
     python scripts/regress_fwd.py peers new1.csv new2.csv      # flashgen / best SDPA backend per point (issue 11)
 """
