@@ -65,6 +65,9 @@ prof() {
     "/tmp/prof/$name.details.txt" | sed "s/^/$name: /"
 }
 
+# The old tree's environment (see above); modes that compare against .base/ run their old side through it.
+oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
+
 mode=${1:-test}
 out=${OUT:-/tmp/flashgen-out}
 mkdir -p "$out"
@@ -151,7 +154,6 @@ compare)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
   (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,bwd_bf16*,fwd_bf16*,quant*' -j "$(nproc)" 2>&1 | tail -1)
-  oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
   if [ -n "${TESTS:-}" ]; then  # TESTS: GPU tests to pass first (correctness before timing)
     timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=line $TESTS 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   fi
@@ -178,7 +180,6 @@ bwd)
       | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   fi
   bw="--backward-only --seqlens ${SEQLENS:-512,2048,16384} --head-dims ${HEAD_DIMS:-64,128,256} --dtypes ${DTYPES:-bf16} --no-ablation --no-overhead --no-combine"
-  oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
   for r in 1 2; do  # a hang shows as a timeout with the bench's last line in its log
     oldenv timeout ${BENCH_TIMEOUT:-200} python3 -m flashgen.cli bench $bw --csv "$out/bwd_old$r.csv" --png /tmp/o.png > "$out/bench_old$r.log" 2>&1
     echo "old run $r: rc $? $(tail -1 "$out/bench_old$r.log")"
@@ -192,7 +193,6 @@ fwdchange)
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
   (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,fwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
   [ "${GPU_TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
-  oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
   table() { python3 -c "import torch, flashgen.tuning as t; print('$1 tune table:', t.find_table(torch.cuda.get_device_name())[0])"; }
   oldenv table old; table new
   f8=${F8ARGS:---seqlens 2048,16384}
@@ -215,7 +215,7 @@ perf)
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
   (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
   g="--seqlens 512,2048,16384 --head-dims 64,128,256 --dtypes bf16"
-  old() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/regress_fwd.py run --label old $g "$@"; }
+  old() { oldenv python3 scripts/regress_fwd.py run --label old $g "$@"; }
   new() { python3 scripts/regress_fwd.py run --label new $g "$@"; }
   new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt"
@@ -248,12 +248,12 @@ regress)
     timeout 330 python3 -m pytest -q -p no:cacheprovider --tb=line --durations=5 tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed|s call" | tail -25
   fi
   # REGRESS_ARGS: a sub-grid, e.g. "--dtypes bf16 --head-dims 128,256"
-  old() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/regress_fwd.py run --label old ${REGRESS_ARGS:-} "$@"; }
+  old() { oldenv python3 scripts/regress_fwd.py run --label old ${REGRESS_ARGS:-} "$@"; }
   new() { python3 scripts/regress_fwd.py run --label new ${REGRESS_ARGS:-} "$@"; }
   new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
   if [ -n "${FP8:-}" ]; then  # FP8=1: the e4m3 forward at 4k/16k too, old, new, old, new
     for r in 1 2; do
-      echo "== old fp8 run $r"; PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build python3 scripts/fp8_bench.py --seqlens 4096,16384 2>&1 | grep '^|' | tail -12
+      echo "== old fp8 run $r"; oldenv python3 scripts/fp8_bench.py --seqlens 4096,16384 2>&1 | grep '^|' | tail -12
       echo "== new fp8 run $r"; python3 scripts/fp8_bench.py --seqlens 4096,16384 2>&1 | grep '^|' | tail -12
     done
   fi

@@ -30,6 +30,11 @@ __device__ __forceinline__ int opaque(int x) {
   asm volatile("" : "+r"(x));
   return x;
 }
+template <typename T>
+__device__ __forceinline__ const T* opaque(const T* x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
 // true, in a form that neither NVVM nor ptxas folds (a grid has at least one CTA): a branch on it
 // starts a basic block that survives into SASS (an empty asm, as in opaque(), leaves nothing in the
 // PTX, and ptxas folds a constant). OnlineSoftmax::rescale_after.
@@ -37,11 +42,6 @@ __device__ __forceinline__ bool opaque_true() {
   uint32_t n;
   asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
   return n != 0;
-}
-template <typename T>
-__device__ __forceinline__ const T* opaque(const T* x) {
-  asm volatile("" : "+l"(x));
-  return x;
 }
 
 // ---------------------------------------------------------------- mbarrier (cuda::ptx)
