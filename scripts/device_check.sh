@@ -36,6 +36,8 @@
 #                                          fp8_bench.py --variants twice over the variants matching MATCH (default
 #                                          '*noncausal_m*'; CAUSAL no|yes|both, default no; SEQLENS default 2048,16384;
 #                                          HEAD_DIMS default 64,128,256)
+#   bash scripts/device_check.sh variants  forward GPU tests (TESTS_K), then fp8_bench.py --variants --rounds ROUNDS for each dtype of
+#                                          DTYPES (default e4m3,bf16) over MATCH / CAUSAL / SEQLENS / HEAD_DIMS as fp8var
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
@@ -81,12 +83,17 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m flashgen.generator.sass build/manifest.json | grep -c '^ok' | sed 's/^/sass ok kernels: /'
 
 case "$mode" in
-fp8var)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fp8_gpu.py \
-    -k "${TESTS_K:-every_built or outliers}" 2>&1 | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
-  for run in 1 2; do
-    timeout 200 python3 scripts/fp8_bench.py --variants --match "${MATCH:-*noncausal_m*}" --causal "${CAUSAL:-no}" \
-      --seqlens "${SEQLENS:-2048,16384}" --head-dims "${HEAD_DIMS:-64,128,256}" 2>&1 | tee "$out/fp8var_$run.md" | grep '^|'
+fp8var|variants)
+  # variants: the same for every dtype of DTYPES (default e4m3,bf16), the forward GPU tests of TESTS_K first, and
+  # ROUNDS (default 2) timing rounds alternated over the variants within each run (fp8_bench.py --rounds)
+  if [ "$mode" = fp8var ]; then tf=tests/gpu/test_fp8_gpu.py; else tf="tests/gpu/test_fwd_gpu.py tests/gpu/test_fp8_gpu.py"; fi
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb=short $tf \
+    -k "${TESTS_K:-every_built or outliers}" 2>&1 | tee "$out/test_fwd.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
+  dts=${DTYPES:-e4m3,bf16}; [ "$mode" = fp8var ] && dts=e4m3
+  for dt in ${dts//,/ }; do
+    timeout 280 python3 scripts/fp8_bench.py --variants --dtype "$dt" --rounds "${ROUNDS:-2}" --match "${MATCH:-*noncausal_m*}" \
+      --causal "${CAUSAL:-no}" --seqlens "${SEQLENS:-2048,16384}" --head-dims "${HEAD_DIMS:-64,128,256}" 2>&1 \
+      | tee "$out/variants_$dt.md" | grep '^|'
   done
   ;;
 packgqa)

@@ -7,6 +7,8 @@ repetitions). TFLOP/s = 4 b h s^2 d (halved for causal) / time.
 configs/fwd_fp8_tune.yaml's candidates), launched through flashgen.core with the variant forced.
 --softcap C: both the e4m3 and the bf16 calls with softcap C (FA3's tests use 15).
 --match GLOB: with --variants, only the variants whose names match (e.g. '*noncausal_m*').
+--dtype bf16|fp16: with --variants, that dtype's variants instead of e4m3 (random normal inputs, no descales).
+--rounds N: with --variants, every variant timed N times in turn (rounds alternate over the variants).
 Usage: python scripts/fp8_bench.py [--seqlens 512,...,16384] [--head-dims 64,128,256] [--causal both] [--variants]
        [--softcap C]"""
 from __future__ import annotations
@@ -28,6 +30,8 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--softcap", type=float, default=0.0)
     ap.add_argument("--match", default="*", help="--variants: only variant names matching this glob")
+    ap.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"), help="--variants: the variants' dtype")
+    ap.add_argument("--rounds", type=int, default=1, help="--variants: timing rounds, alternated over the variants")
     a = ap.parse_args()
     if a.variants:
         return tiles(a)
@@ -70,30 +74,41 @@ def tiles(a) -> None:
     def arg(t, dtype):
         return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index)
 
+    fp8 = a.dtype == "e4m3"
+    elem = {"e4m3": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}[a.dtype]
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype, torch.bfloat16)
     stream = torch.cuda.current_stream().cuda_stream
-    variants = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == "e4m3"
-                and fnmatch.fnmatch(v.name, a.match)]
-    print(f"# {torch.cuda.get_device_name()}: e4m3 TFLOP/s per tile (flashgen tune's labels; * = default)")
-    print("| head_dim | causal | tile | " + " | ".join(a.seqlens.split(",")) + " |")
-    print("|---|---|---|" + "---|" * len(a.seqlens.split(",")))
+    variants = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == a.dtype
+                and fnmatch.fnmatch(v.name, a.match) and not (v.params["local"] or v.params["softcap"] or
+                v.params["pack_gqa"] or v.params["head_dim_v"] != v.params["head_dim"])]  # FA3-protocol calls
+    seqlens = [int(x) for x in a.seqlens.split(",")]
+    print(f"# {torch.cuda.get_device_name()}: {a.dtype} TFLOP/s per variant (flashgen tune's labels; * = default), "
+          f"{a.rounds} round(s) alternated over the variants")
+    print("| head_dim | causal | tile | variant | " + " | ".join(a.seqlens.split(",")) + " |")
+    print("|---|---|---|---|" + "---|" * len(seqlens))
     for d in (int(x) for x in a.head_dims.split(",")):
         for causal in {"both": (False, True), "no": (False,), "yes": (True,)}[a.causal]:
-            for v in sorted((v for v in variants if v.params["head_dim"] == d and v.params["causal"] == causal),
-                            key=lambda v: v.name):
-                p = v.params
-                cells = []
-                for s in (int(x) for x in a.seqlens.split(",")):
+            vs = sorted((v for v in variants if v.params["head_dim"] == d and v.params["causal"] == causal),
+                        key=lambda v: v.name)
+            cells = {v.name: [[] for _ in seqlens] for v in vs}
+            for _ in range(a.rounds):
+                for si, s in enumerate(seqlens):
                     b, h = 16384 // s, 2048 // d
-                    q8, k8, v8 = (torch.randn(b, s, h, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
-                    ds = arg(torch.ones(b, h, device="cuda"), "fp32")
-                    out = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                    q, k, v_ = (torch.randn(b, s, h, d, device="cuda", dtype=tdt) for _ in range(3))
+                    if fp8:
+                        q, k, v_ = (x.to(torch.float8_e4m3fn) for x in (q, k, v_))
+                    ds = arg(torch.ones(b, h, device="cuda"), "fp32") if fp8 else None
+                    out = torch.empty(b, s, h, d, device="cuda", dtype=tdt)
                     lse = torch.empty(b, h, s, device="cuda")
-                    fn = lambda: core.attention_forward(arg(q8, "fp8_e4m3"), arg(k8, "fp8_e4m3"), arg(v8, "fp8_e4m3"),
-                                                        arg(out, "bf16"), arg(lse, "fp32"), d ** -0.5, causal, stream,
-                                                        variant=v, q_descale=ds, k_descale=ds, v_descale=ds)
-                    cells.append(f"{_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn):.0f}")
-                tile = tile_label(tuning.tile_of(p, v.dispatch)) + (" *" if v.default else "")
-                print(f"| {d} | {causal} | {tile} | " + " | ".join(cells) + " |", flush=True)
+                    for var in vs:
+                        fn = lambda: core.attention_forward(arg(q, elem), arg(k, elem), arg(v_, elem), arg(out, a.dtype if not fp8 else "bf16"),
+                                                            arg(lse, "fp32"), d ** -0.5, causal, stream, variant=var,
+                                                            q_descale=ds, k_descale=ds, v_descale=ds)
+                        cells[var.name][si].append(_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn))
+            for var in vs:
+                tile = tile_label(tuning.tile_of(var.params, var.dispatch)) + (" *" if var.default else "")
+                row = " | ".join("/".join(f"{x:.0f}" for x in c) for c in cells[var.name])
+                print(f"| {d} | {causal} | {tile} | {var.name.rsplit('_', 1)[0]} | {row} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,26 @@ def test_real_template_softmax_runs_under_the_pv_gemm(real_subset):
     assert not sass.softmax_under_pv(hoisted) and not sass.softmax_under_pv("MUFU.EX2 R0, R1 ;")
 
 
+def test_real_template_spec_max_where_the_rule_says(real_subset):
+    """fwd.py spec_max (16-bit, no softcap, head dims <= 128) is what the kernels do: those variants
+    carry the warpgroup vote of the speculative softmax (bar.red.and: BAR.RED in SASS); the hd256,
+    softcap and hd192 variants do not."""
+    from generator.families.fwd import spec_max
+
+    proj, res, pick = real_subset
+    seen = set()
+    for v in pick:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        on = spec_max(v.params)
+        seen.add(on)
+        assert ("BAR.RED.AND" in body) == on, v.name
+    assert seen == {True, False}
+    base = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "softcap": False}
+    assert spec_max(base) and spec_max({**base, "dtype": "fp16", "head_dim": 64, "head_dim_v": 64})
+    assert not any(spec_max({**base, **d}) for d in (
+        {"dtype": "e4m3"}, {"softcap": True}, {"head_dim": 256, "head_dim_v": 256}, {"head_dim": 192}))
+
+
 def test_real_rebuild_is_cached_and_fast(real_subset):
     proj, res, pick = real_subset
     t0 = time.monotonic()

@@ -184,6 +184,17 @@ def dynamic_schedule(params: dict) -> bool:
     return bool(params["causal"]) and bool(params.get("persistent", True))
 
 
+def spec_max(params: dict) -> bool:
+    """Whether the softmax takes its exponentials before its row max on a tile's middle K/V blocks
+    (softmax.cuh update_speculative; a warpgroup whose P would exceed the bound recomputes S and runs
+    the plain update). 16-bit P without softcap (its preparation of S is not repeatable) at head dims
+    up to 128. Measured per tile against the same tile without it (H100, FA3 protocol, docs/PERF.md):
+    bf16 hd64 / hd128 +3-7 % at 2k-16k; hd256 within 1 % (and its causal builds spilled 8-16 bytes);
+    e4m3 (P checked against 448 by a max over the exponents) 1-17 % slower, so not there."""
+    return (params["dtype"] in ("bf16", "fp16") and not params.get("softcap")
+            and max(params["head_dim"], params.get("head_dim_v", params["head_dim"])) <= 128)
+
+
 class FwdFamily(Family):
     def derive(self, params):
         """head_dim_v defaults to head_dim; consumer_wgs to block_m / 64 (one warpgroup per 64 rows)."""
@@ -215,6 +226,7 @@ class FwdFamily(Family):
             out_dtype=OUT_DTYPE.get(params["dtype"], params["dtype"]),
             block_n_vt=_pad_chunk(params["block_n"], "e4m3"),
             dynamic_schedule=dynamic_schedule(params),
+            spec_max=spec_max(params),
         )
 
     def problems(self, params):

@@ -168,11 +168,38 @@ def test_growing_row_max(d, causal, ramp):
         pytest.skip(f"MISSING-FWD-VARIANT {DT[dtype]} hd{d} causal={causal}")
     b, sq, sk, h = 2, 301, 1000, 4
     q, k, v = make_inputs(b, sq, sk, h, h, d, dtype, seed=d + int(ramp))
-    u = torch.ones(d, device="cuda") / d ** 0.5  # unit vector: q.u = sqrt(d) adds ramp_j to the logit (scale 1/sqrt(d))
-    ramp_j = ramp * (sk - 1 - torch.arange(sk, device="cuda", dtype=torch.float32)) / 128
-    q = (q.float() + d ** 0.5 * u).to(dtype)
-    k = (k.float() + ramp_j[None, :, None, None] * u).to(dtype)
+    q, k = _ramped(q, k, ramp)
     check(q, k, v, causal)
+
+
+def _ramped(q, k, ramp):
+    """q, k with a logit ramp of `ramp` (natural units) per 128 keys toward key 0 (scale 1/sqrt(d))."""
+    d, sk = q.shape[-1], k.shape[1]
+    u = torch.ones(d, device="cuda") / d ** 0.5
+    ramp_j = ramp * (sk - 1 - torch.arange(sk, device="cuda", dtype=torch.float32)) / 128
+    return (q.float() + d ** 0.5 * u).to(q.dtype), (k.float() + ramp_j[None, :, None, None] * u).to(k.dtype)
+
+
+@pytest.mark.parametrize("ramp", [0.0, 4.0, 9.0, 40.0])
+def test_spec_max_variants(ramp):
+    """spec_max (softmax.cuh update_speculative): the exponentials of a tile's middle K/V blocks taken
+    with the running max kept, accepted when every thread's row sums stay <= 2^15, else S recomputed
+    and the plain update run. Every built spec_max variant (fwd.py spec_max), forced, against the float32
+    reference (FA3's rule), with the logit ramp of test_growing_row_max toward key 0 (reached last):
+    0 (random logits: accepted), 4 (P up to e^4 per key: accepted, O not rescaled), 9 (about 2^13 per
+    key: some warpgroups near the bound fall back) and 40 (every middle block falls back). 1000 keys:
+    8 blocks of 128, 6 of them middle ones."""
+    from generator.families.fwd import spec_max
+
+    vs = [v for v in load_manifest().variants if v.family == "fwd" and spec_max(v.params) and not v.params["local"]]
+    if not vs:
+        pytest.skip("MISSING-FWD-VARIANT: no spec_max variant is built")
+    for var in vs:
+        p = var.params
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
+        q, k, v = make_inputs(2, 301, 1000, 4, 2, p["head_dim"], dtype, seed=p["head_dim"] + int(ramp))
+        q, k = _ramped(q, k, ramp)
+        check(q, k, v[..., :p["head_dim_v"]].contiguous(), bool(p["causal"]), variant=var)
 
 
 @pytest.mark.parametrize("scale", [0.3, -0.2, 0.0, 2.0])

@@ -116,6 +116,17 @@ __device__ __forceinline__ void named_bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// The AND of `pred` over the `count` threads that reach named barrier `id` (bar.red.and.pred: a
+// barrier, so those threads also synchronize). The result is the same in every one of them, so a
+// branch on it is uniform over them (a .aligned instruction such as wgmma may sit inside).
+__device__ __forceinline__ bool named_bar_all(bool pred, int id, int count) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred q, a;\n setp.ne.u32 q, %1, 0;\n bar.red.and.pred a, %2, %3, q;\n selp.u32 %0, 1, 0, a;\n}\n"
+      : "=r"(r) : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(count) : "memory");
+  return r != 0u;
+}
+
 // Pin registers at this point of the program: the compiler may not move reads of an async
 // wgmma's accumulator above the wgmma.wait that completes it (CuTe's warpgroup_fence_operand).
 template <int N>
