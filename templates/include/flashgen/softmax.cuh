@@ -110,6 +110,27 @@ struct OnlineSoftmax {
   // After finalize: o_factor / row sum (0 for a row that attended to nothing), already applied to O.
   float scale[2];
 
+  // Row h of S -> exp2(S * scale_log2 - ms), in place; returns the row's (thread-partial) sum, added in
+  // Chains interleaved FADD chains.
+  template <int Chains>
+  __device__ __forceinline__ static float exp_row(float (&s)[N / 2], int h, const float (&scale_log2)[Groups],
+                                                  float ms) {
+    float acc[Chains] = {};
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2[j / kJ], -ms));
+        s[4 * j + 2 * h + e] = x;
+        acc[j % Chains] += x;
+      }
+    }
+    float sum = acc[0];
+#pragma unroll
+    for (int c = 1; c < Chains; ++c) sum += acc[c];
+    return sum;
+  }
+
   // S -> unnormalised P = exp2(S * scale_log2 - max + Offset), in place; scale_log2 > 0.
   __device__ __forceinline__ void update(float (&s)[N / 2], const float (&scale_log2)[Groups]) {
     const float unit = kRawMax ? scale_log2[0] : 1.f;  // row_max * unit: log2 units
@@ -136,17 +157,7 @@ struct OnlineSoftmax {
       const float ms = (mx == -INFINITY) ? 0.f : mx * unit - Offset;  // a fully masked row stays exp2(-inf) = 0
       scale[h] = (keep || row_max[h] == -INFINITY) ? 1.f : exp2f(row_max[h] * unit - Offset - ms);
       row_max[h] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2[j / kJ], -ms));
-          s[4 * j + 2 * h + e] = x;
-          sum += x;
-        }
-      }
-      row_sum[h] = row_sum[h] * scale[h] + sum;
+      row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms);
     }
   }
 
@@ -168,18 +179,7 @@ struct OnlineSoftmax {
     bool ok = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float ms = row_max[h] * unit;
-      float acc[2] = {0.f, 0.f};  // two chains of FADD
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2[j / kJ], -ms));
-          s[4 * j + 2 * h + e] = x;
-          acc[j % 2] += x;
-        }
-      }
-      sum[h] = acc[0] + acc[1];
+      sum[h] = exp_row<2>(s, h, scale_log2, row_max[h] * unit);
       ok = ok && row_max[h] != -INFINITY && sum[h] <= 32768.f;  // false for a NaN or infinite sum
     }
     return ok;
