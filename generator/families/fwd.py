@@ -189,7 +189,7 @@ def spec_max(params: dict) -> bool:
     (softmax.cuh update_speculative; a warpgroup whose P would exceed the bound recomputes S and runs
     the plain update). 16-bit P without softcap (its preparation of S is not repeatable) at head dims
     up to 128. Measured per tile against the same tile without it (H100, FA3 protocol, docs/PERF.md):
-    bf16 hd64 / hd128 +3-7 % at 2k-16k; hd256 within 1 % (and its causal builds spilled 8-16 bytes);
+    bf16 hd64 / hd128 +1.5-7 % at 2k-16k; hd256 within 1 % (and its causal builds spilled 8-16 bytes);
     e4m3 (P checked against 448 by a max over the exponents) 1-17 % slower, so not there."""
     return (params["dtype"] in ("bf16", "fp16") and not params.get("softcap")
             and max(params["head_dim"], params.get("head_dim_v", params["head_dim"])) <= 128)
