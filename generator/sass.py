@@ -52,6 +52,24 @@ def softmax_under_pv(body: str) -> bool:
     return seen
 
 
+def schedule(body: str) -> list[tuple[int, str, int]]:
+    """The static schedule of a cuobjdump listing: (address, instruction, stall cycles) per
+    instruction, where the stall count is the one ptxas encodes in the instruction's control bits
+    (bits 41-44 of its second 64-bit word, sm_70 and later: the cycles before the warp may issue its
+    next instruction). Variable-latency waits (scoreboards: MUFU results, shuffles, memory,
+    barriers) and the other warps are not in it, so a sum of stalls is a lower bound on a path's
+    issue time. Used to read where a loop spends its fixed latencies (docs/PERF.md: MUFU.EX2 8 cycles
+    apart, FMNMX 2, in the softmax)."""
+    out = []
+    lines = body.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\* 0x[0-9a-f]{16} \*/", line)
+        hi = re.match(r"\s*/\* (0x[0-9a-f]{16}) \*/\s*$", lines[i + 1])
+        if m and hi:
+            out.append((int(m.group(1), 16), m.group(2), (int(hi.group(1), 16) >> 41) & 0xF))
+    return out
+
+
 def opcodes(body: str) -> set[str]:
     """Opcode base names (e.g. HGMMA, UTMALDG) found in a SASS listing."""
     return set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", body))

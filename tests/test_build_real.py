@@ -116,6 +116,22 @@ def test_real_template_spec_max_where_the_rule_says(real_subset):
         {"dtype": "e4m3"}, {"softcap": True}, {"head_dim": 256, "head_dim_v": 256}, {"head_dim": 192}))
 
 
+def test_real_template_exponentials_are_8_cycles_apart(real_subset):
+    """The premise of spec_max (docs/PERF.md): ptxas spaces the softmax's MUFU.EX2 8 cycles apart
+    (16 results per clock per SM) and issues FMNMX every 2 cycles, so the max reduction before the
+    exponentials is a serial phase of its own. Read from the static schedule (sass.schedule) of the
+    bf16 hd64 non-causal kernel; a toolchain that schedules otherwise fails here."""
+    proj, res, pick = real_subset
+    v = next(v for v in pick if v.params["head_dim"] == 64)
+    sched = sass.schedule(sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")])
+    assert len(sched) > 1000 and all(0 <= s <= 15 for _, _, s in sched)
+    mufu = [k for k, (_, t, _) in enumerate(sched) if t.startswith("MUFU.EX2")]
+    gaps = sorted(sum(s for _, _, s in sched[a:b]) for a, b in zip(mufu, mufu[1:]) if b - a < 8)
+    assert len(gaps) >= 60 and gaps[len(gaps) // 2] == 8, gaps
+    fmnmx = [s for _, t, s in sched if t.startswith("FMNMX")]
+    assert sorted(fmnmx)[len(fmnmx) // 2] == 2
+
+
 def test_real_rebuild_is_cached_and_fast(real_subset):
     proj, res, pick = real_subset
     t0 = time.monotonic()
