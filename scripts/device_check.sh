@@ -30,8 +30,10 @@
 #                                          and per-SASS-line stall samples, tarred)
 #   bash scripts/device_check.sh sections  the causal forward grid with the L2 sections overridden (SECTIONS: default, MiB), twice each,
 #                                          alternated, SDPA peers in every run (scripts/section_table.py prints the table)
-#   bash scripts/device_check.sh prof      Nsight Compute profiles (PROFS: "name:profile_fwd.py args;..."), key lines printed,
-#                                          details pages and per-SASS-line stall samples tarred
+#   bash scripts/device_check.sh prof      Nsight Compute profiles (PROFS: "name:profile_fwd.py args;..."; PROF_METRICS: more
+#                                          metrics, e.g. 'regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active'),
+#                                          key lines printed, details pages and per-SASS-line stall samples tarred; then
+#                                          scripts/clock_probe.py for each CLOCKS entry ("profile_fwd-style args;...")
 #   bash scripts/device_check.sh fp8var    FP8 GPU tests (TESTS_K: -k, default every built variant and the outliers), then
 #                                          fp8_bench.py --variants twice over the variants matching MATCH (default
 #                                          '*noncausal_m*'; CAUSAL no|yes|both, default no; SEQLENS default 2048,16384;
@@ -57,13 +59,13 @@ set -uo pipefail
 prof() {
   local name=$1; shift
   timeout 150 ncu --clock-control none --nvtx --nvtx-include "prof/" --launch-count 4 \
-    --metrics dram__bytes_read.sum,dram__bytes_write.sum \
+    --metrics "dram__bytes_read.sum,dram__bytes_write.sum${PROF_METRICS:+,$PROF_METRICS}" \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
     --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
     --section SourceCounters -f -o "/tmp/prof/$name" python3 scripts/profile_fwd.py "$@" 2>&1 | grep -v '^==PROF==' | tail -3
   ncu -i "/tmp/prof/$name.ncu-rep" --page details > "/tmp/prof/$name.details.txt" 2>&1
   ncu -i "/tmp/prof/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/prof/$name.sass.csv" 2>&1
-  grep -E '^  [a-zA-Z_]|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L2 Hit Rate  |dram__bytes' \
+  grep -E '^  [a-zA-Z_]|Duration|SM Frequency|Elapsed Cycles|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L2 Hit Rate  |dram__bytes|sm__' \
     "/tmp/prof/$name.details.txt" | sed "s/^/$name: /"
 }
 
@@ -132,6 +134,8 @@ prof)
   IFS=';' read -ra items <<< "${PROFS:-fg_hd128_c512:--dtype bf16 --head-dim 128 --causal --seqlen 512}"
   for item in "${items[@]}"; do prof "${item%%:*}" ${item#*:}; done
   (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
+  IFS=';' read -ra clocks <<< "${CLOCKS:-}"
+  for c in "${clocks[@]}"; do timeout 60 python3 scripts/clock_probe.py $c 2>&1 | tee -a "$out/clocks.txt"; done
   ;;
 sections)
   # the causal forward with the tile order's L2 sections overridden (SECTIONS: "default" = core's rule, or MiB

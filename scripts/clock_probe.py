@@ -1,0 +1,63 @@
+"""The SM clock and board power while one FA3-protocol forward point runs back to back, so that a
+kernel's cycles per K/V block can be worked out from its TFLOP/s (docs/PERF.md: the FP8 loop's period).
+
+Usage: python scripts/clock_probe.py --dtype e4m3|bf16|fp16 --head-dim 128 [--causal] [--seqlen 16384] [--seconds 4]
+Samples `nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu` every 100 ms while the calls run (the
+first second is dropped as ramp-up) and prints the TFLOP/s (CUDA events over all calls) with the median,
+minimum and maximum clock (MHz) and power (W). Clocks and power limits are only read, never set."""
+import argparse
+import statistics
+import subprocess
+import time
+
+import torch
+
+import flashgen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"))
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    a = ap.parse_args()
+    s, d = a.seqlen, a.head_dim
+    b, h = 16384 // s, 2048 // d
+    base = torch.float16 if a.dtype == "fp16" else torch.bfloat16
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=base) for _ in range(3))
+    kw = {}
+    if a.dtype == "e4m3":
+        q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        kw = {n: torch.ones(b, h, device="cuda") for n in ("q_descale", "k_descale", "v_descale")}
+    for _ in range(3):
+        flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                            "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t_end = time.time() + a.seconds
+    calls = 0
+    e0.record()
+    while time.time() < t_end:
+        for _ in range(10):
+            flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
+        calls += 10
+        torch.cuda.synchronize()
+    e1.record()
+    torch.cuda.synchronize()
+    smi.terminate()
+    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 2]
+    rows = rows[10:] or rows  # the first second: ramp-up
+    clk = [float(r[0]) for r in rows]
+    pw = [float(r[1]) for r in rows]
+    ms = e0.elapsed_time(e1) / calls
+    flops = 4 * b * h * s * s * d / (2 if a.causal else 1)
+    print(f"{a.dtype} hd{d} causal={a.causal} s{s}: {flops / ms / 1e9:.0f} TFLOP/s over {calls} calls; "
+          f"SM clock MHz median {statistics.median(clk):.0f} (min {min(clk):.0f}, max {max(clk):.0f}); "
+          f"power W median {statistics.median(pw):.0f} (max {max(pw):.0f}); {len(rows)} samples")
+
+
+if __name__ == "__main__":
+    main()
