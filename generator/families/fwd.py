@@ -286,7 +286,7 @@ class FwdFamily(Family):
                 f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops",
-                *([] if p.get("late_pv_wait", True) else ["ew"])]
+                *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else [])]
 
     def suggest(self, key):
         """FA3's published tiles (DESIGN.md §4) as the starting point for a missing key (head dims
@@ -329,6 +329,9 @@ FAMILY = FwdFamily(
             doc="with overlap: wait for P V_{j-1} after the softmax of S_j, so that the softmax runs under "
                 "that GEMM (false: the wait ptxas hoists above the softmax; measured better for e4m3 "
                 "head_dim 256 and head_dim 64 causal)"),
+        Key("exp_turns", bool, "knob", default=False,
+            doc="the consumer warpgroups take turns for their softmax exponentials (a second named-barrier "
+                "ring), so one warpgroup's MUFU.EX2 phase runs at a time (fwd.cu.j2 kExpTurns)"),
     ),
     tile_match=("head_dim", "dtype", "causal", "local", "softcap", "pack_gqa"),
     tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),

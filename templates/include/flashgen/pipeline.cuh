@@ -103,4 +103,38 @@ struct PingpongTurns {
   }
 };
 
+// PingpongTurns around register-only work (the softmax's exponentials): ptxas moves arithmetic
+// across bar.sync and bar.arrive (the exponentials of one turn landed on both sides of both, and the
+// row max below the wait, SASS of e4m3 hd128 128x192), so the ring alone orders nothing. Here the
+// barrier ids carry data: wait(a, b) and pass(a, b) add (a | b) & zero's bits to the id (zero: a 0.f
+// read from shared memory once, which ptxas cannot fold), so the barrier instruction waits for a and
+// b (wait: the rows' maxima; pass: their sums, hence every exponential). wait() returns that 0.f read
+// again after the barrier, a shared load ptxas keeps below it: what adds the value starts after the
+// turn. The zero word is written before the kernel's first __syncthreads and never again.
+template <int Warpgroups, int FirstBar, bool Enabled>
+struct FencedTurns {
+  PingpongTurns<Warpgroups, FirstBar, Enabled> ring;
+  uint32_t zero_addr;  // shared-memory address of a 32-bit 0
+  float zero;
+
+  __device__ __forceinline__ FencedTurns(int wg, uint32_t zero_address) : ring{wg}, zero_addr(zero_address), zero(load()) {}
+  __device__ __forceinline__ float load() const {
+    float z = 0.f;
+    if constexpr (Enabled) asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(z) : "r"(zero_addr) : "memory");
+    return z;
+  }
+  __device__ __forceinline__ int dep(float a, float b) const {  // 0, after a and b
+    return (__float_as_int(a) | __float_as_int(b)) & __float_as_int(zero);
+  }
+  __device__ __forceinline__ void start() const { ring.start(); }
+  __device__ __forceinline__ void finish() const { ring.finish(); }
+  __device__ __forceinline__ float wait(float a, float b) const {
+    if constexpr (Enabled) named_bar_sync(FirstBar + ring.wg + dep(a, b), 256);
+    return load();
+  }
+  __device__ __forceinline__ void pass(float a, float b) const {
+    if constexpr (Enabled) named_bar_arrive(FirstBar + (ring.wg + 1) % Warpgroups + dep(a, b), 256);
+  }
+};
+
 }  // namespace flashgen

@@ -131,34 +131,57 @@ struct OnlineSoftmax {
     return sum;
   }
 
+  // Row h's new max (quad-reduced) and O factor scale[h]; returns the exponent offset ms of its P.
+  __device__ __forceinline__ float max_step(const float (&s)[N / 2], int h, const float (&scale_log2)[Groups]) {
+    const float unit = kRawMax ? scale_log2[0] : 1.f;  // row_max * unit: log2 units
+    float mx = row_max[h];  // quad-uniform, so it may join before the quad reduction
+#pragma unroll
+    for (int g = 0; g < Groups; ++g) {
+      float m = kRawMax ? mx : -INFINITY;
+#pragma unroll
+      for (int j = g * kJ; j < (g + 1) * kJ; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      mx = kRawMax ? m : fmaxf(mx, m * scale_log2[g]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // Lazy: keep the running max while the new one exceeds it by at most Lazy (log2 units); a
+    // row that attended to nothing yet takes the new one. (Lazy = 0: the max follows, and its
+    // factor is exactly 1 when the max did not change.)
+    bool keep = mx == row_max[h];
+    if constexpr (Lazy != 0) {
+      keep = row_max[h] != -INFINITY && (mx - row_max[h]) * unit <= static_cast<float>(Lazy);
+      if (keep) mx = row_max[h];
+    }
+    const float ms = (mx == -INFINITY) ? 0.f : mx * unit - Offset;  // a fully masked row stays exp2(-inf) = 0
+    scale[h] = (keep || row_max[h] == -INFINITY) ? 1.f : exp2f(row_max[h] * unit - Offset - ms);
+    row_max[h] = mx;
+    return ms;
+  }
+
   // S -> unnormalised P = exp2(S * scale_log2 - max + Offset), in place; scale_log2 > 0.
   __device__ __forceinline__ void update(float (&s)[N / 2], const float (&scale_log2)[Groups]) {
-    const float unit = kRawMax ? scale_log2[0] : 1.f;  // row_max * unit: log2 units
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];  // quad-uniform, so it may join before the quad reduction
-#pragma unroll
-      for (int g = 0; g < Groups; ++g) {
-        float m = kRawMax ? mx : -INFINITY;
-#pragma unroll
-        for (int j = g * kJ; j < (g + 1) * kJ; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-        mx = kRawMax ? m : fmaxf(mx, m * scale_log2[g]);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // Lazy: keep the running max while the new one exceeds it by at most Lazy (log2 units); a
-      // row that attended to nothing yet takes the new one. (Lazy = 0: the max follows, and its
-      // factor is exactly 1 when the max did not change.)
-      bool keep = mx == row_max[h];
-      if constexpr (Lazy != 0) {
-        keep = row_max[h] != -INFINITY && (mx - row_max[h]) * unit <= static_cast<float>(Lazy);
-        if (keep) mx = row_max[h];
-      }
-      const float ms = (mx == -INFINITY) ? 0.f : mx * unit - Offset;  // a fully masked row stays exp2(-inf) = 0
-      scale[h] = (keep || row_max[h] == -INFINITY) ? 1.f : exp2f(row_max[h] * unit - Offset - ms);
-      row_max[h] = mx;
+      const float ms = max_step(s, h, scale_log2);
       row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms);
     }
+  }
+
+  // update with the exponentials in a turn of their own (`turn`: wait() and pass(), e.g. a
+  // PingpongTurns ring): both rows' maxima first, then the turn, the exponentials, the pass. The
+  // consumer warpgroups' exponential phases then alternate on the SM's MUFU pipes (16 results per
+  // clock) instead of running together (docs/PERF.md: the FP8 loop's convoy).
+  // (turn: FencedTurns, whose wait waits for the maxima and returns a 0 that the exponentials'
+  // offsets add, and whose pass waits for the row sums.)
+  template <typename Turn>
+  __device__ __forceinline__ void update(float (&s)[N / 2], const float (&scale_log2)[Groups], const Turn& turn) {
+    float ms[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ms[h] = max_step(s, h, scale_log2);
+    const float zero = turn.wait(ms[0], ms[1]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
+    turn.pass(row_sum[0], row_sum[1]);
   }
 
   // Speculative update (16-bit P): FA3's online softmax with the row max taken after the exponentials
@@ -172,14 +195,15 @@ struct OnlineSoftmax {
   // over the warpgroup, then commit_speculative(sum): the max did not move, O's factor is 1, and a
   // stale max is exact as in lazy rescaling; or, on any false, it recomputes S and runs update().
   // (e4m3 P, bounded by 448, was measured slower with the check a max over the exponents: 1-17 %.)
+  // zero: 0.f (FencedTurns::wait's, with exp_turns: the exponentials start after the turn).
   __device__ __forceinline__ bool update_speculative(float (&s)[N / 2], const float (&scale_log2)[Groups],
-                                                     float (&sum)[2]) const {
+                                                     float (&sum)[2], float zero = 0.f) const {
     static_assert(Offset == 0, "16-bit P");
     const float unit = kRawMax ? scale_log2[0] : 1.f;
     bool ok = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      sum[h] = exp_row<2>(s, h, scale_log2, row_max[h] * unit);
+      sum[h] = exp_row<2>(s, h, scale_log2, row_max[h] * unit + zero);
       ok = ok && row_max[h] != -INFINITY && sum[h] <= 32768.f;  // false for a NaN or infinite sum
     }
     return ok;
