@@ -52,6 +52,38 @@ def softmax_under_pv(body: str) -> bool:
     return seen
 
 
+def exp_phases(body: str, gap: int = 24, least: int = 16) -> list[tuple[str, str]]:
+    """The softmax exponential phases of a forward kernel's SASS, each as (the barrier instruction
+    nearest before its first MUFU.EX2, the one nearest after its last): "SYNC+LDS" for a BAR.SYNC
+    followed by a shared load before the first exponential, else the opcode ("BAR.SYNC", "BAR.ARV",
+    "none"). A phase is a run of at least ``least`` unpredicated MUFU.EX2 with at most ``gap`` other
+    instructions between neighbours. With exp_turns (fwd.cu.j2 kExpTurns, pipeline.cuh FencedTurns)
+    each turn's phase reads ("SYNC+LDS", "BAR.ARV"): the turn's wait, its fencing load, the
+    exponentials, its pass."""
+    ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", body)]
+    mufu = [i for i, t in enumerate(ins) if t.startswith("MUFU.EX2")]
+    runs, cur = [], []
+    for i in mufu:
+        if cur and i - cur[-1] > gap + 1:
+            runs.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        runs.append(cur)
+    out = []
+    for r in (r for r in runs if len(r) >= least):
+        before = next((k for k in range(r[0] - 1, -1, -1) if ins[k].startswith("BAR.")), None)
+        after = next((k for k in range(r[-1] + 1, len(ins)) if ins[k].startswith("BAR.")), None)
+        if before is None:
+            b = "none"
+        elif ins[before].startswith("BAR.SYNC") and any(t.startswith("LDS") for t in ins[before:r[0]]):
+            b = "SYNC+LDS"
+        else:
+            b = ins[before].split()[0]
+        out.append((b, "none" if after is None else ins[after].split()[0]))
+    return out
+
+
 def schedule(body: str) -> list[tuple[int, str, int]]:
     """The static schedule of a cuobjdump listing: (address, instruction, stall cycles) per
     instruction, where the stall count is the one ptxas encodes in the instruction's control bits

@@ -82,7 +82,11 @@ def plan(variants, family: str, wanted: list[dict]) -> tuple[list[KeyPlan], list
 
 
 def tile_label(tile: dict) -> str:
-    """Short form of a fwd tile: "128x176 s2 wg2", knobs that are off appended (e.g. "no-pingpong")."""
+    """Short form of a fwd tile: "128x176 s2 wg2", then the knobs that differ from their defaults
+    (fwd.py's keys): "no-pingpong" for one that is off, "exp_turns" for one that is on."""
+    from .generator import families
+
+    defaults = {k.name: k.default for k in families.get("fwd").keys if k.role == "knob"}
     t = dict(tile)
     parts = []
     if "block_m" in t and "block_n" in t:
@@ -90,7 +94,10 @@ def tile_label(tile: dict) -> str:
     for k, short in (("stages", "s"), ("consumer_wgs", "wg")):
         if k in t:
             parts.append(f"{short}{t.pop(k)}")
-    parts += [f"no-{k}" if v is False else f"{k}={v}" for k, v in t.items() if v is not True]
+    for k, v in t.items():
+        if v == defaults.get(k, True):
+            continue
+        parts.append(f"no-{k}" if v is False else k if v is True else f"{k}={v}")
     return " ".join(parts)
 
 
