@@ -11,26 +11,18 @@ import subprocess
 import time
 
 import torch
+from profile_fwd import point, point_args  # scripts/ is the script's folder: on sys.path
 
 import flashgen
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"))
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--seqlen", type=int, default=16384)
+    point_args(ap)
     ap.add_argument("--seconds", type=float, default=4.0)
     a = ap.parse_args()
     s, d = a.seqlen, a.head_dim
-    b, h = 16384 // s, 2048 // d
-    base = torch.float16 if a.dtype == "fp16" else torch.bfloat16
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=base) for _ in range(3))
-    kw = {}
-    if a.dtype == "e4m3":
-        q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
-        kw = {n: torch.ones(b, h, device="cuda") for n in ("q_descale", "k_descale", "v_descale")}
+    q, k, v, kw, b, h = point(a)
     for _ in range(3):
         flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
     torch.cuda.synchronize()

@@ -13,15 +13,17 @@ import torch
 import flashgen
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def point_args(ap: argparse.ArgumentParser) -> None:
+    """The options that choose an FA3-protocol point (shared with clock_probe.py)."""
     ap.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"))
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, default=16384)
-    ap.add_argument("--calls", type=int, default=3)
-    ap.add_argument("--impl", default="flashgen", choices=("flashgen", "cudnn", "fa2"))
-    a = ap.parse_args()
+
+
+def point(a):
+    """(q, k, v, descale kwargs, batch, heads) of the point: BSHD random normal, e4m3 cast from bf16
+    with unit FA3 descales."""
     s, d = a.seqlen, a.head_dim
     b, h = 16384 // s, 2048 // d
     base = torch.bfloat16 if a.dtype != "fp16" else torch.float16
@@ -30,6 +32,17 @@ def main() -> None:
     if a.dtype == "e4m3":
         q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
         kw = {n: torch.ones(b, h, device="cuda") for n in ("q_descale", "k_descale", "v_descale")}
+    return q, k, v, kw, b, h
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    point_args(ap)
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--impl", default="flashgen", choices=("flashgen", "cudnn", "fa2"))
+    a = ap.parse_args()
+    s, d = a.seqlen, a.head_dim
+    q, k, v, kw, b, h = point(a)
     if a.impl == "flashgen":
         def call():
             flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
