@@ -67,10 +67,9 @@ REG_SPLIT_FP8_WIDE = (24, 240)
 ACC_REG_HEADROOM = 32
 
 
-def _acc_regs(block_n, head_dim_v_padded, fp8, p_buffers=1):
-    """Registers per consumer thread for the fp32 S and O accumulators and the packed P (p_buffers
-    of them: 2 with double_p)."""
-    return block_n // 2 + head_dim_v_padded // 2 + p_buffers * (block_n // (8 if fp8 else 4))
+def _acc_regs(block_n, head_dim_v_padded, fp8):
+    """Registers per consumer thread for the fp32 S and O accumulators and the packed P."""
+    return block_n // 2 + head_dim_v_padded // 2 + block_n // (8 if fp8 else 4)
 
 
 def register_split(params):
@@ -79,8 +78,7 @@ def register_split(params):
     fp8 = params["dtype"] == "e4m3"
     split = (REG_SPLIT_FP8 if fp8 or params.get("pack_gqa") else REG_SPLIT).get(wgs, (24, 240))
     if fp8 and wgs == 2 and isinstance(params.get("block_n"), int):
-        need = _acc_regs(params["block_n"], _pad_operand(params["head_dim_v"], "e4m3"), True,
-                         2 if params.get("double_p") else 1)
+        need = _acc_regs(params["block_n"], _pad_operand(params["head_dim_v"], "e4m3"), True)
         if need > split[1] - ACC_REG_HEADROOM:
             split = REG_SPLIT_FP8_WIDE
     return split
@@ -235,8 +233,6 @@ class FwdFamily(Family):
         out = []
         hd, hdv = params["head_dim"], params["head_dim_v"]
         bm, bn, wgs, st = params["block_m"], params["block_n"], params["consumer_wgs"], params["stages"]
-        if params.get("double_p") and not params.get("overlap", True):
-            out.append(("double_p", True, "false without overlap (the sequential schedule packs P after each P V wait)"))
         if params["causal"] and params.get("local", False):
             out.append(("local", True, "false with causal: true (the local kernel serves causal with a window)"))
         if wgs in CONSUMER_WGS and bm != 64 * wgs:
@@ -265,7 +261,7 @@ class FwdFamily(Family):
             if bn > 128:
                 out.append(("block_n", bn, "<= 128 with 3 consumer warpgroups (160 registers/thread)"))
         if len(out) == n_before:
-            need = _acc_regs(bn, r["head_dim_v_padded"], r["fp8"], 2 if params.get("double_p") else 1)  # S, O, P
+            need = _acc_regs(bn, r["head_dim_v_padded"], r["fp8"])  # S, O, packed P
             limit = r["consumer_regs"] - ACC_REG_HEADROOM
             if need > limit:
                 out.append((
@@ -290,8 +286,7 @@ class FwdFamily(Family):
                 f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops",
-                *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else []),
-                *(["dp"] if p.get("double_p") else [])]
+                *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else [])]
 
     def suggest(self, key):
         """FA3's published tiles (DESIGN.md §4) as the starting point for a missing key (head dims
@@ -337,9 +332,6 @@ FAMILY = FwdFamily(
         Key("exp_turns", bool, "knob", default=False,
             doc="the consumer warpgroups take turns for their softmax exponentials (a second named-barrier "
                 "ring), so one warpgroup's MUFU.EX2 phase runs at a time (fwd.cu.j2 kExpTurns)"),
-        Key("double_p", bool, "knob", default=False,
-            doc="two packed-P register buffers (block j's in P[j % 2]), so S_j is packed while P V_{j-1} "
-                "still reads the other, under the softmax's exponentials (fwd.cu.j2 kDoubleP); with overlap"),
     ),
     tile_match=("head_dim", "dtype", "causal", "local", "softcap", "pack_gqa"),
     tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),
