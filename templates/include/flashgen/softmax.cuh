@@ -167,12 +167,11 @@ struct OnlineSoftmax {
     }
   }
 
-  // update with the exponentials in a turn of their own (`turn`: wait() and pass(), e.g. a
-  // PingpongTurns ring): both rows' maxima first, then the turn, the exponentials, the pass. The
-  // consumer warpgroups' exponential phases then alternate on the SM's MUFU pipes (16 results per
-  // clock) instead of running together (docs/PERF.md: the FP8 loop's convoy).
-  // (turn: FencedTurns, whose wait waits for the maxima and returns a 0 that the exponentials'
-  // offsets add, and whose pass waits for the row sums.)
+  // update with the exponentials in a turn of their own (`turn`: a FencedTurns, pipeline.cuh, whose
+  // wait(max0, max1) waits for the maxima and returns a 0 that the exponent offsets add, and whose
+  // pass(sum0, sum1) waits for the row sums): both rows' maxima, the turn, the exponentials, the pass.
+  // The consumer warpgroups' exponential phases then alternate on the SM's MUFU pipes instead of
+  // running together (docs/PERF.md: the FP8 loop's convoy; it paid only at 16-bit hd64 128x128).
   template <typename Turn>
   __device__ __forceinline__ void update(float (&s)[N / 2], const float (&scale_log2)[Groups], const Turn& turn) {
     float ms[2];
