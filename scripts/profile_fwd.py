@@ -1,10 +1,11 @@
-"""A few forward calls of one FA3-protocol point, for Nsight Compute (scripts/device_check.sh profile).
+"""A few forward (or backward) calls of one FA3-protocol point, for Nsight Compute (scripts/device_check.sh prof).
 
 Usage: python scripts/profile_fwd.py --dtype e4m3|bf16|fp16 --head-dim 128 [--causal] [--seqlen 16384] [--calls 3]
-                                     [--impl flashgen|cudnn|fa2]
+                                     [--impl flashgen|cudnn|fa2] [--backward [--deterministic]]
 16384 tokens, hidden 2048 (batch = 16384 / seqlen, heads = 2048 / head_dim); e4m3 inputs are bf16 random
 normal cast to float8_e4m3fn with unit FA3 descales. --impl cudnn / fa2: PyTorch SDPA with that backend on
-the same tensors in BSHD strides (16-bit only). The last call runs inside the NVTX range "prof" (for
+the same tensors in BSHD strides (16-bit only). --backward: flashgen's backward alone (bench._flashgen_bwd_fn: a
+forward made once, its three kernels per call; 16-bit, flashgen only). The last call runs inside the NVTX range "prof" (for
 `ncu --nvtx --nvtx-include prof/`). Prints the kernel time of the last call (CUDA events)."""
 import argparse
 
@@ -40,10 +41,17 @@ def main() -> None:
     point_args(ap)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--impl", default="flashgen", choices=("flashgen", "cudnn", "fa2"))
+    ap.add_argument("--backward", action="store_true", help="flashgen's backward alone (16-bit)")
+    ap.add_argument("--deterministic", action="store_true", help="with --backward: deterministic=True")
     a = ap.parse_args()
     s, d = a.seqlen, a.head_dim
     q, k, v, kw, b, h = point(a)
-    if a.impl == "flashgen":
+    if a.backward:
+        if a.impl != "flashgen" or a.dtype == "e4m3":
+            raise SystemExit("--backward: flashgen, 16-bit dtypes only")
+        from flashgen.bench import _flashgen_bwd_fn
+        call, _ = _flashgen_bwd_fn(q, k, v, a.causal, a.deterministic)
+    elif a.impl == "flashgen":
         def call():
             flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
     else:
@@ -66,8 +74,9 @@ def main() -> None:
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     ms = e0.elapsed_time(e1)
-    flops = 4 * b * h * s * s * d / (2 if a.causal else 1)
-    print(f"{a.impl} {a.dtype} hd{d} causal={a.causal} s{s}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (last call)")
+    flops = 4 * b * h * s * s * d / (2 if a.causal else 1) * (2.5 if a.backward else 1)
+    what = (" backward" + (" deterministic" if a.deterministic else "")) if a.backward else ""
+    print(f"{a.impl}{what} {a.dtype} hd{d} causal={a.causal} s{s}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (last call)")
 
 
 if __name__ == "__main__":
