@@ -5,9 +5,10 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
 
 - ``pre``: dPsum = rowsum(dO ∘ O) in fp32 (over head_dim_v columns), LSE scaled to log2 (an
   empty row's -inf becomes +inf, so its recomputed P is 0), the fp32 dQ accumulator and the
-  deterministic-mode semaphores zeroed. Deterministic runs of the staged tiles (block_n 128, and
-  the head_dim 256 role tiles) store each dQ tile's first share in the order instead of adding it,
-  so there the preprocess zeroes only the query blocks that no key block visits (the zeros were
+  deterministic-mode semaphores zeroed. Deterministic runs store each dQ tile's first share in the
+  order instead of adding it (a bulk copy from the staging tiles, plain vector stores where the
+  consumers add dQ themselves), so there the preprocess zeroes only the query blocks that no key
+  block visits (the zeros were
   the accumulator's size in DRAM writes: with the hand-off's lighter fence, the deterministic
   backward ran 1.05-1.26x faster on an H100, docs/PERF.md).
   Rows past seqlen_q up to the padded length get dPsum 0 and LSE +inf.
