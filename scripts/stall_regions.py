@@ -4,15 +4,45 @@ stall reasons of each range, then the busiest SASS lines. Offsets are from the k
 instruction, as cuobjdump prints them, so ranges can be read off a local `cuobjdump -sass` of the
 same fatbin (docs/PERF.md: the FP8 loop's phases).
 
-Usage: python scripts/stall_regions.py FILE.sass.csv[.gz] [START-END ...]   (hex offsets, e.g. 5010-58b0)"""
+A page of several kernels (the backward's pre, main and post under one NVTX range) is split at its
+"Kernel Name" rows and one kernel is read: the first whose name contains --kernel, else the one with
+the most samples.
+
+Usage: python scripts/stall_regions.py FILE.sass.csv[.gz] [--kernel NAME] [START-END ...]   (hex offsets,
+e.g. 5010-58b0)"""
+from __future__ import annotations
+
 import csv
 import gzip
 import sys
 
 
+def kernel_rows(rows: list, name: str | None) -> list:
+    """The rows of one kernel's section ("Kernel Name" row, header, lines) of a source page."""
+    starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"] or [0]
+    parts = [rows[a:b] for a, b in zip(starts, starts[1:] + [len(rows)])]
+    if name is not None:
+        for part in parts:
+            if name in part[0][1]:
+                return part
+        raise SystemExit(f"no kernel named like {name!r} in: {', '.join(part[0][1] for part in parts)}")
+
+    def samples(part):
+        col = part[1].index("Warp Stall Sampling (All Samples)")
+        return sum(int(r[col] or 0) for r in part[2:] if len(r) > col and r[col].isdigit())
+    return max(parts, key=samples)
+
+
 def main() -> None:
-    path = sys.argv[1]
-    rows = list(csv.reader(gzip.open(path, "rt") if path.endswith(".gz") else open(path)))
+    args = sys.argv[1:]
+    name = None
+    if "--kernel" in args:
+        i = args.index("--kernel")
+        name = args[i + 1]
+        del args[i:i + 2]
+    path, ranges = args[0], args[1:]
+    rows = kernel_rows(list(csv.reader(gzip.open(path, "rt") if path.endswith(".gz") else open(path))), name)
+    print(f"kernel {rows[0][1]}")
     hdr, data = rows[1], rows[2:]
     col = {h: i for i, h in enumerate(hdr)}
     reasons = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
@@ -35,7 +65,7 @@ def main() -> None:
                 agg[k] = agg.get(k, 0) + v
         return ", ".join(f"{k} {v}" for k, v in sorted(agg.items(), key=lambda kv: -kv[1])[:5])
 
-    for rng in sys.argv[2:]:
+    for rng in ranges:
         lo, hi = (int(x, 16) for x in rng.split("-"))
         inside = [x for x in recs if lo <= x[0] < hi]
         n = sum(x[2] for x in inside)
