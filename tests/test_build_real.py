@@ -276,15 +276,3 @@ def test_real_bwd_deterministic_hand_off(real_bwd):
         assert "MEMBAR.SC.GPU" not in body, v.name
         signals = len(re.findall(r"REDG\.E\.ADD\.S32\.STRONG\.GPU", body))
         assert signals >= 1 and len(re.findall(r"MEMBAR\.ALL\.GPU", body)) == signals, v.name
-
-
-def test_real_bwd_default_first_store_ticket(real_bwd):
-    """Unordered runs of the block_n 128 staged tiles store each dQ tile's first share too
-    (templates/bwd.cu.j2: kTicketFirstStore): their reducer warp takes a ticket with one acquiring
-    atomic add (ATOMG) per block, which is what lets the preprocess skip zeroing the accumulator in
-    every run of them. The role tiles (head_dim 256), which still zero in unordered runs, take none."""
-    proj, res, pick = real_bwd
-    for v in pick:
-        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
-        tickets = len(re.findall(r"ATOMG\.E\.ADD\.S32\.STRONG\.GPU", body))
-        assert tickets == (1 if v.params["block_n"] == 128 else 0), (v.name, tickets)

@@ -184,14 +184,6 @@ __device__ __forceinline__ void signal_flag(int* flag, int n = 1) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(n) : "memory");
 }
 
-// Returns *flag, then adds n (atom.acquire, gpu scope): a ticket in the order of arrival, and what
-// was signalled on the flag before it (acquired: the signaller's released writes are visible).
-__device__ __forceinline__ int fetch_add_acquire(int* flag, int n = 1) {
-  int old;
-  asm volatile("atom.acquire.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(flag), "r"(n) : "memory");
-  return old;
-}
-
 // 1-D bulk reduction shared -> global: dst[i] += src[i] over `bytes` of fp32 (a multiple of 16,
 // both 16-byte aligned), committed as one bulk group. One thread; wait with
 // cp_async_bulk_wait_group_read (source read) or cp_async_bulk_wait_group (additions done).
