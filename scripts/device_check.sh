@@ -47,6 +47,8 @@
 #   bash scripts/device_check.sh sanity    compute-sanitizer (the nvidia-h100-x1 kind has it): synccheck over every case of
 #                                          scripts/sanitize_driver.py, racecheck over the cases matching RACE (default
 #                                          'bwd'), then the GPU tests (TESTS: files, default all of tests/gpu)
+#   bash scripts/device_check.sh split     the backward's time per kernel (pre, main, post) at FA3-protocol points, default then
+#                                          deterministic (scripts/bwd_split.py; HEAD_DIMS, SEQLENS, DTYPES as bwd)
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
 #                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
@@ -96,6 +98,14 @@ fp8var|variants)
     timeout 280 python3 scripts/fp8_bench.py --variants --dtype "$dt" --rounds "${ROUNDS:-2}" --match "${MATCH:-*noncausal_m*}" \
       --causal "${CAUSAL:-no}" --seqlens "${SEQLENS:-2048,16384}" --head-dims "${HEAD_DIMS:-64,128,256}" 2>&1 \
       | tee "$out/variants_$dt.md" | grep '^|'
+  done
+  ;;
+split)
+  for dt in ${DTYPES:-bf16}; do
+    for det in "" --deterministic; do
+      timeout 200 python3 scripts/bwd_split.py --dtype "$dt" $det --head-dims "${HEAD_DIMS:-64,128,256}" \
+        --seqlens "${SEQLENS:-512,2048,16384}" 2>&1 | tee -a "$out/bwd_split.md"
+    done
   done
   ;;
 packgqa)
