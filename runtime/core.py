@@ -599,5 +599,5 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
             _bshd_map(dv, 64))
     launch.launch(plan.main, (-(-sk // bn), plan.num_slices * hk, b), maps, params, stream)
-    launch.launch(plan.post, (-(-sq // rows_per_cta), h, b), (), params, stream)
+    launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
     return plan.variant
