@@ -15,6 +15,7 @@ from .launch import device_capability
 from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
 from .manifest import Variant, load_manifest
 from .generator.families.fwd import dynamic_schedule, operand_row_bytes  # noqa: E402 -- tile counter, TMA rows
+from .generator.families.bwd import pre_rows_per_cta  # noqa: E402 -- the preprocess's grid
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
            "launch_forward", "PreparedForward", "attention_backward",
@@ -456,6 +457,7 @@ class _BwdPlan(NamedTuple):
     head_dim_padded: int
     num_slices: int
     sms: int  # the device's SM count (the deterministic hand-off's mode)
+    pre_rows: int  # query rows per CTA of the preprocess (generator/families/bwd.py pre_rows_per_cta)
 
 
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
@@ -474,7 +476,8 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
         p = var.params
         pad = -(-p["head_dim"] // 64) * 64
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
-                        p["block_m"], p["block_n"], pad, pad // p["slice"], launch.num_sms(device))
+                        p["block_m"], p["block_n"], pad, pad // p["slice"], launch.num_sms(device),
+                        pre_rows_per_cta(p))
         _bwd_plans[key] = plan
     return plan
 
@@ -594,8 +597,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms), "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
     }
-    rows_per_cta = plan.pre.record.threads // 32
-    launch.launch(plan.pre, (-(-num_m * bm // rows_per_cta), h, b), (), params, stream)
+    launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
             _bshd_map(dv, 64))
     launch.launch(plan.main, (-(-sk // bn), plan.num_slices * hk, b), maps, params, stream)

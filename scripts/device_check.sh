@@ -24,7 +24,8 @@
 #                                          .base/ and this tree alternated old, new, old, new (bf16, hd 64/128/256;
 #                                          SEQLENS, default 512,2048,16384; HEAD_DIMS, default 64,128,256; DTYPES), default
 #                                          and deterministic, SDPA peers;
-#                                          new/old table printed last (scripts/bwd_compare.py)
+#                                          new/old table printed last (scripts/bwd_compare.py); SPLIT=1: the time
+#                                          per kernel of both trees too (bwd_split.py, DTYPES' first)
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
@@ -207,6 +208,14 @@ bwd)
     timeout ${BENCH_TIMEOUT:-200} python3 -m flashgen.cli bench $bw --csv "$out/bwd_new$r.csv" --png /tmp/n.png > "$out/bench_new$r.log" 2>&1
     echo "new run $r: rc $? $(tail -1 "$out/bench_new$r.log")"
   done
+  if [ "${SPLIT:-0}" = 1 ]; then  # the time per kernel (pre, main, post), old then new, default and deterministic
+    for det in "" --deterministic; do
+      sp="--dtype ${DTYPES%%,*} $det --head-dims ${HEAD_DIMS:-64,128,256} --seqlens ${SEQLENS:-512,2048,16384}"
+      oldenv timeout 200 python3 .base/scripts/bwd_split.py $sp 2>&1 | grep -E '^(\||backward)' | sed 's/^/old /' >> "$out/bwd_split.md"
+      timeout 200 python3 scripts/bwd_split.py $sp 2>&1 | grep -E '^(\||backward)' | sed 's/^/new /' >> "$out/bwd_split.md"
+    done
+    cat "$out/bwd_split.md"
+  fi
   python3 scripts/bwd_compare.py "$out"/bwd_old1_bwd.csv "$out"/bwd_new1_bwd.csv "$out"/bwd_old2_bwd.csv "$out"/bwd_new2_bwd.csv | tee "$out/bwd_compare.md"
   ;;
 fwdchange)

@@ -113,7 +113,7 @@ PRODUCER_REGS, CONSUMER_REGS = 24, 240
 ROLES_PRODUCER_REGS, ROLES_CONSUMER_REGS = 32, 232
 REG_HEADROOM = 48
 ROLES_REG_HEADROOM = 8  # the role tiles' consumers hold fewer live arrays beside their accumulators
-PRE_POST_THREADS = 256  # one warp per row
+PRE_POST_THREADS = 256  # the preprocess: pre_rows_per_cta rows per CTA; the postprocess: 4 row pairs per CTA
 
 PARAMS = params_struct(
     "BwdParams",
@@ -154,6 +154,22 @@ def _pad64(x: int) -> int:
 DQ_TILE_BYTES = 64 * 64 * 4  # one consumer's fp32 dQ tile
 
 
+def pre_row_lanes(params: dict) -> int:
+    """Lanes per query row in the preprocess: one 16-byte load of O and of dO per lane over the
+    row's head_dim padded to 64 (8 at 64, 16 at 128, 32 from 192 on, the lanes of a warp being a
+    power of two). Several rows share a warp below 256 columns, so that as many bytes are in flight
+    per SM at every head dim: one warp per row left hd64 at half the DRAM bandwidth (130 against
+    69-78 us on an H200, docs/PERF.md)."""
+    p = _pad64(params["head_dim"])
+    return 8 if p == 64 else 16 if p == 128 else 32
+
+
+def pre_rows_per_cta(params: dict) -> int:
+    """Query rows per CTA of the preprocess (its grid is seqlen_q_pad / this); divides 64, so every
+    CTA's rows are all inside seqlen_q_pad or all beyond it."""
+    return PRE_POST_THREADS // pre_row_lanes(params)
+
+
 def roles(params: dict) -> bool:
     """Whether the tile splits the consumers by role (block_n 64) rather than by key rows."""
     return int(params["block_n"]) == ROLES_BLOCK_N
@@ -181,7 +197,7 @@ def _smem_total(layout: dict) -> int:
 class BwdFamily(Family):
     def resources(self, params):
         """threads, smem (main kernel layout), smem_bytes, ds_buffers, dq_buffers, producer/consumer
-        regs, head_dim_padded, num_slices. The buffer counts are the first of (dS^T, dQ) = (2, 2),
+        regs, head_dim_padded, num_slices, pre_row_lanes. The buffer counts are the first of (dS^T, dQ) = (2, 2),
         (1, 2), (1, 0) that fits in shared memory; role tiles take (1, 0) (their P^T hand-off
         orders the one dS^T buffer's reuse; their consumers reduce dQ themselves)."""
         for ds_buffers, dq_buffers in ((1, 0),) if roles(params) else ((2, 2), (1, 2), (1, 0)):
@@ -193,7 +209,8 @@ class BwdFamily(Family):
                     dq_buffers=dq_buffers,
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
-                    num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS)
+                    num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS,
+                    pre_row_lanes=pre_row_lanes(params))
 
     def problems(self, params):
         out = []
