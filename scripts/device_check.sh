@@ -25,7 +25,8 @@
 #                                          SEQLENS, default 512,2048,16384; HEAD_DIMS, default 64,128,256; DTYPES), default
 #                                          and deterministic, SDPA peers;
 #                                          new/old table printed last (scripts/bwd_compare.py); SPLIT=1: the time
-#                                          per kernel of both trees too (bwd_split.py, DTYPES' first)
+#                                          per kernel of both trees too (bwd_split.py, DTYPES' first); BWD_ARGS: more
+#                                          bench arguments (e.g. --causal true)
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
@@ -201,7 +202,7 @@ bwd)
       -k "${TESTS_K:-determin or bwd or grad}" 2>&1 \
       | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   fi
-  bw="--backward-only --seqlens ${SEQLENS:-512,2048,16384} --head-dims ${HEAD_DIMS:-64,128,256} --dtypes ${DTYPES:-bf16} --no-ablation --no-overhead --no-combine"
+  bw="--backward-only --seqlens ${SEQLENS:-512,2048,16384} --head-dims ${HEAD_DIMS:-64,128,256} --dtypes ${DTYPES:-bf16} --no-ablation --no-overhead --no-combine ${BWD_ARGS:-}"
   for r in 1 2; do  # a hang shows as a timeout with the bench's last line in its log
     oldenv timeout ${BENCH_TIMEOUT:-200} python3 -m flashgen.cli bench $bw --csv "$out/bwd_old$r.csv" --png /tmp/o.png > "$out/bench_old$r.log" 2>&1
     echo "old run $r: rc $? $(tail -1 "$out/bench_old$r.log")"
