@@ -485,17 +485,19 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
 _WS_ALIGN = 256
 
 
-# Causal calls with at most this many key blocks take the ordered path (mode 1) even when not
-# deterministic: it stores each dQ tile's first share instead of zeroing the accumulator first, and
-# runs key blocks shortest first. Measured (docs/PERF.md, bf16, FA3 protocol): at seqlen 512 the
-# ordered path was 1.06-1.13x the unordered one on an H100 and 1.01-1.03x on an H200.
-ORDERED_CAUSAL_MAX_N_BLOCKS = 8
+# Causal calls with seqlen_k at most this take the ordered path (mode 1) even when not deterministic:
+# it stores each dQ tile's first share instead of zeroing the accumulator first, and runs key blocks
+# shortest first. Measured (docs/PERF.md, bf16, FA3 protocol, the ordered over the unordered path):
+# seqlen 512: H100 1.06 / 1.13 / 1.13 at head_dim 64 / 128 / 256, H200 1.02 / 1.01 / 1.02;
+# seqlen 1024, H100: 1.03 / 0.98 / 1.02 (hd128 loses: left unordered from 1024 on).
+ORDERED_CAUSAL_MAX_SEQLEN_K = 512
 
 
-def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, causal: bool = False) -> int:
+def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, causal: bool = False,
+                        seqlen_k: int = 0) -> int:
     """BwdParams.deterministic: the order of the backward's fp32 dQ additions across key-block CTAs.
 
-    0: unordered. Not deterministic, causal with num_n_blocks <= ORDERED_CAUSAL_MAX_N_BLOCKS: 1,
+    0: unordered. Not deterministic, causal with seqlen_k <= ORDERED_CAUSAL_MAX_SEQLEN_K: 1,
     measured faster there (the default path may be ordered; it is then reproducible as well).
     Ordered modes, each bitwise reproducible (templates/bwd.cu.j2):
 
@@ -514,7 +516,7 @@ def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, causal
       tiles' staged reducer (head_dim 256) signals late; the other paths treat 2 as 1.
     """
     if not deterministic:
-        return 1 if causal and num_n_blocks <= ORDERED_CAUSAL_MAX_N_BLOCKS else 0
+        return 1 if causal and seqlen_k <= ORDERED_CAUSAL_MAX_SEQLEN_K else 0
     if num_n_blocks > sms:
         return 2
     return 3 if num_n_blocks <= sms // 2 else 1
@@ -603,7 +605,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
         "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
         "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
-        "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms, mask.causal), "scale_log2": scale_log2, "softmax_scale": scale,
+        "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms, mask.causal, sk), "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
     }
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)

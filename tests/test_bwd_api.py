@@ -787,25 +787,24 @@ def test_core_backward_deterministic_mode(bwd_core, d):
         assert (main["grid"][0] > 132) == (sk == 100000)
     assert [core._deterministic_mode(True, n, 132) for n in (1, 66, 67, 132, 133)] == [3, 3, 1, 1, 2]
     assert core._deterministic_mode(False, 1, 132) == 0
-    # not deterministic, causal, short chains: the ordered path (measured faster there)
-    n = core.ORDERED_CAUSAL_MAX_N_BLOCKS
-    assert [core._deterministic_mode(False, x, 132, causal=True) for x in (1, n, n + 1, 1000)] == [1, 1, 0, 0]
-    assert [core._deterministic_mode(True, x, 132, causal=True) for x in (1, n, 67, 133)] == [3, 3, 1, 2]
+    # not deterministic, causal, seqlen_k <= 512: the ordered path (measured faster there)
+    n = core.ORDERED_CAUSAL_MAX_SEQLEN_K
+    assert [core._deterministic_mode(False, 4, 132, True, sk) for sk in (1, n, n + 1)] == [1, 1, 0]
+    assert core._deterministic_mode(False, 4, 132, False, 100) == 0
+    assert [core._deterministic_mode(True, x, 132, True, 100) for x in (1, 66, 67, 133)] == [3, 3, 1, 2]
+    assert bn in (64, 128)
 
 
-@pytest.mark.parametrize("sk,want", [(300, 1), (2000, 0)], ids=["short", "long"])
+@pytest.mark.parametrize("sk,want", [(300, 1), (512, 1), (513, 0), (2000, 0)], ids=str)
 def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want):
-    """A causal call that is not deterministic runs the ordered path (mode 1) while its chain of key
-    blocks is at most ORDERED_CAUSAL_MAX_N_BLOCKS long, else the unordered one (mode 0)."""
-    for d in (64, 256):
-        variant, _ = _run_backward(2, sk, sk, 2, 2, d, d, True)
+    """A causal call that is not deterministic runs the ordered path (mode 1) while seqlen_k is at
+    most ORDERED_CAUSAL_MAX_SEQLEN_K, else the unordered one (mode 0); non-causal calls unordered."""
+    for d in (64, 128, 256):
+        _run_backward(2, sk, sk, 2, 2, d, d, True)
         main = bwd_core.launches[-2]
         assert main["role"] == "main" and main["params"]["deterministic"] == want, (d, sk)
-        bn = variant.params["block_n"]
-        assert (-(-sk // bn) <= core.ORDERED_CAUSAL_MAX_N_BLOCKS) == (want == 1)
     variant, _ = _run_backward(2, 300, 300, 2, 2, 128, 128, False)  # non-causal: unordered
     assert bwd_core.launches[-2]["params"]["deterministic"] == 0
-    assert bn in (64, 128)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
