@@ -15,7 +15,7 @@ from .launch import device_capability
 from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
 from .manifest import Variant, load_manifest
 from .generator.families.fwd import dynamic_schedule, operand_row_bytes  # noqa: E402 -- tile counter, TMA rows
-from .generator.families.bwd import pre_rows_per_cta  # noqa: E402 -- the preprocess's grid
+from .generator.families.bwd import FAMILY as _BWD_FAMILY, pre_rows_per_cta  # noqa: E402 -- pre grid, dQ path
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
            "launch_forward", "PreparedForward", "attention_backward",
@@ -458,6 +458,7 @@ class _BwdPlan(NamedTuple):
     num_slices: int
     sms: int  # the device's SM count (the deterministic hand-off's mode)
     pre_rows: int  # query rows per CTA of the preprocess (generator/families/bwd.py pre_rows_per_cta)
+    bulk_dq: bool  # dQ added by the reducer warp's bulk reductions (bwd.py resources; not head_dim 192)
 
 
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
@@ -477,7 +478,7 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
         pad = -(-p["head_dim"] // 64) * 64
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
                         p["block_m"], p["block_n"], pad, pad // p["slice"], launch.num_sms(device),
-                        pre_rows_per_cta(p))
+                        pre_rows_per_cta(p), _BWD_FAMILY.resources(p)["bulk_dq"])
         _bwd_plans[key] = plan
     return plan
 
@@ -485,20 +486,26 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
 _WS_ALIGN = 256
 
 
-# Causal calls with seqlen_k at most this take the ordered path (mode 1) even when not deterministic:
-# it stores each dQ tile's first share instead of zeroing the accumulator first, and runs key blocks
-# shortest first. Measured (docs/PERF.md, bf16, FA3 protocol, the ordered over the unordered path):
-# seqlen 512: H100 1.06 / 1.13 / 1.13 at head_dim 64 / 128 / 256, H200 1.02 / 1.01 / 1.02;
-# seqlen 1024, H100: 1.03 / 0.98 / 1.02 (hd128 loses: left unordered from 1024 on).
+# Causal calls with seqlen_k at most this take the ordered path (mode 1) even when not deterministic,
+# where the variant's dQ is added by bulk reductions (plan.bulk_dq): it stores each dQ tile's first
+# share instead of zeroing the accumulator first, and runs key blocks shortest first. Measured
+# (docs/PERF.md, bf16, FA3 protocol, the ordered over the unordered path): seqlen 512: H100 1.06 /
+# 1.13 / 1.13 at head_dim 64 / 128 / 256, H200 1.02 / 1.01 / 1.02, hd96 1.00-1.01; seqlen 1024, H100:
+# 1.03 / 0.98 / 1.02 (hd128 loses: left unordered from 1024 on). head_dim 192, whose consumers add
+# dQ with red.v4 and in the ordered path wait for their turn: 0.84 at 512 (H200), so never.
 ORDERED_CAUSAL_MAX_SEQLEN_K = 512
 
 
-def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, causal: bool = False,
-                        seqlen_k: int = 0) -> int:
+def _ordered_default(plan: _BwdPlan, mask: MaskSpec, seqlen_k: int) -> bool:
+    """Whether a call that is not deterministic takes the ordered dQ path (ORDERED_CAUSAL_MAX_SEQLEN_K)."""
+    return plan.bulk_dq and mask.causal and seqlen_k <= ORDERED_CAUSAL_MAX_SEQLEN_K
+
+
+def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordered_default: bool = False) -> int:
     """BwdParams.deterministic: the order of the backward's fp32 dQ additions across key-block CTAs.
 
-    0: unordered. Not deterministic, causal with seqlen_k <= ORDERED_CAUSAL_MAX_SEQLEN_K: 1,
-    measured faster there (the default path may be ordered; it is then reproducible as well).
+    0: unordered. Not deterministic: 1 where ``ordered_default`` (_ordered_default: short causal
+    calls, measured faster; the default path may be ordered, and is then reproducible as well), else 0.
     Ordered modes, each bitwise reproducible (templates/bwd.cu.j2):
 
     - 3 (a query block's chain of num_n_blocks key-block CTAs <= sms / 2): the chain's CTAs are
@@ -516,7 +523,7 @@ def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, causal
       tiles' staged reducer (head_dim 256) signals late; the other paths treat 2 as 1.
     """
     if not deterministic:
-        return 1 if causal and seqlen_k <= ORDERED_CAUSAL_MAX_SEQLEN_K else 0
+        return 1 if ordered_default else 0
     if num_n_blocks > sms:
         return 2
     return 3 if num_n_blocks <= sms // 2 else 1
@@ -605,7 +612,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
         "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
         "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
-        "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms, mask.causal, sk), "scale_log2": scale_log2, "softmax_scale": scale,
+        "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms, _ordered_default(plan, mask, sk)), "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
     }
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)

@@ -787,24 +787,35 @@ def test_core_backward_deterministic_mode(bwd_core, d):
         assert (main["grid"][0] > 132) == (sk == 100000)
     assert [core._deterministic_mode(True, n, 132) for n in (1, 66, 67, 132, 133)] == [3, 3, 1, 1, 2]
     assert core._deterministic_mode(False, 1, 132) == 0
-    # not deterministic, causal, seqlen_k <= 512: the ordered path (measured faster there)
-    n = core.ORDERED_CAUSAL_MAX_SEQLEN_K
-    assert [core._deterministic_mode(False, 4, 132, True, sk) for sk in (1, n, n + 1)] == [1, 1, 0]
-    assert core._deterministic_mode(False, 4, 132, False, 100) == 0
-    assert [core._deterministic_mode(True, x, 132, True, 100) for x in (1, 66, 67, 133)] == [3, 3, 1, 2]
+    # not deterministic: the ordered path where _ordered_default says (short causal calls)
+    assert core._deterministic_mode(False, 4, 132, ordered_default=True) == 1
+    assert [core._deterministic_mode(True, x, 132, ordered_default=True) for x in (1, 66, 67, 133)] == [3, 3, 1, 2]
     assert bn in (64, 128)
 
 
 @pytest.mark.parametrize("sk,want", [(300, 1), (512, 1), (513, 0), (2000, 0)], ids=str)
 def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want):
     """A causal call that is not deterministic runs the ordered path (mode 1) while seqlen_k is at
-    most ORDERED_CAUSAL_MAX_SEQLEN_K, else the unordered one (mode 0); non-causal calls unordered."""
-    for d in (64, 128, 256):
-        _run_backward(2, sk, sk, 2, 2, d, d, True)
+    most ORDERED_CAUSAL_MAX_SEQLEN_K and the variant adds dQ by bulk reductions (head_dim 64, 96,
+    128, 256), else the unordered one (mode 0); head_dim 192 (red.v4 from the consumers, measured
+    slower ordered) and non-causal calls always unordered."""
+    assert core.ORDERED_CAUSAL_MAX_SEQLEN_K == 512
+    for d in (64, 96, 128, 192, 256):
+        variant, _ = _run_backward(2, sk, sk, 2, 2, d, d, True)
         main = bwd_core.launches[-2]
-        assert main["role"] == "main" and main["params"]["deterministic"] == want, (d, sk)
-    variant, _ = _run_backward(2, 300, 300, 2, 2, 128, 128, False)  # non-causal: unordered
+        bulk = bwd_mod.FAMILY.resources(variant.params)["bulk_dq"]
+        assert bulk == (d != 192), d
+        assert main["role"] == "main" and main["params"]["deterministic"] == (want if bulk else 0), (d, sk)
+    _run_backward(2, 300, 300, 2, 2, 128, 128, False)  # non-causal: unordered
     assert bwd_core.launches[-2]["params"]["deterministic"] == 0
+
+
+def test_stage_dq_is_the_hd256_role_tile():
+    """bwd.stage_dq (the template's kStageDq): role tiles whose dQ chunks fit a ring tile."""
+    for d, want in ((64, False), (96, False), (128, False), (192, False), (256, True)):
+        params = bwd_mod.FAMILY.suggest({"dtype": "bf16", "head_dim": d, "causal": False, "local": False,
+                                         "softcap": False})
+        assert bwd_mod.stage_dq(params) == want, d
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])

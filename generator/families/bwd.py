@@ -170,6 +170,19 @@ def pre_rows_per_cta(params: dict) -> int:
     return PRE_POST_THREADS // pre_row_lanes(params)
 
 
+def stage_dq(params: dict) -> bool:
+    """Role tiles whose consumers' fp32 dQ chunks (each consumer half of head_dim padded / 64
+    chunks of 64 x 64) fit a Q/dO ring tile (64 x head_dim padded, 2 bytes): staged there and added
+    by the reducer warp's bulk reductions (head_dim 256; the template's kStageDq). The other role
+    tiles (head_dim 192) add dQ from the consumers with red.global.add.v4.f32."""
+    if not roles(params):
+        return False
+    p = _pad64(params["head_dim"])
+    chunks0 = (p // 64 + 1) // 2
+    chunks1 = max(1, p // 64 - chunks0)
+    return max(chunks0, chunks1) * DQ_TILE_BYTES <= 64 * p * ELEM
+
+
 def roles(params: dict) -> bool:
     """Whether the tile splits the consumers by role (block_n 64) rather than by key rows."""
     return int(params["block_n"]) == ROLES_BLOCK_N
@@ -197,7 +210,8 @@ def _smem_total(layout: dict) -> int:
 class BwdFamily(Family):
     def resources(self, params):
         """threads, smem (main kernel layout), smem_bytes, ds_buffers, dq_buffers, producer/consumer
-        regs, head_dim_padded, num_slices, pre_row_lanes. The buffer counts are the first of (dS^T, dQ) = (2, 2),
+        regs, head_dim_padded, num_slices, pre_row_lanes, stage_dq, bulk_dq (the reducer warp adds dQ
+        with bulk reductions: staged tiles or stage_dq; else the consumers add with red.v4). The buffer counts are the first of (dS^T, dQ) = (2, 2),
         (1, 2), (1, 0) that fits in shared memory; role tiles take (1, 0) (their P^T hand-off
         orders the one dS^T buffer's reuse; their consumers reduce dQ themselves)."""
         for ds_buffers, dq_buffers in ((1, 0),) if roles(params) else ((2, 2), (1, 2), (1, 0)):
@@ -210,7 +224,8 @@ class BwdFamily(Family):
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
                     num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS,
-                    pre_row_lanes=pre_row_lanes(params))
+                    pre_row_lanes=pre_row_lanes(params), stage_dq=stage_dq(params),
+                    bulk_dq=dq_buffers > 0 or stage_dq(params))
 
     def problems(self, params):
         out = []
