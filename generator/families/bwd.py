@@ -11,7 +11,11 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   block visits (the zeros were
   the accumulator's size in DRAM writes: with the hand-off's lighter fence, the deterministic
   backward ran 1.05-1.26x faster on an H100, docs/PERF.md).
-  Rows past seqlen_q up to the padded length get dPsum 0 and LSE +inf.
+  Rows past seqlen_q up to the padded length get dPsum 0 and LSE +inf. Each row takes
+  ``pre_row_lanes`` lanes (several rows per warp below head_dim 192), so every head dim keeps as
+  many loads in flight per SM. Causal calls with seqlen_k <= 512 take the ordered path even when
+  not deterministic where dQ is bulk-reduced (``bulk_dq``; ``core._ordered_default``: measured
+  faster, no zeroing).
 - ``main``: CTA (n_block, slice, head_k, batch). A producer warp loads the CTA's K and V block once
   and streams Q, dO (TMA) and LSE, dPsum (bulk copies) per query block through a ``stages``-deep
   mbarrier ring, over every query head of the K/V head's group (GQA/MQA: dK and dV are summed
