@@ -25,8 +25,9 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   memory, dQ = dS K (SS-WGMMA, both operands MN-major). Each consumer's 64 x 64 fp32 dQ tile goes
   to shared memory and a reducer warp of the producer warpgroup adds it to the fp32 accumulator
   with one bulk reduction (``cp.reduce.async.bulk .add.f32``, 16 KB); where shared memory has no
-  room for both consumers' staging tiles (head_dim 192 and 256), the consumers add their tiles
-  themselves with ``red.global.add.v4.f32``. (A single staging tile the consumers take turns on
+  room for both consumers' staging tiles (the role tiles), head_dim 256 stages dQ in the ring
+  buffers instead (``stage_dq``, below) and head_dim 192's consumers add their chunks themselves
+  with ``red.global.add.v4.f32``. (A single staging tile the consumers take turns on
   measured about 5 % faster at head_dim 256, but its ordering runs through the reducer warp's two
   split arrive/sync barriers, which compute-sanitizer's racecheck does not follow: it reported
   write-write races there. It was dropped.) The accumulator holds 64 x 64 tiles in WGMMA fragment order, so either way each
