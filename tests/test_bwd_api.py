@@ -851,10 +851,10 @@ def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal):
         assert m["box"] == (64, boxes[name], 1, 1) and m["dtype"] == "bf16", name
     assert pre["maps"] == {} and post["maps"] == {}
     num_m = -(-sq // vp["block_m"])
-    # the preprocess: 8 / 16 / 32 lanes per row at head_dim padded to 64 / 128 / 192-256 (256 threads);
-    # the postprocess: 2 CTAs per 16 rows
+    # the preprocess: 8 / 16 / 32 lanes per row at head_dim padded to 64 / 128 / 192-256 (256 threads),
+    # 2 rows per lane group; the postprocess: 2 CTAs per 16 rows
     lanes = {64: 8, 128: 16, 192: 32, 256: 32}[pad]
-    assert pre["grid"] == (-(-num_m * vp["block_m"] // (256 // lanes)), h, b) and post["grid"] == (2 * -(-sq // 16), h, b)
+    assert pre["grid"] == (-(-num_m * vp["block_m"] // (2 * 256 // lanes)), h, b) and post["grid"] == (2 * -(-sq // 16), h, b)
     assert bwd_mod.pre_row_lanes(vp) == lanes and (64 % bwd_mod.pre_rows_per_cta(vp)) == 0
     rows = b * h * num_m * vp["block_m"]
     assert p["sem"] - p["dq_accum"] >= rows * pad * 4  # the dQ accumulator is head_dim-padded wide

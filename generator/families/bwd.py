@@ -13,7 +13,8 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   backward ran 1.05-1.26x faster on an H100, docs/PERF.md).
   Rows past seqlen_q up to the padded length get dPsum 0 and LSE +inf. Each row takes
   ``pre_row_lanes`` lanes (several rows per warp below head_dim 192), so every head dim keeps as
-  many loads in flight per SM. Causal calls with seqlen_k <= 512 take the ordered path even when
+  many loads in flight per SM, and each lane group takes ``PRE_GROUP_ROWS`` rows, their loads
+  issued together. Causal calls with seqlen_k <= 512 take the ordered path even when
   not deterministic where dQ is bulk-reduced (``bulk_dq``; ``core._ordered_default``: measured
   faster, no zeroing).
 - ``main``: CTA (n_block, slice, head_k, batch). A producer warp loads the CTA's K and V block once
@@ -169,10 +170,14 @@ def pre_row_lanes(params: dict) -> int:
     return 8 if p == 64 else 16 if p == 128 else 32
 
 
+PRE_GROUP_ROWS = 2  # query rows per lane group in the preprocess, their loads issued together
+
+
 def pre_rows_per_cta(params: dict) -> int:
-    """Query rows per CTA of the preprocess (its grid is seqlen_q_pad / this); divides 64, so every
-    CTA's rows are all inside seqlen_q_pad or all beyond it."""
-    return PRE_POST_THREADS // pre_row_lanes(params)
+    """Query rows per CTA of the preprocess (its grid is seqlen_q_pad / this): PRE_GROUP_ROWS per
+    group of pre_row_lanes lanes; divides 64, so every CTA's rows are all inside seqlen_q_pad or
+    all beyond it."""
+    return PRE_GROUP_ROWS * PRE_POST_THREADS // pre_row_lanes(params)
 
 
 def stage_dq(params: dict) -> bool:
@@ -215,7 +220,7 @@ def _smem_total(layout: dict) -> int:
 class BwdFamily(Family):
     def resources(self, params):
         """threads, smem (main kernel layout), smem_bytes, ds_buffers, dq_buffers, producer/consumer
-        regs, head_dim_padded, num_slices, pre_row_lanes, stage_dq, bulk_dq (the reducer warp adds dQ
+        regs, head_dim_padded, num_slices, pre_row_lanes, pre_rows_per_cta, stage_dq, bulk_dq (the reducer warp adds dQ
         with bulk reductions: staged tiles or stage_dq; else the consumers add with red.v4). The buffer counts are the first of (dS^T, dQ) = (2, 2),
         (1, 2), (1, 0) that fits in shared memory; role tiles take (1, 0) (their P^T hand-off
         orders the one dS^T buffer's reuse; their consumers reduce dQ themselves)."""
@@ -229,7 +234,8 @@ class BwdFamily(Family):
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
                     num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS,
-                    pre_row_lanes=pre_row_lanes(params), stage_dq=stage_dq(params),
+                    pre_row_lanes=pre_row_lanes(params), pre_rows_per_cta=pre_rows_per_cta(params),
+                    stage_dq=stage_dq(params),
                     bulk_dq=dq_buffers > 0 or stage_dq(params))
 
     def problems(self, params):
