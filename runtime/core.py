@@ -612,7 +612,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
         "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
         "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
-        "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms, _ordered_default(plan, mask, sk)), "scale_log2": scale_log2, "softmax_scale": scale,
+        "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms, _ordered_default(plan, mask, sk)),
+        "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
     }
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)

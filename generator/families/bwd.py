@@ -223,20 +223,21 @@ class BwdFamily(Family):
         regs, head_dim_padded, num_slices, pre_row_lanes, pre_rows_per_cta, stage_dq, bulk_dq (the reducer warp adds dQ
         with bulk reductions: staged tiles or stage_dq; else the consumers add with red.v4). The buffer counts are the first of (dS^T, dQ) = (2, 2),
         (1, 2), (1, 0) that fits in shared memory; role tiles take (1, 0) (their P^T hand-off
-        orders the one dS^T buffer's reuse; their consumers reduce dQ themselves)."""
+        orders the one dS^T buffer's reuse; their dQ is staged in the ring buffers (stage_dq) or
+        added by the consumers)."""
         for ds_buffers, dq_buffers in ((1, 0),) if roles(params) else ((2, 2), (1, 2), (1, 0)):
             smem = smem_layout(params, ds_buffers, dq_buffers)
             if _smem_total(smem) <= SMEM_LIMIT:
                 break
         p = _pad64(params["head_dim"])
+        staged = stage_dq(params)
         return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
                     dq_buffers=dq_buffers,
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
                     num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS,
                     pre_row_lanes=pre_row_lanes(params), pre_rows_per_cta=pre_rows_per_cta(params),
-                    stage_dq=stage_dq(params),
-                    bulk_dq=dq_buffers > 0 or stage_dq(params))
+                    stage_dq=staged, bulk_dq=dq_buffers > 0 or staged)
 
     def problems(self, params):
         out = []
