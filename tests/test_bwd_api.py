@@ -796,26 +796,30 @@ def test_core_backward_deterministic_mode(bwd_core, d):
 @pytest.mark.parametrize("sk,want", [(300, 1), (512, 1), (513, 0), (2000, 0)], ids=str)
 def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want):
     """A causal call that is not deterministic runs the ordered path (mode 1) while seqlen_k is at
-    most ORDERED_CAUSAL_MAX_SEQLEN_K and the variant adds dQ by bulk reductions (head_dim 64, 96,
-    128, 256), else the unordered one (mode 0); head_dim 192 (red.v4 from the consumers, measured
-    slower ordered) and non-causal calls always unordered."""
+    most ORDERED_CAUSAL_MAX_SEQLEN_K and the variant adds dQ by bulk reductions (every default
+    tile), else the unordered one (mode 0); non-causal calls always unordered."""
     assert core.ORDERED_CAUSAL_MAX_SEQLEN_K == 512
     for d in (64, 96, 128, 192, 256):
         variant, _ = _run_backward(2, sk, sk, 2, 2, d, d, True)
         main = bwd_core.launches[-2]
-        bulk = bwd_mod.FAMILY.resources(variant.params)["bulk_dq"]
-        assert bulk == (d != 192), d
-        assert main["role"] == "main" and main["params"]["deterministic"] == (want if bulk else 0), (d, sk)
+        assert bwd_mod.FAMILY.resources(variant.params)["bulk_dq"], d
+        assert main["role"] == "main" and main["params"]["deterministic"] == want, (d, sk)
     _run_backward(2, 300, 300, 2, 2, 128, 128, False)  # non-causal: unordered
     assert bwd_core.launches[-2]["params"]["deterministic"] == 0
 
 
-def test_stage_dq_is_the_hd256_role_tile():
-    """bwd.stage_dq (the template's kStageDq): role tiles whose dQ chunks fit a ring tile."""
-    for d, want in ((64, False), (96, False), (128, False), (192, False), (256, True)):
+def test_stage_dq_is_every_role_tile():
+    """bwd.stage_dq (the template's kStageDq): the role tiles (head_dim 192 and 256), whose
+    consumers' fp32 dQ halves (64 x head_dim / 2 floats) are exactly a ring tile's bytes; the
+    resources call them bulk-reduced."""
+    for d, want in ((64, False), (96, False), (128, False), (192, True), (256, True)):
         params = bwd_mod.FAMILY.suggest({"dtype": "bf16", "head_dim": d, "causal": False, "local": False,
                                          "softcap": False})
-        assert bwd_mod.stage_dq(params) == want, d
+        assert bwd_mod.stage_dq(params) == want == bwd_mod.roles(params), d
+        r = bwd_mod.FAMILY.resources(params)
+        assert r["bulk_dq"] and r["stage_dq"] == want, d
+        if want:
+            assert 64 * (d // 2) * 4 == r["smem"]["q"]["bytes"] // params["stages"], d
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])

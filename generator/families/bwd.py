@@ -26,9 +26,8 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   memory, dQ = dS K (SS-WGMMA, both operands MN-major). Each consumer's 64 x 64 fp32 dQ tile goes
   to shared memory and a reducer warp of the producer warpgroup adds it to the fp32 accumulator
   with one bulk reduction (``cp.reduce.async.bulk .add.f32``, 16 KB); where shared memory has no
-  room for both consumers' staging tiles (the role tiles), head_dim 256 stages dQ in the ring
-  buffers instead (``stage_dq``, below) and head_dim 192's consumers add their chunks themselves
-  with ``red.global.add.v4.f32``. (A single staging tile the consumers take turns on
+  room for both consumers' staging tiles (the role tiles), dQ is staged in the ring buffers
+  instead (``stage_dq``, below). (A single staging tile the consumers take turns on
   measured about 5 % faster at head_dim 256, but its ordering runs through the reducer warp's two
   split arrive/sync barriers, which compute-sanitizer's racecheck does not follow: it reported
   write-write races there. It was dropped.) The accumulator holds 64 x 64 tiles in WGMMA fragment order, so either way each
@@ -56,17 +55,19 @@ both consumers work on the CTA's 64 key rows, split by role rather than rows, so
 done once. Consumer 0 computes S^T, P^T and dV += P^T dO, and hands P^T (times 1 - tanh^2 with
 softcap: all dS^T needs of it) to consumer 1 through shared memory in fp32, in accumulator
 fragment order (``pd``); consumer 1 computes dP^T, dS^T (staged for dQ) and dK += dS^T Q. Each then
-computes dQ = dS K over half of its 64-column chunks (one m64n128 GEMM for two). One accumulator
+computes dQ = dS K over half of its columns (96 or 128, in GEMMs of at most 64 columns that stay
+inside K's 64-column swizzle chunks: 64 + 32 and 32 + 64 at head_dim 192). One accumulator
 of 64 x head_dim per consumer: 128 registers at 256, where dK and dV together would not fit.
-block_n 64 doubles the dQ additions per key of block_n 128 (one per 64 keys): at head_dim 256
-they are staged in the Q and dO ring buffers themselves, each consumer writing its fp32 chunks
-into the buffer whose last reader it is (consumer 0: dO's, after dV; consumer 1: Q's, after dK),
-and the reducer warp adds each consumer's 32 KB with one bulk reduction and only then releases
+block_n 64 doubles the dQ additions per key of block_n 128 (one per 64 keys): they are staged in
+the Q and dO ring buffers themselves, each consumer writing its fp32 half (exactly a ring tile's
+bytes: 32 KB at head_dim 256, 24 KB at 192) into the buffer whose last reader it is (consumer 0:
+dO's, after dV; consumer 1: Q's, after dK), and the reducer warp adds each half with one bulk
+reduction (contiguous in the accumulator: DqTile keeps each 8-column group of a 64-row block
+together) and only then releases
 the buffer to the loads (the empty barriers count its arrival too). Measured on an H200
 (docs/PERF.md): no dQ additions at all 547 TFLOP/s at 16k, the consumers' ``red.v4`` 377, the
 staging alone (bulk reductions dropped) 442, staged 418-425; the staging's cost is shared-memory
-bandwidth (64 KB written and read per block beside ~256 KB of operand reads). At head_dim 192 the
-chunks do not fit the 24 KB buffers and the consumers add them with ``red.v4``. The block's target
+bandwidth (64 KB written and read per block beside ~256 KB of operand reads). The block's target
 reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
 Deterministic: ``BwdParams.deterministic`` 1 and 3 signal a block's hand-off once its additions
 have landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
@@ -89,7 +90,7 @@ Feasibility (checked before anything is rendered):
   slice divides P; registers: S^T and dP^T (block_m/2 each) plus dK and dV (slice/2 each) <= 240 -
   48 per consumer thread.
 - block_n = 64 (role tiles): block_m = 64, slice = P; registers: S^T or dP^T (block_m/2) plus dV or
-  dK (P/2) plus up to two 32-register dQ chunks <= 232 - 8.
+  dK (P/2) plus one 32-register dQ piece <= 232 - 8.
 - Shared memory: K and V (block_n x P each), stages x (Q and dO, block_m x P each, and LSE and
   dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), dq_buffers x 16 KB of dQ
   staging, the role tiles' fp32 P^T (64 x block_m), 1024 bytes of mbarriers (and slots) and 1024 of
@@ -181,16 +182,12 @@ def pre_rows_per_cta(params: dict) -> int:
 
 
 def stage_dq(params: dict) -> bool:
-    """Role tiles whose consumers' fp32 dQ chunks (each consumer half of head_dim padded / 64
-    chunks of 64 x 64) fit a Q/dO ring tile (64 x head_dim padded, 2 bytes): staged there and added
-    by the reducer warp's bulk reductions (head_dim 256; the template's kStageDq). The other role
-    tiles (head_dim 192) add dQ from the consumers with red.global.add.v4.f32."""
-    if not roles(params):
-        return False
-    p = _pad64(params["head_dim"])
-    chunks0 = (p // 64 + 1) // 2
-    chunks1 = max(1, p // 64 - chunks0)
-    return max(chunks0, chunks1) * DQ_TILE_BYTES <= 64 * p * ELEM
+    """Whether the consumers stage their fp32 dQ in the Q/dO ring tiles for the reducer warp's bulk
+    reductions (the template's kStageDq): every role tile. Each consumer's half of dQ (64 x
+    head_dim padded / 2 floats) is exactly a 64 x head_dim padded 16-bit ring tile, at head_dim 192
+    (96 columns each) as at 256 (128). (Earlier dQ went in 64-column chunks, two of which do
+    not fit head_dim 192's 24 KB tile, and its consumers added dQ with red.global.add.v4.f32.)"""
+    return roles(params)
 
 
 def roles(params: dict) -> bool:
@@ -256,9 +253,9 @@ class BwdFamily(Family):
             out.append(("slice", sl, f"a divisor of head_dim padded to 64 ({p})"))
         if out:
             return out
-        if roles(params):  # S^T or dP^T, dV or dK, and up to two 64 x 64 dQ chunks
-            need = bm // 2 + p // 2 + 32 * min(2, -(-p // 128))
-            what = "S^T or dP^T (block_m/2) + dV or dK (head_dim/2) + dQ chunks (32 each)"
+        if roles(params):  # S^T or dP^T, dV or dK, and one dQ piece of at most 64 x 64
+            need = bm // 2 + p // 2 + 32
+            what = "S^T or dP^T (block_m/2) + dV or dK (head_dim/2) + a dQ piece (32)"
             limit = ROLES_CONSUMER_REGS - ROLES_REG_HEADROOM
         else:
             need = bm // 2 * 2 + sl // 2 * 2

@@ -73,11 +73,17 @@ struct SmemTileSW {
                           kDescMode);
   }
 
-  // MN-major operand (rows are K, columns are N; V as the transposed B of O += P V): k-step ks.
-  // LBO = bytes between column chunks, SBO = 1024 (8 K-rows).
-  __device__ __forceinline__ uint64_t desc_mn_major(int ks) const {
+  // MN-major operand (rows are K, columns are N; V as the transposed B of O += P V): k-step ks,
+  // N from column `col` on (a multiple of 8). LBO = bytes between column chunks, SBO = 1024 (8
+  // K-rows). A `col` inside a chunk starts the operand mid-row: the swizzle is of address bits, as
+  // for a K-major k-step inside a chunk, so an N that ends at or before the chunk's end reads right
+  // (the backward's dQ halves at head_dim 192: columns 64-95 and 96-127).
+  __device__ __forceinline__ uint64_t desc_mn_major(int ks, int col = 0) const {
     static_assert(sizeof(T) == 2 && RowBytes == 128, "WGMMA reads transposed (MN-major) operands only for 16-bit types");
-    return make_smem_desc(addr, kChunkBytes, 1024, ks * kKStep * kRowBytes, kDescMode);
+    return make_smem_desc(addr, kChunkBytes, 1024,
+                          ks * kKStep * kRowBytes + (col / kChunkCols) * kChunkBytes +
+                              (col % kChunkCols) * static_cast<int>(sizeof(T)),
+                          kDescMode);
   }
 
   // TMA: load rows [row, row + Rows) of a 4-D (dim, seq, head, batch) tensor map whose box is one
