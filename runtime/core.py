@@ -458,7 +458,7 @@ class _BwdPlan(NamedTuple):
     num_slices: int
     sms: int  # the device's SM count (the deterministic hand-off's mode)
     pre_rows: int  # query rows per CTA of the preprocess (generator/families/bwd.py pre_rows_per_cta)
-    bulk_dq: bool  # dQ added by the reducer warp's bulk reductions (bwd.py resources; not head_dim 192)
+    bulk_dq: bool  # dQ added by the reducer warp's bulk reductions (bwd.py resources; every default tile)
 
 
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
@@ -491,8 +491,8 @@ _WS_ALIGN = 256
 # share instead of zeroing the accumulator first, and runs key blocks shortest first. Measured
 # (docs/PERF.md, bf16, FA3 protocol, the ordered over the unordered path): seqlen 512: H100 1.06 /
 # 1.13 / 1.13 at head_dim 64 / 128 / 256, H200 1.02 / 1.01 / 1.02, hd96 1.00-1.01; seqlen 1024, H100:
-# 1.03 / 0.98 / 1.02 (hd128 loses: left unordered from 1024 on). head_dim 192, whose consumers add
-# dQ with red.v4 and in the ordered path wait for their turn: 0.84 at 512 (H200), so never.
+# 1.03 / 0.98 / 1.02 (hd128 loses: left unordered from 1024 on). head_dim 192 (H200): 1.01 since
+# its dQ is staged and bulk-reduced (08749c1); before, with the consumers' red.v4, 0.84.
 ORDERED_CAUSAL_MAX_SEQLEN_K = 512
 
 

@@ -615,8 +615,8 @@ def flash_attn_func(
         deterministic: the backward gives bitwise-reproducible gradients (its dq
             accumulation runs in a fixed order, at some cost in speed); the forward is
             always deterministic. Without it, causal calls with seqlen_k <= 512 take the
-            ordered path anyway where it measured faster (head_dim other than 192:
-            core.ORDERED_CAUSAL_MAX_SEQLEN_K).
+            ordered path anyway, where it measured faster
+            (core.ORDERED_CAUSAL_MAX_SEQLEN_K).
         return_attn_probs: when True return ``(out, lse)`` (as FA3 does), else ``out``.
         The arguments after ``causal`` are keyword-only, so a positional call written for
         a different argument order fails loudly instead of binding wrongly.
