@@ -241,8 +241,8 @@ def real_bwd(tmp_path_factory):
     _toolchain()
     out = tmp_path_factory.mktemp("realbwd")
     proj = Project(REPO, build_override=out)
-    pick = select(load_variants(proj), "bwd_bf16_hd64_noncausal_m*,bwd_fp16_hd256_causal_softcap_*")
-    assert len(pick) == 2
+    pick = select(load_variants(proj), "bwd_bf16_hd64_noncausal_m*,bwd_fp16_hd256_causal_softcap_*,bwd_bf16_hd192_local_m*")
+    assert len(pick) == 3
     return proj, build(proj, pick, jobs=2, log=lambda s: None), pick
 
 
@@ -260,6 +260,21 @@ def test_real_bwd_compiles_without_spills_and_uses_wgmma_and_tma(real_bwd):
     for v in pick:
         ops = sass.check(str(proj.fatbin_dir / f"{v.name}.fatbin"), {v.symbol(k.role): k.sass for k in v.kernels})
         assert {"HGMMA", "UTMALDG", "USETMAXREG"} <= set(ops[v.symbol("main")])
+
+
+def test_real_bwd_role_tiles_bulk_reduce_dq(real_bwd):
+    """The role tiles (head_dim 192 and 256) stage each consumer's dQ half for the reducer warp's
+    bulk reductions: the main kernel has no fp32 vector reductions (REDG ...F32x4, the consumers'
+    old path at head_dim 192), and head_dim 192's halves of 96 columns are computed as 64- and
+    32-column pieces inside K's swizzle chunks (HGMMA.64x64 and 64x32 for dQ, none 64x128)."""
+    proj, res, pick = real_bwd
+    roles = [v for v in pick if v.params["block_n"] == 64]
+    assert {v.params["head_dim"] for v in roles} == {192, 256}
+    for v in roles:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        assert "UBLKRED.G.S.ADD.F32" in body and not re.search(r"REDG\.E\.ADD\.F32x4", body), v.name
+        assert ("HGMMA.64x32x16.F32" in body) == (v.params["head_dim"] == 192), v.name
+        assert "HGMMA.64x128x16.F32" not in body, v.name
 
 
 def test_real_bwd_deterministic_hand_off(real_bwd):
