@@ -220,8 +220,7 @@ class BwdFamily(Family):
         regs, head_dim_padded, num_slices, pre_row_lanes, pre_rows_per_cta, stage_dq, bulk_dq (the reducer warp adds dQ
         with bulk reductions: staged tiles or stage_dq; else the consumers add with red.v4). The buffer counts are the first of (dS^T, dQ) = (2, 2),
         (1, 2), (1, 0) that fits in shared memory; role tiles take (1, 0) (their P^T hand-off
-        orders the one dS^T buffer's reuse; their dQ is staged in the ring buffers (stage_dq) or
-        added by the consumers)."""
+        orders the one dS^T buffer's reuse; their dQ is staged in the ring buffers: stage_dq)."""
         for ds_buffers, dq_buffers in ((1, 0),) if roles(params) else ((2, 2), (1, 2), (1, 0)):
             smem = smem_layout(params, ds_buffers, dq_buffers)
             if _smem_total(smem) <= SMEM_LIMIT:
