@@ -9,6 +9,8 @@ configs/fwd_fp8_tune.yaml's candidates), launched through flashgen.core with the
 --match GLOB: with --variants, only the variants whose names match (e.g. '*noncausal_m*').
 --dtype bf16|fp16: with --variants, that dtype's variants instead of e4m3 (random normal inputs, no descales).
 --rounds N: with --variants, every variant timed N times in turn (rounds alternate over the variants).
+  With --dtype bf16/fp16, SDPA's cuDNN and FA2 backends are timed in each round too (rows `sdpa-cudnn`,
+  `sdpa-fa2`; BSHD tensors as a user calls SDPA), so the variants' ratios to them come from one run.
 Usage: python scripts/fp8_bench.py [--seqlens 512,...,16384] [--head-dims 64,128,256] [--causal both] [--variants]
        [--softcap C]"""
 from __future__ import annotations
@@ -19,7 +21,7 @@ import fnmatch
 import torch
 
 import flashgen
-from flashgen.bench import _flops, _time_ms
+from flashgen.bench import _flops, _sdpa_fn, _time_ms
 
 
 def main() -> None:
@@ -91,6 +93,8 @@ def tiles(a) -> None:
             vs = sorted((v for v in variants if v.params["head_dim"] == d and v.params["causal"] == causal),
                         key=lambda v: v.name)
             cells = {v.name: [[] for _ in seqlens] for v in vs}
+            peers = () if fp8 else ("sdpa-cudnn", "sdpa-fa2")
+            cells.update({p: [[] for _ in seqlens] for p in peers})
             for _ in range(a.rounds):
                 for si, s in enumerate(seqlens):
                     b, h = 16384 // s, 2048 // d
@@ -105,10 +109,18 @@ def tiles(a) -> None:
                                                             arg(lse, "fp32"), d ** -0.5, causal, stream, variant=var,
                                                             q_descale=ds, k_descale=ds, v_descale=ds)
                         cells[var.name][si].append(_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn))
+                    if peers:
+                        from torch.nn.attention import SDPBackend
+                        for p, backend in zip(peers, (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)):
+                            fn = _sdpa_fn(backend, q, k, v_, causal)
+                            cells[p][si].append(_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn) if fn else float("nan"))
             for var in vs:
                 tile = tile_label(tuning.tile_of(var.params, var.dispatch)) + (" *" if var.default else "")
                 row = " | ".join("/".join(f"{x:.0f}" for x in c) for c in cells[var.name])
                 print(f"| {d} | {causal} | {tile} | {var.name.rsplit('_', 1)[0]} | {row} |", flush=True)
+            for p in peers:
+                row = " | ".join("/".join(f"{x:.0f}" for x in c) for c in cells[p])
+                print(f"| {d} | {causal} | {p} | {p} | {row} |", flush=True)
 
 
 if __name__ == "__main__":
