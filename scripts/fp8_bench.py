@@ -72,6 +72,7 @@ def tiles(a) -> None:
     from flashgen import core, tuning
     from flashgen.manifest import load_manifest
     from flashgen.tune import tile_label
+    from torch.nn.attention import SDPBackend
 
     def arg(t, dtype):
         return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, t.device.index)
@@ -110,17 +111,16 @@ def tiles(a) -> None:
                                                             q_descale=ds, k_descale=ds, v_descale=ds)
                         cells[var.name][si].append(_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn))
                     if peers:
-                        from torch.nn.attention import SDPBackend
                         for p, backend in zip(peers, (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)):
                             fn = _sdpa_fn(backend, q, k, v_, causal)
                             cells[p][si].append(_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn) if fn else float("nan"))
+            def row(name):  # one cell per seqlen: the rounds' figures
+                return " | ".join("/".join(f"{x:.0f}" for x in c) for c in cells[name])
             for var in vs:
                 tile = tile_label(tuning.tile_of(var.params, var.dispatch)) + (" *" if var.default else "")
-                row = " | ".join("/".join(f"{x:.0f}" for x in c) for c in cells[var.name])
-                print(f"| {d} | {causal} | {tile} | {var.name.rsplit('_', 1)[0]} | {row} |", flush=True)
+                print(f"| {d} | {causal} | {tile} | {var.name.rsplit('_', 1)[0]} | {row(var.name)} |", flush=True)
             for p in peers:
-                row = " | ".join("/".join(f"{x:.0f}" for x in c) for c in cells[p])
-                print(f"| {d} | {causal} | {p} | {p} | {row} |", flush=True)
+                print(f"| {d} | {causal} | {p} | {p} | {row(p)} |", flush=True)
 
 
 if __name__ == "__main__":
