@@ -650,7 +650,7 @@ def _bwd_params(**kw):
 
 def test_bwd_role_tiles_rules_and_resources():
     """block_n 64 (the role tiles): block_m 64 and slice = head_dim padded, or a problem naming the
-    key; their resources: one dS^T buffer, no dQ staging tiles, the fp32 P^T region, 32 / 232
+    key; their resources: one dS^T buffer, no dQ staging tiles, the 16-bit P^T region, 32 / 232
     registers, fitting 227 KB at head_dim 256 with 2 stages; the suggested tile at 192 and 256."""
     fam = bwd_mod.FAMILY
     assert fam.problems(_bwd_params()) == []
@@ -661,7 +661,7 @@ def test_bwd_role_tiles_rules_and_resources():
     assert (r["ds_buffers"], r["dq_buffers"], r["num_slices"]) == (1, 0, 1)
     assert (r["producer_regs"], r["consumer_regs"]) == (32, 232)
     assert 128 * 32 + 256 * 232 <= 65536
-    assert r["smem"]["pd"]["bytes"] == 64 * 64 * 4 and r["smem"]["k"]["bytes"] == 64 * 256 * 2
+    assert r["smem"]["pd"]["bytes"] == 64 * 64 * 2 and r["smem"]["k"]["bytes"] == 64 * 256 * 2
     assert r["smem_bytes"] <= bwd_mod.SMEM_LIMIT
     old = fam.resources(_bwd_params(block_n=128, slice=128, stages=1))  # the slice tile keeps its layout
     assert old["smem"]["pd"]["bytes"] == 0 and (old["producer_regs"], old["consumer_regs"]) == (24, 240)

@@ -53,7 +53,8 @@ takes 64 query rows of a 64-column slice.
 Role tiles (block_n 64, block_m 64, slice = head_dim_padded; the default at head_dim 192 and 256):
 both consumers work on the CTA's 64 key rows, split by role rather than rows, so every GEMM is
 done once. Consumer 0 computes S^T, P^T and dV += P^T dO, and hands P^T (times 1 - tanh^2 with
-softcap: all dS^T needs of it) to consumer 1 through shared memory in fp32, in accumulator
+softcap: all dS^T needs of it) to consumer 1 through shared memory in the input dtype (the P that
+dV's GEMM takes; fp32 until 2026-11-22, half the bytes now), in accumulator
 fragment order (``pd``); consumer 1 computes dP^T, dS^T (staged for dQ) and dK += dS^T Q. Each then
 computes dQ = dS K over half of its columns (96 or 128, in GEMMs of at most 64 columns that stay
 inside K's 64-column swizzle chunks: 64 + 32 and 32 + 64 at head_dim 192). One accumulator
@@ -93,7 +94,7 @@ Feasibility (checked before anything is rendered):
   dK (P/2) plus one 32-register dQ piece <= 232 - 8.
 - Shared memory: K and V (block_n x P each), stages x (Q and dO, block_m x P each, and LSE and
   dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), dq_buffers x 16 KB of dQ
-  staging, the role tiles' fp32 P^T (64 x block_m), 1024 bytes of mbarriers (and slots) and 1024 of
+  staging, the role tiles' 16-bit P^T (64 x block_m), 1024 bytes of mbarriers (and slots) and 1024 of
   alignment slack <= 227 KB. dS^T is double-buffered
   when that fits (one fewer barrier per query block); dQ staging is 2 buffers (one per consumer)
   or none (the consumers' own reductions).
@@ -197,12 +198,12 @@ def roles(params: dict) -> bool:
 
 def smem_layout(params: dict, ds_buffers: int, dq_buffers: int) -> dict:
     """Shared-memory regions ``{name: {"offset", "bytes"}}`` of the main kernel, in address order
-    (``pd``: the role tiles' fp32 P^T hand-off, 64 x block_m; empty otherwise)."""
+    (``pd``: the role tiles' 16-bit P^T hand-off, 64 x block_m; empty otherwise)."""
     p, bm, st = _pad64(params["head_dim"]), int(params["block_m"]), int(params["stages"])
     bn = int(params["block_n"])
     sizes = {"k": bn * p * ELEM, "v": bn * p * ELEM, "q": st * bm * p * ELEM, "do": st * bm * p * ELEM,
              "ds": ds_buffers * bn * bm * ELEM, "dq": dq_buffers * DQ_TILE_BYTES, "lse": st * bm * 4,
-             "dpsum": st * bm * 4, "pd": (64 * bm * 4 if roles(params) else 0), "bars": BARRIER_BYTES}
+             "dpsum": st * bm * 4, "pd": (64 * bm * ELEM if roles(params) else 0), "bars": BARRIER_BYTES}
     out, off = {}, 0
     for name, size in sizes.items():
         out[name] = {"offset": off, "bytes": size}
