@@ -28,7 +28,8 @@ from flashgen.generator.project import Project  # noqa: E402
 
 GPU = "NVIDIA Test GPU 80GB HBM3"  # no shipped table has this name
 SLUG = "nvidia-test-gpu-80gb-hbm3"
-KNOBS = {"pingpong": True, "overlap": True, "persistent": True, "late_pv_wait": True, "exp_turns": False}
+KNOBS = {"pingpong": True, "overlap": True, "persistent": True, "late_pv_wait": True, "early_pack": False,
+         "exp_turns": False}
 DEFAULT = {"block_m": 128, "block_n": 128, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND = {"block_m": 128, "block_n": 176, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND2 = {"block_m": 128, "block_n": 112, "stages": 2, "consumer_wgs": 2, **KNOBS}
@@ -603,12 +604,19 @@ def test_shipped_tables(path):
     for e in t.entries.values():
         for r in e.rows:
             if r.tile is not None:
-                hits = [v for v in vs if v.family == e.family and v.dispatch == full_key(e.family, e.key)
-                        and all(v.params.get(k) == x for k, x in r.tile.items())]
-                assert hits, (path.name, e.key, r.tile)
-                pick = min(hits, key=lambda v: (not v.default, v.name))  # what the runtime serves when built
+                pick = _runtime_pick(vs, e.family, e.key, r.tile)  # what the runtime serves when built
+                assert pick is not None, (path.name, e.key, r.tile)
                 assert pick.name in default_set and pick.default_build, (path.name, e.key, r.tile)
                 assert any(s.startswith(f"configs/tune/{path.name}: entries[") for s in pick.sources)
+
+
+def _runtime_pick(vs, family, key, tile):
+    """The variant of ``vs`` the runtime serves for a table row's ``tile`` when everything is built
+    (tuning.variant_with_tile, with the key's default variant as ``like``)."""
+    from types import SimpleNamespace as NS
+
+    like = next((v for v in vs if v.family == family and v.dispatch == full_key(family, key) and v.default), None)
+    return tuning.variant_with_tile(NS(variants=vs), family, key, tile, like=like)
 
 
 def test_default_set_is_the_configs_plus_the_shipped_winners():
@@ -621,9 +629,7 @@ def test_default_set_is_the_configs_plus_the_shipped_winners():
         for e in tuning.load_table(path).entries.values():
             for r in e.rows:
                 if r.tile is not None:
-                    hits = [v for v in vs if v.family == e.family and v.dispatch == full_key(e.family, e.key)
-                            and all(v.params.get(k) == x for k, x in r.tile.items())]
-                    named.add(min(hits, key=lambda v: (not v.default, v.name)).name)
+                    named.add(_runtime_pick(vs, e.family, e.key, r.tile).name)
     by_config = {f"configs/{p.name}" for p in REPO.glob("configs/*.yaml")
                  if yaml.safe_load(p.read_text()).get("default_build", True)}
     from_config = {v.name for v in vs if any(s.split(":")[0] in by_config for s in v.sources)}
@@ -858,3 +864,21 @@ def test_tile_without_a_newer_knob_prefers_the_default_variants_value():
     assert tuning.variant_with_tile(m, "fwd", key, old_row, like=default) is early_s3
     assert tuning.variant_with_tile(m, "fwd", key, {**old_row, "late_pv_wait": True}, like=default) is late_s3
     assert tuning.variant_with_tile(m, "fwd", key, {**base, "stages": 4}, like=default) is None
+
+
+def test_default_set_takes_the_runtimes_variant_for_a_tile_without_a_newer_knob(tmp_path):
+    """A table row that names no value for a knob (written before the knob existed) matches every
+    candidate with that tile; the one that joins the default set is the one the runtime serves
+    (tuning.variant_with_tile): the variant agreeing with the key's default variant on the knob, not
+    the first by name (here "..._nopp_..." before "..._pp_...")."""
+    cands = CANDS_FWD.replace("  - {head_dim: 128, block_m: 128, block_n: 176, consumer_wgs: 2}\n",
+                              "  - {head_dim: 128, block_m: 128, block_n: 176, consumer_wgs: 2}\n"
+                              "  - {head_dim: 128, block_m: 128, block_n: 176, consumer_wgs: 2, pingpong: false}\n")
+    proj = make_project(tmp_path, {"fwd.yaml": SMALL_FWD, "fwd_tune.yaml": cands})
+    old_row = {k: v for k, v in CAND.items() if k != "pingpong"}
+    write_table(proj.configs_dir / "tune" / f"{SLUG}.yaml", table_data(rows=[{"max_seqlen_k": None, "tile": old_row}]))
+    vs = _load_quiet(proj)
+    same_tile = sorted((v for v in vs if v.dispatch == KEY and tile_of(v)["block_n"] == 176), key=lambda v: v.name)
+    assert [v.params["pingpong"] for v in same_tile] == [False, True]  # by name the knob's variant comes first
+    added = [v for v in select(vs) if v.tuned]
+    assert [(v.params["pingpong"], v.tuned) for v in added] == [(True, [SLUG])]
