@@ -678,17 +678,3 @@ def test_bwd_default_build_uses_role_tiles_above_128():
     for v in load_variants(Project(REPO)):
         if v.family == "bwd":
             assert (v.params["block_n"] == 64) == (v.params["head_dim"] >= 192), v.name
-
-
-def test_fwd_early_pack_only_for_e4m3_with_the_late_wait():
-    """early_pack moves the e4m3 conversion of P above the late P V wait: a problem naming the key
-    for a 16-bit dtype, without overlap, or with late_pv_wait false; none for e4m3 with both."""
-    base = dict(family="fwd", dtype="e4m3", head_dim=128, head_dim_v=128, causal=False, local=False, softcap=False,
-                pack_gqa=False, block_m=128, block_n=192, stages=2, consumer_wgs=2, pingpong=True, overlap=True,
-                persistent=True, late_pv_wait=True, early_pack=True, exp_turns=False)
-    keys = lambda **kw: [k for k, _, _ in fwd_mod.FAMILY.problems(fwd_mod.FAMILY.derive({**base, **kw}))]  # noqa: E731
-    assert keys() == []
-    assert keys(dtype="bf16", block_n=128) == ["early_pack"]
-    assert keys(late_pv_wait=False) == ["early_pack"]
-    assert keys(overlap=False) == ["early_pack"]
-    assert keys(early_pack=False, late_pv_wait=False) == []

@@ -245,10 +245,6 @@ class FwdFamily(Family):
                 out.append(("pack_gqa", True, "false with dtype e4m3 (the FP8 forward has no PackGQA yet)"))
             if hd != hdv:
                 out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) with dtype e4m3"))
-        if params.get("early_pack") and (params["dtype"] != "e4m3" or not params["overlap"]
-                                         or not params.get("late_pv_wait", True)):
-            out.append(("early_pack", True, "false unless dtype e4m3 with overlap and late_pv_wait (it moves the "
-                                            "e4m3 conversion of P above the late P V wait)"))
         if out:
             return out
         r = self.resources(params)
@@ -290,8 +286,7 @@ class FwdFamily(Family):
                 f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops",
-                *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else []),
-                *(["ep"] if p.get("early_pack") else [])]
+                *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else [])]
 
     def suggest(self, key):
         """FA3's published tiles (DESIGN.md §4) as the starting point for a missing key (head dims
@@ -334,9 +329,6 @@ FAMILY = FwdFamily(
             doc="with overlap: wait for P V_{j-1} after the softmax of S_j, so that the softmax runs under "
                 "that GEMM (false: the wait ptxas hoists above the softmax; measured better for e4m3 "
                 "head_dim 256 and head_dim 64 causal)"),
-        Key("early_pack", bool, "knob", default=False,
-            doc="e4m3 with the late P V wait: S's conversion to e4m3 before that wait, beside the "
-                "exponentials, only the byte joins into P's registers after it (fwd.cu.j2 kEarlyPack)"),
         Key("exp_turns", bool, "knob", default=False,
             doc="the consumer warpgroups take turns for their softmax exponentials (a second named-barrier "
                 "ring), so one warpgroup's MUFU.EX2 phase runs at a time (fwd.cu.j2 kExpTurns)"),

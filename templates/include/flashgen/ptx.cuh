@@ -201,20 +201,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 // ---------------------------------------------------------------- 8-bit data (FP8 forward)
 // Four fp32 values -> four e4m3 bytes in one register (byte 0 = a), round to nearest even,
 // saturating to +-448 (PTX ISA cvt: for .f32 sources, the first operand goes to the upper byte).
-// Two fp32 values -> two e4m3 bytes in the low half of a register (byte 0 = a), as pack4_e4m3.
-__device__ __forceinline__ uint32_t pack2_e4m3(float a, float b) {
-  uint32_t r;
-  asm("{\n.reg .b16 lo;\n"
-      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
-      "mov.b32 %0, {lo, 0};\n}\n"
-      : "=r"(r)
-      : "f"(a), "f"(b));
-  return r;
-}
-
-// The low halves of two registers in one (lo's in the low half): one PRMT.
-__device__ __forceinline__ uint32_t join_lo16(uint32_t lo, uint32_t hi) { return __byte_perm(lo, hi, 0x5410); }
-
 __device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float d) {
   uint32_t r;
   asm("{\n.reg .b16 lo, hi;\n"

@@ -72,28 +72,6 @@ __device__ __forceinline__ void acc_to_a_frag(const float (&s)[R], uint32_t (&a)
 // (pairs (key i, key i + 8) side by side). transpose_v (fp8.cuh) writes V^T's columns in the same
 // order, so the product is unchanged (FA3, arXiv 2407.08608 §3.3: the accumulator byte permute
 // matched by the V transpose's row order). Values saturate to +-448.
-// In two halves (early_pack, fwd.cu.j2 kEarlyPack): acc_to_e4m3_pairs converts, two e4m3 bytes per
-// register (the F2FPs; the accumulator's registers are free once they are read), e4m3_pairs_to_a_frag
-// joins the pairs into the fragment registers (one PRMT each), so that only the joins wait for the
-// P V GEMM that reads the fragment registers (acc_to_a_frag_e4m3 below: the same in one step).
-template <int R>
-__device__ __forceinline__ void acc_to_e4m3_pairs(const float (&s)[R], uint32_t (&h)[R / 2]) {
-  static_assert(R % 16 == 0, "whole k32 steps");
-#pragma unroll
-  for (int kk = 0; kk < R / 16; ++kk) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {  // register r: row r % 2 (0: r, 1: r + 8), k half r / 2
-      const float* x = s + 16 * kk + 8 * (r / 2) + 2 * (r % 2);
-      h[2 * (4 * kk + r)] = pack2_e4m3(x[0], x[4]);
-      h[2 * (4 * kk + r) + 1] = pack2_e4m3(x[1], x[5]);
-    }
-  }
-}
-template <int R>
-__device__ __forceinline__ void e4m3_pairs_to_a_frag(const uint32_t (&h)[R / 2], uint32_t (&a)[R / 4]) {
-#pragma unroll
-  for (int i = 0; i < R / 4; ++i) a[i] = join_lo16(h[2 * i], h[2 * i + 1]);
-}
 template <int R>
 __device__ __forceinline__ void acc_to_a_frag_e4m3(const float (&s)[R], uint32_t (&a)[R / 4]) {
   static_assert(R % 16 == 0, "whole k32 steps");
