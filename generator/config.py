@@ -443,17 +443,9 @@ def _add_tuned(project, variants: list[Variant], warn) -> None:
                  "whole table too):\n  " + "\n  ".join(problems))
             continue
         for where, family, key, tile in tunetable.named_tiles(data):
-            hits = [v for v in variants if v.family == family and v.dispatch == key and tunetable.has_tile(v.params, tile)]
-            if hits:
-                # The runtime's choice among built ones (tuning.variant_with_tile): the default, then the
-                # one that agrees with the key's default variant on the keys the tile leaves out (a table
-                # written before a knob existed names no value for it), then the first by name.
-                like = next((v for v in variants if v.family == family and v.dispatch == key and v.default), None)
-
-                def unlike(v, like=like, tile=tile):
-                    return like is not None and any(v.params.get(k) != x for k, x in like.params.items() if k not in tile)
-
-                v = min(hits, key=lambda v: (not v.default, unlike(v), v.name))
+            like = next((v for v in variants if v.family == family and v.dispatch == key and v.default), None)
+            v = tunetable.pick_variant(variants, family, key, tile, like)  # the runtime's choice among built ones
+            if v is not None:
                 v.sources.append(f"{label}: {where}")
                 if v.name not in by_config:  # in the default set because of this table
                     v.default_build = True

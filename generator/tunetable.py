@@ -195,3 +195,17 @@ def has_tile(params: dict, tile: dict) -> bool:
     """Whether a variant's params carry ``tile`` (the runtime's match, flashgen/tuning.py)."""
     return all(params.get(k) == x for k, x in tile.items())
 
+
+def pick_variant(variants, family: str, dispatch: dict, tile: dict, like=None):
+    """Of ``variants`` (objects with family, dispatch, params, default, name), the one a table row's
+    ``tile`` names for (family, full dispatch key), or None: the default, then the one that agrees
+    with ``like`` (the key's default variant) on the keys the tile leaves out (a table written before
+    a knob existed names no value for it), then the first by name. The runtime's choice among the
+    built variants (flashgen/tuning.py) and the default build's (generator/config.py) alike."""
+    hits = [v for v in variants if v.family == family and v.dispatch == dispatch and has_tile(v.params, tile)]
+
+    def unlike(v):
+        return like is not None and any(v.params.get(k) != x for k, x in like.params.items() if k not in tile)
+
+    return min(hits, key=lambda v: (not v.default, unlike(v), v.name)) if hits else None
+

@@ -57,7 +57,7 @@ from pathlib import Path
 # checkout's tables to put their tiles into the default build: one check for both.
 from .dispatch import full_key
 from .generator.tunetable import (  # noqa: F401 -- re-exported: flashgen.tuning.check_table etc.
-    ENTRY_KEYS, MEASURED_KEYS, ROW_KEYS, SCHEMA, TABLE_DIR, TOP_KEYS, check_table, gpu_slug, has_tile)
+    ENTRY_KEYS, MEASURED_KEYS, ROW_KEYS, SCHEMA, TABLE_DIR, TOP_KEYS, check_table, gpu_slug, has_tile, pick_variant)
 
 ENV = "FLASHGEN_TUNE_TABLE"
 
@@ -244,14 +244,7 @@ def variant_with_tile(manifest, family: str, dispatch: dict, tile: dict, like=No
     built). Among several (a table written before a knob existed names no value for it): the
     default, then the one that agrees with ``like`` (the key's default variant) on the keys the tile
     leaves out, then the first by name."""
-    dispatch = full_key(family, dispatch)
-    hits = [v for v in manifest.variants
-            if v.family == family and v.dispatch == dispatch and has_tile(v.params, tile)]
-
-    def unlike(v):
-        return like is not None and any(v.params.get(k) != x for k, x in like.params.items() if k not in tile)
-
-    return min(hits, key=lambda v: (not v.default, unlike(v), v.name)) if hits else None
+    return pick_variant(manifest.variants, family, full_key(family, dispatch), tile, like)
 
 
 def tuned_variant(default, bucket: int, device: int, manifest):
