@@ -117,6 +117,28 @@ def test_real_template_spec_max_where_the_rule_says(real_subset):
         {"dtype": "e4m3"}, {"softcap": True}, {"head_dim": 256, "head_dim_v": 256}, {"head_dim": 192}))
 
 
+def test_real_template_half_first_where_the_rule_says(real_subset):
+    """fwd.py half_first (causal, two consumer warpgroups, block_n >= 64, not local, PackGQA or FP8
+    softcap) is what the rendered kernels compile: kHalfFirst true in the causal subset variants and
+    false in the others (the GPU test test_half_first_block_variants checks the results)."""
+    from generator.families.fwd import half_first
+
+    proj, res, pick = real_subset
+    seen = set()
+    for v in pick:
+        src = (proj.src_dir / f"{v.name}.cu").read_text()
+        on = half_first(v.params)
+        seen.add(on)
+        assert f"constexpr bool kHalfFirst = {'true' if on else 'false'};" in src, v.name
+    assert seen == {True, False}
+    base = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
+            "pack_gqa": False, "block_m": 128, "block_n": 128, "consumer_wgs": 2}
+    assert half_first(base) and half_first({**base, "dtype": "e4m3"})
+    assert not any(half_first({**base, **d}) for d in (
+        {"causal": False}, {"local": True, "causal": False}, {"pack_gqa": True}, {"consumer_wgs": 3, "block_m": 192},
+        {"block_n": 48}, {"dtype": "e4m3", "softcap": True}))
+
+
 def test_real_template_exponentials_are_8_cycles_apart(real_subset):
     """The premise of spec_max (docs/PERF.md): ptxas spaces the softmax's MUFU.EX2 8 cycles apart
     (16 results per clock per SM) and issues FMNMX every 2 cycles, so the max reduction before the

@@ -195,6 +195,19 @@ def spec_max(params: dict) -> bool:
             and max(params["head_dim"], params.get("head_dim_v", params["head_dim"])) <= 128)
 
 
+def half_first(params: dict) -> bool:
+    """Whether a warpgroup whose rows see no key of the right half of its tile's first K/V block
+    computes that block's left half alone (templates/fwd.cu.j2 kHalfFirst: an S GEMM of block_n / 2
+    keys and the softmax over them; mask.cuh sees_right_half). Under a causal diagonal that is the
+    first warpgroup of every tile whose rows end before its first block's middle (block_m = block_n:
+    every tile). Causal tiles with two consumer warpgroups and block_n >= 64, not PackGQA: where the
+    branch built clean (the 3-warpgroup hd64 tiles spilled 36-148 bytes with it; local, hd256
+    128x48 and e4m3 non-causal tiles had their WGMMAs serialized, C7511)."""
+    return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
+            and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) >= 64
+            and not (params["dtype"] == "e4m3" and params.get("softcap")))
+
+
 class FwdFamily(Family):
     def derive(self, params):
         """head_dim_v defaults to head_dim; consumer_wgs to block_m / 64 (one warpgroup per 64 rows)."""
@@ -207,7 +220,7 @@ class FwdFamily(Family):
         """threads, smem (layout), smem_bytes, producer_regs, consumer_regs, head_dim_padded,
         head_dim_v_padded (whole shared-memory rows), qk_row_bytes / v_row_bytes (those rows' bytes:
         :func:`operand_row_bytes`), separate_o, fp8, out_dtype, block_n_vt (e4m3: V^T's key
-        columns, block_n padded to 128)."""
+        columns, block_n padded to 128), dynamic_schedule, spec_max, half_first (the rules above)."""
         wgs = int(params["consumer_wgs"])
         smem = smem_layout(params)
         producer_regs, consumer_regs = register_split(params)
@@ -227,6 +240,7 @@ class FwdFamily(Family):
             block_n_vt=_pad_chunk(params["block_n"], "e4m3"),
             dynamic_schedule=dynamic_schedule(params),
             spec_max=spec_max(params),
+            half_first=half_first(params),
         )
 
     def problems(self, params):

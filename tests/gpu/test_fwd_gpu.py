@@ -202,6 +202,31 @@ def test_spec_max_variants(ramp):
         check(q, k, v[..., :p["head_dim_v"]].contiguous(), bool(p["causal"]), variant=var)
 
 
+@pytest.mark.parametrize("sq,sk", [(512, 512), (500, 512), (512, 540), (200, 1000), (1000, 200), (129, 129),
+                                   (64, 64), (64, 300)])
+def test_half_first_block_variants(sq, sk):
+    """half_first (fwd.py; fwd.cu.j2 kHalfFirst, mask.cuh sees_right_half): a consumer warpgroup whose rows
+    see no key of the right half of its tile's first K/V block computes that block's left half alone.
+    Every built 16-bit half_first variant, forced, against the float32 reference (FA3's rule), on
+    bottom-right causal alignments where the first warpgroup takes the half block in every tile
+    (sq = sk, a multiple of 128), in some tiles and not others (sq != sk), where neither does (sk =
+    sq + 28), where a tile's rows see nothing (sq > sk), and a ragged last block (64 rows, 300 keys: the
+    rows see keys up to 299, none of the right half of the block of keys 256-383 at block_n 128)."""
+    from generator.families.fwd import half_first
+
+    vs = [v for v in load_manifest().variants
+          if v.family == "fwd" and half_first(v.params) and v.params["dtype"] != "e4m3"]
+    if not vs:
+        pytest.skip("MISSING-FWD-VARIANT: no 16-bit half_first variant is built")
+    for var in vs:
+        p = var.params
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
+        softcap = 15.0 if p["softcap"] else 0.0
+        q, k, v = make_inputs(2, sq, sk, 4, 2, p["head_dim"], dtype, seed=sq + 3 * sk + p["head_dim"])
+        check(q, k, v[..., :p["head_dim_v"]].contiguous(), True, variant=var, softcap=softcap,
+              factor=3.0 if softcap else 2.0)
+
+
 @pytest.mark.parametrize("scale", [0.3, -0.2, 0.0, 2.0])
 def test_any_softmax_scale(scale):
     q, k, v = make_inputs(2, 129, 257, 4, 4, 128, torch.bfloat16, seed=3)

@@ -106,12 +106,25 @@ struct BlockMask {
     return ragged;
   }
 
+  // Whether a query up to q_last (a warpgroup's last row: its largest query) sees a key of the
+  // right half of block n (from n * BlockN + BlockN / 2 on). If not, that warpgroup's S of block n
+  // is the left half alone (the tile's first block under a causal diagonal or a ragged seqlen_k).
+  __device__ __forceinline__ bool sees_right_half(int n, int q_last) const {
+    int limit = band.seqlen_k;  // keys below limit are seen
+    if constexpr (Local) limit = min(limit, band.key_hi(q_last) + 1);
+    if constexpr (Causal) limit = min(limit, q_last + 1 + band.seqlen_k - band.seqlen_q);
+    return n * BlockN + BlockN / 2 < limit;
+  }
+
   // S[i][j] = -inf where key j is past the sequence end or not seen by query i.
+  // S: the m64nBlockN accumulator of block n, or its first R registers (the first 2R columns);
   // n: the K/V block of S; q0: the query of this thread's first row (accumulator row r0), dq: the
   // query of its second (row r0 + 8) minus q0 (8 unpacked). (Local tests key - query against two
   // constants, so no per-row bound stays live across the main loop: with per-row bounds hoisted,
   // head_dim 256 spilled.)
-  __device__ __forceinline__ void apply(float (&s)[BlockN / 2], int n, int q0, int dq, int lane) const {
+  template <int R>
+  __device__ __forceinline__ void apply(float (&s)[R], int n, int q0, int dq, int lane) const {
+    static_assert(R % 4 == 0 && R <= BlockN / 2, "whole 8-column blocks of S");
     const int col0 = n * BlockN + 2 * (lane % 4);
     const int diag = col0 - q0;  // key - query of register 0
 #pragma unroll
@@ -119,7 +132,7 @@ struct BlockMask {
       int limit = band.seqlen_k;
       if constexpr (Causal) limit = min(limit, q0 + (h ? dq : 0) + 1 + band.seqlen_k - band.seqlen_q);
 #pragma unroll
-      for (int j = 0; j < BlockN / 8; ++j) {
+      for (int j = 0; j < R / 4; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           bool out = col0 + 8 * j + e >= limit;

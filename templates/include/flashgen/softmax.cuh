@@ -111,13 +111,15 @@ struct OnlineSoftmax {
   float scale[2];
 
   // Row h of S -> exp2(S * scale_log2 - ms), in place; returns the row's (thread-partial) sum, added in
-  // Chains interleaved FADD chains.
-  template <int Chains>
-  __device__ __forceinline__ static float exp_row(float (&s)[N / 2], int h, const float (&scale_log2)[Groups],
+  // Chains interleaved FADD chains. S (here and below): the block's m64nN accumulator (M = N / 2
+  // registers), or its first M registers alone: the block's first 2M columns (the rest masked).
+  template <int Chains, int M>
+  __device__ __forceinline__ static float exp_row(float (&s)[M], int h, const float (&scale_log2)[Groups],
                                                   float ms) {
+    static_assert(M % 4 == 0 && M <= N / 2, "whole 8-column blocks of S");
     float acc[Chains] = {};
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
+    for (int j = 0; j < M / 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float x = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2[j / kJ], -ms));
@@ -132,14 +134,15 @@ struct OnlineSoftmax {
   }
 
   // Row h's new max (quad-reduced) and O factor scale[h]; returns the exponent offset ms of its P.
-  __device__ __forceinline__ float max_step(const float (&s)[N / 2], int h, const float (&scale_log2)[Groups]) {
+  template <int M>
+  __device__ __forceinline__ float max_step(const float (&s)[M], int h, const float (&scale_log2)[Groups]) {
     const float unit = kRawMax ? scale_log2[0] : 1.f;  // row_max * unit: log2 units
     float mx = row_max[h];  // quad-uniform, so it may join before the quad reduction
 #pragma unroll
     for (int g = 0; g < Groups; ++g) {
       float m = kRawMax ? mx : -INFINITY;
 #pragma unroll
-      for (int j = g * kJ; j < (g + 1) * kJ; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      for (int j = g * kJ; j < (g + 1) * kJ && j < M / 4; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
       mx = kRawMax ? m : fmaxf(mx, m * scale_log2[g]);
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -159,7 +162,8 @@ struct OnlineSoftmax {
   }
 
   // S -> unnormalised P = exp2(S * scale_log2 - max + Offset), in place; scale_log2 > 0.
-  __device__ __forceinline__ void update(float (&s)[N / 2], const float (&scale_log2)[Groups]) {
+  template <int M>
+  __device__ __forceinline__ void update(float (&s)[M], const float (&scale_log2)[Groups]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float ms = max_step(s, h, scale_log2);
@@ -172,8 +176,8 @@ struct OnlineSoftmax {
   // pass(sum0, sum1) waits for the row sums): both rows' maxima, the turn, the exponentials, the pass.
   // The consumer warpgroups' exponential phases then alternate on the SM's MUFU pipes instead of
   // running together (docs/PERF.md: the FP8 loop's convoy; it paid only at 16-bit hd64 128x128).
-  template <typename Turn>
-  __device__ __forceinline__ void update(float (&s)[N / 2], const float (&scale_log2)[Groups], const Turn& turn) {
+  template <int M, typename Turn>
+  __device__ __forceinline__ void update(float (&s)[M], const float (&scale_log2)[Groups], const Turn& turn) {
     float ms[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) ms[h] = max_step(s, h, scale_log2);
@@ -243,7 +247,8 @@ struct OnlineSoftmax {
     if (any) rescale_rows(o, scale);
   }
 
-  __device__ __forceinline__ void update(float (&s)[N / 2], float scale_log2) {
+  template <int M>
+  __device__ __forceinline__ void update(float (&s)[M], float scale_log2) {
     static_assert(Groups == 1, "one scale for every column");
     const float one[1] = {scale_log2};
     update(s, one);
