@@ -197,12 +197,14 @@ def spec_max(params: dict) -> bool:
 
 def half_first(params: dict) -> bool:
     """Whether a warpgroup whose rows see no key of the right half of its tile's first K/V block
-    computes that block's left half alone (templates/fwd.cu.j2 kHalfFirst: an S GEMM of block_n / 2
-    keys and the softmax over them; mask.cuh sees_right_half). Under a causal diagonal that is the
-    first warpgroup of every tile whose rows end before its first block's middle (block_m = block_n:
-    every tile). Causal tiles with two consumer warpgroups and block_n >= 64, not PackGQA: where the
-    branch built clean (the 3-warpgroup hd64 tiles spilled 36-148 bytes with it; local, hd256
-    128x48 and e4m3 non-causal tiles had their WGMMAs serialized, C7511)."""
+    masks and softmaxes that block's left block_n / 2 keys alone (templates/fwd.cu.j2 kHalfFirst,
+    mask.cuh sees_right_half; the S GEMM and the P V GEMM stay whole). Under a causal diagonal that
+    is the first warpgroup of every tile whose rows end before its first block's middle (block_m =
+    block_n: every tile). Measured +2-3 % at bf16 hd64 causal 512-2k (H100, H200; docs/PERF.md).
+    Causal tiles with two consumer warpgroups and block_n >= 64, not local or PackGQA, not FP8
+    softcap: the tiles it was measured on. (Earlier versions, with a half-width S GEMM inside the
+    branch, spilled 36-148 bytes on the 3-warpgroup hd64 tiles and serialized the WGMMAs of local
+    and hd256 128x48 tiles; the register-only branch was not tried on those tiles.)"""
     return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
             and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) >= 64
             and not (params["dtype"] == "e4m3" and params.get("softcap")))
