@@ -206,7 +206,8 @@ def test_spec_max_variants(ramp):
                                    (64, 64), (64, 300)])
 def test_half_first_block_variants(sq, sk):
     """half_first (fwd.py; fwd.cu.j2 kHalfFirst, mask.cuh sees_right_half): a consumer warpgroup whose rows
-    see no key of the right half of its tile's first K/V block computes that block's left half alone.
+    see no key of the right half of its tile's first K/V block masks and softmaxes that block's left half
+    alone (P's right half 0; the GEMMs stay whole).
     Every built 16-bit half_first variant, forced, against the float32 reference (FA3's rule), on
     bottom-right causal alignments where the first warpgroup takes the half block in every tile
     (sq = sk, a multiple of 128), in some tiles and not others (sq != sk), where neither does (sk =
