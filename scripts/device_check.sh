@@ -45,7 +45,8 @@
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
-#                                          peers; the old/new table printed last (GPU_TESTS=0: no tests)
+#                                          peers; the old/new table printed last (GPU_TESTS=0: no tests; TESTS_K: the
+#                                          forward and FP8 GPU tests matching it instead of every GPU test)
 #   bash scripts/device_check.sh sanity    compute-sanitizer (the nvidia-h100-x1 kind has it): synccheck over every case of
 #                                          scripts/sanitize_driver.py, racecheck over the cases matching RACE (default
 #                                          'bwd'), then the GPU tests (TESTS: files, default all of tests/gpu)
@@ -223,7 +224,12 @@ fwdchange)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
   (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,fwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
-  [ "${GPU_TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  if [ -n "${TESTS_K:-}" ]; then  # the forward and FP8 GPU tests matching TESTS_K instead of every GPU test
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fwd_gpu.py tests/gpu/test_fp8_gpu.py \
+      -k "$TESTS_K" 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  elif [ "${GPU_TESTS:-1}" != 0 ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  fi
   table() { python3 -c "import torch, flashgen.tuning as t; print('$1 tune table:', t.find_table(torch.cuda.get_device_name())[0])"; }
   oldenv table old; table new
   f8=${F8ARGS:---seqlens 2048,16384}

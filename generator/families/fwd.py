@@ -204,7 +204,10 @@ def half_first(params: dict) -> bool:
     Causal tiles with two consumer warpgroups and block_n >= 64, not local or PackGQA, not FP8
     softcap: the tiles it was measured on. (Earlier versions, with a half-width S GEMM inside the
     branch, spilled 36-148 bytes on the 3-warpgroup hd64 tiles and serialized the WGMMAs of local
-    and hd256 128x48 tiles; the register-only branch was not tried on those tiles.)"""
+    and hd256 128x48 tiles. The register-only branch on the 3-warpgroup hd64 tiles, with a skip of
+    the whole block for warpgroups that see none of it: the 16-bit ones spilled 108-112 bytes, the
+    e4m3 one measured 0.96-1.01 of the old kernel at 2k-16k, H100; docs/results/
+    fwd_first_block_skip_not_kept/. Not tried on local and hd256 128x48 tiles.)"""
     return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
             and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) >= 64
             and not (params["dtype"] == "e4m3" and params.get("softcap")))

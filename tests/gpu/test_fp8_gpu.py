@@ -321,6 +321,27 @@ def test_every_built_fp8_variant():
         pytest.skip("MISSING-FWD-VARIANT: no e4m3 variant is built")
 
 
+@pytest.mark.parametrize("sq,sk", [(512, 512), (500, 512), (512, 540), (200, 1000), (1000, 200), (129, 129),
+                                   (64, 300)])
+def test_fp8_half_first_block_variants(sq, sk):
+    """half_first in e4m3 (fwd.py; fwd.cu.j2 kHalfFirst, mask.cuh sees_right_half): a consumer warpgroup
+    whose rows see no key of the right half of its tile's first K/V block masks and softmaxes the left
+    half alone (P's right half 0). Every built e4m3 half_first variant, forced, with block descales,
+    against the float32 reference with FA3's FP8 rule, on the 16-bit test's alignments
+    (test_fwd_gpu.py test_half_first_block_variants)."""
+    from generator.families.fwd import half_first
+
+    vs = [v for v in _built_e4m3_variants() if half_first(v.params)]
+    if not vs:
+        pytest.skip("MISSING-FWD-VARIANT: no e4m3 half_first variant is built")
+    for var in vs:
+        d = var.params["head_dim"]
+        q8, k8, v8 = _inputs(2, sq, sk, 4, 2, d, seed=sq + 3 * sk + d)
+        ds = _descales("block", 2, sq, sk, 4, 2, seed=sq + sk)
+        out, lse = _forward_forced(var, q8, k8, v8, ds, 0.0)
+        _check(q8, k8, v8, ds, True, out, lse, d ** -0.5)
+
+
 def _repeat_every_variant(repeats: int) -> None:
     """Each built e4m3 variant, forced, `repeats` launches on FA3-protocol shapes (seqlen 2048 and
     4096, 16k tokens: 4-16 tiles per CTA), every output bitwise equal to the first (child process of
