@@ -55,20 +55,27 @@ __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, i
 
 // O (m64nN accumulator, R = N/2 registers, already normalised) -> global memory without staging:
 // this thread's rows h = 0, 1 (accumulator rows row0 and row0 + 8) at row_ptr(h) (null: dropped),
-// columns 8j + 2 (lane % 4) and +1 below `cols` (a multiple of 8), one 4-byte store each. The FP8
+// columns 8j + 2 (lane % 4) and +1 (kFp8Order: o_col) below `cols` (a multiple of 8), one 4-byte store each. The FP8
 // forward stores O this way (its shared memory has no room for a 16-bit O tile beside the e4m3
 // rings and V^T at head_dim 256), and so does PackGQA (a tile's rows are of several heads).
-template <typename T, int R, typename RowPtr>
+// kFp8Order: O came from an e4m3 P V GEMM, whose V^T rows are in the transposer's order (fp8.cuh
+// VTransposer): accumulator columns 8j + 2c, +1 hold columns o_col(j, c), +1.
+template <bool kFp8Order>
+__device__ __forceinline__ int o_col(int j, int c) {
+  return kFp8Order ? 16 * (j / 2) + 2 * (j % 2) + 4 * c : 8 * j + 2 * c;
+}
+
+template <typename T, bool kFp8Order = false, int R, typename RowPtr>
 __device__ __forceinline__ void store_o_rows(const float (&o)[R], RowPtr&& row_ptr, int cols, int lane) {
+  static_assert(!kFp8Order || R % 8 == 0, "whole 16-column groups");
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     T* dst = row_ptr(h);
     if (dst != nullptr) {
-      dst += 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < R / 4; ++j) {
-        if (8 * j + 2 * (lane % 4) < cols)
-          *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<T>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+        const int col = o_col<kFp8Order>(j, lane % 4);
+        if (col < cols) *reinterpret_cast<uint32_t*>(dst + col) = pack2<T>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
       }
     }
   }
@@ -76,10 +83,10 @@ __device__ __forceinline__ void store_o_rows(const float (&o)[R], RowPtr&& row_p
 
 // store_o_rows for rows of one (batch, head): `out` points at row 0, column 0; rows are stride_row
 // elements apart (a multiple of 2); rows at or past `rows` are dropped.
-template <typename T, int R>
+template <typename T, bool kFp8Order = false, int R>
 __device__ __forceinline__ void store_o_direct(const float (&o)[R], T* out, int64_t stride_row, int row0, int rows,
                                                int cols, int lane) {
-  store_o_rows<T>(o, [&](int h) -> T* { return row0 + 8 * h < rows ? out + (row0 + 8 * h) * stride_row : nullptr; },
+  store_o_rows<T, kFp8Order>(o, [&](int h) -> T* { return row0 + 8 * h < rows ? out + (row0 + 8 * h) * stride_row : nullptr; },
                   cols, lane);
 }
 

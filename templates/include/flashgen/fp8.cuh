@@ -13,9 +13,12 @@ namespace flashgen {
 // holds (key i, key i + 8). Unit (g, cb) = keys 16g..16g+15 x head_dim bytes 32cb..32cb+31: one
 // ldmatrix.x4 reads keys 16g + {0..7} and 16g + {8..15} of two 16-byte column blocks; a byte
 // permute pairs key i with key i + 8 (PRMT); one stmatrix.x4.trans writes the pairs transposed
-// (FA3's LDSM / STSM transpose). The swizzles XOR the 16-byte unit bits of an address (4-6 with
-// 128-byte rows, 4-5 with V's 64-byte rows at head_dim 64) with a row constant that 16 rows do not
-// change, and the tiles are 1024-byte aligned, so a lane's address for column block k of a source
+// (FA3's LDSM / STSM transpose). V^T's rows are not in head_dim order: within each 16, rows 0-7 hold
+// head_dim 0 1 4 5 8 9 12 13 and rows 8-15 hold 2 3 6 7 10 11 14 15 (the constructor's dst), the order in
+// which one stmatrix's 8 rows are consecutive. So the P V GEMM's accumulator column 8j + 2c (+1) holds
+// head_dim 16 (j / 2) + 2 (j % 2) + 4c (+1), and O is stored through that map (epilogue.cuh o_col).
+// The swizzles XOR the 16-byte unit bits of an address (4-6 with 128-byte rows, 4-5 with V's 64-byte
+// rows at head_dim 64) with a row constant that 16 rows do not change, and the tiles are 1024-byte aligned, so a lane's address for column block k of a source
 // chunk is its address for block 0 XOR (k << 5), and for key block k of a V^T chunk its address for
 // block 0 XOR (k << 4) (the lane's two addresses come from the tiles' offset()). kWarps warps (a warp
 // each, `warp` = 0..kWarps-1) split the units:
@@ -46,8 +49,11 @@ struct VTransposer {
     const int m = lane / 8;  // the matrix this lane addresses
     const int j = lane % 8;  // its row
     src = SrcTile::offset(j + 8 * (m & 1), 16 * (m >> 1));
-    // w[m]'s element (i, 2c + e) is head_dim byte 32cb + 16 (m >> 1) + 4c + 2 (m & 1) + e: its row.
-    dst = DstTile::offset(16 * (m >> 1) + 2 * (m & 1) + 4 * (j / 2) + j % 2, 0);
+    // w[m]'s element (i, 2c + e) is head_dim byte 32cb + 16 (m >> 1) + 4c + 2 (m & 1) + e. It goes to
+    // V^T row 32cb + 16 (m >> 1) + 8 (m & 1) + 2c + e (the row order above): each matrix's 8 rows consecutive, so
+    // the 8 rows of one stmatrix have 8 different swizzle phases (head_dim order put rows r and r + 8 of
+    // a matrix in one bank group: every store 2-way conflicted).
+    dst = DstTile::offset(16 * (m >> 1) + 8 * (m & 1) + j, 0);
   }
 
   // V tile -> V^T tile (both 1024-byte aligned).
