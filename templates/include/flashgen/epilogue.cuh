@@ -53,18 +53,18 @@ __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, i
 
 // (col0: the first column of the map the tile's column 0 goes to.)
 
-// O (m64nN accumulator, R = N/2 registers, already normalised) -> global memory without staging:
-// this thread's rows h = 0, 1 (accumulator rows row0 and row0 + 8) at row_ptr(h) (null: dropped),
-// columns 8j + 2 (lane % 4) and +1 (kFp8Order: o_col) below `cols` (a multiple of 8), one 4-byte store each. The FP8
-// forward stores O this way (its shared memory has no room for a 16-bit O tile beside the e4m3
-// rings and V^T at head_dim 256), and so does PackGQA (a tile's rows are of several heads).
-// kFp8Order: O came from an e4m3 P V GEMM, whose V^T rows are in the transposer's order (fp8.cuh
-// VTransposer): accumulator columns 8j + 2c, +1 hold columns o_col(j, c), +1.
+// The column of O that accumulator columns 8j + 2c (c = lane % 4) and +1 hold, and +1. kFp8Order: O
+// came from an e4m3 P V GEMM, whose V^T rows are in the transposer's order (fp8.cuh VTransposer).
 template <bool kFp8Order>
 __device__ __forceinline__ int o_col(int j, int c) {
   return kFp8Order ? 16 * (j / 2) + 2 * (j % 2) + 4 * c : 8 * j + 2 * c;
 }
 
+// O (m64nN accumulator, R = N/2 registers, already normalised) -> global memory without staging:
+// this thread's rows h = 0, 1 (accumulator rows row0 and row0 + 8) at row_ptr(h) (null: dropped),
+// columns o_col(j, lane % 4) and +1 below `cols` (a multiple of 8), one 4-byte store each. The FP8
+// forward stores O this way (its shared memory has no room for a 16-bit O tile beside the e4m3
+// rings and V^T at head_dim 256), and so does PackGQA (a tile's rows are of several heads).
 template <typename T, bool kFp8Order = false, int R, typename RowPtr>
 __device__ __forceinline__ void store_o_rows(const float (&o)[R], RowPtr&& row_ptr, int cols, int lane) {
   static_assert(!kFp8Order || R % 8 == 0, "whole 16-column groups");
@@ -86,8 +86,8 @@ __device__ __forceinline__ void store_o_rows(const float (&o)[R], RowPtr&& row_p
 template <typename T, bool kFp8Order = false, int R>
 __device__ __forceinline__ void store_o_direct(const float (&o)[R], T* out, int64_t stride_row, int row0, int rows,
                                                int cols, int lane) {
-  store_o_rows<T, kFp8Order>(o, [&](int h) -> T* { return row0 + 8 * h < rows ? out + (row0 + 8 * h) * stride_row : nullptr; },
-                  cols, lane);
+  store_o_rows<T, kFp8Order>(
+      o, [&](int h) -> T* { return row0 + 8 * h < rows ? out + (row0 + 8 * h) * stride_row : nullptr; }, cols, lane);
 }
 
 // Before the CTA exits: its TMA stores must have completed (one thread per warpgroup that stored).

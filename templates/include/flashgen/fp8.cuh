@@ -18,9 +18,9 @@ namespace flashgen {
 // which one stmatrix's 8 rows are consecutive. So the P V GEMM's accumulator column 8j + 2c (+1) holds
 // head_dim 16 (j / 2) + 2 (j % 2) + 4c (+1), and O is stored through that map (epilogue.cuh o_col).
 // The swizzles XOR the 16-byte unit bits of an address (4-6 with 128-byte rows, 4-5 with V's 64-byte
-// rows at head_dim 64) with a row constant that 16 rows do not change, and the tiles are 1024-byte aligned, so a lane's address for column block k of a source
-// chunk is its address for block 0 XOR (k << 5), and for key block k of a V^T chunk its address for
-// block 0 XOR (k << 4) (the lane's two addresses come from the tiles' offset()). kWarps warps (a warp
+// rows at head_dim 64) with a row constant that 16 rows do not change, and the tiles are 1024-byte
+// aligned, so a lane's address for column block k of a source chunk is its address for block 0 XOR
+// (k << 5), and for key block k of a V^T chunk its address for block 0 XOR (k << 4) (the lane's two addresses come from the tiles' offset()). kWarps warps (a warp
 // each, `warp` = 0..kWarps-1) split the units:
 // - kGroupLoop false: round robin over all units, every one unrolled: per unit one LOP3 per access
 //   plus immediates, but ptxas keeps the XOR variants of both addresses live (12 at head_dim 256);
@@ -50,9 +50,9 @@ struct VTransposer {
     const int j = lane % 8;  // its row
     src = SrcTile::offset(j + 8 * (m & 1), 16 * (m >> 1));
     // w[m]'s element (i, 2c + e) is head_dim byte 32cb + 16 (m >> 1) + 4c + 2 (m & 1) + e. It goes to
-    // V^T row 32cb + 16 (m >> 1) + 8 (m & 1) + 2c + e (the row order above): each matrix's 8 rows consecutive, so
-    // the 8 rows of one stmatrix have 8 different swizzle phases (head_dim order put rows r and r + 8 of
-    // a matrix in one bank group: every store 2-way conflicted).
+    // V^T row 32cb + 16 (m >> 1) + 8 (m & 1) + 2c + e (the row order above): a matrix's 8 rows are
+    // consecutive, so they have 8 different swizzle phases (in head_dim order rows r and r + 8 of a
+    // matrix shared one: every store was 2-way bank-conflicted).
     dst = DstTile::offset(16 * (m >> 1) + 8 * (m & 1) + j, 0);
   }
 
