@@ -14,7 +14,8 @@ from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
 from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
 from .manifest import Variant, load_manifest
-from .generator.families.fwd import dynamic_schedule, operand_row_bytes  # noqa: E402 -- tile counter, TMA rows
+from .generator.families.fwd import (dynamic_schedule, operand_row_bytes,  # noqa: E402 -- tile counter, TMA rows,
+                                     vt_grid, vt_scratch_bytes, vt_seqlen, vt_tile_bytes)  # V^T scratch
 from .generator.families.bwd import FAMILY as _BWD_FAMILY, pre_rows_per_cta  # noqa: E402 -- pre grid, dQ path
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
@@ -120,6 +121,7 @@ class _Plan(NamedTuple):
     block_m: int
     block_n: int
     sms: int  # persistent variants launch min(tiles, #SMs) CTAs; 0 = one CTA per tile
+    vt: launch.LoadedKernel | None = None  # vt_global variants: the V^T preprocess (fwd.py)
 
 
 _plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent calls may share them
@@ -167,7 +169,8 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
             var = tuning.tuned_variant(var, bucket, device, load_manifest())
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
-        plan = _Plan(var, launch.get_kernel(var, "main", device), p["block_m"], p["block_n"], sms)
+        vt = launch.get_kernel(var, "vt", device) if p.get("vt_global") else None
+        plan = _Plan(var, launch.get_kernel(var, "main", device), p["block_m"], p["block_n"], sms, vt)
         _plans[key] = plan
     return plan
 
@@ -275,8 +278,10 @@ class PreparedForward(NamedTuple):
     thread may share it; :func:`launch_forward` launches it."""
 
     plan: _Plan
-    maps: tuple  # per TMA map (q, k, v, out): its launch.TensorMapGeometry
+    maps: tuple  # per TMA map (q, k, v, out): its launch.TensorMapGeometry (vt_global: V^T's for v, over the scratch)
     launch: launch.PreparedLaunch  # grid and the params struct, but for the _FWD_PER_CALL fields
+    vt_launch: launch.PreparedLaunch | None = None  # vt_global variants: the V^T preprocess (per call: v, vt)
+    vt_bytes: int = 0  # vt_global variants: the per-call V^T scratch (fwd.vt_scratch_bytes)
 
 
 #: The params fields each forward call fills itself, in launch.launch_prepared's order.
@@ -364,14 +369,29 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               "tile_counter": 0, "group": group, "tile_queries": positions,
               "window_left": mask.left, "window_right": mask.right,
               "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
-              "head_dim_v": dv, **_descale_params("q", q_descale, h, hk, True),
+              "head_dim_v": dv, "v": 0, "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1],
+              "v_stride_head": v.strides[2], "vt": 0, "vt_seqlen": vt_seqlen(sk),
+              **_descale_params("q", q_descale, h, hk, True),
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False)}
     geometry = launch.map_geometry
     vp = plan.variant.params  # the tiles' shared-memory rows (64 or 128 bytes), which the maps' boxes match
     qk_rows = operand_row_bytes(vp["head_dim"], vp["dtype"])
     v_rows = operand_row_bytes(vp.get("head_dim_v", vp["head_dim"]), vp["dtype"])
     q_map = _packed_q_map_spec(q, group, positions, qk_rows) if packed else _bshd_map_spec(q, bm, qk_rows)
-    maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, bn, qk_rows)), geometry(*_bshd_map_spec(v, bn, v_rows)),
+    vt_launch, vt_bytes = None, 0
+    if plan.vt is not None:  # vt_global: V^T (batch, heads_k, dv, vt_seqlen) in per-call scratch, 128-key boxes
+        skp = vt_seqlen(sk)
+        vt_bytes = vt_scratch_bytes(b, hk, dv, sk)
+        v_map = ("e4m3", (skp, dv, hk, b), (skp, dv * skp, hk * dv * skp), (128, _pad_dv(vp), 1, 1), 128, v.device)
+        grid_vt = vt_grid(b, hk, dv, sk, vt_tile_bytes(_pad_dv(vp)))
+        if grid_vt[2] > 65535:
+            raise ValueError(f"flashgen: batch x heads_k ({grid_vt[2]}) over 65535: the vt preprocess's grid "
+                             f"(variant {plan.variant.name}); use a variant without vt_global")
+        vt_launch = launch.prepare_launch(plan.vt, grid_vt,
+                                          {**params, **dict.fromkeys(_FWD_PER_CALL, 0)}, ("v", "vt"))
+    else:
+        v_map = _bshd_map_spec(v, bn, v_rows)
+    maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, bn, qk_rows)), geometry(*v_map),
             geometry(*_bshd_map_spec(out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     # Causal persistent variants claim tiles from a zeroed int32 of each launch's own, when there are
@@ -380,7 +400,14 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     # whose kernels run longer than that.
     counter = "tile_counter" if dynamic_schedule(plan.variant.params) and num_tiles > grid else None
     return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, _FWD_PER_CALL,
-                                                             counter))
+                                                             counter), vt_launch, vt_bytes)
+
+
+def _pad_dv(variant_params: dict) -> int:
+    """The variant's head_dim_v in whole shared-memory rows (its V^T tile's rows: fwd.py)."""
+    dv = variant_params.get("head_dim_v", variant_params["head_dim"])
+    c = operand_row_bytes(dv, variant_params["dtype"])
+    return -(-dv // c) * c
 
 
 def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
@@ -399,9 +426,16 @@ def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, ou
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
     tensor_map_at = launch.tensor_map_at
     mq, mk, mv, mo = prep.maps
+    values = (lse_ptr, out_ptr, int(sink), q_descale, k_descale, v_descale, scale_log2, scale, softcap_scale)
+    if prep.vt_launch is not None:  # vt_global: V^T into this call's scratch, then the main kernel reads it
+        with launch.scratch(prep.plan.kernel.device, prep.vt_bytes, stream) as vt_ptr:
+            launch.launch_prepared(prep.vt_launch, (), (v_ptr, vt_ptr), stream)
+            maps = (tensor_map_at(mq, q_ptr), tensor_map_at(mk, k_ptr), tensor_map_at(mv, vt_ptr),
+                    tensor_map_at(mo, out_ptr))
+            launch.launch_prepared(prep.launch, maps, values, stream)
+        return prep.plan.variant
     maps = (tensor_map_at(mq, q_ptr), tensor_map_at(mk, k_ptr), tensor_map_at(mv, v_ptr), tensor_map_at(mo, out_ptr))
-    launch.launch_prepared(prep.launch, maps, (lse_ptr, out_ptr, int(sink), q_descale, k_descale, v_descale, scale_log2,
-                                               scale, softcap_scale), stream)
+    launch.launch_prepared(prep.launch, maps, values, stream)
     return prep.plan.variant
 
 

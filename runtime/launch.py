@@ -288,10 +288,24 @@ def _counter_pool(device: int):
     """flashgen's stream-ordered memory pool on ``device`` for per-launch tile counters: its own pool
     (the device's default pool is left as it is), keeping _COUNTER_POOL_KEEP bytes reserved so a
     synchronization does not hand its memory back. Made once per device, in the primary context."""
-    pool = _counter_pools.get(device)
+    return _make_pool(device, _COUNTER_POOL_KEEP, _counter_pools)
+
+
+#: Bytes flashgen's scratch pool keeps reserved across synchronizations (per-call scratch: the
+#: FP8 forward's V^T with vt_global variants). Above it, a synchronization hands memory back to
+#: the driver, and the next call's allocation maps it again.
+_SCRATCH_POOL_KEEP = 256 << 20
+_scratch_pools: dict[int, object] = {}  # device -> CUmemoryPool (flashgen's own, made once)
+
+
+def _make_pool(device: int, keep: int, pools: dict):
+    """A stream-ordered memory pool of flashgen's own on ``device`` (the device's default pool is
+    left as it is) that keeps ``keep`` bytes reserved across synchronizations; made once per device
+    and kept in ``pools``, in the primary context."""
+    pool = pools.get(device)
     if pool is None:
         with _lock:
-            pool = _counter_pools.get(device)
+            pool = pools.get(device)
             if pool is None:
                 d = _driver()
                 props = d.CUmemPoolProps()
@@ -301,9 +315,46 @@ def _counter_pool(device: int):
                 props.location.id = device
                 pool = check(d.cuMemPoolCreate(props), "cuMemPoolCreate")
                 check(d.cuMemPoolSetAttribute(pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                                              d.cuuint64_t(_COUNTER_POOL_KEEP)), "cuMemPoolSetAttribute")
-                _counter_pools[device] = pool
+                                              d.cuuint64_t(keep)), "cuMemPoolSetAttribute")
+                pools[device] = pool
     return pool
+
+
+class scratch:
+    """``with scratch(device, nbytes, stream) as ptr:`` ``nbytes`` of device memory (256-byte
+    aligned, uninitialised) that belongs to this call alone: allocated from flashgen's scratch pool
+    on ``stream`` (a CUstream handle as int) on entry and freed on ``stream`` on exit, both
+    stream-ordered, so kernels launched on ``stream`` inside the block may use it and later work
+    reuses it only after them (under CUDA-graph capture: the graph's own allocation and free
+    nodes). In the device's primary context, as a launch. CudaError if the allocation fails."""
+
+    __slots__ = ("device", "nbytes", "stream", "ptr")
+
+    def __init__(self, device: int, nbytes: int, stream: int):
+        self.device, self.nbytes, self.stream, self.ptr = device, int(nbytes), stream, None
+
+    def __enter__(self) -> int:
+        d = _driver()
+        pushed = _push_primary(self.device)
+        try:
+            hstream = _streams.get(self.stream) or _stream(self.stream)
+            pool = _scratch_pools.get(self.device) or _make_pool(self.device, _SCRATCH_POOL_KEEP, _scratch_pools)
+            self.ptr = check(d.cuMemAllocFromPoolAsync(max(self.nbytes, 1), pool, hstream),
+                             f"cuMemAllocFromPoolAsync(scratch, {self.nbytes} bytes)")
+        finally:
+            if pushed:
+                check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
+        return int(self.ptr)
+
+    def __exit__(self, *exc):
+        d = _driver()
+        pushed = _push_primary(self.device)
+        try:
+            check(d.cuMemFreeAsync(self.ptr, _streams.get(self.stream) or _stream(self.stream)),
+                  "cuMemFreeAsync(scratch)")
+        finally:
+            if pushed:
+                check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=None, buf=None) -> None:

@@ -86,11 +86,13 @@ def test_layout_natural_alignment_and_tail_padding():
 
 def test_family_structs_layouts():
     fwd = fwd_mod.PARAMS.layout()
-    # 64 + the e4m3 descales, direct-store O, L2 sections, tile counter, PackGQA's group and tile queries
-    assert fwd["struct"] == "FwdParams" and fwd["size"] == 184
-    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-5:] == [
+    # 64 + the e4m3 descales, direct-store O, L2 sections, tile counter, PackGQA's group and tile queries,
+    # vt_global's preprocess (V and its strides, V^T, its keys per row)
+    assert fwd["struct"] == "FwdParams" and fwd["size"] == 232
+    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-11:] == [
         ["head_dim_v", "i32", 160], ["section_heads", "i32", 164], ["tile_counter", "ptr", 168], ["group", "i32", 176],
-        ["tile_queries", "i32", 180]]
+        ["tile_queries", "i32", 180], ["v", "ptr", 184], ["v_stride_batch", "i64", 192], ["v_stride_seq", "i64", 200],
+        ["v_stride_head", "i64", 208], ["vt", "ptr", 216], ["vt_seqlen", "i32", 224]]
     assert ["sink", "ptr", 56] in fwd["fields"] and ["q_descale", "ptr", 64] in fwd["fields"]
     offs = {n: o for n, _, o in fwd["fields"]}
     assert (offs["softmax_scale"], offs["softcap_scale"], offs["window_left"], offs["window_right"]) == (40, 44, 48, 52)
@@ -179,8 +181,10 @@ def test_params_packer_bytes_match_struct_offsets():
                                        "k_descale_stride_block": 0, "v_descale": 0, "v_descale_stride_batch": 0,
                                        "v_descale_stride_head": 0, "o": 0, "o_stride_batch": 0, "o_stride_seq": 0,
                                        "o_stride_head": 0, "head_dim_v": 64, "section_heads": 3, "group": 2, "tile_queries": 128,
-                                       "tile_counter": 0xC0FFEE00})
-    assert len(fb) == 184 and struct.unpack_from("<iQii", fb, 164) == (3, 0xC0FFEE00, 2, 128)
+                                       "tile_counter": 0xC0FFEE00, "v": 0xABC000, "v_stride_batch": 1 << 33,
+                                       "v_stride_seq": 4096, "v_stride_head": 128, "vt": 0xDEF000, "vt_seqlen": 1040})
+    assert len(fb) == 232 and struct.unpack_from("<iQii", fb, 164) == (3, 0xC0FFEE00, 2, 128)
+    assert struct.unpack_from("<QqqqQi", fb, 184) == (0xABC000, 1 << 33, 4096, 128, 0xDEF000, 1040)
     assert struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)
     assert struct.unpack_from("<i", fb, 20) == (2,) and struct.unpack_from("<fff", fb, 36) == (0.5, 0.25, 0.125)
     assert struct.unpack_from("<iiQ", fb, 48) == (3, -4, 0xBEEF00)
@@ -460,8 +464,11 @@ def test_register_split_rule():
     assert split(dtype="bf16") == (24, 240)
     assert split(dtype="bf16", pack_gqa=True, head_dim=128, head_dim_v=128) == (40, 232)
     assert split(head_dim=64, head_dim_v=64, consumer_wgs=3) == (32, 160)
+    # vt_global: no transposer in the producer warpgroup, so FA3's 24 / 240 at every 2-warpgroup tile
+    assert split(head_dim=128, head_dim_v=128, block_n=192, vt_global=True) == (24, 240)
+    assert split(head_dim=64, head_dim_v=64, consumer_wgs=3, vt_global=True) == (32, 160)
     wide = [v for v in load_variants(Project(REPO)) if v.family == "fwd" and v.params["dtype"] == "e4m3"
-            and v.resources["producer_regs"] == 24]
+            and v.resources["producer_regs"] == 24 and not v.params.get("vt_global")]
     assert wide and all(v.params["head_dim"] == 256 and v.params["block_n"] == 128 for v in wide)
     src = (REPO / "templates" / "fwd.cu.j2").read_text()
     assert "(kProducerRegs <= 24)>" in src  # VTransposer's kGroupLoop
@@ -490,6 +497,8 @@ def test_smem_layout_is_the_feasibility_layout():
         if v.params["dtype"] == "e4m3":  # V^T ring: head_dim rows x block_n padded to 128 byte columns
             assert r["smem"]["vt"]["bytes"] == v.params["stages"] * r["head_dim_v_padded"] * r["block_n_vt"]
             assert r["smem"]["o"]["bytes"] == 0 and r["block_n_vt"] % 128 == 0
+            # vt_global: no V ring (V^T is TMA-loaded into the vt ring)
+            assert (r["smem"]["v"]["bytes"] == 0) == bool(v.params.get("vt_global"))
         # Q/K/V rows: 64 bytes for e4m3 head_dim <= 64 (not padded to 128: that doubled both GEMMs), else 128
         hd, e = v.params["head_dim"], 1 if v.params["dtype"] == "e4m3" else 2
         assert r["qk_row_bytes"] == (64 if e == 1 and hd <= 64 else 128) == fwd_mod.operand_row_bytes(hd, v.params["dtype"])
@@ -499,7 +508,7 @@ def test_smem_layout_is_the_feasibility_layout():
         for region in r["smem"].values():
             assert region["offset"] == end
             end += region["bytes"]
-        assert r["smem_bytes"] == end + 1024 == v.kernels[0].smem_bytes <= fwd_mod.SMEM_LIMIT
+        assert r["smem_bytes"] == end + 1024 == v.kernels[-1].smem_bytes <= fwd_mod.SMEM_LIMIT
         assert r["separate_o"] == (r["smem"]["o"]["bytes"] > 0)
     base = dict(family="fwd", dtype="bf16", head_dim=128, head_dim_v=128, causal=False, block_m=128, block_n=128,
                 stages=2, consumer_wgs=2, pingpong=True, overlap=True, persistent=True)

@@ -368,10 +368,11 @@ class FakeDriver:
         return (0, m)
 
     def _record(self, f, grid, block, smem, stream, argv_addr, cluster):
-        argv = (ctypes.c_void_p * 5).from_address(argv_addr)
+        nmaps = 0 if f.symbol.endswith("_vt") else 4  # vt_global's preprocess takes no tensor map
+        argv = (ctypes.c_void_p * (nmaps + 1)).from_address(argv_addr)
         with self.lock:
-            maps = [self.maps[p] for p in argv[:4]]
-        params = ctypes.string_at(argv[4], FWD_LAYOUT["size"])
+            maps = [self.maps[p] for p in argv[:nmaps]]
+        params = ctypes.string_at(argv[nmaps], FWD_LAYOUT["size"])
         (counter,) = struct.unpack_from("<Q", params, FWD_OFFSETS["tile_counter"])
         with self.lock:
             self.mem_ops.append(("launch", counter, int(stream), threading.get_ident()))
@@ -422,6 +423,54 @@ def _fake_driver(tmp_path, monkeypatch, keys):
     return d
 
 
+def test_vt_global_launches_its_preprocess_then_main_on_scratch_of_the_call(tmp_path, monkeypatch):
+    """A vt_global variant (fwd.py): each call allocates its V^T scratch (fwd.vt_scratch_bytes) from the
+    scratch pool on the call's stream, launches the ``vt`` preprocess (V's address and strides, the
+    scratch, the grid of fwd.vt_grid), then ``main`` with its V map over the scratch (keys innermost,
+    128-key boxes of head_dim rows), then frees the scratch on the stream: every step stream-ordered."""
+    key = dict(dtype="e4m3", head_dim=128, head_dim_v=128, causal=False, local=False, softcap=False)
+    rec = record(key)
+    rec["params"]["vt_global"] = True
+    main = rec["kernels"][0]
+    rec["kernels"] = [{**main, "role": "vt", "symbol": main["symbol"][:-len("main")] + "vt", "threads": 256,
+                       "smem_bytes": 0, "tensor_maps": []}, main]
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema": 2, "arch": "sm_90a", "nvcc": {"version": "13.0"},
+                                                        "variants": [rec]}))
+    monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHGEN_TUNE_TABLE", "off")
+    for var in ("FLASHGEN_ROOT", "FLASHGEN_BUILD_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    _fresh_state(monkeypatch)
+    monkeypatch.setattr(launch, "_scratch_pools", {})
+    d = FakeDriver()
+    monkeypatch.setattr(launch, "_driver", lambda: d)
+    monkeypatch.setattr(launch, "read_fatbin", lambda path, sha: b"")
+    b, sq, h, sk, hk = 2, 300, 4, 500, 2
+    q = targ((b, sq, h, 128), "fp8_e4m3", 1 << 24)
+    k = targ((b, sk, hk, 128), "fp8_e4m3", 2 << 24)
+    v = targ((b, sk, hk, 128), "fp8_e4m3", 3 << 24, strides=(sk * 2 * hk * 128, 2 * hk * 128, 128, 1))  # packed K/V
+    out = targ((b, sq, h, 128), "bf16", 4 << 24)
+    lse = targ((b, h, sq), "fp32", 5 << 24)
+    for stream in (7, 8):
+        n = len(d.launches)
+        core.attention_forward(q, k, v, out, lse, 0.1, False, stream)
+        pre, run = d.launches[n:]
+        assert pre["symbol"].endswith("_vt") and run["symbol"].endswith("_main") and pre["stream"] == run["stream"] == stream
+        assert pre["grid"] == fwd_mod.vt_grid(b, hk, 128, sk, 128) == (4, 1, 4) and pre["block"] == (256, 1, 1)
+        allocs = [op for op in d.mem_ops if op[0] == "alloc" and op[2] == stream]
+        assert len(allocs) == 1 and allocs[0][3] == fwd_mod.vt_scratch_bytes(b, hk, 128, sk) == b * hk * 128 * 512
+        ptr = allocs[0][1]
+        fields = lambda blob, *names: [struct.unpack_from("<Q" if n in ("v", "vt") else "<q" if "stride" in n else "<i",
+                                                          blob, FWD_OFFSETS[n])[0] for n in names]  # noqa: E731
+        assert fields(pre["params"], "v", "vt", "vt_seqlen", "v_stride_batch", "v_stride_seq", "v_stride_head") == [
+            v.ptr, ptr, 512, v.strides[0], v.strides[1], v.strides[2]]
+        vmap = run["maps"][2]
+        assert (vmap.ptr, vmap.dims, vmap.strides, vmap.box) == (ptr, (512, 128, hk, b), (512, 128 * 512, hk * 128 * 512),
+                                                                 (128, 128, 1, 1))
+        ops = [op[:2] for op in d.mem_ops if op[2] == stream]
+        assert ops == [("alloc", ptr), ("launch", 0), ("launch", 0), ("free", ptr)]
+
+
 @pytest.fixture
 def driver(tmp_path, monkeypatch):
     """The real core and launcher on a FakeDriver, with a manifest of fwd variants for KEYS."""
@@ -452,7 +501,8 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
             "o_stride_head": out.strides[2], "head_dim_v": dv, "group": h // hk, "tile_queries": bm,
             "section_heads": core.section_heads(b, h, hk, sk, d, dv, 1 if q.dtype == "fp8_e4m3" else 2),
-            "tile_counter": tile_counter,
+            "tile_counter": tile_counter, "v": 0, "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1],
+            "v_stride_head": v.strides[2], "vt": 0, "vt_seqlen": -(-sk // 16) * 16,
             **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
             **core._descale_params("v", descales[2], h, hk, False)}
 

@@ -37,6 +37,11 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   must leave 32 for addresses and softmax state: block_n/2 + head_dim_v_padded/2 + block_n/4 <=
   consumer_regs - 32 (208 with 2 consumer WGs, 128 with 3: hd64 at block_n 128 fits, hd96 does
   not -- it spilled when tried).
+- ``vt_global`` (e4m3 only): V^T comes from global memory instead of the in-kernel transpose. The
+  variant has two kernels: ``vt``, a preprocess that writes e4m3 V^T (batch, heads_k, head_dim_v,
+  seqlen_k rounded up to 16; keys contiguous, in P's k order within each 16, zeros past seqlen_k)
+  into per-call scratch, and ``main``, which TMA-loads V^T tiles into its vt ring. No V ring and no
+  transposer warps, so the producer takes FA3's 24 / 240 split with 2 consumer warpgroups.
 """
 from __future__ import annotations
 
@@ -76,7 +81,8 @@ def register_split(params):
     """(producer_regs, consumer_regs) per thread (setmaxnreg) for a variant's parameters."""
     wgs = int(params["consumer_wgs"])
     fp8 = params["dtype"] == "e4m3"
-    split = (REG_SPLIT_FP8 if fp8 or params.get("pack_gqa") else REG_SPLIT).get(wgs, (24, 240))
+    transposer = fp8 and not params.get("vt_global")  # vt_global: the producer issues TMA loads only
+    split = (REG_SPLIT_FP8 if transposer or params.get("pack_gqa") else REG_SPLIT).get(wgs, (24, 240))
     if fp8 and wgs == 2 and isinstance(params.get("block_n"), int):
         need = _acc_regs(params["block_n"], _pad_operand(params["head_dim_v"], "e4m3"), True)
         if need > split[1] - ACC_REG_HEADROOM:
@@ -116,7 +122,38 @@ PARAMS = params_struct(
     ("tile_counter", "ptr", "int*"),  # dynamic_schedule variants: one int32, 0 at launch (the launch's own)
     ("group", "i32"),  # heads / heads_k
     ("tile_queries", "i32"),  # query positions per tile: block_m, or block_m // group (pack_gqa variants)
+    # vt_global variants' preprocess (kernel ``vt``): V (batch, seqlen_k, heads_k, head_dim_v) e4m3 at
+    # these strides (elements = bytes) -> V^T (batch, heads_k, head_dim_v, vt_seqlen) e4m3, contiguous
+    ("v", "ptr", "const void*"),
+    ("v_stride_batch", "i64"), ("v_stride_seq", "i64"), ("v_stride_head", "i64"),
+    ("vt", "ptr", "void*"),
+    ("vt_seqlen", "i32"),  # seqlen_k rounded up to VT_KEY_ALIGN (the zero keys past seqlen_k are written)
 )
+
+VT_KEY_ALIGN = 16  # V^T rows: whole 16-key groups (P's k order permutes within 16; TMA strides: 16 bytes)
+VT_THREADS = 256  # the vt preprocess: threads per CTA (fp8.cuh write_vt_tile)
+VT_TILE = 16384  # the vt preprocess: bytes of V per CTA (keys x head_dim bytes)
+
+
+def vt_tile_bytes(head_dim_v: int) -> int:
+    """head_dim bytes per tile of the vt preprocess: 128, or 64 where head_dim_v <= 64."""
+    return 64 if int(head_dim_v) <= 64 else 128
+
+
+def vt_grid(batch: int, heads_k: int, head_dim_v: int, seqlen_k: int, tile_bytes: int) -> tuple:
+    """The vt preprocess's grid: (key tiles, head_dim tiles, batch x heads_k)."""
+    return (-(-vt_seqlen(seqlen_k) // (VT_TILE // tile_bytes)), -(-int(head_dim_v) // tile_bytes),
+            int(batch) * int(heads_k))
+
+
+def vt_seqlen(seqlen_k: int) -> int:
+    """Keys per V^T row in a vt_global variant's scratch (seqlen_k rounded up to VT_KEY_ALIGN)."""
+    return -(-int(seqlen_k) // VT_KEY_ALIGN) * VT_KEY_ALIGN
+
+
+def vt_scratch_bytes(batch: int, heads_k: int, head_dim_v: int, seqlen_k: int) -> int:
+    """Bytes of a vt_global call's V^T scratch: (batch, heads_k, head_dim_v, vt_seqlen) e4m3."""
+    return int(batch) * int(heads_k) * int(head_dim_v) * vt_seqlen(seqlen_k)
 
 
 def _block_n(v):
@@ -161,6 +198,8 @@ def smem_layout(params: dict) -> dict:
     bm, bn, st = int(params["block_m"]), int(params["block_n"]), int(params["stages"])
     sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e}
     if dt == "e4m3":  # V^T ring (keys padded to whole 128-byte chunks); O is stored from registers
+        if params.get("vt_global"):  # V^T is TMA-loaded from global memory: no V ring
+            sizes["v"] = 0
         sizes["vt"] = st * pv * _pad_chunk(bn, dt)
         sizes["o"] = 0
     elif params.get("pack_gqa"):  # O is stored from registers
@@ -246,6 +285,9 @@ class FwdFamily(Family):
             dynamic_schedule=dynamic_schedule(params),
             spec_max=spec_max(params),
             half_first=half_first(params),
+            vt_global=bool(params.get("vt_global")),
+            vt_threads=VT_THREADS,
+            vt_tile_bytes=vt_tile_bytes(_pad_operand(params["head_dim_v"], params["dtype"])),
         )
 
     def problems(self, params):
@@ -264,6 +306,8 @@ class FwdFamily(Family):
                 out.append(("pack_gqa", True, "false with dtype e4m3 (the FP8 forward has no PackGQA yet)"))
             if hd != hdv:
                 out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) with dtype e4m3"))
+        elif params.get("vt_global"):
+            out.append(("vt_global", True, "false unless dtype is e4m3 (16-bit V is read MN-major in place)"))
         if out:
             return out
         r = self.resources(params)
@@ -295,8 +339,11 @@ class FwdFamily(Family):
 
     def kernels(self, params, resources):
         mma = "QGMMA" if resources["fp8"] else "HGMMA"  # e4m3 WGMMA is QGMMA in SASS
-        return [KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
-                           tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG"))]
+        main = KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
+                          tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG"))
+        if resources.get("vt_global"):  # the V^T preprocess first; main's map "v" is then V^T's
+            return [KernelSpec("vt", resources["vt_threads"], 0, PARAMS), main]
+        return [main]
 
     def name_parts(self, p):
         hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")
@@ -305,7 +352,8 @@ class FwdFamily(Family):
                 f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops",
-                *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else [])]
+                *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else []),
+                *(["vtg"] if p.get("vt_global") else [])]
 
     def suggest(self, key):
         """FA3's published tiles (DESIGN.md §4) as the starting point for a missing key (head dims
@@ -351,6 +399,9 @@ FAMILY = FwdFamily(
         Key("exp_turns", bool, "knob", default=False,
             doc="the consumer warpgroups take turns for their softmax exponentials (a second named-barrier "
                 "ring), so one warpgroup's MUFU.EX2 phase runs at a time (fwd.cu.j2 kExpTurns)"),
+        Key("vt_global", bool, "knob", default=False,
+            doc="e4m3: V^T written to per-call scratch by a preprocess kernel and TMA-loaded (no in-kernel "
+                "V transpose; fwd.cu.j2 kVtGlobal)"),
     ),
     tile_match=("head_dim", "dtype", "causal", "local", "softcap", "pack_gqa"),
     tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),

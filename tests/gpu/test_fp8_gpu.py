@@ -342,6 +342,45 @@ def test_fp8_half_first_block_variants(sq, sk):
         _check(q8, k8, v8, ds, True, out, lse, d ** -0.5)
 
 
+@pytest.mark.parametrize("b,sq,sk,h,hk", [(1, 3, 1, 2, 1), (2, 77, 13, 4, 4), (2, 300, 517, 6, 2), (1, 64, 193, 2, 1),
+                                          (3, 129, 385, 8, 1), (1, 1030, 1100, 2, 2)])
+def test_fp8_vt_global_variants(b, sq, sk, h, hk):
+    """vt_global (fwd.py: V^T written to per-call scratch by the variant's ``vt`` kernel, then
+    TMA-loaded): every built vt_global variant, forced, with block descales, against the float32
+    reference with FA3's FP8 rule. seqlen_k not a multiple of 16 (the zero keys the preprocess writes
+    past it) nor of block_n (block_n 192 loads 64 keys past the block into V^T's second chunk); V a
+    strided view (one half of a packed K/V tensor: head and sequence strides not V's own); the
+    scratch pool's memory NaN-poisoned between calls by a discarded allocation of its own."""
+    vs = [v for v in _built_e4m3_variants() if v.params.get("vt_global")]
+    if not vs:
+        pytest.skip("MISSING-FWD-VARIANT: no e4m3 vt_global variant is built")
+    for var in vs:
+        d = var.params["head_dim"]
+        seed = sq + 7 * sk + d
+        q8, k8, _ = _inputs(b, sq, sk, h, hk, d, seed=seed)
+        kv = randn(b, sk, 2, hk, d, dtype=torch.bfloat16, seed=seed + 5).to(E4M3)
+        v8 = kv[:, :, 1]  # strides (sk * 2 hk d, 2 hk d, d, 1): not contiguous
+        ds = _descales("block", b, sq, sk, h, hk, seed=seed)
+        _poison_scratch_pool(b * hk * d * (-(-sk // 16) * 16))
+        out, lse = _forward_forced(var, q8, k8, v8, ds, 15.0 if var.params["softcap"] else 0.0)
+        _check(q8, k8, v8, ds, bool(var.params["causal"]), out, lse, d ** -0.5,
+               softcap=15.0 if var.params["softcap"] else 0.0)
+
+
+def _poison_scratch_pool(nbytes: int) -> None:
+    """Fill the next ``nbytes`` of flashgen's scratch pool on the current device with 0xFF (an e4m3
+    NaN) on the current stream, then hand them back: the next call's scratch is likely the same
+    memory, so a V^T byte the preprocess leaves unwritten shows as NaN."""
+    from flashgen import launch
+
+    stream = torch.cuda.current_stream().cuda_stream
+    dev = torch.cuda.current_device()
+    with launch.scratch(dev, nbytes, stream) as ptr:
+        d = launch._driver()
+        with launch.device_context(dev):
+            launch.check(d.cuMemsetD8Async(ptr, 0xFF, nbytes, launch._stream(stream)), "cuMemsetD8Async")
+
+
 def _repeat_every_variant(repeats: int) -> None:
     """Each built e4m3 variant, forced, `repeats` launches on FA3-protocol shapes (seqlen 2048 and
     4096, 16k tokens: 4-16 tiles per CTA), every output bitwise equal to the first (child process of

@@ -104,6 +104,76 @@ struct VTransposer {
   }
 };
 
+// vt_global's preprocess (fwd.cu.j2, kernel `vt`): V (batch, seqlen_k, heads_k, head_dim_v) e4m3
+// at the given strides (bytes) -> V^T (batch, heads_k, head_dim_v, vt_seqlen) contiguous, rows in
+// head_dim order, and within each 16 keys the columns in the order acc_to_a_frag_e4m3 (softmax.cuh)
+// gives P's k positions: column 4q + t holds key 2q + (t >> 1) + 8 (t & 1), as the transposer's.
+// Keys past seqlen_k are written as 0 (0 x NaN must not reach O).
+// One CTA of 256 threads per tile of kKeys keys x kBytes head_dim bytes (16 KB; kBytes 128, or 64
+// where head_dim_v <= 64) of one (batch, head_k) (blockIdx x: key tile, y: head_dim tile, z: batch x
+// heads_k + head):
+// 1. 16-byte loads of whole V rows (4 per thread; rows 16-byte aligned, as TMA needs; an 8-byte load
+//    at the end of a head_dim_v that is a multiple of 8 only) into shared memory, word w of row r at word (w + 4 (r / 16)) % (kBytes
+//    / 4) of its line, so that step 2's reads of one word of 16-key groups g = 0..7 hit 8 banks;
+// 2. thread (w, g) (g fastest) reads word w of rows 16g..16g+15, byte-permutes them into head_dim
+//    rows 4w..4w+3 of V^T (16 keys each) and stores them: a warp's 16-byte stores fill whole 128- (or
+//    256-) byte runs of 4 (8) V^T rows.
+template <int kBytes>
+__device__ __forceinline__ void write_vt_tile(const uint8_t* v, int64_t stride_batch, int64_t stride_seq,
+                                              int64_t stride_head, uint8_t* vt, int vt_seqlen, int seqlen_k,
+                                              int heads_k, int head_dim_v, uint32_t* tile) {
+  static_assert(kBytes == 128 || kBytes == 64, "128 or 64 head_dim bytes per tile");
+  constexpr int kWords = kBytes / 4;
+  constexpr int kKeys = 16384 / kBytes;  // 16 KB tiles: 128 or 256 keys
+  constexpr int kGroups = kKeys / 16;
+  constexpr int kThreads = 256;
+  static_assert(kWords * kGroups == kThreads, "one (word, 16-key group) item per thread");
+  const int tid = threadIdx.x;
+  const int key0 = blockIdx.x * kKeys;
+  const int col0 = blockIdx.y * kBytes;
+  const int b = blockIdx.z / heads_k;
+  const int h = blockIdx.z % heads_k;
+  const uint8_t* src = v + b * stride_batch + h * stride_head + col0;
+  auto slot = [](int r, int w) { return r * kWords + (w + 4 * (r / 16)) % kWords; };
+#pragma unroll
+  for (int i = 0; i < kKeys * kBytes / 16 / kThreads; ++i) {
+    const int c = i * kThreads + tid;  // 16-byte chunk: row c / (kBytes / 16), words 4 (c % (kBytes / 16)) on
+    const int r = c / (kBytes / 16);
+    const int w = 4 * (c % (kBytes / 16));
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (key0 + r < seqlen_k) {
+      const uint8_t* at = src + (key0 + r) * stride_seq + 4 * w;
+      if (col0 + 4 * w + 16 <= head_dim_v) {
+        x = __ldg(reinterpret_cast<const uint4*>(at));
+      } else if (col0 + 4 * w + 8 <= head_dim_v) {  // a head_dim_v that is a multiple of 8 only
+        const uint2 y = __ldg(reinterpret_cast<const uint2*>(at));
+        x.x = y.x;
+        x.y = y.y;
+      }
+    }
+    *reinterpret_cast<uint4*>(tile + slot(r, w)) = x;
+  }
+  __syncthreads();
+  const int g = tid % kGroups;
+  const int w = tid / kGroups;
+  const int key = key0 + 16 * g;
+  const int row = col0 + 4 * w;  // V^T rows row..row+3
+  if (key >= vt_seqlen || row >= head_dim_v) return;
+  uint32_t x[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) x[i] = tile[slot(16 * g + i, w)];
+  uint8_t* dst = vt + ((static_cast<int64_t>(b) * heads_k + h) * head_dim_v + row) * vt_seqlen + key;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // V^T row: head_dim byte row + j
+    const uint32_t sel = j | ((4 + j) << 4);
+    uint32_t o[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)  // columns 4q..4q+3: keys 2q, 2q + 8, 2q + 1, 2q + 9
+      o[q] = __byte_perm(__byte_perm(x[2 * q], x[2 * q + 8], sel), __byte_perm(x[2 * q + 1], x[2 * q + 9], sel), 0x5410);
+    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(j) * vt_seqlen) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
 // One fp32 descale of a (batch, head, 64-row block) scale tensor given by strides (elements):
 // FA3's (batch, heads_k) form has block stride 0 and head_div = heads / heads_k (query head h reads
 // key head h / head_div); block quantization's (batch, heads, blocks) form has head_div 1. blk is

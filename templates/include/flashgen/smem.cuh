@@ -86,12 +86,13 @@ struct SmemTileSW {
                           kDescMode);
   }
 
-  // TMA: load rows [row, row + Rows) of a 4-D (dim, seq, head, batch) tensor map whose box is one
-  // chunk, completing on `bar`. One thread.
-  __device__ __forceinline__ void tma_load(const CUtensorMap* map, int row, int head, int batch, uint64_t* bar) const {
+  // TMA: load rows [row, row + Rows) and columns [col0, col0 + Cols) of a 4-D (dim, seq, head, batch)
+  // tensor map whose box is one chunk, completing on `bar`. One thread.
+  __device__ __forceinline__ void tma_load(const CUtensorMap* map, int row, int head, int batch, uint64_t* bar,
+                                           int col0 = 0) const {
 #pragma unroll
     for (int ch = 0; ch < kChunks; ++ch)
-      tma_load_4d(ptr() + ch * kChunkBytes, map, ch * kChunkCols, row, head, batch, bar);
+      tma_load_4d(ptr() + ch * kChunkBytes, map, col0 + ch * kChunkCols, row, head, batch, bar);
   }
 
   // TMA: the same from a 5-D (dim, c1, c2, c3, c4) map whose box is one chunk of up to Rows rows
