@@ -327,10 +327,32 @@ def check_seqlens(seqlens) -> list[str]:
             for s in seqlens if not (isinstance(s, int) and 1 <= s <= TOTAL_TOKENS and TOTAL_TOKENS % s == 0)]
 
 
+def merge_tables(new: dict, old: dict) -> dict:
+    """``new`` with the entries of ``old`` (a table of the same GPU) whose keys ``new`` did not time
+    appended, and a record of them in the protocol (``kept``: their keys, and the date and commit of
+    the table they come from). ValueError when the GPUs differ."""
+    if old.get("gpu") != new["gpu"]:
+        raise ValueError(f"--merge: the existing table is of {old.get('gpu')!r}, not {new['gpu']!r}")
+    timed = {(e["family"], *sorted(e["key"].items())) for e in new["entries"]}
+    kept = [e for e in old["entries"] if (e["family"], *sorted(e["key"].items())) not in timed]
+    out = {**new, "entries": new["entries"] + kept}
+    if kept:
+        prev = old.get("protocol", {}).get("kept", [])  # entries an earlier merge kept stay attributed to their run
+        prev_keys = {str(k) for p in prev for k in p["keys"]}
+        own = [e["key"] for e in kept if str(e["key"]) not in prev_keys]
+        runs = [{**p, "keys": [k for k in p["keys"] if str(k) in {str(e["key"]) for e in kept}]} for p in prev]
+        runs = [p for p in runs if p["keys"]]
+        if own:
+            runs.append({"date": str(old["date"]), "commit": old["flashgen"]["commit"], "keys": own})
+        out["protocol"] = {**new["protocol"], "kept": runs}
+    return out
+
+
 def run(plans, seqlens, gpu: str, output: Path, *, warmup_ms=WARMUP_MS, rep_ms=REP_MS, min_gain=MIN_GAIN,
-        root=None, version: str = "", commit: str | None = None, log=print) -> tuple[dict, str]:
+        root=None, version: str = "", commit: str | None = None, log=print, merge: bool = False) -> tuple[dict, str]:
     """Sweep, choose, write ``output`` (atomically; validated by reading it back). Returns (table
-    data, markdown). TuneError when no key could be timed."""
+    data, markdown). TuneError when no key could be timed. ``merge``: keep the entries of the table
+    already at ``output`` for the keys this run did not time (:func:`merge_tables`)."""
     from .generator.fsutil import atomic_write_text
 
     results = sweep(plans, seqlens, warmup_ms, rep_ms, log)
@@ -338,6 +360,10 @@ def run(plans, seqlens, gpu: str, output: Path, *, warmup_ms=WARMUP_MS, rep_ms=R
     data, md = build_table(gpu, plans, seqlens, results, proto, commit or _commit(root), version)
     if not data["entries"]:
         raise TuneError("no key could be timed (see the messages above); no table written")
+    if merge and Path(output).exists():
+        import yaml
+
+        data = merge_tables(data, yaml.safe_load(Path(output).read_text()))
     atomic_write_text(output, tuning.table_text(data))
     tuning.load_table(output)  # what the runtime will read: must validate
     return data, markdown(md)
@@ -397,9 +423,11 @@ def _bool(text: str) -> bool:
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Parallel nvcc jobs for --build.")
 @click.option("--commit", default=None, help="Source commit recorded in the table [default: `git rev-parse` of the "
                                              "checkout, 'unknown' without git].")
+@click.option("--merge", is_flag=True, help="Keep the entries of the existing output table for the keys this run does "
+              "not time (e.g. --dtypes e4m3 re-tunes e4m3 alone); the protocol records their date and commit.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (keys, candidates, timings, time estimate) and stop.")
 def command(family, dtypes, head_dims, causal_s, seqlens, min_gain, warmup_ms, rep_ms, output, do_build, jobs, commit,
-            dry_run):
+            merge, dry_run):
     """Time every built tile of each forward dispatch key on this GPU and write the winners.
 
     Measures, per key (dtype x head_dim x causal; no window, no softcap) and seqlen, the forward
@@ -491,7 +519,7 @@ def command(family, dtypes, head_dims, causal_s, seqlens, min_gain, warmup_ms, r
     t0 = time.monotonic()
     try:
         _, md = run(plans, sls, gpu, out, warmup_ms=warmup_ms, rep_ms=rep_ms, min_gain=min_gain, root=find_root(),
-                    version=__version__, commit=commit, log=click.echo)
+                    version=__version__, commit=commit, log=click.echo, merge=merge)
     except TuneError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_BUILD_FAILED)

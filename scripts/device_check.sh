@@ -40,6 +40,9 @@
 #                                          fp8_bench.py --variants twice over the variants matching MATCH (default
 #                                          '*noncausal_m*'; CAUSAL no|yes|both, default no; SEQLENS default 2048,16384;
 #                                          HEAD_DIMS default 64,128,256)
+#   bash scripts/device_check.sh fp8tune   FP8 GPU tests (TESTS_K), `flashgen tune --dtypes e4m3 --merge` into this GPU's
+#                                          table (configs/tune/, copied to $OUT), then the e4m3 grid with it twice
+#                                          (fp8_bench.py F8ARGS, default 2k/16k)
 #   bash scripts/device_check.sh variants  forward GPU tests (TESTS_K), then fp8_bench.py --variants --rounds ROUNDS for each dtype of
 #                                          DTYPES (default e4m3,bf16) over MATCH / CAUSAL / SEQLENS / HEAD_DIMS as fp8var
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
@@ -90,6 +93,18 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m flashgen.generator.sass build/manifest.json | grep -c '^ok' | sed 's/^/sass ok kernels: /'
 
 case "$mode" in
+fp8tune)
+  # FP8 tests (TESTS_K), `flashgen tune --dtypes e4m3 --merge` into this GPU's table in configs/tune/ (copied to
+  # $OUT), then the e4m3 grid through flash_attn_func with that table (fp8_bench.py F8ARGS, default 2k/16k), twice
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fp8_gpu.py \
+    -k "${TESTS_K:-every_built or vt_global or outliers}" 2>&1 | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
+  slug=$(python3 -c "from flashgen import tuning, launch; print(tuning.gpu_slug(launch.device_name(0)))")
+  timeout 400 flashgen tune --dtypes e4m3 --merge 2>&1 | tee "$out/tune_e4m3.log" | grep -E '^\| e4m3|wrote|error' | tail -40
+  cp "configs/tune/$slug.yaml" "$out/"
+  for run in 1 2; do
+    timeout 200 python3 scripts/fp8_bench.py ${F8ARGS:---seqlens 2048,16384} 2>&1 | tee "$out/fp8_grid_$run.md" | grep '^|'
+  done
+  ;;
 fp8var|variants)
   # variants: the same for every dtype of DTYPES (default e4m3,bf16), the forward GPU tests of TESTS_K first, and
   # ROUNDS (default 2) timing rounds alternated over the variants within each run (fp8_bench.py --rounds)

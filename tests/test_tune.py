@@ -438,6 +438,33 @@ def test_cli_min_gain_zero_takes_any_gain(fake_tune, tmp_path):
     assert "not read" in r.output  # written elsewhere than the runtime looks: the note says how to use it
 
 
+def test_cli_merge_keeps_the_keys_not_timed(fake_tune, tmp_path):
+    """--merge: the entries of the existing table for keys this run did not time stay, and the protocol
+    records where they come from (their table's date and commit); the timed key's entry is replaced."""
+    import yaml
+
+    out = tmp_path / "t.yaml"
+    assert run_tune("--seqlens", "2048", "-o", str(out), "--commit", "aaaaaaa").exit_code == 0
+    data = yaml.safe_load(out.read_text())
+    other = {**data["entries"][0], "key": {**data["entries"][0]["key"], "dtype": "fp16"}}
+    data["entries"].append(other)
+    data["date"] = "2026-01-02"
+    out.write_text(tuning.table_text(data))
+    r = run_tune("--seqlens", "512", "-o", str(out), "--commit", "bbbbbbb", "--merge")
+    assert r.exit_code == 0, r.output
+    t = tuning.load_table(out)
+    assert t.flashgen["commit"] == "bbbbbbb" and len(t.entries) == 2
+    assert t.entry_for("fwd", KEY).rows[0].measured[0]["seqlen"] == 512  # the timed key: this run's
+    assert t.entry_for("fwd", other["key"]).rows == tuning.table_from_data(data, "old").entry_for("fwd", other["key"]).rows
+    assert t.protocol["kept"] == [{"date": "2026-01-02", "commit": "aaaaaaa", "keys": [other["key"]]}]
+    # a second merge keeps the attribution of the entries it carries over
+    assert run_tune("--seqlens", "1024", "-o", str(out), "--commit", "ccccccc", "--merge").exit_code == 0
+    assert tuning.load_table(out).protocol["kept"] == [{"date": "2026-01-02", "commit": "aaaaaaa", "keys": [other["key"]]}]
+    # without --merge the table holds this run's keys alone
+    assert run_tune("--seqlens", "512", "-o", str(out)).exit_code == 0
+    assert len(tuning.load_table(out).entries) == 1 and "kept" not in tuning.load_table(out).protocol
+
+
 def test_cli_leaves_out_a_wrong_candidate(fake_tune, tmp_path):
     FakePoint.wrong = {176}
     out = tmp_path / "t.yaml"
