@@ -339,8 +339,8 @@ def merge_tables(new: dict, old: dict) -> dict:
     if kept:
         prev = old.get("protocol", {}).get("kept", [])  # entries an earlier merge kept stay attributed to their run
         prev_keys = {str(k) for p in prev for k in p["keys"]}
-        own = [e["key"] for e in kept if str(e["key"]) not in prev_keys]
-        runs = [{**p, "keys": [k for k in p["keys"] if str(k) in {str(e["key"]) for e in kept}]} for p in prev]
+        own = [dict(e["key"]) for e in kept if str(e["key"]) not in prev_keys]  # copies: no YAML anchors
+        runs = [{**p, "keys": [dict(k) for k in p["keys"] if str(k) in {str(e["key"]) for e in kept}]} for p in prev]
         runs = [p for p in runs if p["keys"]]
         if own:
             runs.append({"date": str(old["date"]), "commit": old["flashgen"]["commit"], "keys": own})
