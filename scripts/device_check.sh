@@ -99,7 +99,7 @@ fp8tune)
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fp8_gpu.py \
     -k "${TESTS_K:-every_built or vt_global or outliers}" 2>&1 | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
   slug=$(python3 -c "from flashgen import tuning, launch; print(tuning.gpu_slug(launch.device_name(0)))")
-  timeout 400 flashgen tune --dtypes e4m3 --merge 2>&1 | tee "$out/tune_e4m3.log" | grep -E '^\| e4m3|wrote|error' | tail -40
+  timeout 400 flashgen tune --dtypes e4m3 --merge ${TUNE_ARGS:-} 2>&1 | tee "$out/tune_e4m3.log" | grep -E '^\| e4m3|wrote|error' | tail -40
   cp "configs/tune/$slug.yaml" "$out/"
   for run in 1 2; do
     timeout 200 python3 scripts/fp8_bench.py ${F8ARGS:---seqlens 2048,16384} 2>&1 | tee "$out/fp8_grid_$run.md" | grep '^|'
