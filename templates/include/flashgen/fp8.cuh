@@ -1,6 +1,7 @@
 // FP8 forward pieces (FA3, arXiv 2407.08608, §3.3): the in-shared-memory transpose of V that the
 // e4m3 P V GEMM needs (WGMMA reads 8-bit B operands K-major only, and V arrives by TMA with
-// head_dim contiguous), and the descales that FA3's and block quantization's scale tensors give.
+// head_dim contiguous), the same transpose done in global memory by a preprocess kernel for the
+// vt_global variants, and the descales that FA3's and block quantization's scale tensors give.
 #pragma once
 
 #include "flashgen/ptx.cuh"
