@@ -14,8 +14,9 @@ from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
 from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
 from .manifest import Variant, load_manifest
-from .generator.families.fwd import (dynamic_schedule, operand_row_bytes,  # noqa: E402 -- tile counter, TMA rows,
-                                     vt_grid, vt_scratch_bytes, vt_seqlen, vt_tile_bytes)  # V^T scratch
+# noqa: E402 -- the tile counter, TMA rows, vt_global's V^T scratch and preprocess grid
+from .generator.families.fwd import (dynamic_schedule, operand_row_bytes, pad_operand, vt_grid,  # noqa: E402
+                                     vt_scratch_bytes, vt_seqlen, vt_tile_bytes)
 from .generator.families.bwd import FAMILY as _BWD_FAMILY, pre_rows_per_cta  # noqa: E402 -- pre grid, dQ path
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
@@ -382,8 +383,9 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     if plan.vt is not None:  # vt_global: V^T (batch, heads_k, dv, vt_seqlen) in per-call scratch, 128-key boxes
         skp = vt_seqlen(sk)
         vt_bytes = vt_scratch_bytes(b, hk, dv, sk)
-        v_map = ("e4m3", (skp, dv, hk, b), (skp, dv * skp, hk * dv * skp), (128, _pad_dv(vp), 1, 1), 128, v.device)
-        grid_vt = vt_grid(b, hk, dv, sk, vt_tile_bytes(_pad_dv(vp)))
+        vt_rows = pad_operand(vp.get("head_dim_v", vp["head_dim"]), vp["dtype"])  # the vt ring's rows
+        v_map = ("e4m3", (skp, dv, hk, b), (skp, dv * skp, hk * dv * skp), (128, vt_rows, 1, 1), 128, v.device)
+        grid_vt = vt_grid(b, hk, dv, sk, vt_tile_bytes(vt_rows))
         if grid_vt[2] > 65535:
             raise ValueError(f"flashgen: batch x heads_k ({grid_vt[2]}) over 65535: the vt preprocess's grid "
                              f"(variant {plan.variant.name}); use a variant without vt_global")
@@ -402,12 +404,6 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, _FWD_PER_CALL,
                                                              counter), vt_launch, vt_bytes)
 
-
-def _pad_dv(variant_params: dict) -> int:
-    """The variant's head_dim_v in whole shared-memory rows (its V^T tile's rows: fwd.py)."""
-    dv = variant_params.get("head_dim_v", variant_params["head_dim"])
-    c = operand_row_bytes(dv, variant_params["dtype"])
-    return -(-dv // c) * c
 
 
 def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,

@@ -84,7 +84,7 @@ def register_split(params):
     transposer = fp8 and not params.get("vt_global")  # vt_global: the producer issues TMA loads only
     split = (REG_SPLIT_FP8 if transposer or params.get("pack_gqa") else REG_SPLIT).get(wgs, (24, 240))
     if fp8 and wgs == 2 and isinstance(params.get("block_n"), int):
-        need = _acc_regs(params["block_n"], _pad_operand(params["head_dim_v"], "e4m3"), True)
+        need = _acc_regs(params["block_n"], pad_operand(params["head_dim_v"], "e4m3"), True)
         if need > split[1] - ACC_REG_HEADROOM:
             split = REG_SPLIT_FP8_WIDE
     return split
@@ -181,7 +181,7 @@ def operand_row_bytes(width: int, dtype: str) -> int:
     return 64 if DTYPE_BYTES.get(dtype, 2) == 1 and int(width) <= 64 else 128
 
 
-def _pad_operand(x: int, dtype: str) -> int:
+def pad_operand(x: int, dtype: str) -> int:
     """head_dim or head_dim_v rounded up to whole shared-memory rows (:func:`operand_row_bytes`)."""
     c = operand_row_bytes(x, dtype) // DTYPE_BYTES.get(dtype, 2)
     return -(-int(x) // c) * c
@@ -194,7 +194,7 @@ def smem_layout(params: dict) -> dict:
     staged in Q's buffer (region ``o`` has 0 bytes)."""
     dt = params["dtype"]
     e = DTYPE_BYTES.get(dt, 2)
-    p, pv = _pad_operand(params["head_dim"], dt), _pad_operand(params["head_dim_v"], dt)
+    p, pv = pad_operand(params["head_dim"], dt), pad_operand(params["head_dim_v"], dt)
     bm, bn, st = int(params["block_m"]), int(params["block_n"]), int(params["stages"])
     sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e}
     if dt == "e4m3":  # V^T ring (keys padded to whole 128-byte chunks); O is stored from registers
@@ -274,8 +274,8 @@ class FwdFamily(Family):
             smem_bytes=smem["bars"]["offset"] + smem["bars"]["bytes"] + ALIGN_SLACK_BYTES,
             producer_regs=producer_regs,
             consumer_regs=consumer_regs,
-            head_dim_padded=_pad_operand(params["head_dim"], params["dtype"]),
-            head_dim_v_padded=_pad_operand(params["head_dim_v"], params["dtype"]),
+            head_dim_padded=pad_operand(params["head_dim"], params["dtype"]),
+            head_dim_v_padded=pad_operand(params["head_dim_v"], params["dtype"]),
             qk_row_bytes=operand_row_bytes(params["head_dim"], params["dtype"]),
             v_row_bytes=operand_row_bytes(params["head_dim_v"], params["dtype"]),
             separate_o=smem["o"]["bytes"] > 0,
@@ -287,7 +287,7 @@ class FwdFamily(Family):
             half_first=half_first(params),
             vt_global=bool(params.get("vt_global")),
             vt_threads=VT_THREADS,
-            vt_tile_bytes=vt_tile_bytes(_pad_operand(params["head_dim_v"], params["dtype"])),
+            vt_tile_bytes=vt_tile_bytes(pad_operand(params["head_dim_v"], params["dtype"])),
         )
 
     def problems(self, params):
