@@ -14,7 +14,7 @@ from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
 from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
 from .manifest import Variant, load_manifest
-# noqa: E402 -- the tile counter, TMA rows, vt_global's V^T scratch and preprocess grid
+# the tile counter, TMA rows, vt_global's V^T scratch and its preprocess's grid
 from .generator.families.fwd import (dynamic_schedule, operand_row_bytes, pad_operand, vt_grid,  # noqa: E402
                                      vt_scratch_bytes, vt_seqlen, vt_tile_bytes)
 from .generator.families.bwd import FAMILY as _BWD_FAMILY, pre_rows_per_cta  # noqa: E402 -- pre grid, dQ path
@@ -405,7 +405,6 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
                                                              counter), vt_launch, vt_bytes)
 
 
-
 def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
                    softmax_scale: float, softcap: float, stream: int, sink: int = 0, q_descale: int = 0,
                    k_descale: int = 0, v_descale: int = 0) -> Variant:
@@ -413,7 +412,10 @@ def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, ou
     (q, k, v, out, lse; the sink's and the descales' where :func:`prepare_forward` was given
     them, else 0) on ``stream``; returns the variant. The per-call work of :func:`attention_forward`:
     ValueError for an address TMA cannot use (not 16-byte aligned) or a bad softmax_scale /
-    softcap, then the TMA maps (cached by address) and the launch (CudaError if it fails)."""
+    softcap, then the TMA maps (cached by address) and the launch (CudaError if it fails). A
+    vt_global variant (fwd.py) launches twice on ``stream`` around V^T scratch of its own
+    (``vt_bytes``, from launch.scratch, freed on ``stream`` after the launches): its preprocess, then
+    the main kernel reading V^T."""
     if (q_ptr | k_ptr | v_ptr | out_ptr) % TMA_ALIGN_BYTES:
         for name, ptr in (("q", q_ptr), ("k", k_ptr), ("v", v_ptr), ("out", out_ptr)):
             if ptr % TMA_ALIGN_BYTES:
