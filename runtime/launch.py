@@ -334,27 +334,15 @@ class scratch:
         self.device, self.nbytes, self.stream, self.ptr = device, int(nbytes), stream, None
 
     def __enter__(self) -> int:
-        d = _driver()
-        pushed = _push_primary(self.device)
-        try:
-            hstream = _streams.get(self.stream) or _stream(self.stream)
+        with device_context(self.device):
             pool = _scratch_pools.get(self.device) or _make_pool(self.device, _SCRATCH_POOL_KEEP, _scratch_pools)
-            self.ptr = check(d.cuMemAllocFromPoolAsync(max(self.nbytes, 1), pool, hstream),
+            self.ptr = check(_driver().cuMemAllocFromPoolAsync(max(self.nbytes, 1), pool, _stream(self.stream)),
                              f"cuMemAllocFromPoolAsync(scratch, {self.nbytes} bytes)")
-        finally:
-            if pushed:
-                check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
         return int(self.ptr)
 
     def __exit__(self, *exc):
-        d = _driver()
-        pushed = _push_primary(self.device)
-        try:
-            check(d.cuMemFreeAsync(self.ptr, _streams.get(self.stream) or _stream(self.stream)),
-                  "cuMemFreeAsync(scratch)")
-        finally:
-            if pushed:
-                check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
+        with device_context(self.device):
+            check(_driver().cuMemFreeAsync(self.ptr, _stream(self.stream)), "cuMemFreeAsync(scratch)")
 
 
 def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=None, buf=None) -> None:

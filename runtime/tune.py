@@ -330,17 +330,18 @@ def check_seqlens(seqlens) -> list[str]:
 def merge_tables(new: dict, old: dict) -> dict:
     """``new`` with the entries of ``old`` (a table of the same GPU) whose keys ``new`` did not time
     appended, and a record of them in the protocol (``kept``: their keys, and the date and commit of
-    the table they come from). ValueError when the GPUs differ."""
+    the table they come from). TuneError when the GPUs differ."""
     if old.get("gpu") != new["gpu"]:
-        raise ValueError(f"--merge: the existing table is of {old.get('gpu')!r}, not {new['gpu']!r}")
+        raise TuneError(f"--merge: the existing table is of {old.get('gpu')!r}, not {new['gpu']!r}; no table written")
     timed = {(e["family"], *sorted(e["key"].items())) for e in new["entries"]}
     kept = [e for e in old["entries"] if (e["family"], *sorted(e["key"].items())) not in timed]
     out = {**new, "entries": new["entries"] + kept}
     if kept:
         prev = old.get("protocol", {}).get("kept", [])  # entries an earlier merge kept stay attributed to their run
         prev_keys = {str(k) for p in prev for k in p["keys"]}
+        kept_keys = {str(e["key"]) for e in kept}
         own = [dict(e["key"]) for e in kept if str(e["key"]) not in prev_keys]  # copies: no YAML anchors
-        runs = [{**p, "keys": [dict(k) for k in p["keys"] if str(k) in {str(e["key"]) for e in kept}]} for p in prev]
+        runs = [{**p, "keys": [dict(k) for k in p["keys"] if str(k) in kept_keys]} for p in prev]
         runs = [p for p in runs if p["keys"]]
         if own:
             runs.append({"date": str(old["date"]), "commit": old["flashgen"]["commit"], "keys": own})
@@ -355,15 +356,20 @@ def run(plans, seqlens, gpu: str, output: Path, *, warmup_ms=WARMUP_MS, rep_ms=R
     already at ``output`` for the keys this run did not time (:func:`merge_tables`)."""
     from .generator.fsutil import atomic_write_text
 
+    old = None
+    if merge and Path(output).exists():  # read (and its GPU checked) before the sweep, not after it
+        import yaml
+
+        old = yaml.safe_load(Path(output).read_text())
+        if old.get("gpu") != gpu:
+            raise TuneError(f"--merge: {output} is the table of {old.get('gpu')!r}, not {gpu!r}; nothing timed")
     results = sweep(plans, seqlens, warmup_ms, rep_ms, log)
     proto = protocol(seqlens, warmup_ms, rep_ms, min_gain)
     data, md = build_table(gpu, plans, seqlens, results, proto, commit or _commit(root), version)
     if not data["entries"]:
         raise TuneError("no key could be timed (see the messages above); no table written")
-    if merge and Path(output).exists():
-        import yaml
-
-        data = merge_tables(data, yaml.safe_load(Path(output).read_text()))
+    if old is not None:
+        data = merge_tables(data, old)
     atomic_write_text(output, tuning.table_text(data))
     tuning.load_table(output)  # what the runtime will read: must validate
     return data, markdown(md)

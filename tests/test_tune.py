@@ -463,6 +463,14 @@ def test_cli_merge_keeps_the_keys_not_timed(fake_tune, tmp_path):
     # without --merge the table holds this run's keys alone
     assert run_tune("--seqlens", "512", "-o", str(out)).exit_code == 0
     assert len(tuning.load_table(out).entries) == 1 and "kept" not in tuning.load_table(out).protocol
+    # a table of another GPU is refused before anything is timed, and left as it is
+    data = yaml.safe_load(out.read_text())
+    data["gpu"] = "Other GPU"
+    out.write_text(tuning.table_text(data))
+    made = len(FakePoint.made)
+    r = run_tune("--seqlens", "512", "-o", str(out), "--merge")
+    assert r.exit_code != 0 and "--merge" in r.output and "'Other GPU'" in r.output, r.output
+    assert len(FakePoint.made) == made and yaml.safe_load(out.read_text())["gpu"] == "Other GPU"
 
 
 def test_cli_leaves_out_a_wrong_candidate(fake_tune, tmp_path):
