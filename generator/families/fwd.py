@@ -299,9 +299,9 @@ class FwdFamily(Family):
         if wgs in CONSUMER_WGS and bm != 64 * wgs:
             out.append(("block_m", bm, f"64 * consumer_wgs = {64 * wgs} (consumer_wgs is {wgs})"))
         if params["dtype"] == "e4m3":
-            if isinstance(bn, int) and bn % QUANT_BLOCK:
-                out.append(("block_n", bn, f"a multiple of {QUANT_BLOCK} with dtype e4m3 (each {QUANT_BLOCK}-key "
-                                           "block of K may have its own descale)"))
+            if isinstance(bn, int) and bn % 32:
+                out.append(("block_n", bn, "a multiple of 32 with dtype e4m3 (the P V GEMM steps k32 over block_n; "
+                                           f"S's descale groups are 32 or {QUANT_BLOCK} keys)"))
             if params.get("pack_gqa"):
                 out.append(("pack_gqa", True, "false with dtype e4m3 (the FP8 forward has no PackGQA yet)"))
             if hd != hdv:

@@ -72,13 +72,16 @@ __device__ __forceinline__ void acc_to_a_frag(const float (&s)[R], uint32_t (&a)
 // (pairs (key i, key i + 8) side by side). transpose_v (fp8.cuh) writes V^T's columns in the same
 // order, so the product is unchanged (FA3, arXiv 2407.08608 §3.3: the accumulator byte permute
 // matched by the V transpose's row order). Values saturate to +-448.
+// R % 16 == 8 (S's left half of an N = 224 block): the last k32 step's first k16 half alone (registers
+// 4kk, 4kk + 1; the caller zeroes the rest).
 template <int R>
 __device__ __forceinline__ void acc_to_a_frag_e4m3(const float (&s)[R], uint32_t (&a)[R / 4]) {
-  static_assert(R % 16 == 0, "whole k32 steps");
+  static_assert(R % 8 == 0, "whole k16 halves of k32 steps");
 #pragma unroll
-  for (int kk = 0; kk < R / 16; ++kk) {
+  for (int kk = 0; kk < (R + 8) / 16; ++kk) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // register r: row r % 2 (0: r, 1: r + 8), k half r / 2
+      if (16 * kk + 8 * (r / 2) >= R) continue;
       const float* x = s + 16 * kk + 8 * (r / 2) + 2 * (r % 2);
       a[4 * kk + r] = pack4_e4m3(x[0], x[4], x[1], x[5]);
     }
