@@ -80,6 +80,22 @@ def test_bad_block_n(tmp_path, bn):
     check_cli_rejects(proj, f"tiles[1].block_n = {bn}")
 
 
+@pytest.mark.parametrize("bn, ok", [(224, True), (160, True), (208, False), (80, False)])
+def test_e4m3_block_n_multiple_of_32(tmp_path, bn, ok):
+    """e4m3 block_n: a multiple of 32 (the P V GEMM's k32 steps; K descales per 32 or 64 columns),
+    so FA3's 128 x 224 is accepted and 208 (a multiple of 16 only) is refused."""
+    text = SMALL_FWD.replace("dtype: [bf16, fp16]", "dtype: [e4m3]").replace(
+        "{head_dim: 128, block_m: 128, block_n: 128, consumer_wgs: 2}",
+        f"{{head_dim: 128, block_m: 128, block_n: {bn}, consumer_wgs: 2, vt_global: true}}")
+    if ok:
+        vs = load_variants(make_project(tmp_path, {"ok.yaml": text}))
+        assert sum(v.params["block_n"] == bn for v in vs) == 2  # causal and not
+        return
+    _, probs = problems_of(tmp_path, text)
+    hit = [p for p in probs if f"block_n = {bn}" in p and "multiple of 32 with dtype e4m3" in p]
+    assert len(hit) == 2, probs
+
+
 def test_block_m_consumer_wgs_mismatch(tmp_path):
     text = SMALL_FWD.replace("{head_dim: 64, block_m: 192, block_n: 128, consumer_wgs: 3}",
                              "{head_dim: 64, block_m: 128, block_n: 128, consumer_wgs: 3}")

@@ -448,7 +448,7 @@ def test_register_splits_fit_the_launch_allocation():
 
 def test_register_split_rule():
     """fwd.register_split: FA3's 24 / 240 only for e4m3 tiles whose accumulators do not fit 232 - 32
-    (head_dim 256 at block_n 128); other e4m3 and PackGQA tiles keep 40 / 232, 16-bit ones 24 / 240,
+    (head_dim 256 at block_n 128, head_dim 128 at block_n 224); other e4m3 and PackGQA tiles keep 40 / 232, 16-bit ones 24 / 240,
     3 consumer warpgroups 32 / 160. The rendered kernel takes the 24-register transposer (its key-group
     loop) exactly when the producer has 24 registers."""
     from flashgen.generator.families import fwd as fwd_mod
@@ -469,7 +469,8 @@ def test_register_split_rule():
     assert split(head_dim=64, head_dim_v=64, consumer_wgs=3, vt_global=True) == (32, 160)
     wide = [v for v in load_variants(Project(REPO)) if v.family == "fwd" and v.params["dtype"] == "e4m3"
             and v.resources["producer_regs"] == 24 and not v.params.get("vt_global")]
-    assert wide and all(v.params["head_dim"] == 256 and v.params["block_n"] == 128 for v in wide)
+    assert wide and all((v.params["head_dim"], v.params["block_n"]) in ((256, 128), (128, 224)) for v in wide)
+    assert split(head_dim=128, head_dim_v=128, block_n=224) == (24, 240)  # FA3's 128 x 224: 204 registers
     src = (REPO / "templates" / "fwd.cu.j2").read_text()
     assert "(kProducerRegs <= 24)>" in src  # VTransposer's kGroupLoop
 
