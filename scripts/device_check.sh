@@ -87,6 +87,9 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, cuda.bindings, triton; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__, 'triton', triton.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+# Benchmark peers from carried wheels (scripts/fetch_peer_wheels.sh; the machine reaches no index): the cuDNN frontend
+pyt=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+for w in .wheels/*-"$pyt"-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps --no-index "$w" 2>&1 | tail -1; done
 t0=$(date +%s)
 flashgen build --all ${BUILD_FILTER:+--filter "$BUILD_FILTER"} -j "$(nproc)" 2>&1 | tail -3 | tee "$out/build.log"
 echo "build: $(( $(date +%s) - t0 )) s"

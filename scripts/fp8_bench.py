@@ -1,7 +1,8 @@
 """FP8 (e4m3) forward throughput on the FA3 protocol (16k tokens, hidden 2048), beside flashgen's
 bf16 forward in the same process: kernel-only e4m3 (inputs already quantized, FA3 descales of
 shape (batch, heads_k)), and end to end from bf16 (``flashgen.quantize_fp8`` + attention) when
-quantize_fp8 exists. Timed like `flashgen bench` (triton do_bench median, L2 flushed between
+quantize_fp8 exists; and cuDNN's FP8 forward (scripts/cudnn_fp8_peer.py) in the same run when the cuDNN
+frontend is installed (no column with --softcap). Timed like `flashgen bench` (triton do_bench median, L2 flushed between
 repetitions). TFLOP/s = 4 b h s^2 d (halved for causal) / time.
 --variants: instead, every built e4m3 variant of each (head_dim, causal) key (default tiles and
 configs/fwd_fp8_tune.yaml's candidates), launched through flashgen.core with the variant forced.
@@ -22,6 +23,8 @@ import torch
 
 import flashgen
 from flashgen.bench import _flops, _sdpa_fn, _time_ms
+
+import cudnn_fp8_peer  # scripts/: cuDNN's FP8 forward, when nvidia-cudnn-frontend is installed
 
 
 def main() -> None:
@@ -44,8 +47,17 @@ def main() -> None:
         quant = None
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}" + (f"  softcap {a.softcap}" if a.softcap else ""))
     cap = a.softcap
-    print("| head_dim | causal | seqlen | e4m3 kernel | e4m3 from bf16 (quantize + attn) | bf16 | e4m3 / bf16 |")
-    print("|---|---|---|---|---|---|---|")
+    peer = None if cap else cudnn_fp8_peer  # cuDNN's FP8 graph has no softcap
+    if peer is not None and peer.available():
+        print(f"# no cuDNN e4m3 column: {peer.available()}")
+        peer = None
+    if peer is not None:
+        import cudnn
+        print(f"# cuDNN e4m3: cudnn frontend {cudnn.__version__}, backend {cudnn.backend_version()} (O in e4m3; "
+              "|O - flashgen O| max printed per point)")
+    print("| head_dim | causal | seqlen | e4m3 kernel | e4m3 from bf16 (quantize + attn) | bf16 | e4m3 / bf16 "
+          "| cuDNN e4m3 | e4m3 / cuDNN e4m3 | cuDNN O max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for d in (int(x) for x in a.head_dims.split(",")):
         for causal in causals:
             for s in (int(x) for x in a.seqlens.split(",")):
@@ -64,8 +76,20 @@ def main() -> None:
                         return flashgen.flash_attn_func(q_, k_, v_, causal=causal, q_descale=qd, k_descale=kd,
                                                         v_descale=vd, softcap=cap)
                     e2e = f"{fl / _time_ms(full) * 1e3:.0f}"
+                cu = ratio = diff = "-"
+                if peer is not None:
+                    fn, why = peer.cudnn_fp8_fn(q8, k8, v8, causal)
+                    if fn is None:
+                        print(f"# {d} {causal} {s}: {why}")
+                    else:
+                        ref = flashgen.flash_attn_func(q8, k8, v8, causal=causal, q_descale=ds[0], k_descale=ds[1],
+                                                       v_descale=ds[2])
+                        diff = f"{peer.check(fn, ref):.3f}"
+                        tc = _time_ms(fn)
+                        cu, ratio = f"{fl / tc * 1e3:.0f}", f"{tc / t8:.2f}"
+                        del fn
                 print(f"| {d} | {causal} | {s} | {fl / t8 * 1e3:.0f} | {e2e} | {fl / t16 * 1e3:.0f} | "
-                      f"{t16 / t8:.2f} |", flush=True)
+                      f"{t16 / t8:.2f} | {cu} | {ratio} | {diff} |", flush=True)
 
 
 def tiles(a) -> None:
