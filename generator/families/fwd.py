@@ -20,7 +20,8 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   map, O and LSE are stored from registers row by row. 16-bit only. The runtime chooses it per call
   (flashgen.core.pack_gqa_rule); a tile holds block_m // group query positions.
 - block_n a multiple of 16 in [16, 256]: the N of the S = Q K^T WGMMA (N <= 256) and the PV GEMM
-  steps k16 over it.
+  steps k16 over it. e4m3: a multiple of 32 (k32 steps); S's K-descale groups are 64 columns, or 32
+  where block_n is not a multiple of 64 (FA3's 128 x 224), so none straddles two 64-key blocks.
 - consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
 - stages in 1..4.
 - Shared memory (:func:`smem_layout`; P = head_dim rounded up to whole rows: 128 bytes = 64
@@ -31,7 +32,7 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
 - Registers (setmaxnreg, :func:`register_split`): 2 consumer WGs get 240 regs/thread, 3 get 160
   (producer 24 / 32). e4m3 and PackGQA with 2 consumer WGs: 40 / 232 (the V transpose and the
   5-D Q load need the producer's registers), except e4m3 tiles whose accumulators need more than
-  200 (head_dim 256 at block_n 128): 24 / 240, as FA3.
+  200 (head_dim 256 at block_n 128, head_dim 128 at block_n 224): 24 / 240, as FA3.
   With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128. For both, the fp32 S accumulator
   (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4) registers per thread
   must leave 32 for addresses and softmax state: block_n/2 + head_dim_v_padded/2 + block_n/4 <=
