@@ -2,7 +2,7 @@
 bf16 forward in the same process: kernel-only e4m3 (inputs already quantized, FA3 descales of
 shape (batch, heads_k)), and end to end from bf16 (``flashgen.quantize_fp8`` + attention) when
 quantize_fp8 exists; and cuDNN's FP8 forward (scripts/cudnn_fp8_peer.py) in the same run when the cuDNN
-frontend is installed (no column with --softcap). Timed like `flashgen bench` (triton do_bench median, L2 flushed between
+frontend is installed (no column with --softcap or --no-cudnn). Timed like `flashgen bench` (triton do_bench median, L2 flushed between
 repetitions). TFLOP/s = 4 b h s^2 d (halved for causal) / time.
 --variants: instead, every built e4m3 variant of each (head_dim, causal) key (default tiles and
 configs/fwd_fp8_tune.yaml's candidates), launched through flashgen.core with the variant forced.
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--match", default="*", help="--variants: only variant names matching this glob")
     ap.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"), help="--variants: the variants' dtype")
     ap.add_argument("--rounds", type=int, default=1, help="--variants: timing rounds, alternated over the variants")
+    ap.add_argument("--no-cudnn", action="store_true", help="no cuDNN e4m3 column (old/new comparisons)")
     a = ap.parse_args()
     if a.variants:
         return tiles(a)
@@ -47,7 +48,7 @@ def main() -> None:
         quant = None
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}" + (f"  softcap {a.softcap}" if a.softcap else ""))
     cap = a.softcap
-    peer = None if cap else cudnn_fp8_peer  # cuDNN's FP8 graph has no softcap
+    peer = None if cap or a.no_cudnn else cudnn_fp8_peer  # cuDNN's FP8 graph has no softcap
     if peer is not None and peer.available():
         print(f"# no cuDNN e4m3 column: {peer.available()}")
         peer = None

@@ -198,11 +198,11 @@ def smem_layout(params: dict) -> dict:
     p, pv = pad_operand(params["head_dim"], dt), pad_operand(params["head_dim_v"], dt)
     bm, bn, st = int(params["block_m"]), int(params["block_n"]), int(params["stages"])
     sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e}
-    if dt == "e4m3":  # V^T ring (keys padded to whole 128-byte chunks); O is stored from registers
+    if dt == "e4m3":  # V^T ring (keys padded to whole 128-byte chunks); O (bf16) staged when it fits
         if params.get("vt_global"):  # V^T is TMA-loaded from global memory: no V ring
             sizes["v"] = 0
         sizes["vt"] = st * pv * _pad_chunk(bn, dt)
-        sizes["o"] = 0
+        sizes["o"] = bm * pv * DTYPE_BYTES[OUT_DTYPE[dt]]
     elif params.get("pack_gqa"):  # O is stored from registers
         sizes["o"] = 0
     else:

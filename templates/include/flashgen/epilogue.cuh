@@ -7,10 +7,18 @@
 
 namespace flashgen {
 
+// The column of O that accumulator columns 8j + 2c (c = lane % 4) and +1 hold, and +1. kFp8Order: O
+// came from an e4m3 P V GEMM, whose V^T rows are in the transposer's order (fp8.cuh VTransposer).
+template <bool kFp8Order>
+__device__ __forceinline__ int o_col(int j, int c) {
+  return kFp8Order ? 16 * (j / 2) + 2 * (j % 2) + 4 * c : 8 * j + 2 * c;
+}
+
 // A warpgroup's m64nN accumulator, as packed 16-bit pairs (pair i = registers 2i, 2i + 1; `pair(i)`
-// returns it), -> rows [tile_row, tile_row + 64) of a swizzled tile: the generic-proxy stores only
-// (the caller fences and synchronises before an async-proxy reader). `pairs` = N / 4.
-template <typename Tile, typename Pair>
+// returns it), -> rows [tile_row, tile_row + 64) of a swizzled tile, each pair at its column
+// o_col<kFp8Order>: the generic-proxy stores only (the caller fences and synchronises before an
+// async-proxy reader). `pairs` = N / 4.
+template <bool kFp8Order = false, typename Tile, typename Pair>
 __device__ __forceinline__ void stage_pairs(const Tile& tile, int tile_row, int pairs, Pair&& pair) {
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32;
@@ -20,7 +28,7 @@ __device__ __forceinline__ void stage_pairs(const Tile& tile, int tile_row, int 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = tile_row + warp * 16 + lane / 4 + 8 * h;
-      *reinterpret_cast<uint32_t*>(tile.ptr() + Tile::offset(r, 8 * j + 2 * (lane % 4))) = pair(2 * j + h);
+      *reinterpret_cast<uint32_t*>(tile.ptr() + Tile::offset(r, o_col<kFp8Order>(j, lane % 4))) = pair(2 * j + h);
     }
   }
 }
@@ -31,14 +39,15 @@ __device__ __forceinline__ void stage_pairs(const Tile& tile, int tile_row, int 
 // OwnBuffer: the tile is the epilogue's own, reused tile after tile, so the previous store must have
 // read it before it is overwritten. Otherwise it is an input's buffer (Q's): the caller has
 // finished its GEMMs on it, and `release` (thread 0) hands it back once this store has read it.
-template <typename T, bool OwnBuffer, int R, typename Tile, typename Release>
+// kFp8Order: O's accumulator columns are in the e4m3 transposer's order (o_col), put back in place here.
+template <typename T, bool OwnBuffer, bool kFp8Order = false, int R, typename Tile, typename Release>
 __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, int tile_row, int bar_id,
                                         const CUtensorMap* map, int row, int head, int batch, Release&& release,
                                         int col0 = 0) {
   const int tid = threadIdx.x % 128;
   if (OwnBuffer && tid == 0) ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
   named_bar_sync(bar_id, 128);
-  stage_pairs(tile, tile_row, R / 2, [&](int i) { return pack2<T>(o[2 * i], o[2 * i + 1]); });
+  stage_pairs<kFp8Order>(tile, tile_row, R / 2, [&](int i) { return pack2<T>(o[2 * i], o[2 * i + 1]); });
   fence_proxy_async_smem();  // the generic-proxy stores above, before the TMA store reads them
   named_bar_sync(bar_id, 128);
   if (tid == 0) {
@@ -53,18 +62,12 @@ __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, i
 
 // (col0: the first column of the map the tile's column 0 goes to.)
 
-// The column of O that accumulator columns 8j + 2c (c = lane % 4) and +1 hold, and +1. kFp8Order: O
-// came from an e4m3 P V GEMM, whose V^T rows are in the transposer's order (fp8.cuh VTransposer).
-template <bool kFp8Order>
-__device__ __forceinline__ int o_col(int j, int c) {
-  return kFp8Order ? 16 * (j / 2) + 2 * (j % 2) + 4 * c : 8 * j + 2 * c;
-}
-
 // O (m64nN accumulator, R = N/2 registers, already normalised) -> global memory without staging:
 // this thread's rows h = 0, 1 (accumulator rows row0 and row0 + 8) at row_ptr(h) (null: dropped),
 // columns o_col(j, lane % 4) and +1 below `cols` (a multiple of 8), one 4-byte store each. The FP8
-// forward stores O this way (its shared memory has no room for a 16-bit O tile beside the e4m3
-// rings and V^T at head_dim 256), and so does PackGQA (a tile's rows are of several heads).
+// forward stores O this way where its shared memory has no room for a 16-bit O tile beside the e4m3
+// rings and V^T (fwd.py smem_layout: head_dim 256 with the transposer, say), and so does PackGQA (a
+// tile's rows are of several heads).
 template <typename T, bool kFp8Order = false, int R, typename RowPtr>
 __device__ __forceinline__ void store_o_rows(const float (&o)[R], RowPtr&& row_ptr, int cols, int lane) {
   static_assert(!kFp8Order || R % 8 == 0, "whole 16-column groups");
