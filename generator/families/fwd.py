@@ -27,7 +27,8 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
 - Shared memory (:func:`smem_layout`; P = head_dim rounded up to whole rows: 128 bytes = 64
   16-bit elements, or 128 e4m3 ones, except that an e4m3 head_dim <= 64 takes one 64-byte row
   (:func:`operand_row_bytes`)): Q block_m*P, K and V stages*block_n*P each, O block_m*Pv when
-  it still fits (``separate_o``, else O is staged in Q's buffer), 1024 bytes of mbarriers, plus
+  it still fits (``separate_o``, else O is staged in Q's buffer; e4m3: a bf16 O tile beside the V^T
+  ring, else O is stored from registers), 1024 bytes of mbarriers, plus
   1024 bytes of alignment slack: at most 227 KB = 232448 bytes.
 - Registers (setmaxnreg, :func:`register_split`): 2 consumer WGs get 240 regs/thread, 3 get 160
   (producer 24 / 32). e4m3 and PackGQA with 2 consumer WGs: 40 / 232 (the V transpose and the
