@@ -341,8 +341,10 @@ class FwdFamily(Family):
 
     def kernels(self, params, resources):
         mma = "QGMMA" if resources["fp8"] else "HGMMA"  # e4m3 WGMMA is QGMMA in SASS
+        # e4m3 with an O tile: O staged and TMA-stored (the other e4m3 tiles store it from registers)
+        tma_o = ("UTMASTG",) if resources["fp8"] and resources["separate_o"] else ()
         main = KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
-                          tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG"))
+                          tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG") + tma_o)
         if resources.get("vt_global"):  # the V^T preprocess first; main's map "v" is then V^T's
             return [KernelSpec("vt", resources["vt_threads"], 0, PARAMS), main]
         return [main]
