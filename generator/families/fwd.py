@@ -289,6 +289,7 @@ class FwdFamily(Family):
             half_first=half_first(params),
             vt_global=bool(params.get("vt_global")),
             vt_threads=VT_THREADS,
+            vt_tile=VT_TILE,
             vt_tile_bytes=vt_tile_bytes(pad_operand(params["head_dim_v"], params["dtype"])),
         )
 

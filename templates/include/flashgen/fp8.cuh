@@ -119,15 +119,15 @@ struct VTransposer {
 // 2. thread (w, g) (g fastest) reads word w of rows 16g..16g+15, byte-permutes them into head_dim
 //    rows 4w..4w+3 of V^T (16 keys each) and stores them: a warp's 16-byte stores fill whole 128- (or
 //    256-) byte runs of 4 (8) V^T rows.
-template <int kBytes>
+// kTileBytes, kThreads: fwd.py VT_TILE and VT_THREADS (the CTA's tile of V and its threads).
+template <int kBytes, int kTileBytes, int kThreads>
 __device__ __forceinline__ void write_vt_tile(const uint8_t* v, int64_t stride_batch, int64_t stride_seq,
                                               int64_t stride_head, uint8_t* vt, int vt_seqlen, int seqlen_k,
                                               int heads_k, int head_dim_v, uint32_t* tile) {
   static_assert(kBytes == 128 || kBytes == 64, "128 or 64 head_dim bytes per tile");
   constexpr int kWords = kBytes / 4;
-  constexpr int kKeys = 16384 / kBytes;  // 16 KB tiles: 128 or 256 keys
+  constexpr int kKeys = kTileBytes / kBytes;  // 16 KB tiles: 128 or 256 keys
   constexpr int kGroups = kKeys / 16;
-  constexpr int kThreads = 256;
   static_assert(kWords * kGroups == kThreads, "one (word, 16-key group) item per thread");
   const int tid = threadIdx.x;
   const int key0 = blockIdx.x * kKeys;

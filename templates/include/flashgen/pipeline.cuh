@@ -53,12 +53,13 @@ struct LoadPipeline {
     return &full[st.stage];
   }
 
-  // Producer: acquire the stage and TMA-load `tile` (rows [row, ...) of the map) into it.
+  // Producer: acquire the stage and TMA-load `tile` (rows [row, ...) and columns [col0, ...) of the map)
+  // into it.
   template <typename Tile>
   __device__ __forceinline__ void producer_load(PipeState<Stages> st, const Tile& tile, const CUtensorMap* map, int row,
-                                                int head, int batch) const {
+                                                int head, int batch, int col0 = 0) const {
     producer_acquire(st);
-    tile.tma_load(map, row, head, batch, producer_expect_tx(st, Tile::kBytes));
+    tile.tma_load(map, row, head, batch, producer_expect_tx(st, Tile::kBytes), col0);
   }
 
   __device__ __forceinline__ void consumer_wait(PipeState<Stages> st) const { mbar_wait(&full[st.stage], st.phase); }
