@@ -17,6 +17,7 @@ Usage (a library for scripts/fp8_bench.py): ``fn, why = cudnn_fp8_fn(q8, k8, v8,
 None when cuDNN cannot serve the call, and ``why`` says why."""
 from __future__ import annotations
 
+import functools
 import math
 
 
@@ -26,6 +27,13 @@ def _cudnn():
     except Exception as e:  # not installed, or no libcudnn to load
         return None, f"cudnn frontend not importable ({type(e).__name__}: {e})"
     return cudnn, ""
+
+
+@functools.lru_cache(maxsize=None)
+def _handle(device_index: int):
+    """One cuDNN handle per device for the benchmark process (a handle per graph would leak one per point)."""
+    cudnn, _ = _cudnn()
+    return cudnn.create_handle()
 
 
 def available() -> str:
@@ -46,7 +54,7 @@ def cudnn_fp8_fn(q8, k8, v8, causal: bool):
     dims, strides = (b, h, s, d), (s * h * d, d, h * d, 1)  # BSHD memory seen as (b, h, s, d)
     e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     try:
-        handle = cudnn.create_handle()
+        handle = _handle(q8.device.index)
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
         graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
         tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in ("q", "k", "v"))

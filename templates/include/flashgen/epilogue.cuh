@@ -44,6 +44,7 @@ template <typename T, bool OwnBuffer, bool kFp8Order = false, int R, typename Ti
 __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, int tile_row, int bar_id,
                                         const CUtensorMap* map, int row, int head, int batch, Release&& release,
                                         int col0 = 0) {
+  static_assert(!kFp8Order || R % 8 == 0, "whole 16-column groups");
   const int tid = threadIdx.x % 128;
   if (OwnBuffer && tid == 0) ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
   named_bar_sync(bar_id, 128);
