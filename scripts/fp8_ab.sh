@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # e4m3 forward old/new A/B at the default tiles (tune tables off on both sides), for kernel changes that
-# leave the tiles alone (2026-11-22: O staged in shared memory and TMA-stored). Run on the GPU machine
+# leave the tiles alone (2026-11-22: O staged in shared memory and TMA-stored; the first block's K descales read early). Run on the GPU machine
 # from the repo root with .base/ carried (scripts/make_base.sh; delete .base/build first):
-#   OUT=... bash scripts/fp8_epilogue_ab.sh
+#   OUT=... bash scripts/fp8_ab.sh
 # FP8 GPU tests first (TESTS_K: -k, default all of test_fp8_gpu.py), then fp8_bench.py (F8ARGS) old, new,
 # old, new with FLASHGEN_TUNE_TABLE=off, and fp8_compare.py's table last.
 set -uo pipefail
