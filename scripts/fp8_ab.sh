@@ -4,7 +4,7 @@
 # from the repo root with .base/ carried (scripts/make_base.sh; delete .base/build first):
 #   OUT=... bash scripts/fp8_ab.sh
 # FP8 GPU tests first (TESTS_K: -k, default all of test_fp8_gpu.py), then fp8_bench.py (F8ARGS) old, new,
-# old, new with FLASHGEN_TUNE_TABLE=off, and fp8_compare.py's table last.
+# old, new with FLASHGEN_TUNE_TABLE=off (TABLES=on: with the tables), and fp8_compare.py's table last.
 set -uo pipefail
 out=${OUT:-/tmp/flashgen-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -17,7 +17,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .
 timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fp8_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
   | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
 oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
-export FLASHGEN_TUNE_TABLE=off
+[ "${TABLES:-off}" = off ] && export FLASHGEN_TUNE_TABLE=off  # TABLES=on: each tree serves its own tune tables
 f8=${F8ARGS:---seqlens 512,2048,16384}
 for r in 1 2; do
   oldenv timeout 120 python3 scripts/fp8_bench.py --no-cudnn $f8 > "$out/f8_old$r.md" 2>&1
