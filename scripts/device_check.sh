@@ -50,6 +50,10 @@
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
 #                                          peers; the old/new table printed last (GPU_TESTS=0: no tests; TESTS_K: the
 #                                          forward and FP8 GPU tests matching it instead of every GPU test)
+#   bash scripts/device_check.sh fp8ab     e4m3 kernel A/B (carry .base; BUILD_FILTER='fwd_e4m3_*,fwd_bf16_hd*_noncausal_m*,
+#                                          fwd_bf16_hd*_causal_m*,quant_*' saves the full build): the FP8 GPU tests (TESTS_K),
+#                                          then fp8_bench.py (F8ARGS, default 512/2k/16k) of .base/ and this tree alternated
+#                                          twice, tune tables off (TABLES=on: each tree's own), the old/new table last
 #   bash scripts/device_check.sh sanity    compute-sanitizer (the nvidia-h100-x1 kind has it): synccheck over every case of
 #                                          scripts/sanitize_driver.py, racecheck over the cases matching RACE (default
 #                                          'bwd'), then the GPU tests (TESTS: files, default all of tests/gpu)
@@ -79,6 +83,21 @@ prof() {
 
 # The old tree's environment (see above); modes that compare against .base/ run their old side through it.
 oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
+# The old tree installed into /tmp/oldsite and its kernels matching $1 built (fwdchange, fp8ab).
+old_build() {
+  test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter "$1" -j "$(nproc)" 2>&1 | tail -1)
+}
+# The e4m3 forward of .base and of this tree alternated old, new, old, new (fp8_bench.py with these arguments),
+# then fp8_compare.py's old/new table.
+f8_alternate() {
+  for r in 1 2; do
+    oldenv timeout 120 python3 scripts/fp8_bench.py "$@" > "$out/f8_old$r.md" 2>&1
+    timeout 120 python3 scripts/fp8_bench.py "$@" > "$out/f8_new$r.md" 2>&1
+  done
+  python3 scripts/fp8_compare.py "$out"/f8_old1.md "$out"/f8_new1.md "$out"/f8_old2.md "$out"/f8_new2.md | tee "$out/f8_compare.md"
+}
 
 mode=${1:-test}
 out=${OUT:-/tmp/flashgen-out}
@@ -239,9 +258,7 @@ bwd)
   python3 scripts/bwd_compare.py "$out"/bwd_old1_bwd.csv "$out"/bwd_new1_bwd.csv "$out"/bwd_old2_bwd.csv "$out"/bwd_new2_bwd.csv | tee "$out/bwd_compare.md"
   ;;
 fwdchange)
-  test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
-  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
-  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'fwd_e4m3*,fwd_bf16*' -j "$(nproc)" 2>&1 | tail -1)
+  old_build 'fwd_e4m3*,fwd_bf16*'
   if [ -n "${TESTS_K:-}" ]; then  # the forward and FP8 GPU tests matching TESTS_K instead of every GPU test
     timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fwd_gpu.py tests/gpu/test_fp8_gpu.py \
       -k "$TESTS_K" 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
@@ -250,18 +267,22 @@ fwdchange)
   fi
   table() { python3 -c "import torch, flashgen.tuning as t; print('$1 tune table:', t.find_table(torch.cuda.get_device_name())[0])"; }
   oldenv table old; table new
-  f8=${F8ARGS:---seqlens 2048,16384}
-  for r in 1 2; do
-    oldenv timeout 100 python3 scripts/fp8_bench.py $f8 > "$out/f8_old$r.md" 2>&1
-    timeout 100 python3 scripts/fp8_bench.py $f8 > "$out/f8_new$r.md" 2>&1
-  done
-  python3 scripts/fp8_compare.py "$out"/f8_old1.md "$out"/f8_new1.md "$out"/f8_old2.md "$out"/f8_new2.md | tee "$out/f8_compare.md"
+  f8_alternate ${F8ARGS:---seqlens 2048,16384}
   g="${REGRESS_ARGS:---seqlens 512,2048,16384 --head-dims 64,128,256 --dtypes bf16}"
   for r in 1 2; do
     python3 scripts/regress_fwd.py run --label new $g --csv "$out/new$r.csv" 2>&1 | tail -1
     oldenv python3 scripts/regress_fwd.py run --label old $g --csv "$out/old$r.csv" 2>&1 | tail -1
   done
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt" | tail -25
+  ;;
+fp8ab)
+  # e4m3 kernel A/B: the FP8 GPU tests (TESTS_K), then f8_alternate without the cuDNN column, tables off
+  # (the default tiles) unless TABLES=on (each tree with its own tune tables)
+  old_build 'fwd_e4m3_*,fwd_bf16_hd*_noncausal_m*,fwd_bf16_hd*_causal_m*,quant_*'
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fp8_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  [ "${TABLES:-off}" = off ] && export FLASHGEN_TUNE_TABLE=off
+  f8_alternate --no-cudnn ${F8ARGS:---seqlens 512,2048,16384}
   ;;
 perf)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
