@@ -40,6 +40,9 @@
 #                                          fp8_bench.py --variants twice over the variants matching MATCH (default
 #                                          '*noncausal_m*'; CAUSAL no|yes|both, default no; SEQLENS default 2048,16384;
 #                                          HEAD_DIMS default 64,128,256)
+#   bash scripts/device_check.sh tunekeys  forward + FP8 GPU tests (TESTS_K), `flashgen tune --merge` for each TUNE_KEYS entry
+#                                          (';'-separated tune options) into this GPU's table (copied to $OUT), then with it
+#                                          the 16-bit sub-grid REGRESS_ARGS with SDPA peers and the e4m3 grid F8ARGS, twice each
 #   bash scripts/device_check.sh fp8tune   FP8 GPU tests (TESTS_K), `flashgen tune --dtypes e4m3 --merge` into this GPU's
 #                                          table (configs/tune/, copied to $OUT), then the e4m3 grid with it twice
 #                                          (fp8_bench.py F8ARGS, default 2k/16k)
@@ -126,6 +129,28 @@ fp8tune)
   for run in 1 2; do
     timeout 200 python3 scripts/fp8_bench.py ${F8ARGS:---seqlens 2048,16384} 2>&1 | tee "$out/fp8_grid_$run.md" | grep '^|'
   done
+  ;;
+tunekeys)
+  # `flashgen tune --merge` for the keys of each TUNE_KEYS entry (';'-separated tune options, e.g. "--dtypes bf16,fp16
+  # --head-dims 64 --causal false;--dtypes e4m3 --head-dims 128"; TUNE_ARGS added to each, e.g. --commit) into this
+  # GPU's table (copied to $OUT), after the forward and FP8 GPU tests matching TESTS_K (default every built variant);
+  # then, with that table, twice each: the 16-bit sub-grid REGRESS_ARGS with SDPA peers (regress_fwd.py peers) and
+  # the e4m3 grid F8ARGS (fp8_bench.py with cuDNN's FP8); either is skipped when unset
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fwd_gpu.py tests/gpu/test_fp8_gpu.py \
+    -k "${TESTS_K:-every_built}" 2>&1 | tee "$out/test_fwd.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
+  slug=$(python3 -c "from flashgen import tuning, launch; print(tuning.gpu_slug(launch.device_name(0)))")
+  IFS=';' read -ra keys <<< "${TUNE_KEYS:?TUNE_KEYS: tune options per key set}"
+  for k in "${keys[@]}"; do
+    timeout 300 flashgen tune --merge $k ${TUNE_ARGS:-} 2>&1 | tee -a "$out/tune.log" | grep -E '^\| (bf16|fp16|e4m3)|wrote|rror' | tail -40
+  done
+  cp "configs/tune/$slug.yaml" "$out/"
+  if [ -n "${REGRESS_ARGS:-}" ]; then
+    for r in 1 2; do python3 scripts/regress_fwd.py run --label new --csv "$out/grid$r.csv" $REGRESS_ARGS 2>&1 | tail -1; done
+    python3 scripts/regress_fwd.py peers "$out"/grid*.csv | tee "$out/peers.txt" | tail -30
+  fi
+  if [ -n "${F8ARGS:-}" ]; then
+    for r in 1 2; do timeout 200 python3 scripts/fp8_bench.py $F8ARGS 2>&1 | tee "$out/fp8_grid_$r.md" | grep '^|'; done
+  fi
   ;;
 fp8var|variants)
   # variants: the same for every dtype of DTYPES (default e4m3,bf16), the forward GPU tests of TESTS_K first, and

@@ -475,6 +475,26 @@ def test_register_split_rule():
     assert "(kProducerRegs <= 24)>" in src  # VTransposer's kGroupLoop
 
 
+def test_register_rule_without_overlap_leaves_p_out():
+    """Without intra-warpgroup overlap S is dead while P is live (P takes S's registers), so the
+    accumulator rule counts S and O only: cuDNN's FP8 tile (64 x 256 per consumer warpgroup at
+    head_dim 128) and 16-bit hd64 128x256 are feasible then, and not with the overlap."""
+    from flashgen.generator.families import fwd as fwd_mod
+
+    base = dict(family="fwd", dtype="e4m3", head_dim=128, head_dim_v=128, causal=False, block_m=128, block_n=256,
+                stages=2, consumer_wgs=2, pingpong=True, overlap=True, persistent=True, vt_global=True)
+
+    def block_n_problem(**kw):
+        return "block_n" in {k for k, _, _ in fwd_mod.FAMILY.problems({**base, **kw})}
+
+    assert block_n_problem()  # 128 + 64 + 32 = 224 > 240 - 32
+    assert not block_n_problem(overlap=False)  # 128 + 64 = 192
+    assert fwd_mod.register_split({**base, "overlap": False}) == (24, 240)
+    assert block_n_problem(dtype="bf16", head_dim=64, head_dim_v=64, vt_global=False)  # 128 + 32 + 64
+    assert not block_n_problem(dtype="bf16", head_dim=64, head_dim_v=64, vt_global=False, overlap=False)
+    assert block_n_problem(head_dim=256, head_dim_v=256, overlap=False)  # 128 + 128 = 256 even without P
+
+
 def test_smem_layout_is_the_feasibility_layout():
     """The shared-memory regions the template gets are the ones feasibility checked: in address
     order, contiguous, smem_bytes = end of the last one + 1024, and infeasible exactly above the limit."""

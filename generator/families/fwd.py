@@ -35,10 +35,13 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   5-D Q load need the producer's registers), except e4m3 tiles whose accumulators need more than
   200 (head_dim 256 at block_n 128, head_dim 128 at block_n 224): 24 / 240, as FA3.
   With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128. For both, the fp32 S accumulator
-  (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4) registers per thread
-  must leave 32 for addresses and softmax state: block_n/2 + head_dim_v_padded/2 + block_n/4 <=
-  consumer_regs - 32 (208 with 2 consumer WGs, 128 with 3: hd64 at block_n 128 fits, hd96 does
-  not -- it spilled when tried).
+  (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4; e4m3 block_n/8)
+  registers per thread must leave 32 for addresses and softmax state: block_n/2 +
+  head_dim_v_padded/2 + block_n/4 <= consumer_regs - 32 (208 with 2 consumer WGs, 128 with 3:
+  hd64 at block_n 128 fits, hd96 does not -- it spilled when tried). Without intra-warpgroup
+  overlap (``overlap: false``) S is dead while P is live, so P's registers are not counted: that is
+  what fits cuDNN's FP8 tile, 64 x 256 per consumer warpgroup at head_dim 128 (128x256, 0 spill
+  bytes), and 128x256 at head_dim 64 (16-bit).
 - ``vt_global`` (e4m3 only): V^T comes from global memory instead of the in-kernel transpose. The
   variant has two kernels: ``vt``, a preprocess that writes e4m3 V^T (batch, heads_k, head_dim_v,
   seqlen_k rounded up to 16; keys contiguous, in P's k order within each 16, zeros past seqlen_k)
@@ -74,9 +77,10 @@ REG_SPLIT_FP8_WIDE = (24, 240)
 ACC_REG_HEADROOM = 32
 
 
-def _acc_regs(block_n, head_dim_v_padded, fp8):
-    """Registers per consumer thread for the fp32 S and O accumulators and the packed P."""
-    return block_n // 2 + head_dim_v_padded // 2 + block_n // (8 if fp8 else 4)
+def _acc_regs(block_n, head_dim_v_padded, fp8, overlap=True):
+    """Registers per consumer thread for the fp32 S and O accumulators and the packed P (without
+    intra-warpgroup overlap, S is dead while P is live, so P takes S's registers)."""
+    return block_n // 2 + head_dim_v_padded // 2 + (block_n // (8 if fp8 else 4) if overlap else 0)
 
 
 def register_split(params):
@@ -86,7 +90,8 @@ def register_split(params):
     transposer = fp8 and not params.get("vt_global")  # vt_global: the producer issues TMA loads only
     split = (REG_SPLIT_FP8 if transposer or params.get("pack_gqa") else REG_SPLIT).get(wgs, (24, 240))
     if fp8 and wgs == 2 and isinstance(params.get("block_n"), int):
-        need = _acc_regs(params["block_n"], pad_operand(params["head_dim_v"], "e4m3"), True)
+        need = _acc_regs(params["block_n"], pad_operand(params["head_dim_v"], "e4m3"), True,
+                         params.get("overlap", True))
         if need > split[1] - ACC_REG_HEADROOM:
             split = REG_SPLIT_FP8_WIDE
     return split
@@ -327,7 +332,7 @@ class FwdFamily(Family):
             if bn > 128:
                 out.append(("block_n", bn, "<= 128 with 3 consumer warpgroups (160 registers/thread)"))
         if len(out) == n_before:
-            need = _acc_regs(bn, r["head_dim_v_padded"], r["fp8"])  # S, O, packed P
+            need = _acc_regs(bn, r["head_dim_v_padded"], r["fp8"], params.get("overlap", True))  # S, O, packed P
             limit = r["consumer_regs"] - ACC_REG_HEADROOM
             if need > limit:
                 out.append((
