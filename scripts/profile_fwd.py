@@ -4,9 +4,9 @@ Usage: python scripts/profile_fwd.py --dtype e4m3|bf16|fp16 --head-dim 128 [--ca
                                      [--impl flashgen|cudnn|fa2] [--backward [--deterministic]]
 16384 tokens, hidden 2048 (batch = 16384 / seqlen, heads = 2048 / head_dim); e4m3 inputs are bf16 random
 normal cast to float8_e4m3fn with unit FA3 descales. --impl cudnn / fa2: PyTorch SDPA with that backend on
-the same tensors in BSHD strides; e4m3 --impl cudnn: cuDNN's own FP8 forward (scripts/cudnn_fp8_peer.py). --backward: flashgen's backward alone (bench._flashgen_bwd_fn: a
-forward made once, its three kernels per call; 16-bit, flashgen only). The last call runs inside the NVTX range "prof" (for
-`ncu --nvtx --nvtx-include prof/`). Prints the kernel time of the last call (CUDA events)."""
+the same tensors in BSHD strides; e4m3 with --impl cudnn: cuDNN's own FP8 forward (scripts/cudnn_fp8_peer.py).
+--backward: flashgen's backward alone (bench._flashgen_bwd_fn: a forward made once, its three kernels per call;
+16-bit, flashgen only). The last call runs inside the NVTX range "prof" (for `ncu --nvtx --nvtx-include prof/`). Prints the kernel time of the last call (CUDA events)."""
 import argparse
 
 import torch
@@ -54,26 +54,21 @@ def main() -> None:
     elif a.impl == "flashgen":
         def call():
             flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
+    elif a.dtype == "e4m3":  # cuDNN's own FP8 forward (PyTorch's SDPA has no FP8 path)
+        if a.impl != "cudnn":
+            raise SystemExit("--impl fa2: 16-bit dtypes only")
+        from cudnn_fp8_peer import cudnn_fp8_fn  # scripts/ is the script's folder: on sys.path
+        call, why = cudnn_fp8_fn(q, k, v, a.causal)
+        if call is None:
+            raise SystemExit(f"cuDNN FP8: {why}")
     else:
-        if a.dtype == "e4m3":
-            if a.impl != "cudnn":
-                raise SystemExit("--impl fa2: 16-bit dtypes only")
-            import os
-            import sys
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from cudnn_fp8_peer import cudnn_fp8_fn
-            call, why = cudnn_fp8_fn(q, k, v, a.causal)
-            if call is None:
-                raise SystemExit(f"cuDNN FP8: {why}")
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = SDPBackend.CUDNN_ATTENTION if a.impl == "cudnn" else SDPBackend.FLASH_ATTENTION
 
-        def sdpa():
+        def call():
             with sdpa_kernel(backend):
                 torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=a.causal)
-        if a.dtype != "e4m3":
-            call = sdpa
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(a.calls):
         if i == a.calls - 1:
