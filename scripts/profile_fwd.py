@@ -6,7 +6,8 @@ Usage: python scripts/profile_fwd.py --dtype e4m3|bf16|fp16 --head-dim 128 [--ca
 normal cast to float8_e4m3fn with unit FA3 descales. --impl cudnn / fa2: PyTorch SDPA with that backend on
 the same tensors in BSHD strides; e4m3 with --impl cudnn: cuDNN's own FP8 forward (scripts/cudnn_fp8_peer.py).
 --backward: flashgen's backward alone (bench._flashgen_bwd_fn: a forward made once, its three kernels per call;
-16-bit, flashgen only). The last call runs inside the NVTX range "prof" (for `ncu --nvtx --nvtx-include prof/`). Prints the kernel time of the last call (CUDA events)."""
+16-bit, flashgen only). The last call runs inside the NVTX range "prof" (for `ncu --nvtx --nvtx-include prof/`).
+Prints the kernel time of the last call (CUDA events)."""
 import argparse
 
 import torch
