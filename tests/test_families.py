@@ -495,6 +495,28 @@ def test_register_rule_without_overlap_leaves_p_out():
     assert block_n_problem(head_dim=256, head_dim_v=256, overlap=False)  # 128 + 128 = 256 even without P
 
 
+def test_two_q_buffers_need_an_early_q_release():
+    """q_stages 2 doubles Q's region and is feasible only where Q is released after the tile's last S
+    GEMM (a separate O buffer, or e4m3) and not with PackGQA; q_stages 1 keeps the layout as it was."""
+    from flashgen.generator.families import fwd as fwd_mod
+
+    base = dict(family="fwd", dtype="bf16", head_dim=64, head_dim_v=64, causal=True, block_m=128, block_n=128,
+                stages=2, consumer_wgs=2, pingpong=True, overlap=True, persistent=True)
+
+    def problems(**kw):
+        return {k for k, _, _ in fwd_mod.FAMILY.problems({**base, **kw})}
+
+    one, two = fwd_mod.smem_layout(base), fwd_mod.smem_layout({**base, "q_stages": 2})
+    assert two["q"]["bytes"] == 2 * one["q"]["bytes"] == 2 * 128 * 64 * 2 and two["o"]["bytes"] > 0
+    assert not problems(q_stages=2)
+    assert "q_stages" in problems(q_stages=2, pack_gqa=True)
+    # hd256 128x80: no room for a separate O even with one Q buffer, so Q stages O and is released late
+    assert "q_stages" in problems(q_stages=2, head_dim=256, head_dim_v=256, block_n=80)
+    assert not problems(q_stages=1, head_dim=256, head_dim_v=256, block_n=80)
+    src = (REPO / "templates" / "fwd.cu.j2").read_text()
+    assert "using QState = PipeState<kQStages>;" in src and "tile_slots[q_st.stage]" in src
+
+
 def test_smem_layout_is_the_feasibility_layout():
     """The shared-memory regions the template gets are the ones feasibility checked: in address
     order, contiguous, smem_bytes = end of the last one + 1024, and infeasible exactly above the limit."""
@@ -528,7 +550,7 @@ def test_smem_layout_is_the_feasibility_layout():
         hd, e = v.params["head_dim"], 1 if v.params["dtype"] == "e4m3" else 2
         assert r["qk_row_bytes"] == (64 if e == 1 and hd <= 64 else 128) == fwd_mod.operand_row_bytes(hd, v.params["dtype"])
         assert r["head_dim_padded"] == -(-hd // (r["qk_row_bytes"] // e)) * (r["qk_row_bytes"] // e)
-        assert r["smem"]["q"]["bytes"] == v.params["block_m"] * r["head_dim_padded"] * e
+        assert r["smem"]["q"]["bytes"] == v.params.get("q_stages", 1) * v.params["block_m"] * r["head_dim_padded"] * e
         end = 0
         for region in r["smem"].values():
             assert region["offset"] == end

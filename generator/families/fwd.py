@@ -26,7 +26,9 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
 - stages in 1..4.
 - Shared memory (:func:`smem_layout`; P = head_dim rounded up to whole rows: 128 bytes = 64
   16-bit elements, or 128 e4m3 ones, except that an e4m3 head_dim <= 64 takes one 64-byte row
-  (:func:`operand_row_bytes`)): Q block_m*P, K and V stages*block_n*P each, O block_m*Pv when
+  (:func:`operand_row_bytes`)): Q q_stages*block_m*P (``q_stages`` 2: the next tile's Q loads
+  while the current tile runs; only where Q is released after the tile's last S GEMM), K and V
+  stages*block_n*P each, O block_m*Pv when
   it still fits (``separate_o``, else O is staged in Q's buffer; e4m3: a bf16 O tile beside the V^T
   ring, else O is stored from registers), 1024 bytes of mbarriers, plus
   1024 bytes of alignment slack: at most 227 KB = 232448 bytes.
@@ -203,7 +205,7 @@ def smem_layout(params: dict) -> dict:
     e = DTYPE_BYTES.get(dt, 2)
     p, pv = pad_operand(params["head_dim"], dt), pad_operand(params["head_dim_v"], dt)
     bm, bn, st = int(params["block_m"]), int(params["block_n"]), int(params["stages"])
-    sizes = {"q": bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e}
+    sizes = {"q": int(params.get("q_stages", 1)) * bm * p * e, "k": st * bn * p * e, "v": st * bn * pv * e}
     if dt == "e4m3":  # V^T ring (keys padded to whole 128-byte chunks); O (bf16) staged when it fits
         if params.get("vt_global"):  # V^T is TMA-loaded from global memory: no V ring
             sizes["v"] = 0
@@ -319,6 +321,12 @@ class FwdFamily(Family):
         if out:
             return out
         r = self.resources(params)
+        if params.get("q_stages", 1) == 2:
+            if params.get("pack_gqa"):
+                out.append(("q_stages", 2, "1 with pack_gqa (its 5-D Q load and packed tile slot have one buffer)"))
+            elif not (r["separate_o"] or params["dtype"] == "e4m3"):
+                out.append(("q_stages", 2, "1 where O is staged in Q's buffer (no room for a separate O: the next "
+                                           "tile's Q could not load before the epilogue; lower block_n or stages)"))
         if r["smem_bytes"] > SMEM_LIMIT:
             out.append((
                 "smem_bytes", r["smem_bytes"],
@@ -360,7 +368,7 @@ class FwdFamily(Family):
         return [p["dtype"], hd, "causal" if p["causal"] else "local" if p["local"] else "noncausal", *(["softcap"] if p["softcap"] else []),
                 *(["packgqa"] if p.get("pack_gqa") else []),
                 f"m{p['block_m']}n{p['block_n']}",
-                f"s{p['stages']}", f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
+                f"s{p['stages']}", *(["q2"] if p.get("q_stages", 1) == 2 else []), f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops",
                 *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else []),
                 *(["vtg"] if p.get("vt_global") else [])]
@@ -398,6 +406,9 @@ FAMILY = FwdFamily(
         Key("block_m", int, "tile", allowed=(128, 192), doc="query rows per CTA tile (64 x consumer_wgs)"),
         Key("block_n", int, "tile", check=_block_n, doc="key rows per K/V stage"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="K/V ring depth"),
+        Key("q_stages", int, "knob", allowed=(1, 2), default=1,
+            doc="Q buffers: with 2 the producer loads the next tile's Q while the current tile runs "
+                "(fwd.cu.j2 kQStages; needs Q released after the tile's last S GEMM: a separate O buffer, or e4m3)"),
         Key("consumer_wgs", int, "tile", allowed=CONSUMER_WGS, doc="consumer warpgroups (64 query rows each)"),
         Key("pingpong", bool, "knob", default=True, doc="named-barrier pingpong between consumer warpgroups"),
         Key("overlap", bool, "knob", default=True, doc="intra-warpgroup GEMM/softmax overlap (Algorithm 2)"),
