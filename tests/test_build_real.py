@@ -157,9 +157,9 @@ def test_real_template_exponentials_are_8_cycles_apart(real_subset):
 
 def test_real_template_exp_turns_fence_the_exponentials(real_subset, tmp_path):
     """exp_turns (fwd.cu.j2 kExpTurns, pipeline.cuh FencedTurns) is in the SASS: every exponential
-    phase of the bf16 hd64 causal 128x128 exp_turns variants (with one and two Q buffers: tiles the tune
-    tables name) sits between
-    its turn's BAR.SYNC with the fencing shared load and its BAR.ARV (sass.exp_phases), except the
+    phase of the bf16 hd64 causal 128x128 exp_turns variants (one and two Q buffers: tiles the tune
+    tables name) sits between its turn's BAR.SYNC with the fencing shared load and its BAR.ARV
+    (sass.exp_phases), except the
     spec_max refusal's plain update, which follows the warpgroup vote (BAR.RED) and takes no turn;
     without the knob (the subset's variants) no phase is fenced. ptxas moved the exponentials across a
     bare ring's barriers (docs/PERF.md), which this catches."""
