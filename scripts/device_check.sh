@@ -43,9 +43,9 @@
 #   bash scripts/device_check.sh tunekeys  forward + FP8 GPU tests (TESTS_K), `flashgen tune --merge` for each TUNE_KEYS entry
 #                                          (';'-separated tune options) into this GPU's table (copied to $OUT), then with it
 #                                          the 16-bit sub-grid REGRESS_ARGS with SDPA peers and the e4m3 grid F8ARGS, twice each
-#   bash scripts/device_check.sh fp8tune   FP8 GPU tests (TESTS_K), `flashgen tune --dtypes e4m3 --merge` into this GPU's
-#                                          table (configs/tune/, copied to $OUT), then the e4m3 grid with it twice
-#                                          (fp8_bench.py F8ARGS, default 2k/16k)
+#   bash scripts/device_check.sh fp8tune   tunekeys for e4m3 alone: forward + FP8 GPU tests (TESTS_K, default every built,
+#                                          vt_global and outlier tests), `flashgen tune --dtypes e4m3 --merge` into this
+#                                          GPU's table (copied to $OUT), then the e4m3 grid with it twice (F8ARGS, default 2k/16k)
 #   bash scripts/device_check.sh variants  forward GPU tests (TESTS_K), then fp8_bench.py --variants --rounds ROUNDS for each dtype of
 #                                          DTYPES (default e4m3,bf16) over MATCH / CAUSAL / SEQLENS / HEAD_DIMS as fp8var
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
@@ -118,19 +118,14 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m flashgen.generator.sass build/manifest.json | grep -c '^ok' | sed 's/^/sass ok kernels: /'
 
 case "$mode" in
-fp8tune)
-  # FP8 tests (TESTS_K), `flashgen tune --dtypes e4m3 --merge` into this GPU's table in configs/tune/ (copied to
-  # $OUT), then the e4m3 grid through flash_attn_func with that table (fp8_bench.py F8ARGS, default 2k/16k), twice
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fp8_gpu.py \
-    -k "${TESTS_K:-every_built or vt_global or outliers}" 2>&1 | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
-  slug=$(python3 -c "from flashgen import tuning, launch; print(tuning.gpu_slug(launch.device_name(0)))")
-  timeout 400 flashgen tune --dtypes e4m3 --merge ${TUNE_ARGS:-} 2>&1 | tee "$out/tune_e4m3.log" | grep -E '^\| e4m3|wrote|error' | tail -40
-  cp "configs/tune/$slug.yaml" "$out/"
-  for run in 1 2; do
-    timeout 200 python3 scripts/fp8_bench.py ${F8ARGS:---seqlens 2048,16384} 2>&1 | tee "$out/fp8_grid_$run.md" | grep '^|'
-  done
-  ;;
-tunekeys)
+fp8tune|tunekeys)
+  # fp8tune: tunekeys for e4m3 alone (TUNE_KEYS "--dtypes e4m3"; TESTS_K default "every_built or vt_global or
+  # outliers"; F8ARGS default "--seqlens 2048,16384")
+  if [ "$mode" = fp8tune ]; then
+    TUNE_KEYS=${TUNE_KEYS:---dtypes e4m3}
+    TESTS_K=${TESTS_K:-every_built or vt_global or outliers}
+    F8ARGS=${F8ARGS:---seqlens 2048,16384}
+  fi
   # `flashgen tune --merge` for the keys of each TUNE_KEYS entry (';'-separated tune options, e.g. "--dtypes bf16,fp16
   # --head-dims 64 --causal false;--dtypes e4m3 --head-dims 128"; TUNE_ARGS added to each, e.g. --commit) into this
   # GPU's table (copied to $OUT), after the forward and FP8 GPU tests matching TESTS_K (default every built variant);
@@ -141,7 +136,7 @@ tunekeys)
   slug=$(python3 -c "from flashgen import tuning, launch; print(tuning.gpu_slug(launch.device_name(0)))")
   IFS=';' read -ra keys <<< "${TUNE_KEYS:?TUNE_KEYS: tune options per key set}"
   for k in "${keys[@]}"; do
-    timeout 300 flashgen tune --merge $k ${TUNE_ARGS:-} 2>&1 | tee -a "$out/tune.log" | grep -E '^\| (bf16|fp16|e4m3)|wrote|rror' | tail -40
+    timeout 400 flashgen tune --merge $k ${TUNE_ARGS:-} 2>&1 | tee -a "$out/tune.log" | grep -E '^\| (bf16|fp16|e4m3)|wrote|rror' | tail -40
   done
   cp "configs/tune/$slug.yaml" "$out/"
   if [ -n "${REGRESS_ARGS:-}" ]; then
