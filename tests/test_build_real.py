@@ -179,6 +179,24 @@ def test_real_template_exp_turns_fence_the_exponentials(real_subset, tmp_path):
         assert not w.params.get("exp_turns") and ("SYNC+LDS", "BAR.ARV") not in sass.exp_phases(body), w.name
 
 
+def test_real_template_consumers_read_the_decoded_tile(real_subset):
+    """The consumers take each work tile decoded from its tile slot (scheduler.cuh TileSlot): their
+    branch of the kernel (from the setmaxnreg raise to the producer's lowering, where ptxas lays the
+    producer out) has no integer division (I2F.RP: the reciprocal of a runtime division), while the
+    producer, which runs the scheduler, has its divisions. Before the slot held the decoded tile every
+    consumer thread repeated three runtime divisions per tile (8 % of the stall samples at head_dim
+    64 causal 512, H100)."""
+    proj, res, pick = real_subset
+    for v in pick:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        up, down = body.find("USETMAXREG.TRY_ALLOC"), body.find("USETMAXREG.DEALLOC")
+        assert 0 < up < down, v.name
+        consumers, producer = body[up:down], body[down:]
+        assert "HGMMA" in consumers and "UTMALDG" in producer, v.name
+        assert not re.search(r"I2F(\.U32)?\.RP", consumers), v.name
+        assert re.search(r"I2F(\.U32)?\.RP", producer), v.name
+
+
 def test_real_rebuild_is_cached_and_fast(real_subset):
     proj, res, pick = real_subset
     t0 = time.monotonic()
