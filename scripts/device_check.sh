@@ -85,12 +85,16 @@ prof() {
 }
 
 # The old tree's environment (see above); modes that compare against .base/ run their old side through it.
-oldenv() { PYTHONPATH=/tmp/oldsite FLASHGEN_ROOT=$PWD/.base FLASHGEN_KERNEL_DIR=$PWD/.base/build "$@"; }
-# The old tree installed into /tmp/oldsite and its kernels matching $1 built (fwdchange, fp8ab).
+# BASE (fwdchange and fp8ab): another old tree's folder instead of .base (e.g. a copy of this tree with one
+# template change, to compare two forms of a change in one call); its package goes to /tmp/oldsite<BASE>.
+BASE=${BASE:-.base}
+OLDSITE=/tmp/oldsite${BASE#.base}
+oldenv() { PYTHONPATH=$OLDSITE FLASHGEN_ROOT=$PWD/$BASE FLASHGEN_KERNEL_DIR=$PWD/$BASE/build "$@"; }
+# The old tree installed into $OLDSITE and its kernels matching $1 built (fwdchange, fp8ab).
 old_build() {
-  test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
-  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
-  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter "$1" -j "$(nproc)" 2>&1 | tail -1)
+  test -d "$BASE" || { echo "no $BASE/: run scripts/make_base.sh here first and carry it"; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation --target "$OLDSITE" "./$BASE" 2>&1 | grep -v 'already exists' | tail -2
+  (cd "$BASE" && FLASHGEN_ROOT=$PWD PYTHONPATH=$OLDSITE python3 -m flashgen.cli build --filter "$1" -j "$(nproc)" 2>&1 | tail -1)
 }
 # The e4m3 forward of .base and of this tree alternated old, new, old, new (fp8_bench.py with these arguments),
 # then fp8_compare.py's old/new table.

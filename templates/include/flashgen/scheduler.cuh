@@ -22,22 +22,14 @@ __device__ __forceinline__ int grid_ctas() {
   return static_cast<int>(n);
 }
 
+// A tile of work: query block m_block of (batch, head). The forward's producer publishes each one
+// decoded in shared memory (fwd.cu.j2's tile slots; m_block -1: the stop), so that the consumers do
+// not repeat the divisions of tile() at every tile start (three runtime divisions, about 170
+// instructions per consumer thread: 8 % of the consumers' stall samples at head_dim 64 causal 512, H100).
 struct WorkTile {
   int m_block;
   int head;
   int batch;
-};
-
-// A work tile as the scheduling thread publishes it in shared memory for the threads that run it
-// (the forward's tile slots): decoded once, by that thread, so that the readers do not repeat the
-// scheduler's divisions at every tile start (three runtime divisions, about 170 instructions per
-// consumer thread: 8 % of the consumers' stall samples at head_dim 64 causal 512, H100).
-// m_block < 0: no more tiles (the stop). head_k: the tile's K/V head.
-struct TileSlot {
-  int m_block;
-  int head;
-  int batch;
-  int head_k;
 };
 
 // Non-causal: m fastest, so CTAs running together share K/V in L2.
