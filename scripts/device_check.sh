@@ -57,6 +57,7 @@
 #                                          fwd_bf16_hd*_causal_m*,quant_*' saves the full build): the FP8 GPU tests (TESTS_K),
 #                                          then fp8_bench.py (F8ARGS, default 512/2k/16k) of .base/ and this tree alternated
 #                                          twice, tune tables off (TABLES=on: each tree's own), the old/new table last
+#                                          (fwdchange and fp8ab: BASE=.alt compares against another exported tree instead of .base)
 #   bash scripts/device_check.sh sanity    compute-sanitizer (the nvidia-h100-x1 kind has it): synccheck over every case of
 #                                          scripts/sanitize_driver.py, racecheck over the cases matching RACE (default
 #                                          'bwd'), then the GPU tests (TESTS: files, default all of tests/gpu)
