@@ -158,9 +158,8 @@ def test_real_template_exponentials_are_8_cycles_apart(real_subset):
 def test_real_template_exp_turns_fence_the_exponentials(real_subset, tmp_path):
     """exp_turns (fwd.cu.j2 kExpTurns, pipeline.cuh FencedTurns) is in the SASS: every exponential
     phase of the bf16 hd64 causal 128x128 exp_turns variants (one and two Q buffers, 2 to 4 K/V
-    stages: tiles the tune tables name) sits between its turn's BAR.SYNC with the fencing shared load and its BAR.ARV
-    (sass.exp_phases), except the
-    spec_max refusal's plain update, which follows the warpgroup vote (BAR.RED) and takes no turn;
+    stages: tiles the tune tables name) sits between its turn's BAR.SYNC with the fencing shared
+    load and its BAR.ARV (sass.exp_phases), except the spec_max refusal's plain update, which follows the warpgroup vote (BAR.RED) and takes no turn;
     without the knob (the subset's variants) no phase is fenced. ptxas moved the exponentials across a
     bare ring's barriers (docs/PERF.md), which this catches."""
     proj, res, pick = real_subset
@@ -180,12 +179,13 @@ def test_real_template_exp_turns_fence_the_exponentials(real_subset, tmp_path):
 
 
 def test_real_template_consumers_read_the_decoded_tile(real_subset):
-    """The consumers take each work tile decoded from its tile slot (scheduler.cuh TileSlot): their
+    """The consumers take each work tile decoded from its tile slot (scheduler.cuh WorkTile): their
     branch of the kernel (from the setmaxnreg raise to the producer's lowering, where ptxas lays the
     producer out) has no integer division (I2F.RP: the reciprocal of a runtime division), while the
     producer, which runs the scheduler, has its divisions. Before the slot held the decoded tile every
     consumer thread repeated three runtime divisions per tile (8 % of the stall samples at head_dim
-    64 causal 512, H100)."""
+    64 causal 512, H100). The subset's variants are 16-bit and not PackGQA, whose consumers need no
+    K/V head; e4m3 and PackGQA consumers still divide the head by the group size (fwd.cu.j2)."""
     proj, res, pick = real_subset
     for v in pick:
         body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
