@@ -159,9 +159,10 @@ def test_real_template_exp_turns_fence_the_exponentials(real_subset, tmp_path):
     """exp_turns (fwd.cu.j2 kExpTurns, pipeline.cuh FencedTurns) is in the SASS: every exponential
     phase of the bf16 hd64 causal 128x128 exp_turns variants (one and two Q buffers, 2 to 4 K/V
     stages: tiles the tune tables name) sits between its turn's BAR.SYNC with the fencing shared
-    load and its BAR.ARV (sass.exp_phases), except the spec_max refusal's plain update, which follows the warpgroup vote (BAR.RED) and takes no turn;
-    without the knob (the subset's variants) no phase is fenced. ptxas moved the exponentials across a
-    bare ring's barriers (docs/PERF.md), which this catches."""
+    load and its BAR.ARV (sass.exp_phases), except the spec_max refusal's plain update, which
+    follows the warpgroup vote (BAR.RED) and takes no turn; without the knob (the subset's variants)
+    no phase is fenced. ptxas moved the exponentials across a bare ring's barriers (docs/PERF.md),
+    which this catches."""
     proj, res, pick = real_subset
     turns = [v for v in select(load_variants(proj), "fwd_bf16_hd64_causal_m128n128_*") if v.params.get("exp_turns")]
     assert {v.params["q_stages"] for v in turns} == {1, 2}  # one and two Q buffers: both in the tables
