@@ -186,7 +186,8 @@ def test_real_template_consumers_read_the_decoded_tile(real_subset):
     producer, which runs the scheduler, has its divisions. Before the slot held the decoded tile every
     consumer thread repeated three runtime divisions per tile (8 % of the stall samples at head_dim
     64 causal 512, H100). The subset's variants are 16-bit and not PackGQA, whose consumers need no
-    K/V head; e4m3 and PackGQA consumers still divide the head by the group size (fwd.cu.j2)."""
+    K/V head; e4m3 consumers still divide the head by the group size, and PackGQA consumers their
+    rows into query heads (fwd.cu.j2)."""
     proj, res, pick = real_subset
     for v in pick:
         body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
