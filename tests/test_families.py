@@ -495,9 +495,10 @@ def test_register_rule_without_overlap_leaves_p_out():
     assert block_n_problem(head_dim=256, head_dim_v=256, overlap=False)  # 128 + 128 = 256 even without P
 
 
-def test_two_q_buffers_need_an_early_q_release():
-    """q_stages 2 doubles Q's region and is feasible only where Q is released after the tile's last S
-    GEMM (a separate O buffer, or e4m3) and not with PackGQA; q_stages 1 keeps the layout as it was."""
+def test_two_q_buffers_where_they_fit():
+    """q_stages 2 doubles Q's region; it is feasible wherever shared memory holds it, except with
+    PackGQA. Where O no longer fits beside two Q buffers it is staged in Q's (hd256 128x48: the
+    next tile's Q loads into the other buffer); q_stages 1 keeps the layout as it was."""
     from flashgen.generator.families import fwd as fwd_mod
 
     base = dict(family="fwd", dtype="bf16", head_dim=64, head_dim_v=64, causal=True, block_m=128, block_n=128,
@@ -510,9 +511,15 @@ def test_two_q_buffers_need_an_early_q_release():
     assert two["q"]["bytes"] == 2 * one["q"]["bytes"] == 2 * 128 * 64 * 2 and two["o"]["bytes"] > 0
     assert not problems(q_stages=2)
     assert "q_stages" in problems(q_stages=2, pack_gqa=True)
-    # hd256 128x80: no room for a separate O even with one Q buffer, so Q stages O and is released late
-    assert "q_stages" in problems(q_stages=2, head_dim=256, head_dim_v=256, block_n=80)
-    assert not problems(q_stages=1, head_dim=256, head_dim_v=256, block_n=80)
+    hd256 = dict(head_dim=256, head_dim_v=256)
+    # hd256 128x48: one Q buffer and a separate O, or two Q buffers with O staged in Q's (same bytes)
+    l1 = fwd_mod.smem_layout({**base, **hd256, "block_n": 48})
+    l2 = fwd_mod.smem_layout({**base, **hd256, "block_n": 48, "q_stages": 2})
+    assert l1["o"]["bytes"] == 128 * 256 * 2 and l2["o"]["bytes"] == 0
+    assert l2["q"]["bytes"] == 2 * l1["q"]["bytes"] and not problems(q_stages=2, block_n=48, **hd256)
+    # hd256 128x80: two Q buffers exceed 227 KB even without a separate O
+    assert problems(q_stages=2, block_n=80, **hd256) == {"smem_bytes"}
+    assert not problems(q_stages=1, block_n=80, **hd256)
     src = (REPO / "templates" / "fwd.cu.j2").read_text()
     assert "using QState = PipeState<kQStages>;" in src and "tile_slots[q_st.stage]" in src
 

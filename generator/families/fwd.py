@@ -23,11 +23,11 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   steps k16 over it. e4m3: a multiple of 32 (k32 steps); S's K-descale groups are 64 columns, or 32
   where block_n is not a multiple of 64 (FA3's 128 x 224), so none straddles two 64-key blocks.
 - consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
-- stages in 1..4.
+- stages in 1..5.
 - Shared memory (:func:`smem_layout`; P = head_dim rounded up to whole rows: 128 bytes = 64
   16-bit elements, or 128 e4m3 ones, except that an e4m3 head_dim <= 64 takes one 64-byte row
   (:func:`operand_row_bytes`)): Q q_stages*block_m*P (``q_stages`` 2: the next tile's Q loads
-  while the current tile runs; only where Q is released after the tile's last S GEMM), K and V
+  while the current tile runs, into the other buffer; not with PackGQA), K and V
   stages*block_n*P each, O block_m*Pv when
   it still fits (``separate_o``, else O is staged in Q's buffer; e4m3: a bf16 O tile beside the V^T
   ring, else O is stored from registers), 1024 bytes of mbarriers, plus
@@ -62,7 +62,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
 OUT_DTYPE = {"bf16": "bf16", "fp16": "fp16", "e4m3": "bf16"}  # FP8 attention writes bf16 (FA3)
 QUANT_BLOCK = 64  # FP8 block quantization: one descale per 64 rows of Q and of K (runtime quantize_fp8)
 CONSUMER_WGS = (2, 3)
-STAGES = (1, 2, 3, 4)
+STAGES = (1, 2, 3, 4, 5)
 BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
 REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
@@ -321,17 +321,13 @@ class FwdFamily(Family):
         if out:
             return out
         r = self.resources(params)
-        if params.get("q_stages", 1) == 2:
-            if params.get("pack_gqa"):
-                out.append(("q_stages", 2, "1 with pack_gqa (its 5-D Q load and packed tile slot have one buffer)"))
-            elif not (r["separate_o"] or params["dtype"] == "e4m3"):
-                out.append(("q_stages", 2, "1 where O is staged in Q's buffer (no room for a separate O: the next "
-                                           "tile's Q could not load before the epilogue; lower block_n or stages)"))
+        if params.get("q_stages", 1) == 2 and params.get("pack_gqa"):
+            out.append(("q_stages", 2, "1 with pack_gqa (its 5-D Q load and packed tile slot have one buffer)"))
         if r["smem_bytes"] > SMEM_LIMIT:
             out.append((
                 "smem_bytes", r["smem_bytes"],
-                f"at most {SMEM_LIMIT} (227 KB); Q {bm}x{r['head_dim_padded']} + {st} stages x K/V "
-                f"{bn}x{r['head_dim_padded']} x 2 bytes + 2048: lower block_n or stages",
+                f"at most {SMEM_LIMIT} (227 KB); {params.get('q_stages', 1)} x Q {bm}x{r['head_dim_padded']} + {st} "
+                f"stages x K/V {bn}x{r['head_dim_padded']} x 2 bytes + 2048: lower block_n, stages or q_stages",
             ))
         n_before = len(out)
         if wgs == 3:
@@ -407,8 +403,9 @@ FAMILY = FwdFamily(
         Key("block_n", int, "tile", check=_block_n, doc="key rows per K/V stage"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="K/V ring depth"),
         Key("q_stages", int, "knob", allowed=(1, 2), default=1,
-            doc="Q buffers: with 2 the producer loads the next tile's Q while the current tile runs "
-                "(fwd.cu.j2 kQStages; needs Q released after the tile's last S GEMM: a separate O buffer, or e4m3)"),
+            doc="Q buffers: with 2 the producer loads the next tile's Q into the other buffer while the current "
+                "tile runs (fwd.cu.j2 kQStages; where O is staged in Q's buffer, the buffer is free once the "
+                "tile before's O store has read it); not with PackGQA"),
         Key("consumer_wgs", int, "tile", allowed=CONSUMER_WGS, doc="consumer warpgroups (64 query rows each)"),
         Key("pingpong", bool, "knob", default=True, doc="named-barrier pingpong between consumer warpgroups"),
         Key("overlap", bool, "knob", default=True, doc="intra-warpgroup GEMM/softmax overlap (Algorithm 2)"),
