@@ -23,7 +23,7 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   steps k16 over it. e4m3: a multiple of 32 (k32 steps); S's K-descale groups are 64 columns, or 32
   where block_n is not a multiple of 64 (FA3's 128 x 224), so none straddles two 64-key blocks.
 - consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
-- stages in 1..5.
+- stages in 1..4.
 - Shared memory (:func:`smem_layout`; P = head_dim rounded up to whole rows: 128 bytes = 64
   16-bit elements, or 128 e4m3 ones, except that an e4m3 head_dim <= 64 takes one 64-byte row
   (:func:`operand_row_bytes`)): Q q_stages*block_m*P (``q_stages`` 2: the next tile's Q loads
@@ -62,7 +62,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
 OUT_DTYPE = {"bf16": "bf16", "fp16": "fp16", "e4m3": "bf16"}  # FP8 attention writes bf16 (FA3)
 QUANT_BLOCK = 64  # FP8 block quantization: one descale per 64 rows of Q and of K (runtime quantize_fp8)
 CONSUMER_WGS = (2, 3)
-STAGES = (1, 2, 3, 4, 5)
+STAGES = (1, 2, 3, 4)
 BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
 REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
@@ -100,7 +100,7 @@ def register_split(params):
 
 PARAMS = params_struct(
     "FwdParams",
-    ("lse", "ptr", "float*"),  # (batch, heads, seqlen_q) fp32, natural log; contiguous
+    ("lse", "ptr", "float*"),  # (batch, heads, seqlen_q) fp32, natural log; contiguous; null: not written
     ("seqlen_q", "i32"),
     ("seqlen_k", "i32"),
     ("heads", "i32"),
