@@ -345,10 +345,13 @@ def run_combine(shapes=((64, 1, 32, 128, 16), (8, 1024, 16, 128, 4), (8, 1024, 3
 def measure_overhead(n: int = 2000, repeats: int = 5):
     """Host microseconds per call on a small problem (q, k, v (1, 128, 1, 128) bf16, BSHD), each
     the best of ``repeats`` runs of ``n`` back-to-back calls timed with time.perf_counter after a
-    warmup (the GPU is synchronised before and after each run, not between calls):
+    warmup (the GPU is synchronised before and after each run, not between calls). The entries'
+    runs alternate (every entry's first run, then every entry's second, ...), so a slow stretch of
+    the host (the same entry read 18 and 26 us in one call on an H100 host) is not all one entry's:
 
-    * ``flash_attn_func``: flashgen's torch API as a user calls it (validation, allocation of out
-      and lse, launch);
+    * ``flash_attn_func``: flashgen's torch API as a user calls it (validation, allocation of out,
+      launch; no lse is allocated or written when it is not asked for);
+    * ``flash_attn_func return_attn_probs``: the same, returning (out, lse);
     * ``core.attention_forward``: the framework-neutral launch alone, on preallocated out and lse;
     * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` as a BSHD user calls it, on
       ``.transpose(1, 2)`` views made in the call (default backend choice);
@@ -368,28 +371,38 @@ def measure_overhead(n: int = 2000, repeats: int = 5):
             for t, dt in ((q, "bf16"), (k, "bf16"), (v, "bf16"), (out, "bf16"), (lse, "fp32"))]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    res = {}
-    for name, fn in (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
-                     ("core.attention_forward", lambda: core.attention_forward(*args, 0.088, False, stream)),
-                     ("sdpa", lambda: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))),
-                     ("sdpa (BHSD views made once)", lambda: sdpa(qt, kt, vt)),
-                     # causal: flashgen's launch also takes a tile counter of its own (alloc, memset, free)
-                     ("flash_attn_func causal", lambda: flash_attn_func(q, k, v, causal=True)),
-                     ("sdpa causal", lambda: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True))):
+    entries = (("flash_attn_func", lambda: flash_attn_func(q, k, v)),
+               ("flash_attn_func return_attn_probs", lambda: flash_attn_func(q, k, v, return_attn_probs=True)),
+               ("core.attention_forward", lambda: core.attention_forward(*args, 0.088, False, stream)),
+               ("sdpa", lambda: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))),
+               ("sdpa (BHSD views made once)", lambda: sdpa(qt, kt, vt)),
+               # causal: flashgen's launch also takes a tile counter of its own (alloc, memset, free)
+               ("flash_attn_func causal", lambda: flash_attn_func(q, k, v, causal=True)),
+               ("sdpa causal", lambda: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)))
+    return host_us(entries, n, repeats)
+
+
+def host_us(entries, n: int = 2000, repeats: int = 5) -> dict:
+    """``{name: host microseconds per call}`` of ``entries`` ((name, fn) pairs, fn taking no
+    arguments): each the best of ``repeats`` runs of ``n`` back-to-back calls (time.perf_counter,
+    the GPU synchronised before and after each run, not between calls) after 50 warmup calls; the
+    entries' runs alternate, every entry's first run, then every entry's second, and so on."""
+    import torch
+
+    for _, fn in entries:
         for _ in range(50):
             fn()
-        best = float("inf")
-        for _ in range(repeats):
+    best = {name: float("inf") for name, _ in entries}
+    for _ in range(repeats):
+        for name, fn in entries:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
             t1 = time.perf_counter()
             torch.cuda.synchronize()
-            best = min(best, (t1 - t0) / n)
-        res[name] = best * 1e6
-    return res
+            best[name] = min(best[name], (t1 - t0) / n)
+    return {name: t * 1e6 for name, t in best.items()}
 
 
 def _plot(rows, path, names=("flashgen", "cudnn", "fa2")):

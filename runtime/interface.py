@@ -314,14 +314,17 @@ def _descale_arg(t: Optional[torch.Tensor], device: int, ptr: Optional[int] = No
 
 
 def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-             learnable_sink, descales=(None, None, None)) -> tuple:
-    """The forward for arguments already validated (``call``: their :class:`_FwdCall`): outputs, launch."""
+             learnable_sink, descales=(None, None, None), want_lse: bool = True) -> tuple:
+    """The forward for arguments already validated (``call``: their :class:`_FwdCall`): outputs, launch.
+    ``(out, lse)``; with ``want_lse`` False lse may come back None: where the prepared launch serves the
+    call, no lse is allocated and the kernel writes none (a null lse pointer): one allocation less per
+    call (about 2 us of host time on an H100 host, docs/PERF.md)."""
     p = call.problem
     _check_device_capability(p.device)
     # size= as a keyword: torch parses a positional size tuple slower (measured: 0.5 us per tensor
     # on torch 2.13 CPU; 0.5 us for lse and 1.3 us for out on an H200 host, torch 2.11)
     out = q.new_empty(size=call.out_shape, dtype=call.out_dtype)
-    lse = q.new_empty(size=call.lse_shape, dtype=torch.float32)
+    lse = q.new_empty(size=call.lse_shape, dtype=torch.float32) if want_lse or call.launch is None or call.empty else None
     if call.empty:
         if not p.nothing_to_compute:
             # seqlen_k == 0: every query attends to nothing: out 0, lse -inf (FA3's empty rows),
@@ -339,11 +342,14 @@ def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if not (q_ptr | k_ptr | v_ptr) % _v.TMA_ALIGN_BYTES:
             qd, kd, vd = descales
-            _core.launch_forward(call.launch, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), float(softmax_scale),
-                                 float(softcap), _current_stream(dev), sink_ptr, 0 if qd is None else qd.data_ptr(),
-                                 0 if kd is None else kd.data_ptr(), 0 if vd is None else vd.data_ptr())
+            _core.launch_forward(call.launch, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                                 float(softmax_scale), float(softcap), _current_stream(dev), sink_ptr,
+                                 0 if qd is None else qd.data_ptr(), 0 if kd is None else kd.data_ptr(),
+                                 0 if vd is None else vd.data_ptr())
             del sink  # a copy is released only after the launch is enqueued
             return out, lse
+    if lse is None:  # (a misaligned address: the copies' path below, which writes lse)
+        lse = q.new_empty(size=call.lse_shape, dtype=torch.float32)
     # Copies where TMA cannot read an input in place (layout or address), which stay referenced
     # until the launch is enqueued; after that, freeing them is stream-ordered by the caching
     # allocator (same stream), so the kernel reads them safely.
@@ -695,7 +701,7 @@ def flash_attn_func(
         call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap, None,
                                                     (None, None, None), pack_gqa)
         out, lse = _fwd_run(call, q, k, v, call.problem.head_dim ** -0.5 if softmax_scale is None else softmax_scale,
-                            causal, window_left, window_right, softcap, None, (None, None, None))
+                            causal, window_left, window_right, softcap, None, (None, None, None), return_attn_probs)
         return (out, lse) if return_attn_probs else out
     plain = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor  # (the common case, checked fast)
     not_tensors = [] if plain else [(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -749,7 +755,8 @@ def flash_attn_func(
                pack_gqa)
         call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap, sink,
                                                     descales, pack_gqa)
-        out, lse = _fwd_run(call, q, k, v, scale, causal, window_left, window_right, softcap, sink, descales)
+        out, lse = _fwd_run(call, q, k, v, scale, causal, window_left, window_right, softcap, sink, descales,
+                            return_attn_probs)
     else:
         out, lse = torch.ops.flashgen.fwd(q, k, v, scale, causal, bool(deterministic), window_left,
                                           window_right, softcap, sink, *descales, pack_gqa)

@@ -126,7 +126,7 @@ class FakeCore:
         for a in (q, k, v, out):
             assert isinstance(a, core.TensorArg)
             assert V.tma_layout_problem(a.shape, a.strides, V.ELEMENT_SIZE[a.dtype], a.ptr) is None
-        assert lse.dtype == "fp32" and V.is_c_contiguous(lse.shape, lse.strides)
+        assert lse is None or lse.dtype == "fp32" and V.is_c_contiguous(lse.shape, lse.strides)
         assert type(window_size) is tuple and all(type(x) is int for x in window_size)
         assert type(softcap) is float and type(sink) is int
         heads = q.shape[2]
@@ -141,7 +141,8 @@ class FakeCore:
             qv, kv, vv = (dequantize_fp8(x, descales[n]) for x, n in ((qv, "q"), (kv, "k"), (vv, "v")))
         o, l = reference(qv, kv, vv, softmax_scale, causal, window_size, softcap, sink_t)
         _view(out).copy_(o)
-        _view(lse).copy_(l)
+        if lse is not None:  # (the prepared launch's null lse: none written)
+            _view(lse).copy_(l)
         return variant
 
     def prepare_forward(self, q, k, v, out, causal, variant=None, *, window_size=(-1, -1), softcap=0.0,
@@ -160,10 +161,10 @@ class FakeCore:
     def launch_forward(self, prep, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, softmax_scale, softcap, stream, sink=0,
                        q_descale=0, k_descale=0, v_descale=0):
         """As core.launch_forward: the prepared metadata at these addresses, emulated by attention_forward
-        (lse: the contiguous (batch, heads, seqlen_q) the kernel writes)."""
+        (lse: the contiguous (batch, heads, seqlen_q) the kernel writes; lse_ptr 0: none written)."""
         q = prep["q"]
         b, sq, h = q.shape[0], q.shape[1], q.shape[2]
-        lse = core.TensorArg(lse_ptr, (b, h, sq), (h * sq, sq, 1), "fp32", q.device)
+        lse = None if lse_ptr == 0 else core.TensorArg(lse_ptr, (b, h, sq), (h * sq, sq, 1), "fp32", q.device)
         descales = [None if t is None else t._replace(ptr=ptr) for t, ptr in zip(prep["descales"],
                                                                                (q_descale, k_descale, v_descale))]
         assert all((t is None) == (ptr == 0) for t, ptr in zip(prep["descales"], (q_descale, k_descale, v_descale)))
@@ -741,7 +742,7 @@ def test_grad_inputs_go_through_the_op_with_deterministic(fake_gpu, monkeypatch)
     monkeypatch.setattr(interface, "_check_fwd", lambda *a: op.append(1) or check(*a))
     q, k, v = qkv()
     out = flash_attn_func(q, k, v)  # no grad needed: the eager fast path
-    assert seen == [(-1, -1, 0.0, None, (None, None, None))] and op == [] and out.grad_fn is None
+    assert seen == [(-1, -1, 0.0, None, (None, None, None), False)] and op == [] and out.grad_fn is None
     k.requires_grad_(True)
     out = flash_attn_func(q, k, v, deterministic=True)  # recorded by autograd: through torch.ops.flashgen.fwd
     assert len(seen) == 2 and op and out.requires_grad and out.grad_fn is not None

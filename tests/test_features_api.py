@@ -321,8 +321,8 @@ def test_fast_path_passes_the_features(fake_gpu, monkeypatch):
     q, k, v = qkv()
     sink = sink_of()
     flash_attn_func(q, k, v, window_size=[None, 2], softcap=3, learnable_sink=sink)
-    ((wl, wr, cap, s, descales),) = seen
-    assert descales == (None, None, None)
+    ((wl, wr, cap, s, descales, want_lse),) = seen
+    assert descales == (None, None, None) and want_lse is False  # out alone: no lse allocated or written
     assert (wl, wr, cap) == (-1, 2, 3.0) and type(cap) is float and s is sink
     assert fake_gpu.calls[0]["softcap"] == 3.0 and fake_gpu.calls[0]["window_size"] == (-1, 2)
 

@@ -2,8 +2,8 @@
 prepared launches): bitwise the results of the op path (torch.ops.flashgen.fwd, which validates
 and prepares afresh) on the first call of a key and on cached calls, for contiguous, GQA,
 strided-in-place (packed qkv, KV-cache prefix) and copied (misaligned, transposed) inputs, with a
-window, softcap, sink and FP8 descales where built; new data, scale, softcap value and sink on a
-cached key; many live outputs (a TMA map per fresh out address).
+window, softcap, sink and FP8 descales where built; out alone (no lse allocated or written); new data,
+scale, softcap value and sink on a cached key; many live outputs (a TMA map per fresh out address).
 
 Skipped without an sm_90 GPU (tests/gpu/conftest.py); a case whose variant is not built is skipped.
 """
@@ -30,10 +30,12 @@ def op(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0, sink=Non
     return torch.ops.flashgen.fwd(q, k, v, scale, causal, False, window[0], window[1], softcap, sink, *descales)
 
 
-def fast(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0, sink=None, descales=(None, None, None)):
+def fast(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0, sink=None, descales=(None, None, None),
+         lse=True):
+    """(out, lse) of flash_attn_func (``lse`` False: out alone, return_attn_probs False)."""
     return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
                            learnable_sink=sink, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
-                           return_attn_probs=True)
+                           return_attn_probs=lse)
 
 
 def same(a, b, what=""):
@@ -121,6 +123,29 @@ def test_fast_path_is_bitwise_the_op_path(name, routes):
         assert_fa3_rule(first[0], q, k, v, kw.get("causal", False), lse=first[1])
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_out_alone_allocates_and_writes_no_lse(name, routes):
+    """Without return_attn_probs (nothing requiring grad) the prepared launch gets a null lse: the kernel
+    writes no LSE (a store through the null pointer would fault at the synchronize) and the call allocates
+    out alone; out is bitwise the op path's. Copied inputs take the generic launch, which writes lse."""
+    dtype, d = pick(causal=None)
+    q, k, v, kw, in_place = _case(name, dtype, d)
+    try:
+        ref = op(q, k, v, **kw)
+    except MissingVariantError as e:
+        pytest.skip(f"not built: {e}")
+    fast(q, k, v, **kw, lse=False)  # a new key
+    torch.cuda.synchronize()
+    routes.clear()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    out = fast(q, k, v, **kw, lse=False)
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref[0])
+    assert routes == ["prepared" if in_place else "generic"]
+    assert allocations == 1 if in_place else allocations >= 3  # out; or out, lse and a copy
+
+
 def test_cached_key_takes_each_calls_data_scale_softcap_and_sink(monkeypatch):
     monkeypatch.setattr(interface, "_fwd_calls", {})
     dtype, d = pick(causal=False)
@@ -157,3 +182,6 @@ def test_fp8_with_descales_bitwise(monkeypatch):
             pytest.skip(f"not built: {e}")
         same(fast(q, k, v, causal=True, descales=ds), ref)
         same(fast(q, k, v, causal=True, descales=ds), ref)
+        out = fast(q, k, v, causal=True, descales=ds, lse=False)  # a null lse
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref[0])
