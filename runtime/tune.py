@@ -329,8 +329,9 @@ def check_seqlens(seqlens) -> list[str]:
 
 def merge_tables(new: dict, old: dict) -> dict:
     """``new`` with the entries of ``old`` (a table of the same GPU) whose keys ``new`` did not time
-    appended, and a record of them in the protocol (``kept``: their keys, and the date and commit of
-    the table they come from). TuneError when the GPUs differ."""
+    appended, and a record of them in the protocol (``kept``: their keys, and the date, commit and
+    min_gain of the run they come from; the rest of that run's protocol was new's unless said). TuneError
+    when the GPUs differ."""
     if old.get("gpu") != new["gpu"]:
         raise TuneError(f"--merge: the existing table is of {old.get('gpu')!r}, not {new['gpu']!r}; no table written")
     timed = {(e["family"], *sorted(e["key"].items())) for e in new["entries"]}
@@ -341,10 +342,12 @@ def merge_tables(new: dict, old: dict) -> dict:
         prev_keys = {str(k) for p in prev for k in p["keys"]}
         kept_keys = {str(e["key"]) for e in kept}
         own = [dict(e["key"]) for e in kept if str(e["key"]) not in prev_keys]  # copies: no YAML anchors
-        runs = [{**p, "keys": [dict(k) for k in p["keys"] if str(k) in kept_keys]} for p in prev]
+        old_gain = old.get("protocol", {}).get("min_gain", MIN_GAIN)  # (runs recorded before min_gain was: old's)
+        runs = [{**p, "min_gain": p.get("min_gain", old_gain), "keys": [dict(k) for k in p["keys"] if str(k) in kept_keys]}
+                for p in prev]
         runs = [p for p in runs if p["keys"]]
         if own:
-            runs.append({"date": str(old["date"]), "commit": old["flashgen"]["commit"], "keys": own})
+            runs.append({"date": str(old["date"]), "commit": old["flashgen"]["commit"], "min_gain": old_gain, "keys": own})
         out["protocol"] = {**new["protocol"], "kept": runs}
     return out
 

@@ -440,7 +440,7 @@ def test_cli_min_gain_zero_takes_any_gain(fake_tune, tmp_path):
 
 def test_cli_merge_keeps_the_keys_not_timed(fake_tune, tmp_path):
     """--merge: the entries of the existing table for keys this run did not time stay, and the protocol
-    records where they come from (their table's date and commit); the timed key's entry is replaced."""
+    records where they come from (their table's date, commit and min_gain); the timed key's entry is replaced."""
     import yaml
 
     out = tmp_path / "t.yaml"
@@ -456,10 +456,13 @@ def test_cli_merge_keeps_the_keys_not_timed(fake_tune, tmp_path):
     assert t.flashgen["commit"] == "bbbbbbb" and len(t.entries) == 2
     assert t.entry_for("fwd", KEY).rows[0].measured[0]["seqlen"] == 512  # the timed key: this run's
     assert t.entry_for("fwd", other["key"]).rows == tuning.table_from_data(data, "old").entry_for("fwd", other["key"]).rows
-    assert t.protocol["kept"] == [{"date": "2026-01-02", "commit": "aaaaaaa", "keys": [other["key"]]}]
-    # a second merge keeps the attribution of the entries it carries over
-    assert run_tune("--seqlens", "1024", "-o", str(out), "--commit", "ccccccc", "--merge").exit_code == 0
-    assert tuning.load_table(out).protocol["kept"] == [{"date": "2026-01-02", "commit": "aaaaaaa", "keys": [other["key"]]}]
+    kept = [{"date": "2026-01-02", "commit": "aaaaaaa", "min_gain": 0.02, "keys": [other["key"]]}]
+    assert t.protocol["kept"] == kept
+    # a second merge, with another guard, keeps the attribution (and the guard) of the entries it carries over
+    r = run_tune("--seqlens", "1024", "-o", str(out), "--commit", "ccccccc", "--merge", "--min-gain", "0.01")
+    assert r.exit_code == 0, r.output
+    t = tuning.load_table(out)
+    assert t.protocol["kept"] == kept and t.protocol["min_gain"] == 0.01
     # without --merge the table holds this run's keys alone
     assert run_tune("--seqlens", "512", "-o", str(out)).exit_code == 0
     assert len(tuning.load_table(out).entries) == 1 and "kept" not in tuning.load_table(out).protocol
