@@ -261,6 +261,21 @@ def half_first(params: dict) -> bool:
             and not (params["dtype"] == "e4m3" and params.get("softcap")))
 
 
+def first_block_skip(params: dict) -> bool:
+    """Whether the first consumer warpgroup skips a tile's first (right-most) K/V block when its rows
+    see none of that block's keys (templates/fwd.cu.j2 kFirstBlockSkip, mask.cuh sees_key): no S GEMM,
+    softmax or P V for it, the block's K and V stages released and its pingpong turn passed, so both
+    warpgroups keep their turns in step. Under a causal diagonal with block_n <= 64, rows 0-63 of a
+    tile see none of the block that holds only keys of rows 64-127 in about every other tile (hd256
+    128x48: 1-1.3 blocks of 48 per tile lie in those 64 keys). Causal, two consumer warpgroups, the
+    overlapped 16-bit loop without half_first, spec_max or exponential turns (the tiles whose block_n
+    is below 64 are these)."""
+    return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
+            and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) < 64 and params["dtype"] != "e4m3"
+            and params.get("overlap", True) and not params.get("exp_turns") and not spec_max(params)
+            and not half_first(params))
+
+
 class FwdFamily(Family):
     def derive(self, params):
         """head_dim_v defaults to head_dim; consumer_wgs to block_m / 64 (one warpgroup per 64 rows)."""
@@ -273,7 +288,8 @@ class FwdFamily(Family):
         """threads, smem (layout), smem_bytes, producer_regs, consumer_regs, head_dim_padded,
         head_dim_v_padded (whole shared-memory rows), qk_row_bytes / v_row_bytes (those rows' bytes:
         :func:`operand_row_bytes`), separate_o, fp8, out_dtype, block_n_vt (e4m3: V^T's key
-        columns, block_n padded to 128), dynamic_schedule, spec_max, half_first (the rules above)."""
+        columns, block_n padded to 128), dynamic_schedule, spec_max, half_first, first_block_skip (the
+        rules above)."""
         wgs = int(params["consumer_wgs"])
         smem = smem_layout(params)
         producer_regs, consumer_regs = register_split(params)
@@ -294,6 +310,7 @@ class FwdFamily(Family):
             dynamic_schedule=dynamic_schedule(params),
             spec_max=spec_max(params),
             half_first=half_first(params),
+            first_block_skip=first_block_skip(params),
             vt_global=bool(params.get("vt_global")),
             vt_threads=VT_THREADS,
             vt_tile=VT_TILE,

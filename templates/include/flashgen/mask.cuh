@@ -110,10 +110,15 @@ struct BlockMask {
   // right half of block n (from n * BlockN + BlockN / 2 on). If not, that warpgroup's S of block n
   // is the left half alone (the tile's first block under a causal diagonal or a ragged seqlen_k).
   __device__ __forceinline__ bool sees_right_half(int n, int q_last) const {
+    return sees_key(n * BlockN + BlockN / 2, q_last);
+  }
+  // Whether a query row up to q_last sees key j (a right edge: the sequence end, the causal diagonal,
+  // the window's right side; the rows up to q_last see no key at or past the first one q_last does not).
+  __device__ __forceinline__ bool sees_key(int j, int q_last) const {
     int limit = band.seqlen_k;  // keys below limit are seen
     if constexpr (Local) limit = min(limit, band.key_hi(q_last) + 1);
     if constexpr (Causal) limit = min(limit, q_last + 1 + band.seqlen_k - band.seqlen_q);
-    return n * BlockN + BlockN / 2 < limit;
+    return j < limit;
   }
 
   // S[i][j] = -inf where key j is past the sequence end or not seen by query i.
