@@ -5,7 +5,8 @@ Meant to run under NVIDIA compute-sanitizer (memcheck, racecheck, synccheck, ini
     python3 scripts/sanitize_driver.py
 
 Cases (only those whose variant is built run; a family with no runnable case fails):
-  fwd      flash_attn_func, fp16 and bf16 x head_dim 64 and 128 x causal and not, batch 2,
+  fwd      flash_attn_func, fp16 and bf16 x head_dim 64 and 128 x causal and not, and head_dim 256
+           causal (the first warpgroup's first-block skip of the 128x48 tile), batch 2,
            seqlen_q 113, seqlen_k 239, heads 4 over heads_k 2 (GQA); k and v are KV-cache
            prefixes of a longer cache.
   bwd      flash_attn_backward (DLPack entry, torch tensors) into NaN-free gradients: bf16 d64 causal,
@@ -150,8 +151,11 @@ def quant_case(dtype, d: int, dv: int, incoherent: bool, block_quant: bool, seed
 
 
 def fwd_cases():
-    for i, (dtype, d, causal) in enumerate((dt, d, c) for dt in (torch.float16, torch.bfloat16)
-                                           for d in (64, 128) for c in (False, True)):
+    combos = [(dt, d, c) for dt in (torch.float16, torch.bfloat16) for d in (64, 128) for c in (False, True)]
+    # hd256 causal: the tables' 128x48 tile at this seqlen_k, whose first warpgroup skips tile 0's first
+    # block (keys 192-238: its rows see keys below 190; fwd.py first_block_skip)
+    combos += [(torch.float16, 256, True), (torch.bfloat16, 256, True)]
+    for i, (dtype, d, causal) in enumerate(combos):
         key = {"dtype": NAME[dtype], "head_dim": d, "head_dim_v": d, "causal": causal}
         if built("fwd", key):
             yield f"fwd {NAME[dtype]} d{d} {'causal' if causal else 'full'} b2 q113 k239 h4/2", \
