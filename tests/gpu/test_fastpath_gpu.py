@@ -104,14 +104,19 @@ def routes(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_fast_path_is_bitwise_the_op_path(name, routes):
+def _case_and_ref(name):
+    """(q, k, v, kwargs, in_place, the op path's (out, lse)) of a named case; skipped when not built."""
     dtype, d = pick(causal=None)
     q, k, v, kw, in_place = _case(name, dtype, d)
     try:
-        ref = op(q, k, v, **kw)
+        return q, k, v, kw, in_place, op(q, k, v, **kw)
     except MissingVariantError as e:
         pytest.skip(f"not built: {e}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fast_path_is_bitwise_the_op_path(name, routes):
+    q, k, v, kw, in_place, ref = _case_and_ref(name)
     routes.clear()
     first = fast(q, k, v, **kw)  # a new key: validated and prepared
     again = fast(q, k, v, **kw)  # the cached key
@@ -128,12 +133,7 @@ def test_out_alone_allocates_and_writes_no_lse(name, routes):
     """Without return_attn_probs (nothing requiring grad) the prepared launch gets a null lse: the kernel
     writes no LSE (a store through the null pointer would fault at the synchronize) and the call allocates
     out alone; out is bitwise the op path's. Copied inputs take the generic launch, which writes lse."""
-    dtype, d = pick(causal=None)
-    q, k, v, kw, in_place = _case(name, dtype, d)
-    try:
-        ref = op(q, k, v, **kw)
-    except MissingVariantError as e:
-        pytest.skip(f"not built: {e}")
+    q, k, v, kw, in_place, ref = _case_and_ref(name)
     fast(q, k, v, **kw, lse=False)  # a new key
     torch.cuda.synchronize()
     routes.clear()
