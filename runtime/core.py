@@ -410,7 +410,8 @@ def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, ou
                    k_descale: int = 0, v_descale: int = 0) -> Variant:
     """Launch a :class:`PreparedForward` on arrays with its metadata at these device addresses
     (q, k, v, out, lse; lse 0: no LSE is written; the sink's and the descales' where
-    :func:`prepare_forward` was given them, else 0) on ``stream``; returns the variant. The per-call work of :func:`attention_forward`:
+    :func:`prepare_forward` was given them, else 0) on ``stream``; returns the variant. The
+    per-call work of :func:`attention_forward`:
     ValueError for an address TMA cannot use (not 16-byte aligned) or a bad softmax_scale /
     softcap, then the TMA maps (cached by address) and the launch (CudaError if it fails). A
     vt_global variant (fwd.py) launches twice on ``stream`` around V^T scratch of its own

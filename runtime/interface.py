@@ -324,7 +324,9 @@ def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window
     # size= as a keyword: torch parses a positional size tuple slower (measured: 0.5 us per tensor
     # on torch 2.13 CPU; 0.5 us for lse and 1.3 us for out on an H200 host, torch 2.11)
     out = q.new_empty(size=call.out_shape, dtype=call.out_dtype)
-    lse = q.new_empty(size=call.lse_shape, dtype=torch.float32) if want_lse or call.launch is None or call.empty else None
+    lse = None
+    if want_lse or call.launch is None or call.empty:
+        lse = q.new_empty(size=call.lse_shape, dtype=torch.float32)
     if call.empty:
         if not p.nothing_to_compute:
             # seqlen_k == 0: every query attends to nothing: out 0, lse -inf (FA3's empty rows),

@@ -343,11 +343,12 @@ def merge_tables(new: dict, old: dict) -> dict:
         kept_keys = {str(e["key"]) for e in kept}
         own = [dict(e["key"]) for e in kept if str(e["key"]) not in prev_keys]  # copies: no YAML anchors
         old_gain = old.get("protocol", {}).get("min_gain", MIN_GAIN)  # (runs recorded before min_gain was: old's)
-        runs = [{**p, "min_gain": p.get("min_gain", old_gain), "keys": [dict(k) for k in p["keys"] if str(k) in kept_keys]}
-                for p in prev]
+        runs = [{**p, "min_gain": p.get("min_gain", old_gain),
+                 "keys": [dict(k) for k in p["keys"] if str(k) in kept_keys]} for p in prev]
         runs = [p for p in runs if p["keys"]]
         if own:
-            runs.append({"date": str(old["date"]), "commit": old["flashgen"]["commit"], "min_gain": old_gain, "keys": own})
+            runs.append({"date": str(old["date"]), "commit": old["flashgen"]["commit"], "min_gain": old_gain,
+                         "keys": own})
         out["protocol"] = {**new["protocol"], "kept": runs}
     return out
 

@@ -265,9 +265,9 @@ def first_block_skip(params: dict) -> bool:
     """Whether the first consumer warpgroup skips a tile's first (right-most) K/V block when its rows
     see none of that block's keys (templates/fwd.cu.j2 kFirstBlockSkip, mask.cuh sees_key): no S GEMM,
     softmax or P V for it, the block's K and V stages released and its pingpong turn passed, so both
-    warpgroups keep their turns in step. Under a causal diagonal with block_n <= 64, rows 0-63 of a
-    tile see none of the block that holds only keys of rows 64-127 in about every other tile (hd256
-    128x48: 1-1.3 blocks of 48 per tile lie in those 64 keys). Causal, two consumer warpgroups, the
+    warpgroups keep their turns in step. Under a causal diagonal with block_n < 64 and seqlen_q =
+    seqlen_k, every tile's last block starts at or past key 64 of the tile, so rows 0-63 see none of it
+    (hd256 128x48: one of a tile's 3-11 blocks at seqlen 512). Causal, two consumer warpgroups, the
     overlapped 16-bit loop without half_first, spec_max or exponential turns (the tiles whose block_n
     is below 64 are these)."""
     return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
