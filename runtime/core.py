@@ -528,13 +528,6 @@ _WS_ALIGN = 256
 # its dQ is staged and bulk-reduced (08749c1); before, with the consumers' red.v4, 0.84.
 ORDERED_CAUSAL_MAX_SEQLEN_K = 512
 
-# Where the backward's dQ leaves the fp32 accumulator: True, in the main kernel where the variant's dQ
-# is bulk-reduced and not sliced (plan.bulk_dq, num_slices 1: every default tile): the last CTA of each (batch, K/V head) to finish
-# converts that head group's dQ from L2 (BwdParams.dq_in_main; templates/bwd.cu.j2 kDqInMain) and the
-# postprocess is not launched. False: the postprocess converts it (the accumulator read back from DRAM).
-# Measured in docs/PERF.md; a module flag so the two can be timed in one process.
-DQ_IN_MAIN = True
-
 
 def _ordered_default(plan: _BwdPlan, mask: MaskSpec, seqlen_k: int) -> bool:
     """Whether a call that is not deterministic takes the ordered dQ path (ORDERED_CAUSAL_MAX_SEQLEN_K)."""
@@ -572,11 +565,10 @@ def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordere
 def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int) -> tuple:
     """(total bytes, offsets of lse_log2, dpsum, dq_accum, sem) of the backward's scratch memory:
     fp32 (batch, heads, seqlen_q_pad) twice, fp32 (batch, heads, seqlen_q_pad, head_dim_padded),
-    int32 (batch, heads, num_m_blocks, num_slices) followed by the dQ conversion's counters (batch,
-    heads_k; sized batch x heads, heads_k <= heads); each region 256-byte aligned."""
+    int32 (batch, heads, num_m_blocks, num_slices); each region 256-byte aligned."""
     num_m = -(-seqlen_q // plan.block_m)
     rows = batch * heads * num_m * plan.block_m
-    sizes = (rows * 4, rows * 4, rows * plan.head_dim_padded * 4, batch * heads * (num_m * plan.num_slices + 1) * 4)
+    sizes = (rows * 4, rows * 4, rows * plan.head_dim_padded * 4, batch * heads * num_m * plan.num_slices * 4)
     offs, off = [], 0
     for s in sizes:
         offs.append(off)
@@ -644,7 +636,6 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     bm, bn = plan.block_m, plan.block_n
     num_m = -(-sq // bm)
     _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)
-    dq_in_main = DQ_IN_MAIN and plan.bulk_dq and plan.num_slices == 1  # bwd.cu.j2 kDqInMain
     w = int(workspace_ptr)
     params = {
         "o": out.ptr, "dout": dout.ptr, "lse": lse.ptr,
@@ -657,12 +648,10 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms, _ordered_default(plan, mask, sk)),
         "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
-        "dq_in_main": int(dq_in_main),
     }
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
             _bshd_map(dv, 64))
     launch.launch(plan.main, (-(-sk // bn), plan.num_slices * hk, b), maps, params, stream)
-    if not dq_in_main:
-        launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
+    launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
     return plan.variant

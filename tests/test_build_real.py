@@ -335,21 +335,4 @@ def test_real_bwd_deterministic_hand_off(real_bwd):
         assert "UBLKCP.G.S " in body and "UBLKRED.G.S.ADD.F32" in body, v.name
         assert "MEMBAR.SC.GPU" not in body, v.name
         signals = len(re.findall(r"REDG\.E\.ADD\.S32\.STRONG\.GPU", body))
-        count_ins = len(re.findall(r"ATOMG\.E\.ADD\.S32\.STRONG\.GPU", body))  # kDqInMain's, one per CTA
-        assert signals >= 1 and len(re.findall(r"MEMBAR\.ALL\.GPU", body)) == signals + count_ins, v.name
-
-
-def test_real_bwd_dq_converted_in_main(real_bwd):
-    """kDqInMain (templates/bwd.cu.j2; every default tile bulk-reduces dQ): the reducer warp counts
-    its CTA in with one acq_rel atomic (ATOMG ... STRONG.GPU after one MEMBAR.ALL.GPU, its release), and
-    the last CTA reads the accumulator through L2 (LDG.E.128.STRONG.GPU: ld.global.cg; other CTAs wrote
-    it during the kernel, so not the non-coherent path, LDG.E.128.CONSTANT), its 4 loads in flight
-    before the first store."""
-    proj, res, pick = real_bwd
-    for v in pick:
-        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
-        assert len(re.findall(r"ATOMG\.E\.ADD\.S32\.STRONG\.GPU", body)) == 1, v.name
-        loads = [m.start() for m in re.finditer(r"LDG\.E\.128\.STRONG\.GPU", body)]
-        assert len(loads) >= 4 and "LDG.E.128.CONSTANT" not in body, v.name
-        first_store = body.find("STG.E ", loads[0])
-        assert sum(1 for at in loads if at < first_store) == 4, v.name  # convert_dq_heads' kUnroll
+        assert signals >= 1 and len(re.findall(r"MEMBAR\.ALL\.GPU", body)) == signals, v.name

@@ -773,11 +773,6 @@ def _run_backward(b, sq, sk, h, hk, d, dv, causal, deterministic=False):
     return variant, args
 
 
-def _main_launch(fake):
-    """The last main-kernel launch the fake launcher recorded."""
-    return next(x for x in reversed(fake.launches) if x["role"] == "main")
-
-
 @pytest.mark.parametrize("d", [128, 256], ids=lambda d: f"hd{d}")
 def test_core_backward_deterministic_mode(bwd_core, d):
     """BwdParams.deterministic: 0 without determinism; 3 (the rotated non-causal order) while a
@@ -787,8 +782,8 @@ def test_core_backward_deterministic_mode(bwd_core, d):
     for det, sk, want in ((False, 100000, 0), (True, 1000, 3), (True, 100000, 2)):
         variant, _ = _run_backward(1, 300, sk, 2, 2, d, d, False, deterministic=det)
         bn = variant.params["block_n"]
-        main = _main_launch(bwd_core)
-        assert main["params"]["deterministic"] == want, (det, sk)
+        main = bwd_core.launches[-2]
+        assert main["role"] == "main" and main["params"]["deterministic"] == want, (det, sk)
         assert (main["grid"][0] > 132) == (sk == 100000)
     assert [core._deterministic_mode(True, n, 132) for n in (1, 66, 67, 132, 133)] == [3, 3, 1, 1, 2]
     assert core._deterministic_mode(False, 1, 132) == 0
@@ -806,11 +801,11 @@ def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want):
     assert core.ORDERED_CAUSAL_MAX_SEQLEN_K == 512
     for d in (64, 96, 128, 192, 256):
         variant, _ = _run_backward(2, sk, sk, 2, 2, d, d, True)
-        main = _main_launch(bwd_core)
+        main = bwd_core.launches[-2]
         assert bwd_mod.FAMILY.resources(variant.params)["bulk_dq"], d
-        assert main["params"]["deterministic"] == want, (d, sk)
+        assert main["role"] == "main" and main["params"]["deterministic"] == want, (d, sk)
     _run_backward(2, 300, 300, 2, 2, 128, 128, False)  # non-causal: unordered
-    assert _main_launch(bwd_core)["params"]["deterministic"] == 0
+    assert bwd_core.launches[-2]["params"]["deterministic"] == 0
 
 
 def test_stage_dq_is_every_role_tile():
@@ -831,7 +826,7 @@ def test_stage_dq_is_every_role_tile():
 @pytest.mark.parametrize("d,dv,served", [(192, 128, 192), (64, 128, 128), (128, 64, 128), (128, 128, 128),
                                          (64, 192, 192), (96, 256, 256), (40, 72, 96)],
                          ids=lambda x: str(x))
-def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal, monkeypatch):
+def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal):
     """(head_dim, head_dim_v) runs on the bwd variant of max(head_dim, head_dim_v) rounded up to a
     built size; the params carry both; q, k, dk are mapped at head_dim columns and v, dout, dv at
     head_dim_v (TMA zero-fills past them and drops stores past them); the main grid has the
@@ -841,14 +836,8 @@ def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal, monkeypatch):
     variant, args = _run_backward(b, sq, sk, h, hk, d, dv, causal)
     assert variant.dispatch == {"dtype": "bf16", "head_dim": served, "causal": causal, "local": False,
                                 "softcap": False}
-    # dQ converted by the main kernel (core.DQ_IN_MAIN, every default tile): no postprocess
-    assert [x["role"] for x in bwd_core.launches] == ["pre", "main"]
-    assert bwd_core.launches[1]["params"]["dq_in_main"] == 1
-    bwd_core.launches.clear()
-    monkeypatch.setattr(core, "DQ_IN_MAIN", False)
-    _run_backward(b, sq, sk, h, hk, d, dv, causal)
     pre, main, post = bwd_core.launches
-    assert [x["role"] for x in bwd_core.launches] == ["pre", "main", "post"] and main["params"]["dq_in_main"] == 0
+    assert [x["role"] for x in bwd_core.launches] == ["pre", "main", "post"]
     assert all(x["variant"] == variant.name and x["stream"] == 77 for x in bwd_core.launches)
     p = main["params"]
     assert pre["params"] == p == post["params"]
@@ -875,7 +864,7 @@ def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal, monkeypatch):
     assert p["sem"] - p["dq_accum"] >= rows * pad * 4  # the dQ accumulator is head_dim-padded wide
     ws = core.backward_workspace_bytes(b, sq, h, hk, d, "bf16", causal, 0, head_dim_v=dv)
     assert ws == core.backward_workspace_bytes(b, sq, h, hk, served, "bf16", causal, 0)  # head_dim_v defaults
-    assert p["sem"] + (b * h * num_m * slices + b * hk) * 4 <= 0xA00000 + ws  # the semaphores, then dQ's counters
+    assert p["sem"] + b * h * num_m * slices * 4 <= 0xA00000 + ws
 
 
 def test_core_backward_workspace_head_dim_v_defaults_to_head_dim(bwd_core):

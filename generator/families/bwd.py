@@ -152,7 +152,6 @@ PARAMS = params_struct(
     ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused
     ("window_left", "i32"),  # local variants: the forward's band (fwd.py); both >= 0
     ("window_right", "i32"),
-    ("dq_in_main", "i32"),  # 1: the main kernel's last CTA per (batch, K/V head) converts dQ and no postprocess runs (bulk_dq variants; core.DQ_IN_MAIN)
 )
 
 

@@ -184,14 +184,6 @@ __device__ __forceinline__ void signal_flag(int* flag, int n = 1) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(n) : "memory");
 }
 
-// *counter += 1 with acquire-release semantics (gpu scope), returning the old value: counting a CTA
-// in, its writes released to the CTAs that count after it and theirs acquired from those before.
-__device__ __forceinline__ int count_in(int* counter) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-  return old;
-}
-
 // 1-D bulk reduction shared -> global: dst[i] += src[i] over `bytes` of fp32 (a multiple of 16,
 // both 16-byte aligned), committed as one bulk group. One thread; wait with
 // cp_async_bulk_wait_group_read (source read) or cp_async_bulk_wait_group (additions done).
