@@ -52,7 +52,8 @@
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
 #                                          peers; the old/new table printed last (GPU_TESTS=0: no tests; TESTS_K: the
-#                                          forward and FP8 GPU tests matching it instead of every GPU test)
+#                                          forward and FP8 GPU tests matching it instead of every GPU test; F8ARGS=none:
+#                                          no e4m3 runs; OLD_FILTER: the old tree's build filter, default 'fwd_e4m3*,fwd_bf16*')
 #   bash scripts/device_check.sh fp8ab     e4m3 kernel A/B (carry .base; BUILD_FILTER='fwd_e4m3_*,fwd_bf16_hd*_noncausal_m*,
 #                                          fwd_bf16_hd*_causal_m*,quant_*' saves the full build): the FP8 GPU tests (TESTS_K),
 #                                          then fp8_bench.py (F8ARGS, default 512/2k/16k) of .base/ and this tree alternated
@@ -283,7 +284,7 @@ bwd)
   python3 scripts/bwd_compare.py "$out"/bwd_old1_bwd.csv "$out"/bwd_new1_bwd.csv "$out"/bwd_old2_bwd.csv "$out"/bwd_new2_bwd.csv | tee "$out/bwd_compare.md"
   ;;
 fwdchange)
-  old_build 'fwd_e4m3*,fwd_bf16*'
+  old_build "${OLD_FILTER:-fwd_e4m3*,fwd_bf16*}"
   if [ -n "${TESTS_K:-}" ]; then  # the forward and FP8 GPU tests matching TESTS_K instead of every GPU test
     timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fwd_gpu.py tests/gpu/test_fp8_gpu.py \
       -k "$TESTS_K" 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
@@ -292,7 +293,7 @@ fwdchange)
   fi
   table() { python3 -c "import torch, flashgen.tuning as t; print('$1 tune table:', t.find_table(torch.cuda.get_device_name())[0])"; }
   oldenv table old; table new
-  f8_alternate ${F8ARGS:---seqlens 2048,16384}
+  [ "${F8ARGS:-}" = none ] || f8_alternate ${F8ARGS:---seqlens 2048,16384}
   g="${REGRESS_ARGS:---seqlens 512,2048,16384 --head-dims 64,128,256 --dtypes bf16}"
   for r in 1 2; do
     python3 scripts/regress_fwd.py run --label new $g --csv "$out/new$r.csv" 2>&1 | tail -1

@@ -139,6 +139,34 @@ def test_real_template_half_first_where_the_rule_says(real_subset):
         {"block_n": 48}, {"dtype": "e4m3", "softcap": True}))
 
 
+def test_real_template_half_first_gemm_where_the_rule_says(real_subset):
+    """fwd.py half_first_gemm is what the kernels do: the variants it names carry the half-width S GEMM
+    (HGMMA.64x{block_n / 2}: fp16 hd128 causal 128x128 in the subset), the others do not (bf16 hd256
+    causal 128x80, where ptxas serialized the WGMMAs with it); where block_n / 2 is also the P V GEMM's
+    N (hd64 at block_n 128) SASS cannot tell, so the rule alone is checked there."""
+    from generator.families.fwd import half_first_gemm
+
+    proj, res, pick = real_subset
+    seen = set()
+    for v in pick:
+        p = v.params
+        half_n = p["block_n"] // 2
+        if half_n in (p["block_n"], p["head_dim_v"]):
+            continue
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        on = half_first_gemm(p)
+        seen.add(on)
+        assert (f"HGMMA.64x{half_n}x16" in body) == on, v.name
+    assert seen == {True, False}
+    base = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
+            "pack_gqa": False, "block_m": 128, "block_n": 128, "consumer_wgs": 2, "stages": 2}
+    assert half_first_gemm(base) and half_first_gemm({**base, "head_dim": 64, "head_dim_v": 64, "exp_turns": True,
+                                                      "stages": 4, "q_stages": 2})
+    assert not any(half_first_gemm({**base, **d}) for d in (
+        {"dtype": "e4m3"}, {"softcap": True}, {"causal": False}, {"block_n": 176},
+        {"head_dim": 256, "head_dim_v": 256, "block_n": 80}, {"exp_turns": True}))
+
+
 def test_real_template_exponentials_are_8_cycles_apart(real_subset):
     """The premise of spec_max (docs/PERF.md): ptxas spaces the softmax's MUFU.EX2 8 cycles apart
     (16 results per clock per SM) and issues FMNMX every 2 cycles, so the max reduction before the

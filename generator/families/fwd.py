@@ -249,6 +249,7 @@ def half_first(params: dict) -> bool:
     mask.cuh sees_right_half; the S GEMM and the P V GEMM stay whole). Under a causal diagonal that
     is the first warpgroup of every tile whose rows end before its first block's middle (block_m =
     block_n: every tile). Measured +2-3 % at bf16 hd64 causal 512-2k (H100, H200; docs/PERF.md).
+    The GEMMs at half size too: :func:`half_first_gemm`, on the tiles where ptxas allows it.
     Causal tiles with two consumer warpgroups and block_n >= 64, not local or PackGQA, not FP8
     softcap: the tiles it was measured on. (Earlier versions, with a half-width S GEMM inside the
     branch, spilled 36-148 bytes on the 3-warpgroup hd64 tiles and serialized the WGMMAs of local
@@ -259,6 +260,25 @@ def half_first(params: dict) -> bool:
     return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
             and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) >= 64
             and not (params["dtype"] == "e4m3" and params.get("softcap")))
+
+
+def half_first_gemm(params: dict) -> bool:
+    """Whether half_first's warpgroup also runs that block's GEMMs at half size: S = Q K^T at
+    N = block_n / 2 (K's first block_n / 2 rows) and P V over the first block_n / 2 keys alone (P's right
+    half is 0), in a branch of their own around the first block's S GEMM (templates/fwd.cu.j2
+    kHalfFirstGemm, s_step's gemm_s and issue_pv). Under a causal diagonal with block_m = block_n that is
+    a quarter of the first block's tensor work per tile. Measured against the same kernels without it
+    (FA3 protocol, causal, old/new alternated twice; docs/PERF.md): hd128 causal 512-1k +1-2.5 % (H100,
+    H200), hd64 and hd256 within the run-to-run spread.
+    Where ptxas keeps the WGMMAs asynchronous with the branch in: 16-bit half_first tiles without softcap
+    or exponential turns on a 2-stage ring, block_n <= 160, S and O accumulators (block_n / 2 +
+    head_dim_v / 2 registers) under 168. Outside it ptxas serialized every WGMMA (C7511/C7515; the build
+    refuses those) on some tiles: hd128 128x176, hd256 128x80, hd64 128x128 s2 with exp_turns, the softcap
+    and the e4m3 tiles (whose P V takes V^T K-major; not written)."""
+    return (half_first(params) and params["dtype"] in ("bf16", "fp16") and not params.get("softcap")
+            and not (params.get("exp_turns") and params.get("stages", 2) == 2)
+            and int(params["block_n"]) <= 160
+            and (int(params["block_n"]) + int(params.get("head_dim_v", params["head_dim"]))) // 2 < 168)
 
 
 def first_block_skip(params: dict) -> bool:
@@ -310,6 +330,7 @@ class FwdFamily(Family):
             dynamic_schedule=dynamic_schedule(params),
             spec_max=spec_max(params),
             half_first=half_first(params),
+            half_first_gemm=half_first_gemm(params),
             first_block_skip=first_block_skip(params),
             vt_global=bool(params.get("vt_global")),
             vt_threads=VT_THREADS,

@@ -23,13 +23,15 @@ __device__ __forceinline__ void gemm_ss(float (&d)[R], const TileA& a, int a_row
 }
 
 // D += A B, A in registers (4 per k-step: the RS-WGMMA A fragment), B an MN-major tile whose rows
-// are K (all of them) and columns N.
-template <auto Mma, int R, int RA, typename TileB>
+// are K (all of them; KSteps > 0: the first KSteps k-steps alone) and columns N.
+template <auto Mma, int KSteps = 0, int R, int RA, typename TileB>
 __device__ __forceinline__ void gemm_rs(float (&d)[R], const uint32_t (&a)[RA], const TileB& b) {
   static_assert(RA == 4 * (TileB::kRows / TileB::kKStep), "one 4-register A fragment per k-step");
+  constexpr int kSteps = KSteps > 0 ? KSteps : TileB::kRows / TileB::kKStep;
+  static_assert(kSteps <= TileB::kRows / TileB::kKStep, "KSteps: at most the tile's k-steps");
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < TileB::kRows / TileB::kKStep; ++kk)
+  for (int kk = 0; kk < kSteps; ++kk)
     Mma(d, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], b.desc_mn_major(kk), 1);
   wgmma_commit();
 }
