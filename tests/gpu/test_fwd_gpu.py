@@ -203,7 +203,7 @@ def test_spec_max_variants(ramp):
 
 
 @pytest.mark.parametrize("sq,sk", [(512, 512), (500, 512), (512, 540), (200, 1000), (1000, 200), (129, 129),
-                                   (64, 64), (64, 300)])
+                                   (64, 64), (64, 300), (333, 517)])
 def test_half_first_block_variants(sq, sk):
     """half_first (fwd.py; fwd.cu.j2 kHalfFirst, mask.cuh sees_right_half): a consumer warpgroup whose rows
     see no key of the right half of its tile's first K/V block masks and softmaxes that block's left half
@@ -212,7 +212,10 @@ def test_half_first_block_variants(sq, sk):
     bottom-right causal alignments where the first warpgroup takes the half block in every tile
     (sq = sk, a multiple of 128), in some tiles and not others (sq != sk), where neither does (sk =
     sq + 28), where a tile's rows see nothing (sq > sk), and a ragged last block (64 rows, 300 keys: the
-    rows see keys up to 299, none of the right half of the block of keys 256-383 at block_n 128)."""
+    rows see keys up to 299, none of the right half of the block of keys 256-383 at block_n 128).
+    (333, 517): at block_n 112 the ragged last tile's first warpgroup (rows to 319, keys to 503) sees keys
+    48-55 of its first block (448-559), inside the P V GEMM's fourth 16-key step: half_first_gemm's
+    P V over the left half must take that step (it once stopped at three, 4.9e-2 against 7.8e-3)."""
     from generator.families.fwd import half_first
 
     vs = [v for v in load_manifest().variants
