@@ -268,8 +268,8 @@ def half_first_gemm(params: dict) -> bool:
     half is 0), in a branch of their own around the first block's S GEMM (templates/fwd.cu.j2
     kHalfFirstGemm, s_step's gemm_s and issue_pv). Under a causal diagonal with block_m = block_n that is
     a quarter of the first block's tensor work per tile. Measured against the same kernels without it
-    (FA3 protocol, causal, old/new alternated twice; docs/PERF.md): hd128 causal 512-1k +1-2.5 % (H100,
-    H200), hd64 and hd256 within the run-to-run spread.
+    (FA3 protocol, causal, old/new alternated twice; docs/PERF.md): hd128 causal 512-1k +2.6-3.9 % (H200)
+    and +0.9-1.7 % (H100), hd64 and hd256 within the run-to-run spread.
     Where ptxas keeps the WGMMAs asynchronous with the branch in: 16-bit half_first tiles without softcap
     or exponential turns on a 2-stage ring, block_n <= 160, S and O accumulators (block_n / 2 +
     head_dim_v / 2 registers) under 168. Outside it ptxas serialized every WGMMA (C7511/C7515; the build
