@@ -743,20 +743,28 @@ def test_bwd_default_build_uses_role_tiles_above_128():
             assert (v.params["block_n"] == 64) == (v.params["head_dim"] >= 192), v.name
 
 
-def test_first_block_skip_is_the_hd256_128x48_causal_tiles():
-    """fwd.first_block_skip applies to the configured causal 16-bit tiles with block_n < 64 (hd256 128x48,
-    2 and 3 stages) and to no tile with half_first, exponential turns, PackGQA, a window or FP8."""
+def test_first_block_skip_is_the_hd256_causal_tiles_up_to_block_n_64():
+    """fwd.first_block_skip applies to the configured causal 16-bit tiles with block_n <= 64 (hd256 128x48 at
+    2 and 3 stages, 128x64, and the softcap 128x64 tile) and to no tile with half_first (which takes over
+    from block_n 64 where the skip does not apply), exponential turns, PackGQA, a window or FP8."""
     from flashgen.generator.families.fwd import first_block_skip, half_first
 
     vs = [v for v in load_variants(Project(REPO)) if v.family == "fwd"]
     skip = [v for v in vs if first_block_skip(v.params)]
-    assert {(v.params["dtype"], v.params["head_dim"], v.params["block_m"], v.params["block_n"], v.params["stages"])
-            for v in skip} == {(dt, 256, 128, 48, st) for dt in ("bf16", "fp16") for st in (2, 3)}
-    assert all(v.params["causal"] and not (v.params["local"] or v.params["pack_gqa"] or v.params["softcap"])
-               for v in skip)
+    assert {(v.params["dtype"], v.params["head_dim"], v.params["block_m"], v.params["block_n"], v.params["stages"],
+             v.params["softcap"]) for v in skip} == (
+        {(dt, 256, 128, 48, st, False) for dt in ("bf16", "fp16") for st in (2, 3)}
+        | {(dt, 256, 128, 64, 2, sc) for dt in ("bf16", "fp16") for sc in (False, True)})
+    assert all(v.params["causal"] and not (v.params["local"] or v.params["pack_gqa"]) for v in skip)
     assert not any(half_first(v.params) or v.params.get("exp_turns") for v in skip)
     base = dict(family="fwd", dtype="bf16", head_dim=256, head_dim_v=256, causal=True, block_m=128, block_n=48,
                 stages=2, consumer_wgs=2, pingpong=True, overlap=True, persistent=True)
-    assert first_block_skip(base)
-    assert not first_block_skip({**base, "causal": False}) and not first_block_skip({**base, "block_n": 64})
+    assert first_block_skip(base) and first_block_skip({**base, "block_n": 64})
+    assert not half_first(base) and not half_first({**base, "block_n": 64})
+    assert not first_block_skip({**base, "block_n": 80}) and half_first({**base, "block_n": 80})
+    assert not first_block_skip({**base, "causal": False})
     assert not first_block_skip({**base, "dtype": "e4m3"}) and not first_block_skip({**base, "local": True})
+    assert half_first({**base, "dtype": "e4m3", "block_n": 64})
+    # spec_max (head dims up to 128) keeps a 64-key tile on half_first
+    hd128 = {**base, "head_dim": 128, "head_dim_v": 128, "block_n": 64}
+    assert not first_block_skip(hd128) and half_first(hd128)

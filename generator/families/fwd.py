@@ -251,7 +251,9 @@ def half_first(params: dict) -> bool:
     block_n: every tile). Measured +2-3 % at bf16 hd64 causal 512-2k (H100, H200; docs/PERF.md).
     The GEMMs at half size too: :func:`half_first_gemm`, on the tiles where ptxas allows it.
     Causal tiles with two consumer warpgroups and block_n >= 64, not local or PackGQA, not FP8
-    softcap: the tiles it was measured on. (Earlier versions, with a half-width S GEMM inside the
+    softcap: the tiles it was measured on; not where :func:`first_block_skip` applies (16-bit block_n 64
+    without spec_max: under a causal diagonal with block_m 128 that warpgroup sees none of the block,
+    and skipping it whole beats its half). (Earlier versions, with a half-width S GEMM inside the
     branch, spilled 36-148 bytes on the 3-warpgroup hd64 tiles and serialized the WGMMAs of local
     and hd256 128x48 tiles. The register-only branch on the 3-warpgroup hd64 tiles, with a skip of
     the whole block for warpgroups that see none of it: the 16-bit ones spilled 108-112 bytes, the
@@ -259,7 +261,7 @@ def half_first(params: dict) -> bool:
     fwd_first_block_skip_not_kept/. Not tried on local and hd256 128x48 tiles.)"""
     return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
             and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) >= 64
-            and not (params["dtype"] == "e4m3" and params.get("softcap")))
+            and not (params["dtype"] == "e4m3" and params.get("softcap")) and not first_block_skip(params))
 
 
 def half_first_gemm(params: dict) -> bool:
@@ -285,15 +287,16 @@ def first_block_skip(params: dict) -> bool:
     """Whether the first consumer warpgroup skips a tile's first (right-most) K/V block when its rows
     see none of that block's keys (templates/fwd.cu.j2 kFirstBlockSkip, mask.cuh sees_key): no S GEMM,
     softmax or P V for it, the block's K and V stages released and its pingpong turn passed, so both
-    warpgroups keep their turns in step. Under a causal diagonal with block_n < 64 and seqlen_q =
+    warpgroups keep their turns in step. Under a causal diagonal with block_n <= 64 and seqlen_q =
     seqlen_k, every tile's last block starts at or past key 64 of the tile, so rows 0-63 see none of it
-    (hd256 128x48: one of a tile's 3-11 blocks at seqlen 512). Causal, two consumer warpgroups, the
-    overlapped 16-bit loop without half_first, spec_max or exponential turns (the tiles whose block_n
-    is below 64 are these)."""
+    (hd256 128x48: one of a tile's 3-11 blocks at seqlen 512; 128x64: one of 2-8). Causal, two consumer
+    warpgroups, the overlapped 16-bit loop without spec_max or exponential turns (the hd256 tiles with
+    block_n 48 and 64, softcap included). At block_n 64 it replaces half_first (whose warpgroup ran the
+    block's GEMMs at half size, all of it masked): hd256 128x64 causal 1k +3-4 % on an H100 against the
+    tables' earlier figures for the same tile (docs/PERF.md)."""
     return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
-            and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) < 64 and params["dtype"] != "e4m3"
-            and params.get("overlap", True) and not params.get("exp_turns") and not spec_max(params)
-            and not half_first(params))
+            and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) <= 64 and params["dtype"] != "e4m3"
+            and params.get("overlap", True) and not params.get("exp_turns") and not spec_max(params))
 
 
 class FwdFamily(Family):

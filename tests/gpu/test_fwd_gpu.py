@@ -215,13 +215,15 @@ def test_half_first_block_variants(sq, sk):
     rows see keys up to 299, none of the right half of the block of keys 256-383 at block_n 128).
     (333, 517): at block_n 112 the ragged last tile's first warpgroup (rows to 319, keys to 503) sees keys
     48-55 of its first block (448-559), inside the P V GEMM's fourth 16-key step: half_first_gemm's
-    P V over the left half must take that step (it once stopped at three, 4.9e-2 against 7.8e-3)."""
-    from generator.families.fwd import half_first
+    P V over the left half must take that step (it once stopped at three, 4.9e-2 against 7.8e-3).
+    The first_block_skip variants (fwd.py; hd256 causal tiles with block_n <= 64, where the first warpgroup
+    skips a first block it sees none of) run the same alignments."""
+    from generator.families.fwd import first_block_skip, half_first
 
-    vs = [v for v in load_manifest().variants
-          if v.family == "fwd" and half_first(v.params) and v.params["dtype"] != "e4m3"]
+    vs = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] != "e4m3"
+          and (half_first(v.params) or first_block_skip(v.params))]
     if not vs:
-        pytest.skip("MISSING-FWD-VARIANT: no 16-bit half_first variant is built")
+        pytest.skip("MISSING-FWD-VARIANT: no 16-bit half_first or first_block_skip variant is built")
     for var in vs:
         p = var.params
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
