@@ -292,8 +292,9 @@ def first_block_skip(params: dict) -> bool:
     (hd256 128x48: one of a tile's 3-11 blocks at seqlen 512; 128x64: one of 2-8). Causal, two consumer
     warpgroups, the overlapped 16-bit loop without spec_max or exponential turns (the hd256 tiles with
     block_n 48 and 64, softcap included). At block_n 64 it replaces half_first (whose warpgroup ran the
-    block's GEMMs at half size, all of it masked): hd256 128x64 causal 1k +3-4 % on an H100 against the
-    tables' earlier figures for the same tile (docs/PERF.md)."""
+    block's GEMMs at half size, all of it masked): hd256 128x64 bf16 causal 1k 452-458 TFLOP/s on an H100
+    against 443 in its tune table's earlier figure; on an H200, A/B at bf16 1k / 4k, 1.010 / 1.017 (within
+    the run-to-run spread; docs/PERF.md)."""
     return (bool(params.get("causal")) and not params.get("local") and not params.get("pack_gqa")
             and int(params["consumer_wgs"]) == 2 and int(params["block_n"]) <= 64 and params["dtype"] != "e4m3"
             and params.get("overlap", True) and not params.get("exp_turns") and not spec_max(params))
