@@ -70,8 +70,8 @@ the buffer to the loads (the empty barriers count its arrival too). Measured on 
 staging alone (bulk reductions dropped) 442, staged 418-425; the staging's cost is shared-memory
 bandwidth (64 KB written and read per block beside ~256 KB of operand reads). On an H100 (2026-11-23,
 docs/PERF.md) half of the bulk reductions dropped made the hd256 default 1.16-1.21x faster: the L2's
-additions bound it; 2-CTA clusters summing dQ through distributed shared memory first lost (0.85-0.94). The block's target
-reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
+additions bound it; 2-CTA clusters summing dQ through distributed shared memory first lost
+(0.85-0.94). The block's target reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
 Deterministic: ``BwdParams.deterministic`` 1 and 3 signal a block's hand-off once its additions
 have landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
 block later, after the next block's reductions are issued (at 16k 1.07-1.15x faster; at
