@@ -530,8 +530,11 @@ ORDERED_CAUSAL_MAX_SEQLEN_K = 512
 
 
 def _ordered_default(plan: _BwdPlan, mask: MaskSpec, seqlen_k: int) -> bool:
-    """Whether a call that is not deterministic takes the ordered dQ path (ORDERED_CAUSAL_MAX_SEQLEN_K)."""
-    return plan.bulk_dq and mask.causal and seqlen_k <= ORDERED_CAUSAL_MAX_SEQLEN_K
+    """Whether a call that is not deterministic takes the ordered dQ path (ORDERED_CAUSAL_MAX_SEQLEN_K).
+    Not the ds_pairs kernels (2-CTA clusters, generator/families/bwd.py): their unordered path pairs
+    the CTAs and halves the dQ additions, which their ordered path does not."""
+    return (plan.bulk_dq and mask.causal and seqlen_k <= ORDERED_CAUSAL_MAX_SEQLEN_K
+            and plan.main.record.cluster[0] == 1)
 
 
 def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordered_default: bool = False) -> int:
@@ -634,7 +637,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
     plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant)
     bm, bn = plan.block_m, plan.block_n
-    num_m = -(-sq // bm)
+    num_m, num_n = -(-sq // bm), -(-sk // bn)
     _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)
     w = int(workspace_ptr)
     params = {
@@ -645,13 +648,14 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
         "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
         "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
-        "deterministic": _deterministic_mode(deterministic, -(-sk // bn), plan.sms, _ordered_default(plan, mask, sk)),
+        "deterministic": _deterministic_mode(deterministic, num_n, plan.sms, _ordered_default(plan, mask, sk)),
         "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
     }
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
             _bshd_map(dv, 64))
-    launch.launch(plan.main, (-(-sk // bn), plan.num_slices * hk, b), maps, params, stream)
+    cx = plan.main.record.cluster[0]  # ds_pairs: clusters of 2 key blocks, an odd count padded (bwd.cu.j2 kPairs)
+    launch.launch(plan.main, (-(-num_n // cx) * cx, plan.num_slices * hk, b), maps, params, stream)
     launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
     return plan.variant

@@ -797,13 +797,16 @@ def test_core_backward_deterministic_mode(bwd_core, d):
 def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want):
     """A causal call that is not deterministic runs the ordered path (mode 1) while seqlen_k is at
     most ORDERED_CAUSAL_MAX_SEQLEN_K and the variant adds dQ by bulk reductions (every default
-    tile), else the unordered one (mode 0); non-causal calls always unordered."""
+    tile), else the unordered one (mode 0); non-causal calls always unordered. The ds_pairs
+    kernels (head_dim 256: 2-CTA clusters) always run unordered, where their CTAs pair."""
     assert core.ORDERED_CAUSAL_MAX_SEQLEN_K == 512
     for d in (64, 96, 128, 192, 256):
         variant, _ = _run_backward(2, sk, sk, 2, 2, d, d, True)
         main = bwd_core.launches[-2]
         assert bwd_mod.FAMILY.resources(variant.params)["bulk_dq"], d
-        assert main["role"] == "main" and main["params"]["deterministic"] == want, (d, sk)
+        pairs = bwd_mod.FAMILY.resources(variant.params)["ds_pairs"]
+        assert pairs == (d == 256), d
+        assert main["role"] == "main" and main["params"]["deterministic"] == (0 if pairs else want), (d, sk)
     _run_backward(2, 300, 300, 2, 2, 128, 128, False)  # non-causal: unordered
     assert bwd_core.launches[-2]["params"]["deterministic"] == 0
 
@@ -876,3 +879,13 @@ def test_core_backward_workspace_head_dim_v_defaults_to_head_dim(bwd_core):
     assert ws(64) == ws(64, head_dim_v=64) == ws(64, head_dim_v=None)
     assert ws(64, head_dim_v=256) == ws(256) > ws(64)
     assert ws(192, head_dim_v=64) == ws(192)
+
+
+def test_core_backward_pairs_grid_is_padded_to_the_cluster(bwd_core):
+    """The ds_pairs kernels (head_dim 256) launch as (2, 1, 1) clusters: an odd count of key blocks
+    gets one padded CTA (it idles: templates/bwd.cu.j2 kPairs); other head dims launch one CTA per
+    key block."""
+    for d, sk, want in ((256, 130, 4), (256, 128, 2), (256, 1, 2), (128, 130, 2), (192, 130, 3)):
+        _run_backward(1, 300, sk, 2, 2, d, d, False)
+        main = bwd_core.launches[-2]
+        assert main["role"] == "main" and main["grid"][0] == want, (d, sk, main["grid"])

@@ -71,7 +71,9 @@ staging alone (bulk reductions dropped) 442, staged 418-425; the staging's cost 
 bandwidth (64 KB written and read per block beside ~256 KB of operand reads). On an H100 (2026-11-23,
 docs/PERF.md) half of the bulk reductions dropped made the hd256 default 1.16-1.21x faster: the L2's
 additions bound it; 2-CTA clusters summing dQ through distributed shared memory first lost
-(0.85-0.94). The block's target reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
+(0.85-0.94). At head_dim 256 (not local) the role tiles now run as 2-CTA clusters that exchange dS^T
+instead (``ds_pairs``, below): each CTA stages and reduces half of dQ, 1.09-1.20x faster unordered
+(H100, docs/PERF.md). The block's target reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
 Deterministic: ``BwdParams.deterministic`` 1 and 3 signal a block's hand-off once its additions
 have landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
 block later, after the next block's reductions are issued (at 16k 1.07-1.15x faster; at
@@ -193,6 +195,19 @@ def stage_dq(params: dict) -> bool:
     return roles(params)
 
 
+def ds_pairs(params: dict) -> bool:
+    """Whether the main kernel runs as 2-CTA clusters of neighbouring key blocks that exchange
+    their dS^T tiles (the template's kPairs): the role tiles at head_dim 256, not local. On a query
+    block both visit, CTA r of a pair computes dQ's columns [128 r, 128 r + 128) over both blocks'
+    128 keys (its own dS^T and K, the peer's dS^T, copied into this CTA's P^T buffer by a bulk copy
+    between the CTAs' shared memories, and the peer's K columns, loaded once) and reduces only
+    those: half the L2's fp32 dQ additions and half the dQ staging, at the cost of the peer's K
+    half (16 KB, which fills the 227 KB exactly) and one exchange per block. The L2 additions bound
+    the hd256 backward (an H100 ran 1.16-1.21x faster with half of them dropped, docs/PERF.md).
+    Deterministic runs, and a CTA whose neighbour is past the last key block, do not pair."""
+    return roles(params) and _pad64(params["head_dim"]) == 256 and not params.get("local", False)
+
+
 def roles(params: dict) -> bool:
     """Whether the tile splits the consumers by role (block_n 64) rather than by key rows."""
     return int(params["block_n"]) == ROLES_BLOCK_N
@@ -200,11 +215,13 @@ def roles(params: dict) -> bool:
 
 def smem_layout(params: dict, ds_buffers: int, dq_buffers: int) -> dict:
     """Shared-memory regions ``{name: {"offset", "bytes"}}`` of the main kernel, in address order
-    (``pd``: the role tiles' 16-bit P^T hand-off, 64 x block_m; empty otherwise)."""
+    (``kp``: ds_pairs' peer K columns, 64 x head_dim / 2; ``pd``: the role tiles' 16-bit P^T
+    hand-off, 64 x block_m, and ds_pairs' received dS^T, 1024-byte aligned there; empty otherwise)."""
     p, bm, st = _pad64(params["head_dim"]), int(params["block_m"]), int(params["stages"])
     bn = int(params["block_n"])
     sizes = {"k": bn * p * ELEM, "v": bn * p * ELEM, "q": st * bm * p * ELEM, "do": st * bm * p * ELEM,
-             "ds": ds_buffers * bn * bm * ELEM, "dq": dq_buffers * DQ_TILE_BYTES, "lse": st * bm * 4,
+             "ds": ds_buffers * bn * bm * ELEM, "dq": dq_buffers * DQ_TILE_BYTES,
+             "kp": (bn * p // 2 * ELEM if ds_pairs(params) else 0), "lse": st * bm * 4,
              "dpsum": st * bm * 4, "pd": (64 * bm * ELEM if roles(params) else 0), "bars": BARRIER_BYTES}
     out, off = {}, 0
     for name, size in sizes.items():
@@ -231,6 +248,7 @@ class BwdFamily(Family):
         p = _pad64(params["head_dim"])
         staged = stage_dq(params)
         return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
+                    ds_pairs=ds_pairs(params), cluster=(2, 1, 1) if ds_pairs(params) else (1, 1, 1),
                     dq_buffers=dq_buffers,
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
@@ -276,7 +294,8 @@ class BwdFamily(Family):
         return [
             KernelSpec("pre", t, 0, PARAMS),
             KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
-                       tensor_maps=("q", "k", "v", "dout", "dk", "dv"), sass=("HGMMA", "UTMALDG", "USETMAXREG")),
+                       tensor_maps=("q", "k", "v", "dout", "dk", "dv"), cluster=resources["cluster"],
+                       sass=("HGMMA", "UTMALDG", "USETMAXREG")),
             KernelSpec("post", t, 0, PARAMS),
         ]
 

@@ -48,16 +48,16 @@ __device__ __forceinline__ void gemm_rs_kmajor(float (&d)[R], const uint32_t (&a
   wgmma_commit();
 }
 
-// D = A B (the first k-step overwrites D), both operands MN-major tiles whose rows are K: A's
-// columns are M (64, one chunk), B's are N from column b_col on (the backward's dQ = dS K with dS^T
-// and K as stored; SmemTileSW::desc_mn_major says where N may start).
-template <auto Mma, int R, typename TileA, typename TileB>
+// D = A B (the first k-step overwrites D; with Accumulate, D += A B), both operands MN-major tiles
+// whose rows are K: A's columns are M (64, one chunk), B's are N from column b_col on (the
+// backward's dQ = dS K with dS^T and K as stored; SmemTileSW::desc_mn_major says where N may start).
+template <auto Mma, bool Accumulate = false, int R, typename TileA, typename TileB>
 __device__ __forceinline__ void gemm_ss_mn(float (&d)[R], const TileA& a, const TileB& b, int b_col = 0) {
   static_assert(TileA::kRows == TileB::kRows && TileA::kCols == 64, "A and B share K (their rows); M = 64");
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < TileA::kRows / TileA::kKStep; ++ks)
-    Mma(d, a.desc_mn_major(ks), b.desc_mn_major(ks, b_col), ks > 0 ? 1 : 0);
+    Mma(d, a.desc_mn_major(ks), b.desc_mn_major(ks, b_col), (Accumulate || ks > 0) ? 1 : 0);
   wgmma_commit();
 }
 

@@ -58,6 +58,31 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar, uint32_t count) {
   (void)ptx::mbarrier_arrive(ptx::sem_release, ptx::scope_cta, ptx::space_shared, bar, count);
 }
 
+// ---------------------------------------------------------------- clusters: distributed shared memory (cuda::ptx)
+// The same object in the shared memory of the cluster's CTA `rank` (a generic address, which the
+// shared::cluster operations below take).
+template <typename T>
+__device__ __forceinline__ T* peer_smem(T* p, uint32_t rank) {
+  return static_cast<T*>(__cluster_map_shared_rank(p, rank));
+}
+// One arrival on a barrier of another CTA of the cluster (peer_smem), relaxed: it orders none of
+// this thread's memory accesses (a release.cluster arrive costs a MEMBAR.ALL.GPU). For telling the
+// peer that a buffer it will write is no longer read here: reads that a bar.sync has completed
+// cannot see a later write.
+__device__ __forceinline__ void mbar_arrive_peer(uint64_t* peer_bar) {
+  ptx::mbarrier_arrive(ptx::sem_relaxed, ptx::scope_cluster, ptx::space_cluster, peer_bar, 1u);
+}
+// 1-D bulk copy of this CTA's shared memory into another CTA's (peer_smem addresses), counted as
+// complete-tx bytes on the peer's barrier `peer_bar`; bytes a multiple of 16. One thread.
+__device__ __forceinline__ void bulk_copy_to_peer(void* peer_dst, const void* src, uint32_t bytes, uint64_t* peer_bar) {
+  ptx::cp_async_bulk(ptx::space_cluster, ptx::space_shared, peer_dst, src, bytes, peer_bar);
+}
+// Every thread of the cluster's CTAs (release / acquire at cluster scope).
+__device__ __forceinline__ void cluster_sync() {
+  ptx::barrier_cluster_arrive(ptx::sem_release);
+  ptx::barrier_cluster_wait();
+}
+
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   (void)ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, bar, bytes);
 }
@@ -145,12 +170,21 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 // 62-63 swizzle mode (1 = 128B, 2 = 64B). Tiles are 1024-byte aligned, so the base offset is 0.
 //  K-major (Q, K): rows of 128 (64) bytes, 8-row atoms, SBO = 1024 (512); LBO unused (16).
 //  MN-major (V with trans-b, 128B only): LBO = bytes between 64-element MN chunks, SBO = 1024 (8 K-rows).
-// The address field is (smem_addr + offset) >> 4 with no mask: shared-window addresses are below
-// 2^18, so the field never carries into LBO's, and with offset (a multiple of 16) passed apart from
-// the tile's address, the descriptors of one tile's k-steps share smem_addr >> 4 and differ by one
+// The address field is (smem_addr + offset) >> 4, smem_addr the shared::cta offset (< 2^18). In a
+// cluster launch the shared addresses that cvta gives carry the CTA's rank from bit 24 on (ptxas:
+// ULEA of SR_CgaCtaId << 24), which unmasked lands in LBO: the rank-1 CTAs of the backward's 2-CTA
+// clusters read wrong MN-major operands that span several chunks (dV's dO, dK's Q), while K-major
+// ones, which ignore LBO, read right (docs/PERF.md, ds_pairs). A kernel launched in clusters
+// defines FLASHGEN_CLUSTER_LAUNCH before this header, and the rank bits are masked off; other
+// kernels are left without the mask (it does not fold everywhere, and cost one forward tile its
+// asynchronous WGMMAs: ptxas C7511). With offset (a multiple of 16) passed apart from
+// the tile's address, the descriptors of one tile's k-steps share the masked base and differ by one
 // add of an immediate (no per-k-step shift and mask: fewer issue slots in the GEMM-issuing warps).
 __device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
                                                    uint32_t offset, uint32_t mode) {
+#ifdef FLASHGEN_CLUSTER_LAUNCH
+  smem_addr &= 0x3FFFFu;
+#endif
   const uint32_t lo = (smem_addr >> 4) + (offset >> 4) + (((lbo_bytes >> 4) & 0x3FFF) << 16);
   const uint32_t hi = ((sbo_bytes >> 4) & 0x3FFF) | (mode << 30);
   return (static_cast<uint64_t>(hi) << 32) | lo;
