@@ -77,9 +77,12 @@ __device__ __forceinline__ void mbar_arrive_peer(uint64_t* peer_bar) {
 __device__ __forceinline__ void bulk_copy_to_peer(void* peer_dst, const void* src, uint32_t bytes, uint64_t* peer_bar) {
   ptx::cp_async_bulk(ptx::space_cluster, ptx::space_shared, peer_dst, src, bytes, peer_bar);
 }
-// Every thread of the cluster's CTAs (release / acquire at cluster scope).
+// Every thread of the cluster's CTAs meets here; relaxed arrival (a release one costs a
+// MEMBAR.ALL.GPU per thread). What it orders: execution (a CTA does not exit while its peer may
+// still copy from it), and mbarrier initialisation, which fence_mbarrier_init (release, cluster
+// scope) before the arrival publishes, as CUTLASS's cluster start does.
 __device__ __forceinline__ void cluster_sync() {
-  ptx::barrier_cluster_arrive(ptx::sem_release);
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);
   ptx::barrier_cluster_wait();
 }
 
