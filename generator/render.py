@@ -31,11 +31,19 @@ def template_vars(variant) -> dict:
             "params_decls": abi.render_decls(k.params for k in variant.kernels)}
 
 
+# Put first in the source of a variant with a kernel launched in clusters: its WGMMA descriptors
+# mask the CTA rank off the shared addresses (templates/include/flashgen/ptx.cuh make_smem_desc).
+CLUSTER_DEFINE = "#define FLASHGEN_CLUSTER_LAUNCH 1  // a kernel of this variant launches in clusters\n"
+
+
 def render(variant, templates_dir: Path) -> str:
-    """The CUDA source of ``variant`` from templates/<family>.cu.j2 (BuildError naming the variant)."""
+    """The CUDA source of ``variant`` from templates/<family>.cu.j2 (BuildError naming the variant),
+    after CLUSTER_DEFINE when one of its kernels has a cluster shape other than (1, 1, 1)."""
     tname = f"{variant.family}.cu.j2"
+    clustered = any(tuple(k.cluster) != (1, 1, 1) for k in variant.kernels)
     try:
-        return _env(str(templates_dir)).get_template(tname).render(**template_vars(variant))
+        src = _env(str(templates_dir)).get_template(tname).render(**template_vars(variant))
+        return CLUSTER_DEFINE + src if clustered else src
     except jinja2.TemplateNotFound:
         raise BuildError([(variant.name, f"template {Path(templates_dir) / tname} not found")]) from None
     except jinja2.TemplateError as e:

@@ -752,6 +752,12 @@ def test_bwd_ds_pairs_are_the_hd256_role_tiles_not_local():
             assert r["smem"]["kp"]["offset"] % 1024 == 0 and r["smem"]["pd"]["offset"] % 1024 == 0
             main = {k.role: k for k in fam.kernels(_bwd_params(causal=causal, softcap=softcap), r)}["main"]
             assert main.cluster == (2, 1, 1) and main.smem_bytes == bwd_mod.SMEM_LIMIT
+    from flashgen.generator.render import CLUSTER_DEFINE, render
+    for v in load_variants(Project(REPO)):  # the cluster variants' sources mask the CTA rank (ptx.cuh)
+        if v.family == "bwd" and v.params["head_dim"] in (192, 256) and not v.params["softcap"]:
+            src = render(v, REPO / "templates")
+            assert src.startswith(CLUSTER_DEFINE) == v.resources["ds_pairs"], v.name
+            assert src.count("FLASHGEN_CLUSTER_LAUNCH") == (1 if v.resources["ds_pairs"] else 0), v.name
     for p in (_bwd_params(head_dim=192, slice=192), _bwd_params(local=True),
               _bwd_params(head_dim=128, block_n=128, slice=128)):
         r = fam.resources(p)

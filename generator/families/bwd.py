@@ -73,7 +73,8 @@ docs/PERF.md) half of the bulk reductions dropped made the hd256 default 1.16-1.
 additions bound it; 2-CTA clusters summing dQ through distributed shared memory first lost
 (0.85-0.94). At head_dim 256 (not local) the role tiles now run as 2-CTA clusters that exchange dS^T
 instead (``ds_pairs``, below): each CTA stages and reduces half of dQ, 1.09-1.20x faster unordered
-(H100, docs/PERF.md). The block's target reaches the reducer warp through a per-stage slot (the producer warpgroup's 32 registers).
+(H100, docs/PERF.md). The block's target reaches the reducer warp through a per-stage slot (the
+producer warpgroup's 32 registers).
 Deterministic: ``BwdParams.deterministic`` 1 and 3 signal a block's hand-off once its additions
 have landed; 2 (``core._deterministic_mode``: the chain of key blocks longer than the SM count) one
 block later, after the next block's reductions are issued (at 16k 1.07-1.15x faster; at
@@ -246,9 +247,9 @@ class BwdFamily(Family):
             if _smem_total(smem) <= SMEM_LIMIT:
                 break
         p = _pad64(params["head_dim"])
-        staged = stage_dq(params)
+        staged, pairs = stage_dq(params), ds_pairs(params)
         return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
-                    ds_pairs=ds_pairs(params), cluster=(2, 1, 1) if ds_pairs(params) else (1, 1, 1),
+                    ds_pairs=pairs, cluster=(2, 1, 1) if pairs else (1, 1, 1),
                     dq_buffers=dq_buffers,
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,

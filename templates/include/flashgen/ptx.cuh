@@ -177,8 +177,9 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 // cluster launch the shared addresses that cvta gives carry the CTA's rank from bit 24 on (ptxas:
 // ULEA of SR_CgaCtaId << 24), which unmasked lands in LBO: the rank-1 CTAs of the backward's 2-CTA
 // clusters read wrong MN-major operands that span several chunks (dV's dO, dK's Q), while K-major
-// ones, which ignore LBO, read right (docs/PERF.md, ds_pairs). A kernel launched in clusters
-// defines FLASHGEN_CLUSTER_LAUNCH before this header, and the rank bits are masked off; other
+// ones, which ignore LBO, read right (docs/PERF.md, ds_pairs). The source of a variant with a kernel
+// launched in clusters defines FLASHGEN_CLUSTER_LAUNCH first (generator/render.py), and the rank bits
+// are masked off; other
 // kernels are left without the mask (it does not fold everywhere, and cost one forward tile its
 // asynchronous WGMMAs: ptxas C7511). With offset (a multiple of 16) passed apart from
 // the tile's address, the descriptors of one tile's k-steps share the masked base and differ by one
