@@ -527,14 +527,17 @@ _WS_ALIGN = 256
 # 1.03 / 0.98 / 1.02 (hd128 loses: left unordered from 1024 on). head_dim 192 (H200): 1.01 since
 # its dQ is staged and bulk-reduced (08749c1); before, with the consumers' red.v4, 0.84.
 ORDERED_CAUSAL_MAX_SEQLEN_K = 512
+# The same bound for the ds_pairs kernels (head_dim 256, 2-CTA clusters; their ordered path pairs too,
+# by turns of pairs: bwd.cu.j2 kPairs). Measured on an H100 (bf16, FA3 protocol, two runs, the ordered
+# over the unordered path, docs/results/bwd_det_pairs/): causal 512 1.09, 2k 1.03, 16k 0.95-0.97.
+ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS = 2048
 
 
 def _ordered_default(plan: _BwdPlan, mask: MaskSpec, seqlen_k: int) -> bool:
-    """Whether a call that is not deterministic takes the ordered dQ path (ORDERED_CAUSAL_MAX_SEQLEN_K).
-    Not the ds_pairs kernels (2-CTA clusters, generator/families/bwd.py): their unordered path pairs
-    the CTAs and halves the dQ additions, which their ordered path does not."""
-    return (plan.bulk_dq and mask.causal and seqlen_k <= ORDERED_CAUSAL_MAX_SEQLEN_K
-            and plan.main.record.cluster[0] == 1)
+    """Whether a call that is not deterministic takes the ordered dQ path (ORDERED_CAUSAL_MAX_SEQLEN_K;
+    ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS for the ds_pairs kernels, generator/families/bwd.py)."""
+    bound = ORDERED_CAUSAL_MAX_SEQLEN_K if plan.main.record.cluster[0] == 1 else ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS
+    return plan.bulk_dq and mask.causal and seqlen_k <= bound
 
 
 def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordered_default: bool = False) -> int:

@@ -622,9 +622,9 @@ def flash_attn_func(
             the result).
         deterministic: the backward gives bitwise-reproducible gradients (its dq
             accumulation runs in a fixed order, at some cost in speed); the forward is
-            always deterministic. Without it, causal calls with seqlen_k <= 512 take the
-            ordered path anyway, where it measured faster
-            (core.ORDERED_CAUSAL_MAX_SEQLEN_K).
+            always deterministic. Without it, causal calls with seqlen_k <= 512 (2048 at
+            head_dim 256) take the ordered path anyway, where it measured faster
+            (core.ORDERED_CAUSAL_MAX_SEQLEN_K, ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS).
         return_attn_probs: when True return ``(out, lse)`` (as FA3 does), else ``out``.
         The arguments after ``causal`` are keyword-only, so a positional call written for
         a different argument order fails loudly instead of binding wrongly.

@@ -196,6 +196,7 @@ def bwd_cases():
     for i, (dtype, d, dv, causal, det) in enumerate(((torch.bfloat16, 64, 64, True, True),
                                                      (torch.float16, 128, 128, False, True),
                                                      (torch.bfloat16, 256, 256, True, False),
+                                                     (torch.float16, 256, 256, False, True),
                                                      (torch.float16, 192, 192, False, False),
                                                      (torch.bfloat16, 192, 128, True, True),
                                                      (torch.float16, 64, 128, False, False))):

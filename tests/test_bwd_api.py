@@ -793,20 +793,21 @@ def test_core_backward_deterministic_mode(bwd_core, d):
     assert bn in (64, 128)
 
 
-@pytest.mark.parametrize("sk,want", [(300, 1), (512, 1), (513, 0), (2000, 0)], ids=str)
-def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want):
+@pytest.mark.parametrize("sk,want,want_pairs", [(300, 1, 1), (512, 1, 1), (513, 0, 1), (2000, 0, 1), (2048, 0, 1),
+                                               (2049, 0, 0), (5000, 0, 0)], ids=str)
+def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want, want_pairs):
     """A causal call that is not deterministic runs the ordered path (mode 1) while seqlen_k is at
-    most ORDERED_CAUSAL_MAX_SEQLEN_K and the variant adds dQ by bulk reductions (every default
-    tile), else the unordered one (mode 0); non-causal calls always unordered. The ds_pairs
-    kernels (head_dim 256: 2-CTA clusters) always run unordered, where their CTAs pair."""
-    assert core.ORDERED_CAUSAL_MAX_SEQLEN_K == 512
+    most ORDERED_CAUSAL_MAX_SEQLEN_K (the ds_pairs kernels, head_dim 256: 2-CTA clusters,
+    ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS) and the variant adds dQ by bulk reductions (every default
+    tile), else the unordered one (mode 0); non-causal calls always unordered."""
+    assert (core.ORDERED_CAUSAL_MAX_SEQLEN_K, core.ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS) == (512, 2048)
     for d in (64, 96, 128, 192, 256):
         variant, _ = _run_backward(2, sk, sk, 2, 2, d, d, True)
         main = bwd_core.launches[-2]
         assert bwd_mod.FAMILY.resources(variant.params)["bulk_dq"], d
         pairs = bwd_mod.FAMILY.resources(variant.params)["ds_pairs"]
         assert pairs == (d == 256), d
-        assert main["role"] == "main" and main["params"]["deterministic"] == (0 if pairs else want), (d, sk)
+        assert main["role"] == "main" and main["params"]["deterministic"] == (want_pairs if pairs else want), (d, sk)
     _run_backward(2, 300, 300, 2, 2, 128, 128, False)  # non-causal: unordered
     assert bwd_core.launches[-2]["params"]["deterministic"] == 0
 

@@ -14,7 +14,7 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   Rows past seqlen_q up to the padded length get dPsum 0 and LSE +inf. Each row takes
   ``pre_row_lanes`` lanes (several rows per warp below head_dim 192), so every head dim keeps as
   many loads in flight per SM, and each lane group takes ``PRE_GROUP_ROWS`` rows, their loads
-  issued together. Causal calls with seqlen_k <= 512 take the ordered path even when
+  issued together. Causal calls with seqlen_k <= 512 (2048 with ``ds_pairs``) take the ordered path even when
   not deterministic where dQ is bulk-reduced (``bulk_dq``; ``core._ordered_default``: measured
   faster, no zeroing).
 - ``main``: CTA (n_block, slice, head_k, batch). A producer warp loads the CTA's K and V block once
@@ -205,7 +205,9 @@ def ds_pairs(params: dict) -> bool:
     those: half the L2's fp32 dQ additions and half the dQ staging, at the cost of the peer's K
     half (16 KB, which fills the 227 KB exactly) and one exchange per block. The L2 additions bound
     the hd256 backward (an H100 ran 1.16-1.21x faster with half of them dropped, docs/PERF.md).
-    Deterministic runs, and a CTA whose neighbour is past the last key block, do not pair."""
+    A CTA whose neighbour is past the last key block does not pair. Ordered runs pair too: a column
+    half takes one addition per pair, in turns of pairs (H100: the deterministic hd256 backward
+    1.13-1.30x faster than unpaired, docs/results/bwd_det_pairs/)."""
     return roles(params) and _pad64(params["head_dim"]) == 256 and not params.get("local", False)
 
 

@@ -340,9 +340,10 @@ def test_deterministic_race_big(d, causal, shape):
     (256, True, (1, 16384, 16384, 2, 2)),
     (256, True, (2, 8192, 8192, 2, 1)),
     (128, False, (2, 9001, 9001, 2, 2)),
+    (256, False, (2, 777, 5900, 2, 2)),
 ], ids=["hd128_512x32", "hd128_512x32_causal", "hd64_1024x16_gqa", "hd256_1000x8_causal", "hd256_2048x8",
         "hd256_k16384_late_handoff", "hd256_16384_causal_late_handoff", "hd256_8192_causal_mode1",
-        "hd128_9001_mode1"])
+        "hd128_9001_mode1", "hd256_5900_mode1_lone_block"])
 def test_deterministic_many_waves_finish(d, causal, shape):
     """The deterministic hand-off with more CTAs than fit on the GPU at once (FA3-protocol shapes:
     2048 CTAs at seqlen 512): 200 runs in a child process under a time limit, every result
@@ -350,7 +351,8 @@ def test_deterministic_many_waves_finish(d, causal, shape):
     here (docs/results/bwd_det_h200/); a hang must fail the test, not the suite. The seqlen_k 16384
     shapes have chains of 256 key blocks per query block: the late hand-off (mode 2); the 8192 and
     9001 ones 128 and 71 (mode 1: more than half the SMs); the others at most 32 (mode 3: the
-    rotated non-causal order; core._deterministic_mode)."""
+    rotated non-causal order; core._deterministic_mode). At head_dim 256 (ds_pairs: turns by pairs
+    of key blocks) the 5900 one has 93 key blocks, mode 1 with a lone last block."""
     need_bwd(torch.bfloat16, d, causal)
     run_child_or_fail(f"import torch, test_bwd_gpu as t; "
                       f"t._repeat_bitwise(torch.bfloat16, {d}, {causal}, {shape}, repeats=200, seed=5)", 180,
