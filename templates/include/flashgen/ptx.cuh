@@ -179,10 +179,9 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 // clusters read wrong MN-major operands that span several chunks (dV's dO, dK's Q), while K-major
 // ones, which ignore LBO, read right (docs/PERF.md, ds_pairs). The source of a variant with a kernel
 // launched in clusters defines FLASHGEN_CLUSTER_LAUNCH first (generator/render.py), and the rank bits
-// are masked off; other
-// kernels are left without the mask (it does not fold everywhere, and cost one forward tile its
-// asynchronous WGMMAs: ptxas C7511). With offset (a multiple of 16) passed apart from
-// the tile's address, the descriptors of one tile's k-steps share the masked base and differ by one
+// are masked off; other kernels are left without the mask (it does not fold everywhere, and cost
+// one forward tile its asynchronous WGMMAs: ptxas C7511). With offset (a multiple of 16) passed
+// apart from the tile's address, the descriptors of one tile's k-steps share the masked base and differ by one
 // add of an immediate (no per-k-step shift and mask: fewer issue slots in the GEMM-issuing warps).
 __device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_addr, uint32_t lbo_bytes, uint32_t sbo_bytes,
                                                    uint32_t offset, uint32_t mode) {
