@@ -492,6 +492,7 @@ class _BwdPlan(NamedTuple):
     sms: int  # the device's SM count (the deterministic hand-off's mode)
     pre_rows: int  # query rows per CTA of the preprocess (generator/families/bwd.py pre_rows_per_cta)
     bulk_dq: bool  # dQ added by the reducer warp's bulk reductions (bwd.py resources; every default tile)
+    pairs: bool  # ds_pairs: the main kernel runs as 2-CTA clusters of key blocks (bwd.py resources, bwd.cu.j2 kPairs)
 
 
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
@@ -509,9 +510,10 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
             round_up=_ROUND_UP)
         p = var.params
         pad = -(-p["head_dim"] // 64) * 64
+        res = _BWD_FAMILY.resources(p)
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
                         p["block_m"], p["block_n"], pad, pad // p["slice"], launch.num_sms(device),
-                        pre_rows_per_cta(p), _BWD_FAMILY.resources(p)["bulk_dq"])
+                        pre_rows_per_cta(p), res["bulk_dq"], res["ds_pairs"])
         _bwd_plans[key] = plan
     return plan
 
@@ -536,7 +538,7 @@ ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS = 2048
 def _ordered_default(plan: _BwdPlan, mask: MaskSpec, seqlen_k: int) -> bool:
     """Whether a call that is not deterministic takes the ordered dQ path (ORDERED_CAUSAL_MAX_SEQLEN_K;
     ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS for the ds_pairs kernels, generator/families/bwd.py)."""
-    bound = ORDERED_CAUSAL_MAX_SEQLEN_K if plan.main.record.cluster[0] == 1 else ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS
+    bound = ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS if plan.pairs else ORDERED_CAUSAL_MAX_SEQLEN_K
     return plan.bulk_dq and mask.causal and seqlen_k <= bound
 
 
@@ -658,7 +660,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
             _bshd_map(dv, 64))
-    cx = plan.main.record.cluster[0]  # ds_pairs: clusters of 2 key blocks, an odd count padded (bwd.cu.j2 kPairs)
-    launch.launch(plan.main, (-(-num_n // cx) * cx, plan.num_slices * hk, b), maps, params, stream)
+    grid_n = num_n + num_n % 2 if plan.pairs else num_n  # 2-CTA clusters: an odd count gets an idle CTA (kPairs)
+    launch.launch(plan.main, (grid_n, plan.num_slices * hk, b), maps, params, stream)
     launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
     return plan.variant
