@@ -8,7 +8,12 @@ bf16 output). FLOPs = 4 * batch * heads * seqlen^2
 ``flashgen.core.attention_forward(..., variant=...)`` and timed with ``flashgen.bench._time_ms``
 (triton's do_bench: L2 flushed before every repetition, median). The default tile is timed first
 and last at every point and the better of the two is its figure, so drift during the point counts
-against the candidates.
+against the candidates. With ``rounds`` > 1 (``--rounds``; 1 by default, which keeps the full
+default sweep, about 3 minutes, inside scripts/device_check.sh's limits) the whole order (default,
+candidates, default) runs that many times and each variant's figure is its best round: single
+100 ms timings picked different tiles from one run to the next at head_dim 256 causal 1k / 2k on an
+H200 (docs/PERF.md, 2026-11-23, where a 300 ms run gave the choice that old/new alternations
+supported); alternated passes also sample each variant at two moments of the GPU's clock drift.
 
 Choice: at each seqlen the fastest candidate wins only if it beats the default by more than
 ``min_gain`` (2 %; the same-code spread inside one run is about 1 %, run to run about ±5 %), else
@@ -39,6 +44,7 @@ DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 MIN_GAIN = 0.02
 WARMUP_MS = 25
 REP_MS = 100
+ROUNDS = 1  # passes over a point's variants (default, candidates, default); each variant's best counts
 OVERHEAD_MS = 60  # per timing beyond warmup + rep (do_bench's estimate runs, flushes, launches), measured loosely
 CHECK_ATOL = CHECK_RTOL = 1e-2
 EXIT_OPTIONS = 2  # = flashgen.cli.EXIT_CONFIG (cli imports this module, so it cannot be imported here)
@@ -111,10 +117,10 @@ def _tile(v) -> dict:
     return tuning.tile_of(v.params, v.dispatch)
 
 
-def estimate_seconds(plans, seqlens, warmup_ms: float, rep_ms: float) -> float:
-    """Rough wall time of the sweep: one timing per candidate per point (two for the default)
-    at warmup + rep + OVERHEAD_MS each, plus a correctness launch per candidate and key."""
-    timings = sum(len(p.candidates) + 1 for p in plans) * len(seqlens)
+def estimate_seconds(plans, seqlens, warmup_ms: float, rep_ms: float, rounds: int = ROUNDS) -> float:
+    """Rough wall time of the sweep: per round one timing per candidate per point (two for the
+    default) at warmup + rep + OVERHEAD_MS each, plus a correctness launch per candidate and key."""
+    timings = rounds * sum(len(p.candidates) + 1 for p in plans) * len(seqlens)
     return timings * (warmup_ms + rep_ms + OVERHEAD_MS) / 1000 + 0.05 * sum(len(p.candidates) for p in plans)
 
 
@@ -194,8 +200,9 @@ def gpu_name() -> str | None:
         return None
 
 
-def sweep(plans, seqlens, warmup_ms=WARMUP_MS, rep_ms=REP_MS, log=print) -> dict:
-    """TFLOP/s per (key index, seqlen): ``{(i, s): {variant name: tflops, "__default2__": tflops}}``.
+def sweep(plans, seqlens, warmup_ms=WARMUP_MS, rep_ms=REP_MS, log=print, rounds: int = ROUNDS) -> dict:
+    """TFLOP/s per (key index, seqlen): ``{(i, s): {variant name: tflops, "__default2__": tflops}}``,
+    each the best of ``rounds`` passes over the order (default, candidates, default).
 
     Candidates failing the output check or raising are recorded in ``plan.failed`` and skipped."""
     results: dict = {}
@@ -226,16 +233,22 @@ def sweep(plans, seqlens, warmup_ms=WARMUP_MS, rep_ms=REP_MS, log=print) -> dict
                 del ref
             res: dict = {}
             order = [v for v in p.candidates if v.name not in p.failed] + [p.default]
-            for n, v in enumerate(order):
-                slot = "__default2__" if n == len(order) - 1 else v.name
-                try:
-                    res[slot] = pt.flops / pt.time_ms(v, warmup_ms, rep_ms) / 1e9
-                except Exception as e:  # noqa: BLE001
-                    p.failed.setdefault(v.name, f"{type(e).__name__}: {e}")
-                    log(f"  {label} seqlen {s}: {tile_label(_tile(v))} failed: {type(e).__name__}: {e}")
+            for _ in range(rounds):
+                for n, v in enumerate(order):
+                    if v.name in p.failed:  # raised in an earlier round
+                        continue
+                    slot = "__default2__" if n == len(order) - 1 else v.name
+                    try:
+                        tflops = pt.flops / pt.time_ms(v, warmup_ms, rep_ms) / 1e9
+                    except Exception as e:  # noqa: BLE001
+                        p.failed.setdefault(v.name, f"{type(e).__name__}: {e}")
+                        log(f"  {label} seqlen {s}: {tile_label(_tile(v))} failed: {type(e).__name__}: {e}")
+                        res.pop(slot, None)
+                        continue
+                    res[slot] = max(res.get(slot, tflops), tflops)
             results[(i, s)] = res
             best = max(res.values(), default=float("nan"))
-            log(f"  {label} seqlen {s}: {len(res)} timings, best {best:.1f} TFLOP/s")
+            log(f"  {label} seqlen {s}: {len(res)} figures ({rounds} rounds), best {best:.1f} TFLOP/s")
             del pt
     return results
 
@@ -254,14 +267,15 @@ def _commit(root) -> str:
     return (sha + ("-dirty" if dirty == 1 else "")) if sha else "unknown"
 
 
-def protocol(seqlens, warmup_ms, rep_ms, min_gain) -> dict:
+def protocol(seqlens, warmup_ms, rep_ms, min_gain, rounds: int = ROUNDS) -> dict:
     return {"family": "fwd", "total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "seqlens": list(seqlens),
             "inputs": "random normal, BSHD, batch = total_tokens / seqlen, heads = hidden // head_dim; "
                       "e4m3: rounded to e4m3, no descales, bf16 output",
             "flops": "4 * batch * heads * seqlen^2 * head_dim, halved for causal",
             "timer": "flashgen.bench._time_ms (triton do_bench: L2 flushed before each repetition, median)",
-            "warmup_ms": warmup_ms, "rep_ms": rep_ms,
+            "warmup_ms": warmup_ms, "rep_ms": rep_ms, "rounds": rounds,
             "baseline": "default tile timed first and last at each point; the better of the two",
+            "figure": "each variant's best over the rounds (default, candidates, default; alternated)",
             "min_gain": min_gain}
 
 
@@ -354,7 +368,8 @@ def merge_tables(new: dict, old: dict) -> dict:
 
 
 def run(plans, seqlens, gpu: str, output: Path, *, warmup_ms=WARMUP_MS, rep_ms=REP_MS, min_gain=MIN_GAIN,
-        root=None, version: str = "", commit: str | None = None, log=print, merge: bool = False) -> tuple[dict, str]:
+        root=None, version: str = "", commit: str | None = None, log=print, merge: bool = False,
+        rounds: int = ROUNDS) -> tuple[dict, str]:
     """Sweep, choose, write ``output`` (atomically; validated by reading it back). Returns (table
     data, markdown). TuneError when no key could be timed. ``merge``: keep the entries of the table
     already at ``output`` for the keys this run did not time (:func:`merge_tables`)."""
@@ -367,8 +382,8 @@ def run(plans, seqlens, gpu: str, output: Path, *, warmup_ms=WARMUP_MS, rep_ms=R
         old = yaml.safe_load(Path(output).read_text())
         if old.get("gpu") != gpu:
             raise TuneError(f"--merge: {output} is the table of {old.get('gpu')!r}, not {gpu!r}; nothing timed")
-    results = sweep(plans, seqlens, warmup_ms, rep_ms, log)
-    proto = protocol(seqlens, warmup_ms, rep_ms, min_gain)
+    results = sweep(plans, seqlens, warmup_ms, rep_ms, log, rounds)
+    proto = protocol(seqlens, warmup_ms, rep_ms, min_gain, rounds)
     data, md = build_table(gpu, plans, seqlens, results, proto, commit or _commit(root), version)
     if not data["entries"]:
         raise TuneError("no key could be timed (see the messages above); no table written")
@@ -425,6 +440,8 @@ def _bool(text: str) -> bool:
               help="do_bench warmup (ms) per timing.")
 @click.option("--rep-ms", type=click.IntRange(min=1), default=REP_MS, show_default=True,
               help="do_bench repetitions (ms) per timing.")
+@click.option("--rounds", type=click.IntRange(min=1), default=ROUNDS, show_default=True,
+              help="Passes over each point's variants (default, candidates, default); each variant's best pass counts.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Table to write [default: configs/tune/<gpu-slug>.yaml in a source checkout, else ./<gpu-slug>.yaml].")
 @click.option("--build/--no-build", "do_build", default=False, show_default=True,
@@ -436,15 +453,16 @@ def _bool(text: str) -> bool:
 @click.option("--merge", is_flag=True, help="Keep the entries of the existing output table for the keys this run does "
               "not time (e.g. --dtypes e4m3 re-tunes e4m3 alone); the protocol records their date and commit.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (keys, candidates, timings, time estimate) and stop.")
-def command(family, dtypes, head_dims, causal_s, seqlens, min_gain, warmup_ms, rep_ms, output, do_build, jobs, commit,
-            merge, dry_run):
+def command(family, dtypes, head_dims, causal_s, seqlens, min_gain, warmup_ms, rep_ms, rounds, output, do_build, jobs,
+            commit, merge, dry_run):
     """Time every built tile of each forward dispatch key on this GPU and write the winners.
 
     Measures, per key (dtype x head_dim x causal; no window, no softcap) and seqlen, the forward
     TFLOP/s of every built variant of the key under the FA3 protocol: 16384 tokens (batch = 16384 /
     seqlen), hidden 2048 (heads = 2048 / head_dim), FLOPs 4·batch·heads·seqlen²·head_dim (halved
-    for causal), timed as triton's do_bench (L2 flushed before each repetition, median). The
-    default tile is timed first and last, the better figure counts. A candidate wins a seqlen only
+    for causal), timed as triton's do_bench (L2 flushed before each repetition, median), in
+    --rounds passes over the point (default, candidates, default), each variant's best pass
+    counting; the default's first and last timings both count for it. A candidate wins a seqlen only
     if it beats the default by more than --min-gain (2 %: noise guard); adjacent seqlens with the
     same winner merge into one seqlen_k range. Candidates whose output differs from the default's
     are left out.
@@ -502,10 +520,11 @@ def command(family, dtypes, head_dims, causal_s, seqlens, min_gain, warmup_ms, r
     alone = [p for p in plans if len(p.candidates) < 2]
     plans = [p for p in plans if len(p.candidates) >= 2]
     out = output or default_output(gpu)
-    est = estimate_seconds(plans, sls, warmup_ms, rep_ms)
+    est = estimate_seconds(plans, sls, warmup_ms, rep_ms, rounds)
     click.echo(f"flashgen tune: {gpu or 'no GPU'} -> {out}")
     click.echo(f"protocol: {family}, {TOTAL_TOKENS} tokens, hidden {HIDDEN}, seqlens {','.join(map(str, sls))}; "
-               f"do_bench warmup {warmup_ms} ms, rep {rep_ms} ms; min gain {min_gain:.0%}; variants {source}")
+               f"do_bench warmup {warmup_ms} ms, rep {rep_ms} ms, {rounds} rounds; min gain {min_gain:.0%}; "
+               f"variants {source}")
     for p in plans:
         cands = ", ".join(tile_label(tuning.tile_of(v.params, v.dispatch)) + (" (default)" if v is p.default else "")
                           for v in p.candidates)
@@ -514,7 +533,7 @@ def command(family, dtypes, head_dims, causal_s, seqlens, min_gain, warmup_ms, r
         click.echo(f"  {key_label(p.key):<22} only the default is built: not timed")
     for k in missing:
         click.echo(f"  {key_label(k):<22} no built variant: not timed")
-    n_timings = sum(len(p.candidates) + 1 for p in plans) * len(sls)
+    n_timings = rounds * sum(len(p.candidates) + 1 for p in plans) * len(sls)
     click.echo(f"{len(plans)} keys, {sum(len(p.candidates) for p in plans)} variants, {len(sls)} seqlens: "
                f"{n_timings} timings, about {fmt_seconds(est)}")
     if dry_run:
@@ -529,7 +548,7 @@ def command(family, dtypes, head_dims, causal_s, seqlens, min_gain, warmup_ms, r
     t0 = time.monotonic()
     try:
         _, md = run(plans, sls, gpu, out, warmup_ms=warmup_ms, rep_ms=rep_ms, min_gain=min_gain, root=find_root(),
-                    version=__version__, commit=commit, log=click.echo, merge=merge)
+                    version=__version__, commit=commit, log=click.echo, merge=merge, rounds=rounds)
     except TuneError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_BUILD_FAILED)

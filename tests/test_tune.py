@@ -422,10 +422,40 @@ def test_cli_writes_a_table_the_runtime_reads(fake_tune, tmp_path):
     assert ("| bf16 hd128 noncausal | 2048 | 500.0 | 128x128 s2 wg2 (default) | 500.0 | +0.0 % | "
             "128x176 s2 wg2 +1.5 %: within the 2% guard |") in r.output
     assert "16 timings" in r.output and "about" in r.output  # (3 candidates + the default's second timing) x 4
+    assert t.protocol["rounds"] == tune.ROUNDS == 1
     # ... and the runtime then serves the winner
     assert tile_of(forward(700)) == CAND
     assert tile_of(forward(3000)) == DEFAULT
     assert tile_of(forward(100000)) == DEFAULT
+
+
+def test_cli_rounds_take_each_variants_best_pass(fake_tune, tmp_path, monkeypatch):
+    """--rounds N times the order (default, candidates, default) N times at each point and keeps
+    each variant's best pass: a candidate slowed in one pass (a noisy timing) still wins with 2
+    rounds, and loses the point with 1; the table records the rounds."""
+    calls = []
+    fast = FakePoint.speeds[176]
+
+    def noisy(s):  # 128x176: its first timing at each point 20 % slow, the later ones as usual
+        calls.append(s)
+        return fast(s) * (0.8 if calls.count(s) == 1 else 1.0)
+
+    FakePoint.speeds = {**FakePoint.speeds, 176: noisy}
+    out2, out1 = tmp_path / "r2.yaml", tmp_path / "r1.yaml"
+    r = run_tune("--seqlens", "512", "--rounds", "2", "-o", str(out2))
+    assert r.exit_code == 0, r.output
+    assert "8 timings" in r.output and "2 rounds" in r.output  # (3 candidates + the default again) x 2 rounds
+    (e,) = tuning.load_table(out2).entries.values()
+    assert [(r_.max_seqlen_k, r_.tile) for r_ in e.rows] == [(None, CAND)]
+    assert e.rows[0].measured[0] == {"seqlen": 512, "tflops": 550.0, "default_tflops": 500.0}
+    assert tuning.load_table(out2).protocol["rounds"] == 2
+    calls.clear()
+    r = run_tune("--seqlens", "512", "-o", str(out1))  # the default: 1 round
+    assert r.exit_code == 0, r.output
+    (e,) = tuning.load_table(out1).entries.values()
+    assert [(r_.max_seqlen_k, r_.tile) for r_ in e.rows] == [(None, None)]  # 440 < 500: the default stays
+    assert tuning.load_table(out1).protocol["rounds"] == 1
+    assert run_tune("--rounds", "0", "--dry-run").exit_code == 2
 
 
 def test_cli_min_gain_zero_takes_any_gain(fake_tune, tmp_path):
@@ -869,7 +899,8 @@ def test_sweep_through_the_real_point_with_a_fake_timer(gpu, monkeypatch):
     res = tune.sweep(plans, [512, 1024], warmup_ms=5, rep_ms=20, log=lambda s: None)
     p = plans[0]
     names = [v.name for v in p.candidates]
-    assert [x[0] for x in launched] == (names + [names[0]]) * 2  # the default first and last at each point
+    # at each point, ROUNDS passes with the default first and last
+    assert [x[0] for x in launched] == (names + [names[0]]) * tune.ROUNDS * 2
     assert [x[1:] for x in launched[:1] + launched[-1:]] == [(2, 2, 512, 7), (1, 2, 1024, 7)]
     flops = 4 * 2 * 2 * 512 * 512 * 128
     assert res[(0, 512)][names[0]] == res[(0, 512)]["__default2__"] == pytest.approx(flops / 1.0 / 1e9)
