@@ -233,14 +233,17 @@ def sweep(plans, seqlens, warmup_ms=WARMUP_MS, rep_ms=REP_MS, log=print, rounds:
                 del ref
             res: dict = {}
             order = [v for v in p.candidates if v.name not in p.failed] + [p.default]
+            raised: set = set()  # variants that raised at this point: not timed in its later rounds
             for _ in range(rounds):
+                skip = set(raised)  # (within a round as with one round: the default's last slot still runs)
                 for n, v in enumerate(order):
-                    if v.name in p.failed:  # raised in an earlier round
+                    if v.name in skip:
                         continue
                     slot = "__default2__" if n == len(order) - 1 else v.name
                     try:
                         tflops = pt.flops / pt.time_ms(v, warmup_ms, rep_ms) / 1e9
                     except Exception as e:  # noqa: BLE001
+                        raised.add(v.name)
                         p.failed.setdefault(v.name, f"{type(e).__name__}: {e}")
                         log(f"  {label} seqlen {s}: {tile_label(_tile(v))} failed: {type(e).__name__}: {e}")
                         res.pop(slot, None)
