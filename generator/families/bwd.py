@@ -116,7 +116,8 @@ ELEM = 2
 BLOCK_N = 128
 ROLES_BLOCK_N = 64  # block_n 64: the two consumers split the work by role (see the module docstring)
 CONSUMER_WGS = 2
-TILES = ((64, 128), (128, 64))  # (block_m, slice) with block_n 128
+TILES = ((64, 128), (128, 64), (80, 128))  # (block_m, slice) with block_n 128
+DQ_SWAP_BLOCK_M = 80  # block_m 80: dQ^T = K^T dS^T (dq_swap); FA3's non-causal head_dim 128 tile
 STAGES = (1, 2)
 BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
@@ -125,6 +126,9 @@ PRODUCER_REGS, CONSUMER_REGS = 24, 240
 # loads' state live beside it) does not fit 24 registers: 32 / 232 (128 x 32 + 256 x 232 <= 65536).
 ROLES_PRODUCER_REGS, ROLES_CONSUMER_REGS = 32, 232
 REG_HEADROOM = 48
+# block_m 80 (dq_swap): 208 accumulator registers, as FA3's 80 x 128 tile holds in its 240; ptxas's
+# spill check (generator/ptxas.py) is the real bound.
+DQ_SWAP_REG_HEADROOM = 32
 ROLES_REG_HEADROOM = 8  # the role tiles' consumers hold fewer live arrays beside their accumulators
 PRE_POST_THREADS = 256  # the preprocess: pre_rows_per_cta rows per CTA; the postprocess: 4 row pairs per CTA
 
@@ -164,7 +168,23 @@ def _pad64(x: int) -> int:
     return -(-int(x) // 64) * 64
 
 
-DQ_TILE_BYTES = 64 * 64 * 4  # one consumer's fp32 dQ tile
+def dq_swap(params: dict) -> bool:
+    """Whether the consumers compute dQ transposed (the template's kDqSwap): block_m 80 (FA3's tile
+    for non-causal head_dim 128, 80 x 128). An m64 WGMMA cannot take 80 query rows as M, so each
+    consumer computes dQ^T = K^T dS^T over 64 of the slice's columns (M) and the block's 80 query
+    rows (N), both operands MN-major as stored (K's column chunk, dS^T in a 128-column tile of which
+    80 are used). Its fp32 tile (64 columns x 80 rows, m64n80 fragment order) is staged and
+    bulk-reduced as the 64 x 64 tiles of block_m 64 are; the postprocess reads it transposed.
+    Per query block the fixed costs (barriers, LSE / dPsum, the dQ hand-off) are spread over 25 %
+    more rows than at block_m 64."""
+    return int(params["block_m"]) == DQ_SWAP_BLOCK_M
+
+
+def dq_tile_bytes(params: dict) -> int:
+    """One consumer's fp32 dQ tile: 64 x 64, or (dq_swap) 64 columns x block_m rows."""
+    return 64 * (int(params["block_m"]) if dq_swap(params) else 64) * 4
+
+
 
 
 def pre_row_lanes(params: dict) -> int:
@@ -181,9 +201,9 @@ PRE_GROUP_ROWS = 2  # query rows per lane group in the preprocess, their loads i
 
 
 def pre_rows_per_cta(params: dict) -> int:
-    """Query rows per CTA of the preprocess (its grid is seqlen_q_pad / this): PRE_GROUP_ROWS per
-    group of pre_row_lanes lanes; divides 64, so every CTA's rows are all inside seqlen_q_pad or
-    all beyond it."""
+    """Query rows per CTA of the preprocess (its grid is seqlen_q_pad / this, rounded up): PRE_GROUP_ROWS
+    per group of pre_row_lanes lanes; divides 64. With block_m 80 the last CTA may reach past
+    seqlen_q_pad (its rows there store nothing)."""
     return PRE_GROUP_ROWS * PRE_POST_THREADS // pre_row_lanes(params)
 
 
@@ -222,8 +242,9 @@ def smem_layout(params: dict, ds_buffers: int, dq_buffers: int) -> dict:
     hand-off, 64 x block_m, and ds_pairs' received dS^T, 1024-byte aligned there; empty otherwise)."""
     p, bm, st = _pad64(params["head_dim"]), int(params["block_m"]), int(params["stages"])
     bn = int(params["block_n"])
+    ds_cols = _pad64(bm)  # dS^T's columns in whole 64-column swizzle chunks (dq_swap: 80 of 128 used)
     sizes = {"k": bn * p * ELEM, "v": bn * p * ELEM, "q": st * bm * p * ELEM, "do": st * bm * p * ELEM,
-             "ds": ds_buffers * bn * bm * ELEM, "dq": dq_buffers * DQ_TILE_BYTES,
+             "ds": ds_buffers * bn * ds_cols * ELEM, "dq": dq_buffers * dq_tile_bytes(params),
              "kp": (bn * p // 2 * ELEM if ds_pairs(params) else 0), "lse": st * bm * 4,
              "dpsum": st * bm * 4, "pd": (64 * bm * ELEM if roles(params) else 0), "bars": BARRIER_BYTES}
     out, off = {}, 0
@@ -257,7 +278,7 @@ class BwdFamily(Family):
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
                     num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS,
                     pre_row_lanes=pre_row_lanes(params), pre_rows_per_cta=pre_rows_per_cta(params),
-                    stage_dq=staged, bulk_dq=dq_buffers > 0 or staged)
+                    stage_dq=staged, bulk_dq=dq_buffers > 0 or staged, dq_swap=dq_swap(params))
 
     def problems(self, params):
         out = []
@@ -271,7 +292,8 @@ class BwdFamily(Family):
             if sl != p:
                 out.append(("slice", sl, f"head_dim padded to 64 ({p}) with block_n 64: the role tiles do not slice"))
         elif (bm, sl) not in TILES:
-            out.append(("slice", sl, "128 with block_m 64, 64 with block_m 128 (each consumer's dQ GEMM is 64 x 64)"))
+            out.append(("slice", sl, "128 with block_m 64 or 80, 64 with block_m 128 (each consumer's dQ GEMM is 64 "
+                                     "x 64, or 64 columns x 80 rows)"))
         elif p % sl:
             out.append(("slice", sl, f"a divisor of head_dim padded to 64 ({p})"))
         if out:
@@ -283,7 +305,7 @@ class BwdFamily(Family):
         else:
             need = bm // 2 * 2 + sl // 2 * 2
             what = "S^T, dP^T (block_m/2 each) + dK, dV (slice/2 each)"
-            limit = CONSUMER_REGS - REG_HEADROOM
+            limit = CONSUMER_REGS - (DQ_SWAP_REG_HEADROOM if dq_swap(params) else REG_HEADROOM)
         if need > limit:
             out.append(("block_m", bm, f"{what} = {need} registers > {limit}: lower block_m or slice"))
         r = self.resources(params)
@@ -314,6 +336,8 @@ class BwdFamily(Family):
         if p >= 192:  # the role tiles: no recomputed S^T / dP^T
             return {**key, "block_m": 64, "block_n": ROLES_BLOCK_N, "slice": p, "stages": 2}
         bm, sl = (64, 128) if p == 128 else (128, 64)
+        if p == 128 and key.get("causal") is False and not key.get("local") and not key.get("softcap"):
+            bm = DQ_SWAP_BLOCK_M  # configs/bwd.yaml: FA3's non-causal head_dim 128 tile
         return {**key, "block_m": bm, "block_n": BLOCK_N, "slice": sl, "stages": 2}
 
 
@@ -328,7 +352,7 @@ FAMILY = BwdFamily(
         Key("local", bool, "axis", default=False,
             doc="FA3's local mask: a band with runtime bounds (sliding windows, causal with a window)"),
         Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
-        Key("block_m", int, "tile", allowed=(64, 128), doc="query rows per step of the main loop"),
+        Key("block_m", int, "tile", allowed=(64, 80, 128), doc="query rows per step of the main loop"),
         Key("block_n", int, "tile", allowed=(ROLES_BLOCK_N, BLOCK_N),
             doc="key rows per CTA: 128 (2 consumer warpgroups x 64 rows) or 64 (both consumers, split by role)"),
         Key("slice", int, "tile", allowed=(64, 128, 192, 256), doc="dK/dV/dQ columns per CTA"),
