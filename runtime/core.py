@@ -17,7 +17,8 @@ from .manifest import Variant, load_manifest
 # the tile counter, TMA rows, vt_global's V^T scratch and its preprocess's grid
 from .generator.families.fwd import (dynamic_schedule, operand_row_bytes, pad_operand, vt_grid,  # noqa: E402
                                      vt_scratch_bytes, vt_seqlen, vt_tile_bytes)
-from .generator.families.bwd import FAMILY as _BWD_FAMILY, pre_rows_per_cta  # noqa: E402 -- pre grid, dQ path
+from .generator.families.bwd import (FAMILY as _BWD_FAMILY, DQ_SWAP_BLOCK_M as _BWD_SWAP_BLOCK_M,  # noqa: E402
+                                     pre_rows_per_cta)  # pre grid, dQ path, block_m 80
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
            "launch_forward", "PreparedForward", "attention_backward",
@@ -498,16 +499,37 @@ class _BwdPlan(NamedTuple):
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
 
 
-def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None) -> _BwdPlan:
+# Calls with at least this many query rows run on the dispatch key's block_m 80 variant where one is
+# built (configs/bwd.yaml extra: FA3's non-causal head_dim 128 tile, generator/families/bwd.py
+# dq_swap). Measured on an H200 (bf16, FA3 protocol, two runs, over block_m 64): deterministic 0.99 /
+# 1.03 / 1.05 / 1.06 / 1.07 / 1.06 at seqlen 512 / 1k / 2k / 4k / 8k / 16k, default 0.94 / 0.97 / 1.00 /
+# 1.00 / 1.00 / 1.02 (docs/PERF.md).
+DQ_SWAP_MIN_SEQLEN_Q = 2048
+
+
+def _long_rows_variant(var: Variant) -> Variant:
+    """The built bwd variant of ``var``'s dispatch key with block_m 80 (bwd.py dq_swap), else ``var``."""
+    for v in load_manifest().by_key().get(("bwd", *sorted(var.dispatch.items())), ()):
+        if v.params.get("block_m") == _BWD_SWAP_BLOCK_M:
+            return v
+    return var
+
+
+def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
+              seqlen_q: int = 0) -> _BwdPlan:
     """The bwd variant serving (dtype, head_dim ``d``, mask, softcap) and its three loaded kernels,
     once per process (``d`` rounds up to the smallest built size that covers it; callers pass
-    max(head_dim, head_dim_v), as FA3 rounds its backward's head dim)."""
-    key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device)
+    max(head_dim, head_dim_v), as FA3 rounds its backward's head dim). Calls with seqlen_q >=
+    DQ_SWAP_MIN_SEQLEN_Q take the key's block_m 80 variant where one is built (_long_rows_variant)."""
+    long_rows = variant is None and seqlen_q >= DQ_SWAP_MIN_SEQLEN_Q
+    key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device, long_rows)
     plan = _bwd_plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
             "bwd", {"dtype": dtype, "head_dim": d, "causal": mask.causal, "local": mask.local, "softcap": softcap},
             round_up=_ROUND_UP)
+        if long_rows:
+            var = _long_rows_variant(var)
         p = var.params
         pad = -(-p["head_dim"] // 64) * 64
         res = _BWD_FAMILY.resources(p)
@@ -599,7 +621,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int
         seqlen_k = 0  # without a window, mask_spec does not depend on seqlen_k
     mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
     d = head_dim if head_dim_v is None else max(head_dim, head_dim_v)
-    plan = _bwd_plan(dtype, d, mask, softcap > 0, device, variant)
+    plan = _bwd_plan(dtype, d, mask, softcap > 0, device, variant, seqlen_q)
     return _bwd_workspace(plan, batch, seqlen_q, heads)[0]
 
 
@@ -640,7 +662,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant)
+    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq)
     bm, bn = plan.block_m, plan.block_n
     num_m, num_n = -(-sq // bm), -(-sk // bn)
     _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)

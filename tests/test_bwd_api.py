@@ -704,17 +704,18 @@ def test_compile_dynamic_shapes_forward_and_backward(gpu):
 # The real core.attention_backward: its variant, params, TMA maps and grids (no driver)
 # --------------------------------------------------------------------------------------
 
-def _bwd_record(dtype: str, head_dim: int, causal: bool) -> dict:
+def _bwd_record(dtype: str, head_dim: int, causal: bool, block_m: int | None = None) -> dict:
     """The manifest record of configs/bwd.yaml's variant for this key, from the family module
-    (tile, resources, kernels, params layout); no fatbin behind it."""
+    (tile, resources, kernels, params layout); no fatbin behind it. ``block_m``: another tile's
+    (not the dispatch default), e.g. the non-causal hd128 block_m 80 of configs/bwd.yaml's extra."""
     key = {"dtype": dtype, "head_dim": head_dim, "causal": causal, "local": False, "softcap": False}
-    params = {"family": "bwd", **bwd_mod.FAMILY.suggest(key)}
-    name = f"bwd_{dtype}_hd{head_dim}_{'causal' if causal else 'noncausal'}_fake"
+    params = {"family": "bwd", **bwd_mod.FAMILY.suggest(key), **({"block_m": block_m} if block_m else {})}
+    name = f"bwd_{dtype}_hd{head_dim}_{'causal' if causal else 'noncausal'}{f'_m{block_m}' if block_m else ''}_fake"
     kernels = [{"role": k.role, "symbol": f"flashgen_{name}_{k.role}", "threads": k.threads, "cluster": list(k.cluster),
                 "smem_bytes": k.smem_bytes, "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
                 "tensor_maps": list(k.tensor_maps), "sass": list(k.sass), "params": k.params.layout()}
                for k in bwd_mod.FAMILY.kernels(params, bwd_mod.FAMILY.resources(params))]
-    return {"name": name, "key": "0" * 64, "family": "bwd", "params": params, "dispatch": key, "default": True,
+    return {"name": name, "key": "0" * 64, "family": "bwd", "params": params, "dispatch": key, "default": not block_m,
             "fatbin": f"fatbin/{name}.fatbin", "sha256": "0" * 64, "kernels": kernels}
 
 
@@ -749,6 +750,7 @@ def bwd_core(tmp_path, monkeypatch):
     """The real core on a manifest of bf16 bwd variants (every head dim, causal or not) and
     BwdLaunches for the launcher."""
     records = [_bwd_record("bf16", d, c) for d in bwd_mod.HEAD_DIMS for c in (False, True)]
+    records.append(_bwd_record("bf16", 128, False, block_m=80))  # configs/bwd.yaml extra (dq_swap)
     (tmp_path / "manifest.json").write_text(json.dumps({"schema": 2, "arch": "sm_90a", "nvcc": {"version": "13.0"},
                                                         "variants": records}))
     monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
@@ -890,3 +892,37 @@ def test_core_backward_pairs_grid_is_padded_to_the_cluster(bwd_core):
         _run_backward(1, 300, sk, 2, 2, d, d, False)
         main = bwd_core.launches[-2]
         assert main["role"] == "main" and main["grid"][0] == want, (d, sk, main["grid"])
+
+
+@pytest.mark.parametrize("sq", [300, 2047, 2048, 5000], ids=str)
+def test_core_backward_long_rows_take_block_m_80(bwd_core, sq):
+    """Non-causal hd128 calls with seqlen_q >= DQ_SWAP_MIN_SEQLEN_Q run on the key's block_m 80
+    variant (configs/bwd.yaml extra, bwd.py dq_swap), shorter ones on the default block_m 64; its
+    Q / dO boxes, preprocess grid (the last CTA may reach past the 80-row padding) and workspace
+    follow the 80-row blocks, and backward_workspace_bytes sizes the same plan. Causal calls, other
+    head dims and an explicit variant are untouched."""
+    assert core.DQ_SWAP_MIN_SEQLEN_Q == 2048
+    b, h = 1, 2
+    variant, _ = _run_backward(b, sq, 1000, h, h, 128, 128, False)
+    bm = variant.params["block_m"]
+    assert bm == (80 if sq >= 2048 else 64) and variant.default == (bm == 64)
+    assert bwd_mod.dq_swap(variant.params) == (bm == 80)
+    pre, main, post = bwd_core.launches[-3:]
+    num_m = -(-sq // bm)
+    assert main["params"]["seqlen_q_pad"] == num_m * bm and main["params"]["num_m_blocks"] == num_m
+    assert main["maps"]["q"]["box"] == (64, bm, 1, 1) and main["maps"]["dout"]["box"] == (64, bm, 1, 1)
+    assert pre["grid"] == (-(-num_m * bm // 32), h, b) and post["grid"] == (2 * -(-sq // 16), h, b)
+    ws = core.backward_workspace_bytes(b, sq, h, h, 128, "bf16", False, 0)
+    p = main["params"]
+    assert p["sem"] - p["dq_accum"] >= b * h * num_m * bm * 128 * 4 and p["sem"] + b * h * num_m * 4 <= 0xA00000 + ws
+    assert ws == core._bwd_workspace(core._bwd_plan("bf16", 128, core.mask_spec(False, (-1, -1), sq, 1000), False, 0,
+                                                    None, sq), b, sq, h)[0]
+    for d, causal in ((128, True), (64, False), (256, False)):
+        other, _ = _run_backward(b, sq, 1000, h, h, d, d, causal)
+        assert other.default and other.params["block_m"] != 80, (d, causal)
+    default = core._bwd_plan("bf16", 128, core.mask_spec(False, (-1, -1), 300, 1000), False, 0, None).variant
+    assert default.params["block_m"] == 64
+    assert core.attention_backward(*(targ(s, ptr=0x10000) for s in [(b, sq, h, 128)] * 5),
+                                   core.TensorArg(0x900000, (b, h, sq), (h * sq, sq, 1), "fp32", 0),
+                                   *(targ(s, ptr=0x10000) for s in [(b, sq, h, 128)] * 3), 0.1, False, False, 77,
+                                   0xA00000, variant=default) is default

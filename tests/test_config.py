@@ -211,7 +211,11 @@ def test_real_configs():
     # shipped tune tables name (configs/tune/; tests/test_tune.py checks those), left out here
     tuned = [v for v in vs if v.tuned]
     assert all(v.default_build and not v.default for v in tuned)
-    assert len(select(vs)) == 60 + 12 + 30 + 18 + 60 + 3 + 2 + len(tuned)
+    # + bwd's block_m 80 extras (non-causal hd128, bf16 / fp16: not dispatch defaults; core.DQ_SWAP_MIN_SEQLEN_Q)
+    swap = [v for v in vs if v.family == "bwd" and v.params["block_m"] == 80]
+    assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
+             v.default) for v in swap} == {(d, 128, False, False, False, False) for d in ("bf16", "fp16")}
+    assert len(select(vs)) == 60 + 12 + 30 + 18 + 60 + 3 + 2 + len(swap) + len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa")]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
     all_vs, vs = vs, [v for v in vs if not v.tuned]
@@ -223,7 +227,7 @@ def test_real_configs():
             for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
         fam = [v for v in select(vs) if v.family == family and v.params["head_dim_v" if family == "fwd" else "head_dim"]
-               == v.params["head_dim"] and v.params["dtype"] != "e4m3"]  # FP8 has no backward
+               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap]  # FP8 has no backward
         assert all(v.default for v in fam)
         assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"])
                 for v in fam} == keys
@@ -262,7 +266,8 @@ def test_real_configs():
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) + len(tuned) == 60 + 12 + 30 + 18 + 60 + 3 + 2 + len({v.name for v in abl + tune + tuned if not v.default})
+    assert len(vs) + len(tuned) == (60 + 12 + 30 + 18 + 60 + 3 + 2 + len(swap)
+                                    + len({v.name for v in abl + tune + tuned if not v.default}))
     assert len(select(vs, all_=True)) == len(vs)
 
 

@@ -336,8 +336,6 @@ class BwdFamily(Family):
         if p >= 192:  # the role tiles: no recomputed S^T / dP^T
             return {**key, "block_m": 64, "block_n": ROLES_BLOCK_N, "slice": p, "stages": 2}
         bm, sl = (64, 128) if p == 128 else (128, 64)
-        if p == 128 and key.get("causal") is False and not key.get("local") and not key.get("softcap"):
-            bm = DQ_SWAP_BLOCK_M  # configs/bwd.yaml: FA3's non-causal head_dim 128 tile
         return {**key, "block_m": bm, "block_n": BLOCK_N, "slice": sl, "stages": 2}
 
 

@@ -209,6 +209,27 @@ def test_backward_matches_reference(dtype, d, causal, shape):
     _check_shape(dtype, d, causal, shape, seed=shape[1] * 7 + shape[2] + d)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_backward_block_m_80_matches_reference(dtype, shape, monkeypatch):
+    """The non-causal head_dim 128 block_m 80 variant (FA3's 80 x 128 tile, dQ computed transposed:
+    generator/families/bwd.py dq_swap), which serves calls from seqlen_q >= core.DQ_SWAP_MIN_SEQLEN_Q
+    on: every shape of the grid (odd lengths, a last block of 1-79 rows, GQA/MQA), both
+    deterministic modes, with the threshold lowered to 1 for the test."""
+    from flashgen import core
+
+    need_bwd(dtype, 128, False)
+    monkeypatch.setattr(core, "DQ_SWAP_MIN_SEQLEN_Q", 1)
+    monkeypatch.setattr(core, "_bwd_plans", {})
+    b, sq, sk, h, hk = shape
+    plan = core._bwd_plan(DTYPE_NAMES[dtype], 128, core.mask_spec(False, (-1, -1), sq, sk), False,
+                          torch.cuda.current_device(), None, sq)
+    if plan.block_m != 80:
+        pytest.skip(f"MISSING-BWD-VARIANT: no block_m 80 bwd variant of {DTYPE_NAMES[dtype]} hd128 non-causal "
+                    "is built (configs/bwd.yaml extra)")
+    _check_shape(dtype, 128, False, shape, seed=sq * 5 + sk)
+
+
 @pytest.mark.parametrize("dtype,d,causal", [
     (torch.bfloat16, 128, False), (torch.bfloat16, 128, True), (torch.float16, 64, False),
     (torch.bfloat16, 256, True), (torch.float16, 192, True),
