@@ -99,7 +99,7 @@ Feasibility (checked before anything is rendered):
   dK (P/2) plus one 32-register dQ piece <= 232 - 8.
 - Shared memory: K and V (block_n x P each), stages x (Q and dO, block_m x P each, and LSE and
   dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), dq_buffers x 16 KB of dQ
-  staging, the role tiles' 16-bit P^T (64 x block_m), 1024 bytes of mbarriers (and slots) and 1024 of
+  staging, the role tiles' 16-bit P^T (64 x block_m), 512 bytes of mbarriers (and slots) and 1024 of
   alignment slack <= 227 KB. dS^T is double-buffered
   when that fits (one fewer barrier per query block); dQ staging is 2 buffers (one per consumer)
   or none (the consumers' own reductions).
@@ -119,7 +119,7 @@ CONSUMER_WGS = 2
 TILES = ((64, 128), (128, 64), (80, 128))  # (block_m, slice) with block_n 128
 DQ_SWAP_BLOCK_M = 80  # block_m 80: dQ^T = K^T dS^T (dq_swap); FA3's non-causal head_dim 128 tile
 STAGES = (1, 2)
-BARRIER_BYTES = 1024
+BARRIER_BYTES = 512  # mbarriers (15 at most) and the role tiles' dQ slots (2 x 24 bytes)
 ALIGN_SLACK_BYTES = 1024
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
 # The role tiles' producer warpgroup also runs the staged dQ's reducer warp, whose loop (with the
@@ -242,7 +242,7 @@ def smem_layout(params: dict, ds_buffers: int, dq_buffers: int) -> dict:
     hand-off, 64 x block_m, and ds_pairs' received dS^T, 1024-byte aligned there; empty otherwise)."""
     p, bm, st = _pad64(params["head_dim"]), int(params["block_m"]), int(params["stages"])
     bn = int(params["block_n"])
-    ds_cols = _pad64(bm)  # dS^T's columns in whole 64-column swizzle chunks (dq_swap: 80 of 128 used)
+    ds_cols = bm  # dS^T: 64-column chunks of the 128-byte swizzle; dq_swap: 16-column chunks of the 32-byte one
     sizes = {"k": bn * p * ELEM, "v": bn * p * ELEM, "q": st * bm * p * ELEM, "do": st * bm * p * ELEM,
              "ds": ds_buffers * bn * ds_cols * ELEM, "dq": dq_buffers * dq_tile_bytes(params),
              "kp": (bn * p // 2 * ELEM if ds_pairs(params) else 0), "lse": st * bm * 4,

@@ -6,9 +6,11 @@
 // columns), each chunk Rows rows of RowBytes bytes. RowBytes 128 (the 128-byte swizzle): inside a
 // chunk, 16-byte unit u of row r sits at unit u ^ (r % 8) (8-row, 1024-byte atoms). RowBytes 64 (the
 // 64-byte swizzle, for 8-bit rows of at most 64 elements: e4m3 head_dim 64 without padding to 128):
-// unit u of row r at u ^ ((r / 2) % 4) (8-row, 512-byte atoms). Both are the address-bit swizzle
-// "bits 4.. XOR bits 7..", which TMA's SWIZZLE_128B / SWIZZLE_64B and the WGMMA descriptor's modes 1
-// / 2 share. TMA writes one chunk per box. A tile is a view: the shared-window
+// unit u of row r at u ^ ((r / 2) % 4) (8-row, 512-byte atoms). RowBytes 32 (the 32-byte swizzle:
+// the backward's dS^T at block_m 80, 16-column chunks, written by the consumers, read by WGMMA only):
+// unit u of row r at u ^ ((r / 4) % 2) (8-row, 256-byte atoms). All are the address-bit swizzle
+// "bits 4.. XOR bits 7..", which TMA's SWIZZLE_128B / SWIZZLE_64B / SWIZZLE_32B and the WGMMA
+// descriptor's modes 1 / 2 / 3 share. TMA writes one chunk per box. A tile is a view: the shared-window
 // address of its first byte (1024-byte aligned, so the descriptors' base offset is 0) plus
 // compile-time geometry. It holds the 32-bit address rather than a pointer so that descriptor and
 // stage arithmetic stays 32-bit; ptr() converts back where a generic pointer is needed (it folds away).
@@ -28,12 +30,12 @@ __device__ __forceinline__ uint8_t* align_1024(uint8_t* smem_raw) {
 template <typename T, int Rows, int Cols, int RowBytes = 128>
 struct SmemTileSW {
   static_assert(sizeof(T) == 1 || sizeof(T) == 2, "16-bit (f16/bf16) or 8-bit (e4m3/e5m2) elements");
-  static_assert(RowBytes == 128 || RowBytes == 64, "the 128- or 64-byte swizzle");
+  static_assert(RowBytes == 128 || RowBytes == 64 || RowBytes == 32, "the 128-, 64- or 32-byte swizzle");
   static constexpr int kRows = Rows;
   static constexpr int kCols = Cols;
   static constexpr int kRowBytes = RowBytes;
-  // The swizzle mode in WGMMA's descriptor (1 = 128B, 2 = 64B) and the bytes of an 8-row atom.
-  static constexpr uint32_t kDescMode = RowBytes == 128 ? 1u : 2u;
+  // The swizzle mode in WGMMA's descriptor (1 = 128B, 2 = 64B, 3 = 32B) and the bytes of an 8-row atom.
+  static constexpr uint32_t kDescMode = RowBytes == 128 ? 1u : RowBytes == 64 ? 2u : 3u;
   static constexpr int kAtomBytes = 8 * RowBytes;
   static constexpr int kChunkCols = kRowBytes / static_cast<int>(sizeof(T));
   static constexpr int kChunks = Cols / kChunkCols;
@@ -74,13 +76,13 @@ struct SmemTileSW {
   }
 
   // MN-major operand (rows are K, columns are N; V as the transposed B of O += P V): k-step ks,
-  // N from column `col` on (a multiple of 8). LBO = bytes between column chunks, SBO = 1024 (8
-  // K-rows). A `col` inside a chunk starts the operand mid-row: the swizzle is of address bits, as
+  // N from column `col` on (a multiple of 8). LBO = bytes between column chunks, SBO = the 8-K-row
+  // atom. A `col` inside a chunk starts the operand mid-row: the swizzle is of address bits, as
   // for a K-major k-step inside a chunk, so an N that ends at or before the chunk's end reads right
   // (the backward's dQ halves at head_dim 192: columns 64-95 and 96-127).
   __device__ __forceinline__ uint64_t desc_mn_major(int ks, int col = 0) const {
-    static_assert(sizeof(T) == 2 && RowBytes == 128, "WGMMA reads transposed (MN-major) operands only for 16-bit types");
-    return make_smem_desc(addr, kChunkBytes, 1024,
+    static_assert(sizeof(T) == 2 && RowBytes != 64, "WGMMA reads transposed (MN-major) operands only for 16-bit types");
+    return make_smem_desc(addr, kChunkBytes, kAtomBytes,
                           ks * kKStep * kRowBytes + (col / kChunkCols) * kChunkBytes +
                               (col % kChunkCols) * static_cast<int>(sizeof(T)),
                           kDescMode);
