@@ -739,7 +739,8 @@ def test_bwd_role_tiles_rules_and_resources():
 def test_bwd_ds_pairs_are_the_hd256_role_tiles_not_local():
     """ds_pairs (2-CTA clusters exchanging dS^T, templates/bwd.cu.j2 kPairs): the role tiles at head_dim
     256 without a window, causal or not, softcap or not; their main kernel a (2, 1, 1) cluster whose
-    shared memory (the peer's K half beside the role tile's layout) fills the 227 KB exactly, with the
+    shared memory (the peer's K half beside the role tile's layout) fills the 227 KB (but for the
+    barriers' spare bytes), with the
     P^T buffer (which receives the peer's dS^T) and the K half 1024-byte aligned SW128 tiles. Not
     head_dim 192, local tiles or block_n 128."""
     fam = bwd_mod.FAMILY
@@ -747,11 +748,11 @@ def test_bwd_ds_pairs_are_the_hd256_role_tiles_not_local():
         for softcap in (False, True):
             r = fam.resources(_bwd_params(causal=causal, softcap=softcap))
             assert r["ds_pairs"] and r["cluster"] == (2, 1, 1)
-            assert r["smem_bytes"] == bwd_mod.SMEM_LIMIT
+            assert bwd_mod.SMEM_LIMIT - bwd_mod.BARRIER_BYTES < r["smem_bytes"] <= bwd_mod.SMEM_LIMIT
             assert r["smem"]["kp"]["bytes"] == 64 * 128 * 2
             assert r["smem"]["kp"]["offset"] % 1024 == 0 and r["smem"]["pd"]["offset"] % 1024 == 0
             main = {k.role: k for k in fam.kernels(_bwd_params(causal=causal, softcap=softcap), r)}["main"]
-            assert main.cluster == (2, 1, 1) and main.smem_bytes == bwd_mod.SMEM_LIMIT
+            assert main.cluster == (2, 1, 1) and main.smem_bytes == r["smem_bytes"]
     from flashgen.generator.render import CLUSTER_DEFINE, render
     for v in load_variants(Project(REPO)):  # the cluster variants' sources mask the CTA rank (ptx.cuh)
         if v.family == "bwd" and v.params["head_dim"] in (192, 256) and not v.params["softcap"]:
