@@ -501,9 +501,9 @@ _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent c
 
 # Calls with at least this many query rows run on the dispatch key's block_m 80 variant where one is
 # built (configs/bwd.yaml extra: FA3's non-causal head_dim 128 tile, generator/families/bwd.py
-# dq_swap). Measured on an H200 (bf16, FA3 protocol, two runs, over block_m 64): deterministic 0.99 /
-# 1.03 / 1.05 / 1.06 / 1.07 / 1.06 at seqlen 512 / 1k / 2k / 4k / 8k / 16k, default 0.94 / 0.97 / 1.00 /
-# 1.00 / 1.00 / 1.02 (docs/PERF.md).
+# dq_swap). Measured on an H200 (bf16, FA3 protocol, old/new alternated twice, over block_m 64;
+# docs/results/bwd_m80_h200/): deterministic 1.04-1.05x at seqlen 2k / 8k / 16k (0.99 / 1.03 at 512 /
+# 1k), default 1.00 (0.999-1.005; 0.94 / 0.97 at 512 / 1k, where 80-row blocks pad 512 rows to 560).
 DQ_SWAP_MIN_SEQLEN_Q = 2048
 
 

@@ -50,6 +50,15 @@ full head_dim (7/5 of the GEMM work at 256, 9/5 at 192). The dQ GEMM of a consum
 with block_m 64 each consumer takes half the slice's columns (slice 128), with block_m 128 each
 takes 64 query rows of a 64-column slice.
 
+block_m 80 (``dq_swap``; FA3's tile for non-causal head_dim 128, configs/bwd.yaml ``extra``, served
+from seqlen_q >= ``core.DQ_SWAP_MIN_SEQLEN_Q``): S^T and dP^T are m64n80, dV and dK take 5 k-steps of
+16 query rows, and since 80 rows are no m64 WGMMA's M, each consumer computes dQ^T = K^T dS^T over
+64 of the slice's columns (M) and the block's 80 rows (N); dS^T is kept in the 32-byte swizzle
+(16-column chunks: 20 KB, so two buffers fit). Its fp32 tiles are dQ^T in m64n80 fragment order,
+which the postprocess reads transposed. Measured on an H200: the deterministic backward 1.04-1.05x
+from seqlen 2k on (a query block's ordered hand-offs are spread over 80 rows), the default level
+(docs/PERF.md).
+
 Role tiles (block_n 64, block_m 64, slice = head_dim_padded; the default at head_dim 192 and 256):
 both consumers work on the CTA's 64 key rows, split by role rather than rows, so every GEMM is
 done once. Consumer 0 computes S^T, P^T and dV += P^T dO, and hands P^T (times 1 - tanh^2 with
@@ -92,14 +101,14 @@ the dK / dV stores drop the columns past their maps (a slice wholly past them is
 Feasibility (checked before anything is rendered):
 
 - head_dim in {64, 96, 128, 192, 256} (P = head_dim padded to 64; TMA zero-fills the padding).
-- block_n = 128 (2 consumer warpgroups x 64 key rows): (block_m, slice) in {(64, 128), (128, 64)},
-  slice divides P; registers: S^T and dP^T (block_m/2 each) plus dK and dV (slice/2 each) <= 240 -
-  48 per consumer thread.
+- block_n = 128 (2 consumer warpgroups x 64 key rows): (block_m, slice) in {(64, 128), (80, 128),
+  (128, 64)}, slice divides P; registers: S^T and dP^T (block_m/2 each) plus dK and dV (slice/2 each)
+  <= 240 - 48 per consumer thread (240 - 32 at block_m 80: 208, as FA3's 80 x 128 tile).
 - block_n = 64 (role tiles): block_m = 64, slice = P; registers: S^T or dP^T (block_m/2) plus dV or
   dK (P/2) plus one 32-register dQ piece <= 232 - 8.
 - Shared memory: K and V (block_n x P each), stages x (Q and dO, block_m x P each, and LSE and
-  dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), dq_buffers x 16 KB of dQ
-  staging, the role tiles' 16-bit P^T (64 x block_m), 512 bytes of mbarriers (and slots) and 1024 of
+  dPsum, block_m fp32 each), ds_buffers x dS^T (block_n x block_m), dq_buffers x 16 KB (block_m 80:
+  20 KB) of dQ staging, the role tiles' 16-bit P^T (64 x block_m), 512 bytes of mbarriers (and slots) and 1024 of
   alignment slack <= 227 KB. dS^T is double-buffered
   when that fits (one fewer barrier per query block); dQ staging is 2 buffers (one per consumer)
   or none (the consumers' own reductions).
