@@ -181,8 +181,8 @@ def dq_swap(params: dict) -> bool:
     """Whether the consumers compute dQ transposed (the template's kDqSwap): block_m 80 (FA3's tile
     for non-causal head_dim 128, 80 x 128). An m64 WGMMA cannot take 80 query rows as M, so each
     consumer computes dQ^T = K^T dS^T over 64 of the slice's columns (M) and the block's 80 query
-    rows (N), both operands MN-major as stored (K's column chunk, dS^T in a 128-column tile of which
-    80 are used). Its fp32 tile (64 columns x 80 rows, m64n80 fragment order) is staged and
+    rows (N), both operands MN-major as stored (K's column chunk, dS^T in the 32-byte swizzle's
+    16-column chunks). Its fp32 tile (64 columns x 80 rows, m64n80 fragment order) is staged and
     bulk-reduced as the 64 x 64 tiles of block_m 64 are; the postprocess reads it transposed.
     Per query block the fixed costs (barriers, LSE / dPsum, the dQ hand-off) are spread over 25 %
     more rows than at block_m 64."""
@@ -192,8 +192,6 @@ def dq_swap(params: dict) -> bool:
 def dq_tile_bytes(params: dict) -> int:
     """One consumer's fp32 dQ tile: 64 x 64, or (dq_swap) 64 columns x block_m rows."""
     return 64 * (int(params["block_m"]) if dq_swap(params) else 64) * 4
-
-
 
 
 def pre_row_lanes(params: dict) -> int:
@@ -248,12 +246,12 @@ def roles(params: dict) -> bool:
 def smem_layout(params: dict, ds_buffers: int, dq_buffers: int) -> dict:
     """Shared-memory regions ``{name: {"offset", "bytes"}}`` of the main kernel, in address order
     (``kp``: ds_pairs' peer K columns, 64 x head_dim / 2; ``pd``: the role tiles' 16-bit P^T
-    hand-off, 64 x block_m, and ds_pairs' received dS^T, 1024-byte aligned there; empty otherwise)."""
+    hand-off, 64 x block_m, and ds_pairs' received dS^T, 1024-byte aligned there; empty otherwise;
+    ``ds``: dS^T, block_n x block_m, in 16-column chunks of the 32-byte swizzle with dq_swap)."""
     p, bm, st = _pad64(params["head_dim"]), int(params["block_m"]), int(params["stages"])
     bn = int(params["block_n"])
-    ds_cols = bm  # dS^T: 64-column chunks of the 128-byte swizzle; dq_swap: 16-column chunks of the 32-byte one
     sizes = {"k": bn * p * ELEM, "v": bn * p * ELEM, "q": st * bm * p * ELEM, "do": st * bm * p * ELEM,
-             "ds": ds_buffers * bn * ds_cols * ELEM, "dq": dq_buffers * dq_tile_bytes(params),
+             "ds": ds_buffers * bn * bm * ELEM, "dq": dq_buffers * dq_tile_bytes(params),
              "kp": (bn * p // 2 * ELEM if ds_pairs(params) else 0), "lse": st * bm * 4,
              "dpsum": st * bm * 4, "pd": (64 * bm * ELEM if roles(params) else 0), "bars": BARRIER_BYTES}
     out, off = {}, 0
