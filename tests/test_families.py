@@ -797,3 +797,21 @@ def test_first_block_skip_is_the_hd256_causal_tiles_up_to_block_n_64():
     # spec_max (head dims up to 128) keeps a 64-key tile on half_first
     hd128 = {**base, "head_dim": 128, "head_dim_v": 128, "block_n": 64}
     assert not first_block_skip(hd128) and half_first(hd128)
+
+
+def test_bwd_block_m_80_is_the_plain_non_causal_hd128_tile():
+    """block_m 80 (dq_swap: FA3's non-causal head_dim 128 tile, dQ computed transposed) is feasible
+    for the plain non-causal mask, with dS^T double-buffered in the 32-byte swizzle and 20 KB dQ
+    staging tiles inside 227 KB; causal, local or softcap variants of it are refused before any
+    compilation (built and GPU-tested for the plain mask only), naming block_m."""
+    fam = bwd_mod.FAMILY
+    base = {"family": "bwd", "dtype": "bf16", "head_dim": 128, "causal": False, "local": False, "softcap": False,
+            "block_m": 80, "block_n": 128, "slice": 128, "stages": 2}
+    assert fam.problems(base) == [] and bwd_mod.dq_swap(base)
+    r = fam.resources(base)
+    assert (r["ds_buffers"], r["dq_buffers"], r["dq_swap"]) == (2, 2, True)
+    assert r["smem"]["ds"]["bytes"] == 2 * 128 * 80 * 2 and r["smem"]["dq"]["bytes"] == 2 * 64 * 80 * 4
+    assert r["smem_bytes"] <= bwd_mod.SMEM_LIMIT
+    for kw in ({"causal": True}, {"local": True}, {"softcap": True}):
+        bad = fam.problems({**base, **kw})
+        assert [k for k, _, _ in bad] == ["block_m"] and "non-causal" in bad[0][2], kw

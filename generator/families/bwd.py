@@ -303,6 +303,9 @@ class BwdFamily(Family):
                                      "x 64, or 64 columns x 80 rows)"))
         elif p % sl:
             out.append(("slice", sl, f"a divisor of head_dim padded to 64 ({p})"))
+        if dq_swap(params) and (params["causal"] or params.get("local", False) or params.get("softcap", False)):
+            out.append(("block_m", bm, "64 or 128 with causal, local or softcap (block_m 80, FA3's tile, is built "
+                                       "and tested for the plain non-causal mask only)"))
         if out:
             return out
         if roles(params):  # S^T or dP^T, dV or dK, and one dQ piece of at most 64 x 64
