@@ -380,6 +380,49 @@ def test_deterministic_many_waves_finish(d, causal, shape):
                       f"200 deterministic backward runs of {shape} (hd {d}, causal {causal}): a cross-CTA hand-off deadlock")
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("shape", ["fa3_512", "gqa_q_longer"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_post_beside_the_main_kernel_on_a_poisoned_workspace(d, shape, causal, deterministic):
+    """The postprocess runs beside the main kernel's tail (its programmatic dependent: a persistent grid
+    that claims (batch, head, query block) units from a counter and converts each once the block's
+    semaphore counts all its dQ additions landed; templates/bwd.cu.j2, core.POST_CTAS_PER_SM). On a
+    workspace filled with 0x7f bytes (the accumulator about 3.4e38, the semaphores and the claim counter
+    far past any count), core.attention_backward's gradients pass FA3's rule three times in a row, and
+    deterministic runs are bitwise equal: a unit converted before its additions landed, or a counter not
+    zeroed by the preprocess, would show. fa3_512: 8k tokens at seqlen 512 (the main grid's tail is the
+    largest share there); gqa_q_longer: 3 x 700 queries on 300 keys, 8 heads on 2 (causal: the first
+    query blocks are visited by no key block, a semaphore target of 0; head_dim 256: a lone key block)."""
+    from flashgen import core
+
+    dtype = torch.bfloat16
+    need_bwd(dtype, d, causal)
+    b, sq, sk, h, hk = (16, 512, 512, 1024 // d, 1024 // d) if shape == "fa3_512" else (3, 700, 300, 8, 2)
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=11)
+    dout = randn(b, sq, h, d, dtype=dtype, seed=12)
+    scale = d ** -0.5
+    out, lse = forward_out_lse(q, k, v, causal, scale)
+
+    def arg(t):
+        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), "bf16" if t.dtype == dtype else "fp32", 0)
+
+    ws = torch.empty(core.backward_workspace_bytes(b, sq, h, hk, d, "bf16", causal, 0, seqlen_k=sk), dtype=torch.uint8,
+                     device="cuda")
+    runs = []
+    for _ in range(3):
+        ws.fill_(0x7F)
+        grads = tuple(nan_like(x) for x in (q, k, v))
+        core.attention_backward(*(arg(x) for x in (dout, q, k, v, out, lse)), *(arg(g) for g in grads), scale,
+                                causal, deterministic, torch.cuda.current_stream().cuda_stream, ws.data_ptr())
+        runs.append(grads)
+    check_bwd(q, k, v, dout, causal, {f"run {i}": g for i, g in enumerate(runs)}, scale)
+    if deterministic:
+        for i in (1, 2):
+            assert all(bitwise_equal(a, r) for a, r in zip(runs[0], runs[i])), (
+                f"deterministic run {i}: " + "; ".join(first_difference(a, r) for a, r in zip(runs[0], runs[i])))
+
+
 # --------------------------------------------------------------------------------------
 # Layouts, dtypes and shapes of the gradients
 # --------------------------------------------------------------------------------------
