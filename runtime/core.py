@@ -592,21 +592,13 @@ def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordere
     return 3 if num_n_blocks <= sms // 2 else 1
 
 
-# The backward's postprocess is a persistent grid of this many CTAs per SM (256 threads, 87 registers at
-# head_dim 256: 2 fit an SM; up to 32 KB of float4 loads in flight each), launched as
-# the main kernel's programmatic dependent (templates/bwd.cu.j2: it converts dQ's query blocks as they
-# complete, on the SMs the main grid's tail leaves idle).
-POST_CTAS_PER_SM = 2
-
-
 def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int) -> tuple:
     """(total bytes, offsets of lse_log2, dpsum, dq_accum, sem) of the backward's scratch memory:
     fp32 (batch, heads, seqlen_q_pad) twice, fp32 (batch, heads, seqlen_q_pad, head_dim_padded),
-    int32 (batch, heads, num_m_blocks, num_slices) semaphores and one int32 after them (the
-    postprocess's unit counter); each region 256-byte aligned."""
+    int32 (batch, heads, num_m_blocks, num_slices); each region 256-byte aligned."""
     num_m = -(-seqlen_q // plan.block_m)
     rows = batch * heads * num_m * plan.block_m
-    sizes = (rows * 4, rows * 4, rows * plan.head_dim_padded * 4, (batch * heads * num_m * plan.num_slices + 1) * 4)
+    sizes = (rows * 4, rows * 4, rows * plan.head_dim_padded * 4, batch * heads * num_m * plan.num_slices * 4)
     offs, off = [], 0
     for s in sizes:
         offs.append(off)
@@ -692,11 +684,5 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
             _bshd_map(dv, 64))
     grid_n = num_n + num_n % 2 if plan.pairs else num_n  # 2-CTA clusters: an odd count gets an idle CTA (kPairs)
     launch.launch(plan.main, (grid_n, plan.num_slices * hk, b), maps, params, stream)
-    launch.launch(plan.post, (_post_ctas(plan, b * h * num_m), 1, 1), (), params, stream)
+    launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
     return plan.variant
-
-
-def _post_ctas(plan: _BwdPlan, units: int) -> int:
-    """The backward postprocess's persistent grid: POST_CTAS_PER_SM per SM, at most one per unit
-    (batch, head, query block)."""
-    return max(1, min(units, POST_CTAS_PER_SM * plan.sms))

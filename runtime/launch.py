@@ -5,8 +5,7 @@ cuKernelGetFunction and raising the kernel's dynamic shared-memory limit; a para
 from the layout the manifest records. Per call (:func:`launch`, or :func:`launch_prepared` for a
 launch whose fixed part :func:`prepare_launch` resolved once): the params bytes and the argument
 array are built for that call alone, so any number of threads and streams may launch at once;
-kernels without a cluster or a programmatic dependency (PDL) launch with cuLaunchKernel, others with
-cuLaunchKernelEx. TMA
+kernels without a cluster launch with cuLaunchKernel, others with cuLaunchKernelEx. TMA
 descriptors (:func:`tensor_map`) are immutable once encoded and cached by every argument including
 the address, so sharing them between calls is safe.
 
@@ -371,8 +370,7 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
             check(d.cuMemsetD32Async(ctr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
             counter[0](buf, counter[1], int(ctr))
         cluster = rec.cluster
-        clustered = not cluster[0] == cluster[1] == cluster[2] == 1
-        if not (clustered or rec.pdl):
+        if cluster[0] == cluster[1] == cluster[2] == 1:
             err = d.cuLaunchKernel(kernel.function, grid[0], grid[1], grid[2], rec.threads, 1, 1, rec.smem_bytes,
                                    hstream, ctypes.addressof(argv), 0)[0]
             what = "cuLaunchKernel"
@@ -382,19 +380,11 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = rec.threads, 1, 1
             cfg.sharedMemBytes = rec.smem_bytes
             cfg.hStream = hstream
-            attrs = []
-            if clustered:
-                attr = d.CUlaunchAttribute()
-                attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-                attrs.append(attr)
-            if rec.pdl:  # may overlap the previous kernel on the stream (manifest Kernel.pdl)
-                attr = d.CUlaunchAttribute()
-                attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-                attr.value.programmaticStreamSerializationAllowed = 1
-                attrs.append(attr)
-            cfg.attrs = attrs
-            cfg.numAttrs = len(attrs)
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
             err = d.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(argv), 0)[0]
             what = "cuLaunchKernelEx"
     finally:

@@ -862,17 +862,15 @@ def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal):
     assert pre["maps"] == {} and post["maps"] == {}
     num_m = -(-sq // vp["block_m"])
     # the preprocess: 8 / 16 / 32 lanes per row at head_dim padded to 64 / 128 / 192-256 (256 threads),
-    # 2 rows per lane group; the postprocess: persistent, POST_CTAS_PER_SM per SM (132 here), at most
-    # one per unit (batch, head, query block)
+    # 2 rows per lane group; the postprocess: 2 CTAs per 16 rows
     lanes = {64: 8, 128: 16, 192: 32, 256: 32}[pad]
-    assert pre["grid"] == (-(-num_m * vp["block_m"] // (2 * 256 // lanes)), h, b)
-    assert post["grid"] == (min(b * h * num_m, core.POST_CTAS_PER_SM * 132), 1, 1)
+    assert pre["grid"] == (-(-num_m * vp["block_m"] // (2 * 256 // lanes)), h, b) and post["grid"] == (2 * -(-sq // 16), h, b)
     assert bwd_mod.pre_row_lanes(vp) == lanes and (64 % bwd_mod.pre_rows_per_cta(vp)) == 0
     rows = b * h * num_m * vp["block_m"]
     assert p["sem"] - p["dq_accum"] >= rows * pad * 4  # the dQ accumulator is head_dim-padded wide
     ws = core.backward_workspace_bytes(b, sq, h, hk, d, "bf16", causal, 0, head_dim_v=dv)
     assert ws == core.backward_workspace_bytes(b, sq, h, hk, served, "bf16", causal, 0)  # head_dim_v defaults
-    assert p["sem"] + (b * h * num_m * slices + 1) * 4 <= 0xA00000 + ws  # the semaphores, then the post's claim counter
+    assert p["sem"] + b * h * num_m * slices * 4 <= 0xA00000 + ws
 
 
 def test_core_backward_workspace_head_dim_v_defaults_to_head_dim(bwd_core):
@@ -913,10 +911,10 @@ def test_core_backward_long_rows_take_block_m_80(bwd_core, sq):
     num_m = -(-sq // bm)
     assert main["params"]["seqlen_q_pad"] == num_m * bm and main["params"]["num_m_blocks"] == num_m
     assert main["maps"]["q"]["box"] == (64, bm, 1, 1) and main["maps"]["dout"]["box"] == (64, bm, 1, 1)
-    assert pre["grid"] == (-(-num_m * bm // 32), h, b) and post["grid"] == (min(b * h * num_m, core.POST_CTAS_PER_SM * 132), 1, 1)
+    assert pre["grid"] == (-(-num_m * bm // 32), h, b) and post["grid"] == (2 * -(-sq // 16), h, b)
     ws = core.backward_workspace_bytes(b, sq, h, h, 128, "bf16", False, 0)
     p = main["params"]
-    assert p["sem"] - p["dq_accum"] >= b * h * num_m * bm * 128 * 4 and p["sem"] + (b * h * num_m + 1) * 4 <= 0xA00000 + ws
+    assert p["sem"] - p["dq_accum"] >= b * h * num_m * bm * 128 * 4 and p["sem"] + b * h * num_m * 4 <= 0xA00000 + ws
     assert ws == core._bwd_workspace(core._bwd_plan("bf16", 128, core.mask_spec(False, (-1, -1), sq, 1000), False, 0,
                                                     None, sq), b, sq, h)[0]
     for d, causal in ((128, True), (64, False), (256, False)):

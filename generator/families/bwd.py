@@ -34,13 +34,7 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   addition is contiguous. With ``deterministic``, per-(batch, head, m_block, slice) semaphores
   order the additions across CTAs. dK (times softmax_scale) and dV are TMA-stored through the
   K/V buffers.
-- ``post``: dQ = dQ_accum * softmax_scale, cast to the input dtype. A persistent grid (``core.POST_CTAS_PER_SM``
-  per SM) launched as the main kernel's programmatic dependent (``KernelSpec.pdl``: PDL), so it starts
-  once every main CTA runs, on the SMs the main grid's tail leaves idle. Its CTAs claim units (batch,
-  head, query block) in the main grid's order and convert one once the block's semaphores show all
-  its dQ additions landed: the ordered hand-offs count them; unordered runs count each CTA's visited
-  blocks at its end (after its last bulk reduction has landed). Each post CTA ends with
-  ``griddepcontrol.wait``, so the post grid completes after the main grid.
+- ``post``: dQ = dQ_accum * softmax_scale, cast to the input dtype.
 
 Masks and softcap, as in the forward family: ``causal`` or ``local`` (a band with runtime
 bounds: sliding windows; a CTA visits only the query blocks its key block's band reaches),
@@ -337,7 +331,7 @@ class BwdFamily(Family):
             KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
                        tensor_maps=("q", "k", "v", "dout", "dk", "dv"), cluster=resources["cluster"],
                        sass=("HGMMA", "UTMALDG", "USETMAXREG")),
-            KernelSpec("post", t, 0, PARAMS, pdl=True),
+            KernelSpec("post", t, 0, PARAMS),
         ]
 
     def name_parts(self, p):

@@ -384,16 +384,14 @@ def test_deterministic_many_waves_finish(d, causal, shape):
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("shape", ["fa3_512", "gqa_q_longer"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_post_beside_the_main_kernel_on_a_poisoned_workspace(d, shape, causal, deterministic):
-    """The postprocess runs beside the main kernel's tail (its programmatic dependent: a persistent grid
-    that claims (batch, head, query block) units from a counter and converts each once the block's
-    semaphore counts all its dQ additions landed; templates/bwd.cu.j2, core.POST_CTAS_PER_SM). On a
-    workspace filled with 0x7f bytes (the accumulator about 3.4e38, the semaphores and the claim counter
-    far past any count), core.attention_backward's gradients pass FA3's rule three times in a row, and
-    deterministic runs are bitwise equal: a unit converted before its additions landed, or a counter not
-    zeroed by the preprocess, would show. fa3_512: 8k tokens at seqlen 512 (the main grid's tail is the
-    largest share there); gqa_q_longer: 3 x 700 queries on 300 keys, 8 heads on 2 (causal: the first
-    query blocks are visited by no key block, a semaphore target of 0; head_dim 256: a lone key block)."""
+def test_backward_on_a_poisoned_workspace(d, shape, causal, deterministic):
+    """core.attention_backward on a workspace filled with 0x7f bytes (LSE_log2, dPsum and the dQ
+    accumulator about 3.4e38, the semaphores far past any count): its gradients pass FA3's rule three
+    times in a row, and deterministic runs are bitwise equal. What the preprocess must reset (the
+    semaphores; the accumulator, or in ordered runs the query blocks no key block visits, whose first
+    share is stored instead) would show if it did not. fa3_512: 8k tokens at seqlen 512;
+    gqa_q_longer: 3 x 700 queries on 300 keys, 8 heads on 2 (causal: the first query blocks are
+    visited by no key block; head_dim 256: a lone key block of the 2-CTA pairs)."""
     from flashgen import core
 
     dtype = torch.bfloat16

@@ -208,36 +208,18 @@ __device__ __forceinline__ void red_add_v4_f32(float* p, float a, float b, float
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
-// *flag, acquire (gpu scope).
-__device__ __forceinline__ int ld_acquire_gpu(const int* flag) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
-
 // Spin until *flag >= target (acquire, gpu scope): the wait half of an ordered hand-off between CTAs.
 __device__ __forceinline__ void wait_flag_at_least(const int* flag, int target) {
-  while (ld_acquire_gpu(flag) < target) {
-  }
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  } while (v < target);
 }
 
 // *flag += n with release semantics (gpu scope): the signal half; the caller fences its prior writes.
 __device__ __forceinline__ void signal_flag(int* flag, int n = 1) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(n) : "memory");
 }
-
-// *flag += n, relaxed (gpu scope): one of several signals after a single release fence
-// (__threadfence) that orders the signaller's prior writes before all of them.
-__device__ __forceinline__ void signal_flag_relaxed(int* flag, int n) {
-  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(n) : "memory");
-}
-
-// Programmatic dependent launch (PDL, sm_90): a kernel launched with the programmatic stream
-// serialization attribute (generator KernelSpec.pdl) may start once every CTA of the kernel before
-// it on the stream has run grid_launch_dependents or exited; grid_dependency_wait blocks until
-// that kernel has completed and its writes are visible. Both are no-ops without the attribute.
-__device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // 1-D bulk reduction shared -> global: dst[i] += src[i] over `bytes` of fp32 (a multiple of 16,
 // both 16-byte aligned), committed as one bulk group. One thread; wait with
