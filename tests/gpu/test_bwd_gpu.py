@@ -393,6 +393,7 @@ def test_backward_on_a_poisoned_workspace(d, shape, causal, deterministic):
     gqa_q_longer: 3 x 700 queries on 300 keys, 8 heads on 2 (causal: the first query blocks are
     visited by no key block; head_dim 256: a lone key block of the 2-CTA pairs)."""
     from flashgen import core
+    from flashgen.bench import tensor_arg as arg
 
     dtype = torch.bfloat16
     need_bwd(dtype, d, causal)
@@ -401,11 +402,7 @@ def test_backward_on_a_poisoned_workspace(d, shape, causal, deterministic):
     dout = randn(b, sq, h, d, dtype=dtype, seed=12)
     scale = d ** -0.5
     out, lse = forward_out_lse(q, k, v, causal, scale)
-
-    def arg(t):
-        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), "bf16" if t.dtype == dtype else "fp32", 0)
-
-    ws = torch.empty(core.backward_workspace_bytes(b, sq, h, hk, d, "bf16", causal, 0, seqlen_k=sk), dtype=torch.uint8,
+    ws = torch.empty(core.backward_workspace_bytes(b, sq, h, hk, d, "bf16", causal, q.device.index, seqlen_k=sk), dtype=torch.uint8,
                      device="cuda")
     runs = []
     for _ in range(3):
