@@ -564,6 +564,27 @@ def _ordered_default(plan: _BwdPlan, mask: MaskSpec, seqlen_k: int) -> bool:
     return plan.bulk_dq and mask.causal and seqlen_k <= bound
 
 
+# The ordered default's unordered tail, in waves of the GPU's SMs (one CTA each). The ordered path runs
+# each (batch, head_k) group's key blocks shortest first, so the grid's last wave is made of the last
+# groups' longest CTAs, and SMs idle while they finish (H200, hd256 causal 512 / 2k, Nsight Compute:
+# 7-8 % of the main kernel's SM time; a list-scheduling model: docs/results/bwd_post_pdl_not_kept/
+# tail_model.py). The last groups, about this many waves of CTAs, run unordered and longest first
+# across them (bwd.cu.j2 GridCta) instead. 0: none.
+UNORDERED_TAIL_WAVES = 1.0
+
+
+def _unordered_tail(plan: _BwdPlan, deterministic: bool, ordered_default: bool, grid_n: int, groups: int) -> int:
+    """BwdParams.unordered_tail: how many of the main grid's last (batch, head_k) groups run unordered
+    and longest first (UNORDERED_TAIL_WAVES of the SMs' CTAs, rounded up to whole groups, at most all
+    ``groups``) where the call takes the ordered path only as its default (``ordered_default`` and not
+    ``deterministic``: _ordered_default); else 0, and a deterministic call stays ordered throughout.
+    ``grid_n``: the main grid's key-block CTAs per group and slice."""
+    if deterministic or not ordered_default or UNORDERED_TAIL_WAVES <= 0:
+        return 0
+    per_group = grid_n * plan.num_slices
+    return min(groups, max(1, math.ceil(UNORDERED_TAIL_WAVES * plan.sms / per_group)))
+
+
 def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordered_default: bool = False) -> int:
     """BwdParams.deterministic: the order of the backward's fp32 dQ additions across key-block CTAs.
 
@@ -667,6 +688,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     num_m, num_n = -(-sq // bm), -(-sk // bn)
     _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)
     w = int(workspace_ptr)
+    ordered = _ordered_default(plan, mask, sk)
+    grid_n = num_n + num_n % 2 if plan.pairs else num_n  # 2-CTA clusters: an odd count gets an idle CTA (kPairs)
     params = {
         "o": out.ptr, "dout": dout.ptr, "lse": lse.ptr,
         "lse_log2": w + o_lse, "dpsum": w + o_dpsum, "dq_accum": w + o_acc, "sem": w + o_sem, "dq": dq.ptr,
@@ -675,14 +698,14 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
         "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
         "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
-        "deterministic": _deterministic_mode(deterministic, num_n, plan.sms, _ordered_default(plan, mask, sk)),
+        "deterministic": _deterministic_mode(deterministic, num_n, plan.sms, ordered),
         "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
+        "unordered_tail": _unordered_tail(plan, deterministic, ordered, grid_n, b * hk),
     }
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
             _bshd_map(dv, 64))
-    grid_n = num_n + num_n % 2 if plan.pairs else num_n  # 2-CTA clusters: an odd count gets an idle CTA (kPairs)
     launch.launch(plan.main, (grid_n, plan.num_slices * hk, b), maps, params, stream)
     launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
     return plan.variant

@@ -63,6 +63,9 @@
 #   bash scripts/device_check.sh sanity    compute-sanitizer (the nvidia-h100-x1 kind has it): synccheck over every case of
 #                                          scripts/sanitize_driver.py, racecheck over the cases matching RACE (default
 #                                          'bwd'), then the GPU tests (TESTS: files, default all of tests/gpu)
+#   bash scripts/device_check.sh tail      the backward's unordered tail on one build: bwd GPU tests (TESTS_K: -k), then
+#                                          scripts/bwd_tail_ab.py (WAVES, default 0,1,0.5; ROUNDS, default 2) twice, its
+#                                          table printed last
 #   bash scripts/device_check.sh split     the backward's time per kernel (pre, main, post) at FA3-protocol points, default then
 #                                          deterministic (scripts/bwd_split.py; HEAD_DIMS, SEQLENS, DTYPES as bwd)
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
@@ -166,6 +169,15 @@ fp8var|variants)
       --causal "${CAUSAL:-no}" --seqlens "${SEQLENS:-2048,16384}" --head-dims "${HEAD_DIMS:-64,128,256}" 2>&1 \
       | tee "$out/variants_$dt.md" | grep '^|'
   done
+  ;;
+tail)
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_bwd_gpu.py \
+    ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test_bwd.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
+  for r in 1 2; do
+    timeout "${BENCH_TIMEOUT:-150}" python3 scripts/bwd_tail_ab.py --waves "${WAVES:-0,1,0.5}" --rounds "${ROUNDS:-2}" \
+      --csv "$out/tail$r.csv" > "$out/tail$r.md" 2> "$out/tail$r.log"
+  done
+  cat "$out"/tail1.md "$out"/tail2.md
   ;;
 split)
   for dt in ${DTYPES:-bf16}; do

@@ -814,6 +814,32 @@ def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want, 
     assert bwd_core.launches[-2]["params"]["deterministic"] == 0
 
 
+def test_core_backward_unordered_tail(bwd_core, monkeypatch):
+    """BwdParams.unordered_tail: in an ordered default call (short causal, not deterministic) the main
+    grid's last (batch, head_k) groups, UNORDERED_TAIL_WAVES of the GPU's CTAs (132 SMs here) rounded
+    up to whole groups and at most all of them, run unordered; 0 in deterministic, unordered and
+    non-causal calls, and with UNORDERED_TAIL_WAVES 0."""
+    assert core.UNORDERED_TAIL_WAVES == 1.0
+    for d, sk, b, hk, want in ((128, 512, 8, 8, 33),   # 4 key blocks: ceil(132 / 4) of 64 groups
+                               (256, 512, 8, 8, 17),   # 8 (4 pairs)
+                               (256, 2000, 8, 8, 5),   # 32 (16 pairs): an even grid
+                               (256, 1950, 8, 8, 5),   # 31 key blocks, an idle 32nd CTA
+                               (128, 512, 2, 3, 6)):   # fewer groups than a wave: all
+        _run_backward(b, sk, sk, 2 * hk, hk, d, d, True)
+        main = bwd_core.launches[-2]
+        assert main["params"]["deterministic"] == 1 and main["params"]["unordered_tail"] == want, (d, sk, b, hk)
+        assert main["grid"][0] * main["params"]["num_slices"] * want >= 132 or want == b * hk
+        _run_backward(b, sk, sk, 2 * hk, hk, d, d, True, deterministic=True)
+        assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
+    _run_backward(2, 4096, 4096, 4, 2, 256, 256, True)  # causal, past the ordered bound: unordered
+    assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
+    _run_backward(8, 512, 512, 16, 8, 128, 128, False)  # non-causal
+    assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
+    monkeypatch.setattr(core, "UNORDERED_TAIL_WAVES", 0.0)
+    _run_backward(8, 512, 512, 16, 8, 128, 128, True)
+    assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
+
+
 def test_stage_dq_is_every_role_tile():
     """bwd.stage_dq (the template's kStageDq): the role tiles (head_dim 192 and 256), whose
     consumers' fp32 dQ halves (64 x head_dim / 2 floats) are exactly a ring tile's bytes; the

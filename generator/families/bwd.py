@@ -170,6 +170,7 @@ PARAMS = params_struct(
     ("softcap_scale", "f32"),  # softcap variants: softmax_scale / softcap (any sign); else unused
     ("window_left", "i32"),  # local variants: the forward's band (fwd.py); both >= 0
     ("window_right", "i32"),
+    ("unordered_tail", "i32"),  # ordered default runs: the last (batch, head_k) groups of the main grid's launch order that run unordered, longest first (core._unordered_tail; bwd.cu.j2 GridCta); else 0
 )
 
 

@@ -418,6 +418,32 @@ def test_backward_on_a_poisoned_workspace(d, shape, causal, deterministic):
                 f"deterministic run {i}: " + "; ".join(first_difference(a, r) for a, r in zip(runs[0], runs[i])))
 
 
+@pytest.mark.parametrize("waves", [0.0, 0.5, 1e9], ids=["no_tail", "mixed", "all_tail"])
+@pytest.mark.parametrize("d,shape", [(64, (20, 500, 500, 8, 4)), (128, (20, 500, 500, 8, 4)),
+                                     (256, (6, 1950, 1950, 8, 2)), (256, (9, 481, 481, 6, 3))],
+                         ids=["hd64", "hd128", "hd256_lone_block", "hd256_gqa3"])
+def test_backward_unordered_tail_matches_reference(d, shape, waves, monkeypatch):
+    """Short causal calls that are not deterministic take the ordered path, whose last (batch, head_k)
+    groups run unordered and longest first (core.UNORDERED_TAIL_WAVES, bwd.cu.j2 GridCta): none of
+    them (waves 0), some (0.5 waves: 17 of 80 groups at head_dim 64 / 128, 3 of 12 at 256 with 31 key
+    blocks, a lone one in a 2-CTA pair, 9 of 27 at 256 with GQA 3) or all: every split passes FA3's
+    rule on NaN-poisoned gradients, and the tail's accumulators (zeroed by the preprocess only there)
+    are right on a workspace that torch's allocator left NaN."""
+    from flashgen import core
+
+    dtype = torch.bfloat16
+    need_bwd(dtype, d, True)
+    monkeypatch.setattr(core, "UNORDERED_TAIL_WAVES", waves)
+    b, sq, sk, h, hk = shape
+    scale = d ** -0.5
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=21)
+    dout = randn(b, sq, h, d, dtype=dtype, seed=22)
+    out, lse = forward_out_lse(q, k, v, True, scale)
+    got = fg_backward(dout, q, k, v, out, lse, True, scale)
+    torch.cuda.synchronize()
+    check_bwd(q, k, v, dout, True, {f"waves {waves}": got}, scale)
+
+
 # --------------------------------------------------------------------------------------
 # Layouts, dtypes and shapes of the gradients
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""A/B of the backward's unordered tail (core.UNORDERED_TAIL_WAVES) on the same kernels, in one process.
+
+Usage: python scripts/bwd_tail_ab.py [--waves 0,1,0.5] [--rounds 2] [--csv OUT.csv]
+
+The points are the ones whose default backward takes the ordered path (core._ordered_default): causal
+at seqlen 512 for every head dim, and 1k / 2k for head_dim 256 (the ds_pairs kernels), bf16 and fp16
+at head_dim 256, FA3's protocol (16k tokens, hidden 2048). Per point, flashgen's default backward
+is timed once per waves value in each round (rounds alternate the values), then SDPA's cuDNN and
+flash backends (runtime/bench.py: triton do_bench, L2 flushed, median). Prints TFLOP/s (2.5 x the
+forward's FLOPs), each value's best round over the waves-0 one, and the best value over the best
+SDPA backend; a markdown table, last.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+
+POINTS = [("bf16", d, 512) for d in (64, 96, 128, 192, 256)] + [("bf16", 256, 1024), ("bf16", 256, 2048),
+                                                                ("fp16", 256, 512), ("fp16", 256, 2048)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--waves", default="0,1,0.5")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from flashgen import bench, core
+
+    waves = [float(w) for w in args.waves.split(",")]
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for dt, d, s in POINTS:
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+        b, h = 16384 // s, 2048 // d
+        q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda") for _ in range(3))
+        fl = 2.5 * 4 * b * h * s * s * d / 2  # causal
+        fn, _ = bench._flashgen_bwd_fn(q, k, v, True, False)
+        times = {w: [] for w in waves}
+        for _ in range(args.rounds):
+            for w in waves:
+                core.UNORDERED_TAIL_WAVES = w
+                times[w].append(fl / bench._time_ms(fn) / 1e9)
+        core.UNORDERED_TAIL_WAVES = 1.0
+        peers = {}
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+            f = bench._sdpa_bwd_fn(backend, q, k, v, True)
+            peers[name] = fl / bench._time_ms(f) / 1e9 if f else float("nan")
+        row = {"dtype": dt, "head_dim": d, "seqlen": s, **{f"w{w:g}": "/".join(f"{x:.1f}" for x in times[w]) for w in waves},
+               **{k2: f"{x:.1f}" for k2, x in peers.items()}}
+        base = max(times[waves[0]])
+        row.update({f"w{w:g}/w{waves[0]:g}": f"{max(times[w]) / base:.3f}" for w in waves[1:]})
+        best_peer = max(x for x in peers.values() if x == x)
+        row["best/sdpa"] = f"{max(max(t) for t in times.values()) / best_peer:.2f}"
+        row[f"w{waves[0]:g}/sdpa"] = f"{base / best_peer:.2f}"
+        rows.append(row)
+        print(row, file=sys.stderr, flush=True)
+        del q, k, v, fn
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    print(f"\nbackward causal TFLOP/s on {gpu}, the unordered tail in waves (core.UNORDERED_TAIL_WAVES), "
+          f"{args.rounds} alternated rounds each")
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    gm = {c: math.exp(sum(math.log(float(r[c])) for r in rows) / len(rows)) for c in cols if "/" in c and c.startswith("w") and "sdpa" not in c}
+    print("geometric means: " + ", ".join(f"{c} {v:.3f}" for c, v in gm.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
