@@ -91,6 +91,12 @@ block later, after the next block's reductions are issued (at 16k 1.07-1.15x fas
 3 (chains of at most half the SM count, resident together) changes the non-causal order: key
 blocks visit the query blocks rotated, each from its own index on, so no CTA waits for the
 hand-offs of every CTA before it in the chain (causal runs as 1).
+Short causal calls take the ordered path by default (``core._ordered_default``), whose key blocks
+run shortest first, so the grid would end on its last groups' longest CTAs: there the last
+(batch, head_k) groups, about one wave of CTAs (``BwdParams.unordered_tail``,
+``core.UNORDERED_TAIL_WAVES``), run unordered and longest first across them (the template's
+``GridCta``; their dQ accumulator zeroed by the preprocess): 1.02-1.04x at hd128-256 causal
+512-2k on an H200 (docs/PERF.md).
 
 head_dim_v != head_dim (e.g. DeepSeek's 192 / 128): no key of its own. As FA3 does, the runtime
 serves the call with the variant of max(head_dim, head_dim_v) (``BwdParams.head_dim`` and
