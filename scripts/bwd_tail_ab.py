@@ -33,20 +33,21 @@ def main(argv=None) -> int:
     from flashgen import bench, core
 
     waves = [float(w) for w in args.waves.split(",")]
+    default_waves = core.UNORDERED_TAIL_WAVES
     gpu = torch.cuda.get_device_name()
     rows = []
     for dt, d, s in POINTS:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         b, h = 16384 // s, 2048 // d
         q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda") for _ in range(3))
-        fl = 2.5 * 4 * b * h * s * s * d / 2  # causal
+        fl = 2.5 * bench._flops(b, h, s, d, True)
         fn, _ = bench._flashgen_bwd_fn(q, k, v, True, False)
         times = {w: [] for w in waves}
         for _ in range(args.rounds):
             for w in waves:
                 core.UNORDERED_TAIL_WAVES = w
                 times[w].append(fl / bench._time_ms(fn) / 1e9)
-        core.UNORDERED_TAIL_WAVES = 1.0
+        core.UNORDERED_TAIL_WAVES = default_waves
         peers = {}
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
             f = bench._sdpa_bwd_fn(backend, q, k, v, True)
