@@ -313,6 +313,7 @@ def manifest_entry(plan: Plan, report: dict) -> dict:
             "smem_bytes": k.smem_bytes, "registers": f.get("registers", 0),
             "spill_bytes": f.get("spill_store_bytes", 0) + f.get("spill_load_bytes", 0),
             "stack_bytes": f.get("stack_bytes", 0), "tensor_maps": list(k.tensor_maps), "sass": list(k.sass),
+            "pdl": bool(k.pdl),
             "params": k.params.layout(),
         })
     return {

@@ -5,7 +5,8 @@ cuKernelGetFunction and raising the kernel's dynamic shared-memory limit; a para
 from the layout the manifest records. Per call (:func:`launch`, or :func:`launch_prepared` for a
 launch whose fixed part :func:`prepare_launch` resolved once): the params bytes and the argument
 array are built for that call alone, so any number of threads and streams may launch at once;
-kernels without a cluster launch with cuLaunchKernel, others with cuLaunchKernelEx. TMA
+kernels without a cluster or a programmatic dependency (PDL) launch with cuLaunchKernel, others with
+cuLaunchKernelEx. TMA
 descriptors (:func:`tensor_map`) are immutable once encoded and cached by every argument including
 the address, so sharing them between calls is safe.
 
@@ -222,10 +223,33 @@ class LoadedKernel:
     packer: ParamsPacker
     argv_type: type = field(init=False, repr=False, compare=False)  # ctypes void*[maps + 1]: the argument array
     params_type: type = field(init=False, repr=False, compare=False)  # ctypes char[size]: a call's params buffer
+    # cuLaunchKernelEx's attributes (cluster shape, PDL), built once (about 6 us of host time per launch
+    # when built per call) and never modified; () for a kernel launched with cuLaunchKernel
+    launch_attrs: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "argv_type", ctypes.c_void_p * (len(self.record.tensor_maps) + 1))
         object.__setattr__(self, "params_type", ctypes.c_char * self.packer.size)
+        object.__setattr__(self, "launch_attrs", _launch_attrs(self.record))
+
+
+def _launch_attrs(rec: Kernel) -> tuple:
+    """The CUlaunchAttributes of a kernel record: its cluster shape when not (1, 1, 1), programmatic
+    stream serialization when it is a ``pdl`` kernel (docs/CONTRACTS.md §4)."""
+    attrs = []
+    if tuple(rec.cluster) != (1, 1, 1):
+        d = _driver()
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = rec.cluster
+        attrs.append(attr)
+    if rec.pdl:  # may overlap the previous kernel on the stream (manifest Kernel.pdl)
+        d = _driver()
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    return tuple(attrs)
 
 
 _libraries: dict[str, object] = {}
@@ -369,8 +393,8 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
                                                   hstream), "cuMemAllocFromPoolAsync(tile counter)")
             check(d.cuMemsetD32Async(ctr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
             counter[0](buf, counter[1], int(ctr))
-        cluster = rec.cluster
-        if cluster[0] == cluster[1] == cluster[2] == 1:
+        attrs = kernel.launch_attrs
+        if not attrs:
             err = d.cuLaunchKernel(kernel.function, grid[0], grid[1], grid[2], rec.threads, 1, 1, rec.smem_bytes,
                                    hstream, ctypes.addressof(argv), 0)[0]
             what = "cuLaunchKernel"
@@ -380,11 +404,8 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = rec.threads, 1, 1
             cfg.sharedMemBytes = rec.smem_bytes
             cfg.hStream = hstream
-            attr = d.CUlaunchAttribute()
-            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
+            cfg.attrs = list(attrs)
+            cfg.numAttrs = len(attrs)
             err = d.cuLaunchKernelEx(cfg, kernel.function, ctypes.addressof(argv), 0)[0]
             what = "cuLaunchKernelEx"
     finally:

@@ -39,6 +39,7 @@ class Kernel:
     params: dict = field(hash=False, compare=False)  # {"struct", "size", "fields": [[name, type, offset]]}
     registers: int = 0
     spill_bytes: int = 0
+    pdl: bool = False  # launched as a programmatic dependent of the previous kernel (generator KernelSpec.pdl)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ def _kernel(rec: dict) -> Kernel:
     return Kernel(role=rec["role"], symbol=rec["symbol"], threads=int(rec["threads"]),
                   cluster=tuple(int(c) for c in rec["cluster"]), smem_bytes=int(rec["smem_bytes"]),
                   tensor_maps=tuple(rec["tensor_maps"]), params=dict(rec["params"]),
-                  registers=int(rec.get("registers", 0)), spill_bytes=int(rec.get("spill_bytes", 0)))
+                  registers=int(rec.get("registers", 0)), spill_bytes=int(rec.get("spill_bytes", 0)),
+                  pdl=bool(rec.get("pdl", False)))
 
 
 def parse_manifest(path: Path) -> Manifest:

@@ -321,7 +321,7 @@ def real_bwd(tmp_path_factory):
 
 def test_real_bwd_compiles_without_spills_and_uses_wgmma_and_tma(real_bwd):
     """Each bwd variant: three kernels, 0 spill bytes, under the 30 s budget, and its main kernel's
-    SASS has HGMMA, UTMALDG and USETMAXREG (the fast path, not a fallback)."""
+    SASS has HGMMA, UTMALDG and USETMAXREG (the fast path, not a fallback), and the PDL instructions."""
     proj, res, pick = real_bwd
     assert res.failed == [], res.failed
     for e in read_manifest(proj)["variants"]:
@@ -333,6 +333,9 @@ def test_real_bwd_compiles_without_spills_and_uses_wgmma_and_tma(real_bwd):
     for v in pick:
         ops = sass.check(str(proj.fatbin_dir / f"{v.name}.fatbin"), {v.symbol(k.role): k.sass for k in v.kernels})
         assert {"HGMMA", "UTMALDG", "USETMAXREG"} <= set(ops[v.symbol("main")])
+        # PDL (bwd.py): pre and main let their dependents launch (PREEXIT), main and post wait (ACQBULK)
+        assert "PREEXIT" in ops[v.symbol("pre")] and {"PREEXIT", "ACQBULK"} <= set(ops[v.symbol("main")])
+        assert "ACQBULK" in ops[v.symbol("post")]
 
 
 def test_real_bwd_role_tiles_bulk_reduce_dq(real_bwd):

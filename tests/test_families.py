@@ -538,6 +538,8 @@ def test_smem_layout_is_the_feasibility_layout():
                 end += region["bytes"]
             assert r["smem_bytes"] == end + 1024 == main.smem_bytes <= bwd_mod.SMEM_LIMIT
             assert all(k.smem_bytes == 0 for k in v.kernels if k.role != "main")
+            # main and post are programmatic dependents of the kernel before each (PDL: bwd.py)
+            assert {k.role: k.pdl for k in v.kernels} == {"pre": False, "main": True, "post": True}
             continue
         if v.family != "fwd":
             assert r["smem"] == {} and r["smem_bytes"] == 0 == v.kernels[0].smem_bytes

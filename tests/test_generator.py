@@ -207,7 +207,7 @@ def test_manifest_contents(tmp_path, monkeypatch):
     assert len(m["variants"]) == 8  # more.yaml is not in the default set and was not built
     want = {"name", "key", "family", "params", "dispatch", "default", "fatbin", "sha256", "kernels"}
     want_kernel = {"role", "symbol", "threads", "cluster", "smem_bytes", "registers", "spill_bytes", "stack_bytes",
-                   "tensor_maps", "sass", "params"}
+                   "tensor_maps", "sass", "pdl", "params"}
     import hashlib
 
     for e in m["variants"]:
@@ -219,7 +219,7 @@ def test_manifest_contents(tmp_path, monkeypatch):
         assert e["fatbin"] == f"fatbin/{v.name}.fatbin"
         (k,) = e["kernels"]
         assert set(k) == want_kernel
-        assert k["role"] == "main" and k["symbol"] == v.symbol("main")
+        assert k["role"] == "main" and k["symbol"] == v.symbol("main") and k["pdl"] is False  # the forward: one kernel
         data = (proj.manifest_path.parent / e["fatbin"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == e["sha256"]
         assert data.startswith(b"FATBIN:" + v.symbol("main").encode())

@@ -852,3 +852,55 @@ def test_packed_launch_maps_params_and_grid(tmp_path, monkeypatch):
                                    pack_gqa=True)
     finally:
         tuning.reset()
+
+
+class _ExDriver(FakeDriver):
+    """FakeDriver whose launches record only the symbol, the stream and (cuLaunchKernelEx) the
+    attributes as (id, value) pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ex, self.plain = [], []
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
+        self.plain.append((f.symbol, int(stream)))
+        return (0,)
+
+    def CUlaunchAttribute(self):
+        return _Handle(value=_Handle(clusterDim=_Handle()))
+
+    def cuLaunchKernelEx(self, cfg, f, kernel_params, extra):
+        out = []
+        for a in cfg.attrs[:cfg.numAttrs]:
+            if a.id == "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION":
+                d = a.value.clusterDim
+                out.append((a.id, (d.x, d.y, d.z)))
+            else:
+                out.append((a.id, a.value.programmaticStreamSerializationAllowed))
+        self.ex.append((f.symbol, int(cfg.hStream), out))
+        return (0,)
+
+
+@pytest.mark.parametrize("cluster", [(1, 1, 1), (2, 1, 1)], ids=["single", "cluster"])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_pdl_kernels_launch_as_programmatic_dependents(monkeypatch, cluster, pdl):
+    """A kernel whose manifest record has ``pdl`` (the backward's main and post: generator KernelSpec.pdl)
+    launches through cuLaunchKernelEx with the programmatic stream serialization attribute allowed
+    (beside the cluster attribute when clustered); one with neither through cuLaunchKernel."""
+    from flashgen.manifest import Kernel, Variant
+
+    _fresh_state(monkeypatch)
+    d = _ExDriver()
+    monkeypatch.setattr(launch, "_driver", lambda: d)
+    layout = {"struct": "P", "size": 8, "fields": [["x", "i64", 0]]}
+    rec = Kernel(role="main", symbol="k_main", threads=128, cluster=cluster, smem_bytes=0, tensor_maps=(),
+                 params=layout, pdl=pdl)
+    var = Variant(name="v", family="bwd", params={}, dispatch={}, kernels=(rec,))
+    kern = launch.LoadedKernel(var, rec, _Handle(3, symbol="k_main"), 0, launch.ParamsPacker(layout))
+    launch.launch(kern, (4, 1, 1), (), {"x": 5}, 9)
+    want = ([("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION", cluster)] if cluster != (1, 1, 1) else []) + (
+        [("CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION", 1)] if pdl else [])
+    if want:
+        assert d.ex == [("k_main", 9, want)] and d.plain == []
+    else:
+        assert d.ex == [] and d.plain == [("k_main", 9)]

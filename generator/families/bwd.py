@@ -36,6 +36,14 @@ Template: templates/bwd.cu.j2. Three kernels per variant, launched in order on o
   K/V buffers.
 - ``post``: dQ = dQ_accum * softmax_scale, cast to the input dtype.
 
+``main`` and ``post`` are programmatic dependents (``KernelSpec.pdl``) of the kernel before each:
+``pre`` and ``main`` let them launch from their first instruction
+(``cudaTriggerProgrammaticLaunchCompletion``), so ``main``'s CTAs take the SMs that ``pre``'s last wave
+leaves, init their barriers and load their K (and V) block while ``pre`` finishes, and wait
+(``cudaGridDependencySynchronize``: ``pre`` complete, its writes visible) before anything that reads
+what ``pre`` writes (LSE, dPsum, the semaphores, the accumulator); ``post`` waits likewise before it
+reads the accumulator. Each kernel's completion therefore still follows the one before it.
+
 Masks and softcap, as in the forward family: ``causal`` or ``local`` (a band with runtime
 bounds: sliding windows; a CTA visits only the query blocks its key block's band reaches),
 ``softcap`` variants recompute t = tanh(S * softcap_scale), P = exp2(t *
@@ -334,11 +342,12 @@ class BwdFamily(Family):
     def kernels(self, params, resources):
         t = resources["pre_post_threads"]
         return [
-            KernelSpec("pre", t, 0, PARAMS),
+            # PREEXIT: griddepcontrol.launch_dependents; ACQBULK: griddepcontrol.wait (PDL, the module's docstring)
+            KernelSpec("pre", t, 0, PARAMS, sass=("PREEXIT",)),
             KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
                        tensor_maps=("q", "k", "v", "dout", "dk", "dv"), cluster=resources["cluster"],
-                       sass=("HGMMA", "UTMALDG", "USETMAXREG")),
-            KernelSpec("post", t, 0, PARAMS),
+                       sass=("HGMMA", "UTMALDG", "USETMAXREG", "PREEXIT", "ACQBULK"), pdl=True),
+            KernelSpec("post", t, 0, PARAMS, sass=("ACQBULK",), pdl=True),
         ]
 
     def name_parts(self, p):
