@@ -56,9 +56,9 @@ class KernelSpec:
     tensor_maps: tuple = ()  # names of the CUtensorMap parameters, in order, before the params struct
     cluster: tuple = (1, 1, 1)
     sass: tuple = ()  # opcodes its SASS must contain (e.g. HGMMA: not the slow HMMA path)
-    # Launched as a programmatic dependent of the kernel before it on the stream (PDL: may start
-    # before that one completes, which it lets happen with griddepcontrol.launch_dependents); the kernel
-    # orders its own reads of that one's output (griddepcontrol.wait, or flags the other publishes).
+    # Launched as a programmatic dependent of the kernel before it on the stream (PDL: it may start
+    # once every CTA of that one has run griddepcontrol.launch_dependents or exited); each of its
+    # threads that reads that kernel's output runs griddepcontrol.wait first (docs/CONTRACTS.md §4).
     pdl: bool = False
 
 
