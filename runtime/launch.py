@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import os
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -233,11 +234,19 @@ class LoadedKernel:
         object.__setattr__(self, "launch_attrs", _launch_attrs(self.record))
 
 
+#: Set to 0 to launch ``pdl`` kernels as plain stream-ordered launches (read when a kernel is loaded): each
+#: kernel then runs after the one before it has completed, so profilers time each kernel alone
+#: (scripts/bwd_split.py), and a process can be compared with one that overlaps them.
+PDL_ENV = "FLASHGEN_PDL"
+
+
 def _launch_attrs(rec: Kernel) -> tuple:
     """The CUlaunchAttributes of a kernel record: its cluster shape when not (1, 1, 1), programmatic
-    stream serialization when it is a ``pdl`` kernel (docs/CONTRACTS.md §4)."""
+    stream serialization when it is a ``pdl`` kernel (docs/CONTRACTS.md §4) and ``$FLASHGEN_PDL`` is not
+    ``0`` (such a kernel's ``griddepcontrol.wait`` returns at once when launched without it)."""
     clustered = tuple(rec.cluster) != (1, 1, 1)
-    if not (clustered or rec.pdl):
+    pdl = rec.pdl and os.environ.get(PDL_ENV, "1").strip() != "0"
+    if not (clustered or pdl):
         return ()
     d, attrs = _driver(), []
     if clustered:
@@ -245,7 +254,7 @@ def _launch_attrs(rec: Kernel) -> tuple:
         attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = rec.cluster
         attrs.append(attr)
-    if rec.pdl:  # may overlap the previous kernel on the stream (manifest Kernel.pdl)
+    if pdl:  # may overlap the previous kernel on the stream (manifest Kernel.pdl)
         attr = d.CUlaunchAttribute()
         attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1

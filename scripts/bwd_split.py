@@ -2,13 +2,18 @@
 FA3-protocol points, from torch.profiler's kernel records.
 
     python3 scripts/bwd_split.py [--head-dims 64,128,256] [--seqlens 512,2048,16384] [--dtype bf16]
-                                 [--deterministic] [--reps 10]
+                                 [--deterministic] [--reps 10] [--pdl]
 
 Each point: 16k tokens, hidden 2048 (batch = 16384 / seqlen, heads = 2048 / head_dim), causal off
 and on; flashgen's backward alone on a forward made once (bench._flashgen_bwd_fn), the L2 flushed
 (a 256 MB write) before every repetition as in triton's do_bench. Prints a markdown table of the
 mean microseconds per kernel and the pre + post share of the three. Needs a GPU and a build with
 the bwd variants. Kernel names end in _pre, _main, _post (templates/bwd.cu.j2).
+
+main and post launch as programmatic dependents (PDL, generator/families/bwd.py): each may start before
+the kernel before it completes and then waits for it, so its profiler time includes that wait. This
+script launches them plainly ($FLASHGEN_PDL=0), so each kernel is timed alone; --pdl keeps PDL (the
+three times then overlap, and main's and post's overstate their own work).
 """
 from __future__ import annotations
 
@@ -52,7 +57,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--pdl", action="store_true", help="keep the PDL launches (default: each kernel alone)")
     a = ap.parse_args(argv)
+    import os
+
+    from flashgen import launch
+
+    os.environ[launch.PDL_ENV] = "1" if a.pdl else "0"  # read as each kernel loads (below)
     import torch
 
     if not torch.cuda.is_available():
@@ -60,7 +71,7 @@ def main(argv=None) -> int:
         return 2
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     print(f"backward kernels on {torch.cuda.get_device_name()} ({a.dtype}, deterministic={a.deterministic}; "
-          f"16k tokens, hidden 2048; mean us per call over {a.reps}, L2 flushed)")
+          f"16k tokens, hidden 2048; mean us per call over {a.reps}, L2 flushed; PDL {'on' if a.pdl else 'off'})")
     print("| hd | causal | seqlen | pre | main | post | (pre + post) / all |")
     print("|---|---|---|---|---|---|---|")
     for hd in (int(x) for x in a.head_dims.split(",")):

@@ -904,3 +904,26 @@ def test_pdl_kernels_launch_as_programmatic_dependents(monkeypatch, cluster, pdl
         assert d.ex == [("k_main", 9, want)] and d.plain == []
     else:
         assert d.ex == [] and d.plain == [("k_main", 9)]
+
+
+@pytest.mark.parametrize("cluster", [(1, 1, 1), (2, 1, 1)], ids=["single", "cluster"])
+def test_flashgen_pdl_0_launches_pdl_kernels_plainly(monkeypatch, cluster):
+    """With $FLASHGEN_PDL=0 (read when the kernel is loaded) a ``pdl`` kernel launches without the
+    programmatic attribute: through cuLaunchKernel, or with only its cluster attribute."""
+    from flashgen.manifest import Kernel, Variant
+
+    _fresh_state(monkeypatch)
+    d = _ExDriver()
+    monkeypatch.setattr(launch, "_driver", lambda: d)
+    monkeypatch.setenv(launch.PDL_ENV, "0")
+    layout = {"struct": "P", "size": 8, "fields": [["x", "i64", 0]]}
+    rec = Kernel(role="main", symbol="k_main", threads=128, cluster=cluster, smem_bytes=0, tensor_maps=(),
+                 params=layout, pdl=True)
+    var = Variant(name="v", family="bwd", params={}, dispatch={}, kernels=(rec,))
+    kern = launch.LoadedKernel(var, rec, _Handle(3, symbol="k_main"), 0, launch.ParamsPacker(layout))
+    monkeypatch.setenv(launch.PDL_ENV, "1")  # read at load: this kernel stays plain
+    launch.launch(kern, (4, 1, 1), (), {"x": 5}, 9)
+    if cluster == (1, 1, 1):
+        assert d.ex == [] and d.plain == [("k_main", 9)]
+    else:
+        assert d.ex == [("k_main", 9, [("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION", cluster)])] and d.plain == []
