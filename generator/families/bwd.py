@@ -45,7 +45,7 @@ leaves, init their barriers and load their K (and V) block while ``pre`` finishe
 (``cudaGridDependencySynchronize``: ``pre`` complete, its writes visible) before anything that reads
 what ``pre`` writes (LSE, dPsum, the semaphores, the accumulator); ``post`` waits likewise before it
 reads the accumulator. Each kernel's completion therefore still follows the one before it. Measured
-on an H200: +0.5-0.9 % at seqlen 512 for head_dim 64 / 128 (3-4 us a call), level elsewhere.
+on an H200: +0.7-0.9 % at seqlen 512 for head_dim 64 / 128 (3-4 us a call), level elsewhere.
 
 Masks and softcap, as in the forward family: ``causal`` or ``local`` (a band with runtime
 bounds: sliding windows; a CTA visits only the query blocks its key block's band reaches),
