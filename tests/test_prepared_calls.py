@@ -881,12 +881,9 @@ class _ExDriver(FakeDriver):
         return (0,)
 
 
-@pytest.mark.parametrize("cluster", [(1, 1, 1), (2, 1, 1)], ids=["single", "cluster"])
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_pdl_kernels_launch_as_programmatic_dependents(monkeypatch, cluster, pdl):
-    """A kernel whose manifest record has ``pdl`` (the backward's main and post: generator KernelSpec.pdl)
-    launches through cuLaunchKernelEx with the programmatic stream serialization attribute allowed
-    (beside the cluster attribute when clustered); one with neither through cuLaunchKernel."""
+def _ex_kernel(monkeypatch, cluster, pdl):
+    """An _ExDriver in place of the driver and a kernel "k_main" loaded through it (its launch
+    attributes are built here, at load), with the given cluster shape and ``pdl`` record."""
     from flashgen.manifest import Kernel, Variant
 
     _fresh_state(monkeypatch)
@@ -896,7 +893,16 @@ def test_pdl_kernels_launch_as_programmatic_dependents(monkeypatch, cluster, pdl
     rec = Kernel(role="main", symbol="k_main", threads=128, cluster=cluster, smem_bytes=0, tensor_maps=(),
                  params=layout, pdl=pdl)
     var = Variant(name="v", family="bwd", params={}, dispatch={}, kernels=(rec,))
-    kern = launch.LoadedKernel(var, rec, _Handle(3, symbol="k_main"), 0, launch.ParamsPacker(layout))
+    return d, launch.LoadedKernel(var, rec, _Handle(3, symbol="k_main"), 0, launch.ParamsPacker(layout))
+
+
+@pytest.mark.parametrize("cluster", [(1, 1, 1), (2, 1, 1)], ids=["single", "cluster"])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_pdl_kernels_launch_as_programmatic_dependents(monkeypatch, cluster, pdl):
+    """A kernel whose manifest record has ``pdl`` (the backward's main and post: generator KernelSpec.pdl)
+    launches through cuLaunchKernelEx with the programmatic stream serialization attribute allowed
+    (beside the cluster attribute when clustered); one with neither through cuLaunchKernel."""
+    d, kern = _ex_kernel(monkeypatch, cluster, pdl)
     launch.launch(kern, (4, 1, 1), (), {"x": 5}, 9)
     want = ([("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION", cluster)] if cluster != (1, 1, 1) else []) + (
         [("CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION", 1)] if pdl else [])
@@ -910,17 +916,8 @@ def test_pdl_kernels_launch_as_programmatic_dependents(monkeypatch, cluster, pdl
 def test_flashgen_pdl_0_launches_pdl_kernels_plainly(monkeypatch, cluster):
     """With $FLASHGEN_PDL=0 (read when the kernel is loaded) a ``pdl`` kernel launches without the
     programmatic attribute: through cuLaunchKernel, or with only its cluster attribute."""
-    from flashgen.manifest import Kernel, Variant
-
-    _fresh_state(monkeypatch)
-    d = _ExDriver()
-    monkeypatch.setattr(launch, "_driver", lambda: d)
     monkeypatch.setenv(launch.PDL_ENV, "0")
-    layout = {"struct": "P", "size": 8, "fields": [["x", "i64", 0]]}
-    rec = Kernel(role="main", symbol="k_main", threads=128, cluster=cluster, smem_bytes=0, tensor_maps=(),
-                 params=layout, pdl=True)
-    var = Variant(name="v", family="bwd", params={}, dispatch={}, kernels=(rec,))
-    kern = launch.LoadedKernel(var, rec, _Handle(3, symbol="k_main"), 0, launch.ParamsPacker(layout))
+    d, kern = _ex_kernel(monkeypatch, cluster, True)
     monkeypatch.setenv(launch.PDL_ENV, "1")  # read at load: this kernel stays plain
     launch.launch(kern, (4, 1, 1), (), {"x": 5}, 9)
     if cluster == (1, 1, 1):
