@@ -6,9 +6,8 @@ from the layout the manifest records. Per call (:func:`launch`, or :func:`launch
 launch whose fixed part :func:`prepare_launch` resolved once): the params bytes and the argument
 array are built for that call alone, so any number of threads and streams may launch at once;
 kernels without a cluster or a programmatic dependency (PDL) launch with cuLaunchKernel, others with
-cuLaunchKernelEx. TMA
-descriptors (:func:`tensor_map`) are immutable once encoded and cached by every argument including
-the address, so sharing them between calls is safe.
+cuLaunchKernelEx. TMA descriptors (:func:`tensor_map`) are immutable once encoded and cached by every
+argument including the address, so sharing them between calls is safe.
 
 A launch runs in the device's primary context (the one torch, CuPy and JAX use); when another
 context is current on the calling thread it is pushed for the launch and popped after, so a call

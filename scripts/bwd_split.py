@@ -18,6 +18,7 @@ three times then overlap, and main's and post's overstate their own work).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 
@@ -59,8 +60,6 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--pdl", action="store_true", help="keep the PDL launches (default: each kernel alone)")
     a = ap.parse_args(argv)
-    import os
-
     from flashgen import launch
 
     os.environ[launch.PDL_ENV] = "1" if a.pdl else "0"  # read as each kernel loads (below)
