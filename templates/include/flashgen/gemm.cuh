@@ -5,20 +5,37 @@
 // only issue: the caller waits (wgmma_wait<N>) and fences the accumulator before reading it.
 #pragma once
 
+#include <cuda/std/type_traits>
+
 #include "flashgen/ptx.cuh"
 #include "flashgen/smem.cuh"
 
 namespace flashgen {
 
 // D = A B^T (the first k-step overwrites D), A = rows [a_row, a_row + 64) of a K-major tile, B a
-// K-major tile (its rows are N); K = the tiles' columns.
-template <auto Mma, int R, typename TileA, typename TileB>
-__device__ __forceinline__ void gemm_ss(float (&d)[R], const TileA& a, int a_row, const TileB& b) {
+// K-major tile (its rows are N); K = the tiles' columns. before_chunk(j), if given, runs before the
+// k-steps of column chunk j are issued (a wait for that chunk of both operands: the backward's first
+// GEMMs), followed by a wgmma fence (ptxas serializes every WGMMA if it has to place that fence itself
+// after a wait loop: C7520).
+struct NoWait {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <auto Mma, int R, typename TileA, typename TileB, typename BeforeChunk = NoWait>
+__device__ __forceinline__ void gemm_ss(float (&d)[R], const TileA& a, int a_row, const TileB& b,
+                                        BeforeChunk&& before_chunk = {}) {
   static_assert(TileA::kCols == TileB::kCols && TileA::kKStep == TileB::kKStep, "A and B share K");
-  wgmma_fence();
+  constexpr bool kWaits = !cuda::std::is_same_v<cuda::std::decay_t<BeforeChunk>, NoWait>;
+  if constexpr (!kWaits) wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < TileA::kCols / TileA::kKStep; ++ks)
+  for (int ks = 0; ks < TileA::kCols / TileA::kKStep; ++ks) {
+    if constexpr (kWaits) {
+      if (ks % TileA::kKStepsPerChunk == 0) {
+        before_chunk(ks / TileA::kKStepsPerChunk);
+        wgmma_fence();
+      }
+    }
     Mma(d, a.desc_k_major(ks, a_row), b.desc_k_major(ks), ks > 0 ? 1 : 0);
+  }
   wgmma_commit();
 }
 

@@ -90,6 +90,12 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   (void)ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, bar, bytes);
 }
 
+// A TMA descriptor (a __grid_constant__ kernel parameter) fetched ahead of its first copy, as CUTLASS's
+// prefetch_tma_descriptor does (CCCL's cuda::ptx has no prefetch.tensormap).
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" : : "l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // ---------------------------------------------------------------- TMA (cuda::ptx)
 // 4-D tile load (coords innermost first: head_dim, seqlen, head, batch), completing on `bar`.
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
