@@ -27,7 +27,8 @@
 #                                          and deterministic, SDPA peers;
 #                                          new/old table printed last (scripts/bwd_compare.py); SPLIT=1: the time
 #                                          per kernel of both trees too (bwd_split.py, DTYPES' first); BWD_ARGS: more
-#                                          bench arguments (e.g. --causal true)
+#                                          bench arguments (e.g. --causal true); OLD_FILTER: the old tree's build filter
+#                                          (default 'bwd_*,fwd_bf16*,fwd_fp16*')
 #   bash scripts/device_check.sh tune      `flashgen tune` on this GPU (table and log under $OUT), then Nsight Compute
 #                                          profiles of the e4m3 hd128/hd256 and bf16 hd128 forward at 16k (details page
 #                                          and per-SASS-line stall samples, tarred)
@@ -273,7 +274,7 @@ compare)
 bwd)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
-  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter 'bwd_*,fwd_bf16*,fwd_fp16*' -j "$(nproc)" 2>&1 | tail -1)
+  (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build --filter "${OLD_FILTER:-bwd_*,fwd_bf16*,fwd_fp16*}" -j "$(nproc)" 2>&1 | tail -1)
   if [ "${TESTS:-}" != none ]; then
     timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS:-tests/gpu/test_bwd_gpu.py tests/gpu/test_features_gpu.py} \
       -k "${TESTS_K:-determin or bwd or grad}" 2>&1 \
