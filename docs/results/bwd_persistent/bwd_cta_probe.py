@@ -1,9 +1,12 @@
 """Where a backward main-kernel CTA's time goes (role tiles: head_dim 192 / 256), from per-CTA clock64 records.
 
-Needs cta_probe.patch applied to templates/bwd.cu.j2 (not in the shipped kernels): each main CTA writes 16
-uint64 into dq (SM id, clocks at entry, K and Q landed, V landed, each consumer's loop end, each consumer's
-stores drained, exit; globaltimer at entry and exit; its iterations, key block, tail flag) and the
-postprocess of the role tiles returns at once, so dq keeps them. Build the bf16 hd256 variants, then
+Needs a cta_probe.patch applied to templates/bwd.cu.j2 (not in the shipped kernels): each main CTA writes 16
+uint64 into dq (SM id, clocks at entry, marks 2 and 3, each consumer's loop end, each consumer's stores
+drained, exit; globaltimer at entry and exit; its iterations, key block, tail flag) and the postprocess of
+the role tiles returns at once, so dq keeps them. Marks 2 / 3: K and Q landed / V landed with this folder's
+patch (kernels before the chunked first loads); consumer 0's / consumer 1's first GEMM done with
+docs/results/bwd_chunked_first/cta_probe.patch (the current kernels, whose first GEMMs start by chunk).
+Build the bf16 hd256 variants, then
 
     FLASHGEN_TUNE_TABLE=off python3 bwd_cta_probe.py 256,512,1 256,2048,0 ...   (head_dim,seqlen,causal)
 
@@ -70,8 +73,8 @@ def point(hd, seqlen, causal):
           f" {ctas} CTAs on {nsm} SMs, clock {ghz:.3f} GHz")
     print(f"  SM busy (entry..exit) {us(busy)/nsm:.1f} us per SM = {us(busy)/nsm/(span_ns/1000):.3f} of the span")
     f = lambda xs: f"med {st.median(xs):.2f} mean {st.mean(xs):.2f} sum/SM {sum(xs)/nsm:.1f}"
-    print(f"  ramp to K+Q0 (c0): {f(ramp0)}")
-    print(f"  ramp to V   (c1): {f(ramp1)}")
+    print(f"  entry -> mark 2 (c0): {f(ramp0)}")
+    print(f"  entry -> mark 3 (c1): {f(ramp1)}")
     print(f"  per iteration:    {f(loop)} (iters total {sum(x[9] for x in act)})")
     print(f"  consumers' loop-end skew: {f(drain)}")
     print(f"  epilogue (last loop end -> both stores drained): {f(epi)}")
