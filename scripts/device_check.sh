@@ -67,6 +67,8 @@
 #   bash scripts/device_check.sh tail      the backward's unordered tail on one build: bwd GPU tests (TESTS_K: -k), then
 #                                          scripts/bwd_tail_ab.py (WAVES, default 0,1,0.5; ROUNDS, default 2) twice, its
 #                                          table printed last
+#   bash scripts/device_check.sh probe     per-CTA clock64 records of the backward main kernel (PATCH, PROBE_FILTER, PROBE_POINTS;
+#                                          raw CSVs under $OUT), after the backward bench of BWD_ARGS twice if set
 #   bash scripts/device_check.sh split     the backward's time per kernel (pre, main, post) at FA3-protocol points, default then
 #                                          deterministic (scripts/bwd_split.py; HEAD_DIMS, SEQLENS, DTYPES as bwd)
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
@@ -179,6 +181,27 @@ tail)
       --csv "$out/tail$r.csv" > "$out/tail$r.md" 2> "$out/tail$r.log"
   done
   cat "$out"/tail1.md "$out"/tail2.md
+  ;;
+probe)
+  # PATCH (default docs/results/bwd_4k/cta_probe.patch) applied, PROBE_FILTER (default the bf16 hd256 causal backward
+  # and forward) rebuilt with it, docs/results/bwd_persistent/bwd_cta_probe.py over PROBE_POINTS (head_dim,seqlen,causal
+  # ...), the raw records under $OUT; then the patch reverted and the same kernels rebuilt without it. Before it:
+  # the bench of BWD_ARGS (if set) on the unpatched build, twice, with SDPA peers.
+  if [ -n "${BWD_ARGS:-}" ]; then
+    for r in 1 2; do
+      timeout ${BENCH_TIMEOUT:-200} python3 -m flashgen.cli bench --backward-only --no-ablation --no-overhead --no-combine \
+        $BWD_ARGS --csv "$out/bwd_new$r.csv" --png /tmp/n.png > "$out/bench_new$r.log" 2>&1
+      echo "bench run $r: rc $?"; grep '^|' "$out/bench_new$r.log" | tail -12
+    done
+  fi
+  pf=${PROBE_FILTER:-bwd_bf16_hd256_causal_m*,fwd_bf16_hd256_causal*}
+  pt=${PATCH:-docs/results/bwd_4k/cta_probe.patch}
+  git apply "$pt" || patch -p1 < "$pt" || exit 3
+  flashgen build --filter "$pf" -j "$(nproc)" 2>&1 | tail -1
+  PROBE_DUMP=$out FLASHGEN_TUNE_TABLE=off timeout ${PROBE_TIMEOUT:-200} python3 docs/results/bwd_persistent/bwd_cta_probe.py \
+    ${PROBE_POINTS:-256,2048,1 256,4096,1 256,16384,1} 2>&1 | tee "$out/probe.txt"
+  git apply -R "$pt" || patch -R -p1 < "$pt"
+  flashgen build --filter "$pf" -j "$(nproc)" 2>&1 | tail -1
   ;;
 split)
   for dt in ${DTYPES:-bf16}; do

@@ -6,6 +6,8 @@ drained, exit; globaltimer at entry and exit; its iterations, key block, tail fl
 the role tiles returns at once, so dq keeps them. Marks 2 / 3: K and Q landed / V landed with this folder's
 patch (kernels before the chunked first loads); consumer 0's / consumer 1's first GEMM done with
 docs/results/bwd_chunked_first/cta_probe.patch (the current kernels, whose first GEMMs start by chunk).
+Marks 14 / 15 (docs/results/bwd_4k/cta_probe.patch only): the CTA's
+head_k and batch. PROBE_DUMP=DIR writes each point's raw records to DIR/probe_hd{hd}_{seqlen}_{causal}.csv.
 Build the bf16 hd256 variants, then
 
     FLASHGEN_TUNE_TABLE=off python3 bwd_cta_probe.py 256,512,1 256,2048,0 ...   (head_dim,seqlen,causal)
@@ -14,6 +16,7 @@ Per point (FA3 protocol: 16k tokens, hidden 2048): medians, means and sums per S
 SM clock from clock64 against globaltimer), and the gap between one CTA's exit and the next CTA's entry on
 the same SM. The "backward (events)" figure brackets host launches too; the main span (globaltimer) is the
 kernel's. The per-iteration line's sum is not meaningful (a sum of per-CTA averages)."""
+import os
 import sys
 import statistics as st
 import torch
@@ -45,6 +48,11 @@ def point(hd, seqlen, causal):
     grid_n = num_n + num_n % 2
     ctas = grid_n * h * b
     r = dq.view(torch.int64).flatten()[: 16 * ctas].view(ctas, 16).cpu().tolist()
+    if os.environ.get("PROBE_DUMP"):  # the raw records, one CSV per point, for offline analysis
+        with open(os.path.join(os.environ["PROBE_DUMP"], f"probe_hd{hd}_{seqlen}_{int(causal)}.csv"), "w") as fh:
+            fh.write("smid,clk_entry,mark2,mark3,loop_end0,loop_end1,drained0,drained1,gt_entry,iters,n_block,tail,"
+                     "clk_exit,gt_exit,head_k,batch\n")
+            fh.writelines(",".join(map(str, x)) + "\n" for x in r)
     # clock rate from globaltimer: whole-kernel span
     g0 = min(x[8] for x in r); g1 = max(x[13] for x in r)
     by_sm = {}
