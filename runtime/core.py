@@ -571,18 +571,30 @@ def _ordered_default(plan: _BwdPlan, mask: MaskSpec, seqlen_k: int) -> bool:
 # tail_model.py). The last groups, about this many waves of CTAs, run unordered and longest first
 # across them (bwd.cu.j2 GridCta) instead. 0: none.
 UNORDERED_TAIL_WAVES = 1.0
+# The same remap in causal calls that are unordered throughout (not deterministic, past the ordered
+# bounds): each group runs its key blocks longest first, so the grid ended on the last groups' longest
+# CTAs, started as late as a group's shortest. Probed on an H200 (hd256 causal 4k, clock64 per CTA,
+# docs/results/bwd_4k/): the SMs idled 5.5 % of the main kernel's span at its end, against 0.6-0.9 % at
+# 8k / 16k; there the tail only reorders launches (every column is unordered already). 0: none.
+UNORDERED_CAUSAL_TAIL_WAVES = 2.0
 
 
-def _unordered_tail(plan: _BwdPlan, deterministic: bool, ordered_default: bool, grid_n: int, groups: int) -> int:
+def _unordered_tail(plan: _BwdPlan, deterministic: bool, ordered_default: bool, causal: bool, grid_n: int,
+                    groups: int) -> int:
     """BwdParams.unordered_tail: how many of the main grid's last (batch, head_k) groups run unordered
-    and longest first (UNORDERED_TAIL_WAVES of the SMs' CTAs, rounded up to whole groups, at most all
-    ``groups``) where the call takes the ordered path only as its default (``ordered_default`` and not
-    ``deterministic``: _ordered_default); else 0, and a deterministic call stays ordered throughout.
-    ``grid_n``: the main grid's key-block CTAs per group and slice."""
-    if deterministic or not ordered_default or UNORDERED_TAIL_WAVES <= 0:
+    and longest first across them (waves of the SMs' CTAs, rounded up to whole groups, at most all
+    ``groups``): UNORDERED_TAIL_WAVES where the call takes the ordered path only as its default
+    (``ordered_default``: _ordered_default), UNORDERED_CAUSAL_TAIL_WAVES in the other causal calls
+    that are not deterministic (unordered throughout: only their launch order changes); else 0, and
+    a deterministic call stays ordered throughout. ``grid_n``: the main grid's key-block CTAs per
+    group and slice."""
+    if deterministic:
+        return 0
+    waves = UNORDERED_TAIL_WAVES if ordered_default else UNORDERED_CAUSAL_TAIL_WAVES if causal else 0.0
+    if waves <= 0:
         return 0
     per_group = grid_n * plan.num_slices
-    return min(groups, max(1, math.ceil(UNORDERED_TAIL_WAVES * plan.sms / per_group)))
+    return min(groups, max(1, math.ceil(waves * plan.sms / per_group)))
 
 
 def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordered_default: bool = False) -> int:
@@ -701,7 +713,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "deterministic": _deterministic_mode(deterministic, num_n, plan.sms, ordered),
         "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
-        "unordered_tail": _unordered_tail(plan, deterministic, ordered, grid_n, b * hk),
+        "unordered_tail": _unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk),
     }
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),

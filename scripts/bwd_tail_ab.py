@@ -1,6 +1,11 @@
 """A/B of the backward's unordered tail (core.UNORDERED_TAIL_WAVES) on the same kernels, in one process.
 
 Usage: python scripts/bwd_tail_ab.py [--waves 0,1,0.5] [--rounds 2] [--csv OUT.csv]
+                                     [--knob UNORDERED_CAUSAL_TAIL_WAVES --points bf16:256:4096,bf16:128:2048]
+
+--knob: the core constant the waves set (default UNORDERED_TAIL_WAVES, the ordered default's tail;
+UNORDERED_CAUSAL_TAIL_WAVES: the tail of causal calls that are unordered throughout, whose points
+are past the ordered bounds). --points: dtype:head_dim:seqlen entries instead of the defaults below.
 
 The points are the ones whose default backward takes the ordered path (core._ordered_default): causal
 at seqlen 512 for every head dim, and 1k / 2k for head_dim 256 (the ds_pairs kernels), bf16 and fp16
@@ -26,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--waves", default="0,1,0.5")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES", choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES"))
+    ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
     args = ap.parse_args(argv)
     import torch
     from torch.nn.attention import SDPBackend
@@ -33,10 +40,12 @@ def main(argv=None) -> int:
     from flashgen import bench, core
 
     waves = [float(w) for w in args.waves.split(",")]
-    default_waves = core.UNORDERED_TAIL_WAVES
+    default_waves = getattr(core, args.knob)
+    points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]))
+                                              for x in args.points.split(",")]
     gpu = torch.cuda.get_device_name()
     rows = []
-    for dt, d, s in POINTS:
+    for dt, d, s in points:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         b, h = 16384 // s, 2048 // d
         q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda") for _ in range(3))
@@ -45,9 +54,9 @@ def main(argv=None) -> int:
         times = {w: [] for w in waves}
         for _ in range(args.rounds):
             for w in waves:
-                core.UNORDERED_TAIL_WAVES = w
+                setattr(core, args.knob, w)
                 times[w].append(fl / bench._time_ms(fn) / 1e9)
-        core.UNORDERED_TAIL_WAVES = default_waves
+        setattr(core, args.knob, default_waves)
         peers = {}
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
             f = bench._sdpa_bwd_fn(backend, q, k, v, True)
@@ -67,7 +76,7 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    print(f"\nbackward causal TFLOP/s on {gpu}, the unordered tail in waves (core.UNORDERED_TAIL_WAVES), "
+    print(f"\nbackward causal TFLOP/s on {gpu}, the unordered tail in waves (core.{args.knob}), "
           f"{args.rounds} alternated rounds each")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")

@@ -65,7 +65,8 @@
 #                                          scripts/sanitize_driver.py, racecheck over the cases matching RACE (default
 #                                          'bwd'), then the GPU tests (TESTS: files, default all of tests/gpu)
 #   bash scripts/device_check.sh tail      the backward's unordered tail on one build: bwd GPU tests (TESTS_K: -k), then
-#                                          scripts/bwd_tail_ab.py (WAVES, default 0,1,0.5; ROUNDS, default 2) twice, its
+#                                          scripts/bwd_tail_ab.py (WAVES, default 0,1,0.5; ROUNDS, default 2; TAIL_ARGS: more of its
+#                                          arguments, e.g. --knob/--points) twice, its
 #                                          table printed last
 #   bash scripts/device_check.sh probe     per-CTA clock64 records of the backward main kernel (PATCH, PROBE_FILTER, PROBE_POINTS;
 #                                          raw CSVs under $OUT), after the backward bench of BWD_ARGS twice if set
@@ -177,7 +178,7 @@ tail)
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_bwd_gpu.py \
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test_bwd.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -20
   for r in 1 2; do
-    timeout "${BENCH_TIMEOUT:-150}" python3 scripts/bwd_tail_ab.py --waves "${WAVES:-0,1,0.5}" --rounds "${ROUNDS:-2}" \
+    timeout "${BENCH_TIMEOUT:-150}" python3 scripts/bwd_tail_ab.py --waves "${WAVES:-0,1,0.5}" --rounds "${ROUNDS:-2}" ${TAIL_ARGS:-} \
       --csv "$out/tail$r.csv" > "$out/tail$r.md" 2> "$out/tail$r.log"
   done
   cat "$out"/tail1.md "$out"/tail2.md

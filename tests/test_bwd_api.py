@@ -817,8 +817,9 @@ def test_core_backward_default_causal_is_ordered_when_short(bwd_core, sk, want, 
 def test_core_backward_unordered_tail(bwd_core, monkeypatch):
     """BwdParams.unordered_tail: in an ordered default call (short causal, not deterministic) the main
     grid's last (batch, head_k) groups, UNORDERED_TAIL_WAVES of the GPU's CTAs (132 SMs here) rounded
-    up to whole groups and at most all of them, run unordered; 0 in deterministic, unordered and
-    non-causal calls, and with UNORDERED_TAIL_WAVES 0."""
+    up to whole groups and at most all of them, run unordered; in causal calls past the ordered bounds
+    (unordered throughout) UNORDERED_CAUSAL_TAIL_WAVES of them are launched longest first; 0 in
+    deterministic and non-causal calls, and with the waves 0."""
     assert core.UNORDERED_TAIL_WAVES == 1.0
     for d, sk, b, hk, want in ((128, 512, 8, 8, 33),   # 4 key blocks: ceil(132 / 4) of 64 groups
                                (256, 512, 8, 8, 17),   # 8 (4 pairs)
@@ -831,7 +832,20 @@ def test_core_backward_unordered_tail(bwd_core, monkeypatch):
         assert main["grid"][0] * main["params"]["num_slices"] * want >= 132 or want == b * hk
         _run_backward(b, sk, sk, 2 * hk, hk, d, d, True, deterministic=True)
         assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
-    _run_backward(2, 4096, 4096, 4, 2, 256, 256, True)  # causal, past the ordered bound: unordered
+    # Causal past the ordered bounds (unordered throughout): UNORDERED_CAUSAL_TAIL_WAVES (2 waves) of
+    # the last groups are launched longest first across them; a deterministic call keeps none.
+    assert core.UNORDERED_CAUSAL_TAIL_WAVES == 2.0
+    for d, sk, b, hk, want in ((256, 4096, 8, 8, 5),    # 64 key blocks: ceil(264 / 64) of 64 groups
+                               (256, 4096, 2, 2, 4),    # fewer groups than 2 waves: all
+                               (128, 1024, 16, 8, 33),  # 8 key blocks: ceil(264 / 8)
+                               (64, 3000, 4, 4, 11)):   # 24 key blocks: ceil(264 / 24)
+        _run_backward(b, sk, sk, 2 * hk, hk, d, d, True)
+        main = bwd_core.launches[-2]
+        assert main["params"]["deterministic"] == 0 and main["params"]["unordered_tail"] == want, (d, sk, b, hk)
+        _run_backward(b, sk, sk, 2 * hk, hk, d, d, True, deterministic=True)
+        assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
+    monkeypatch.setattr(core, "UNORDERED_CAUSAL_TAIL_WAVES", 0.0)
+    _run_backward(2, 4096, 4096, 4, 2, 256, 256, True)
     assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
     _run_backward(8, 512, 512, 16, 8, 128, 128, False)  # non-causal
     assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0

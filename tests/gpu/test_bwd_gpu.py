@@ -429,11 +429,28 @@ def test_backward_unordered_tail_matches_reference(d, shape, waves, monkeypatch)
     blocks, a lone one in a 2-CTA pair, 9 of 27 at 256 with GQA 3) or all: every split passes FA3's
     rule on NaN-poisoned gradients, and the tail's accumulators (zeroed by the preprocess only there)
     are right on a workspace that torch's allocator left NaN."""
+    _tail_case(d, shape, "UNORDERED_TAIL_WAVES", waves, monkeypatch)
+
+
+@pytest.mark.parametrize("waves", [0.0, 0.5, 1e9], ids=["no_tail", "mixed", "all_tail"])
+@pytest.mark.parametrize("d,shape", [(64, (4, 1100, 1100, 8, 4)), (128, (3, 1300, 900, 6, 3)),
+                                     (192, (2, 1000, 1000, 4, 4)), (256, (3, 2100, 2100, 4, 2))],
+                         ids=["hd64", "hd128_sq_gt_sk", "hd192", "hd256_lone_block"])
+def test_backward_unordered_causal_tail_matches_reference(d, shape, waves, monkeypatch):
+    """Causal calls past the ordered bounds that are not deterministic run unordered throughout; their
+    last (batch, head_k) groups are launched longest first across them (core.UNORDERED_CAUSAL_TAIL_WAVES,
+    bwd.cu.j2 GridCta): none, some (0.5 waves) or all of them, each passes FA3's rule on NaN-poisoned
+    gradients (hd256 with 33 key blocks: a lone one in a 2-CTA pair; hd128 with seqlen_q > seqlen_k)."""
+    _tail_case(d, shape, "UNORDERED_CAUSAL_TAIL_WAVES", waves, monkeypatch)
+
+
+def _tail_case(d, shape, knob, waves, monkeypatch):
+    """One causal backward, not deterministic, with core.<knob> = waves, checked as in check_bwd."""
     from flashgen import core
 
     dtype = torch.bfloat16
     need_bwd(dtype, d, True)
-    monkeypatch.setattr(core, "UNORDERED_TAIL_WAVES", waves)
+    monkeypatch.setattr(core, knob, waves)
     b, sq, sk, h, hk = shape
     scale = d ** -0.5
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=21)
