@@ -6,6 +6,9 @@ Usage: python scripts/bwd_tail_ab.py [--waves 0,1,0.5] [--rounds 2] [--csv OUT.c
 --knob: the core constant the waves set (default UNORDERED_TAIL_WAVES, the ordered default's tail;
 UNORDERED_CAUSAL_TAIL_WAVES: the tail of causal calls that are unordered throughout, whose points
 are past the ordered bounds). --points: dtype:head_dim:seqlen entries instead of the defaults below.
+--interleave N: instead of one do_bench per value, each round calls the values and the SDPA peers in
+turn, one call each, N times (the L2 flushed before each call, CUDA events around it), and takes each
+one's median: a drift of the GPU's clock during the round falls on all of them alike.
 
 The points are the ones whose default backward takes the ordered path (core._ordered_default): causal
 at seqlen 512 for every head dim, and 1k / 2k for head_dim 256 (the ds_pairs kernels), bf16 and fp16
@@ -26,12 +29,35 @@ POINTS = [("bf16", d, 512) for d in (64, 96, 128, 192, 256)] + [("bf16", 256, 10
                                                                 ("fp16", 256, 512), ("fp16", 256, 2048)]
 
 
+def _interleaved(fns, n):
+    """Median milliseconds per call of each of ``fns``, called in turn n times (f0, f1, ..., f0, f1, ...),
+    the L2 flushed (a 256 MB buffer zeroed) before each call and CUDA events around it."""
+    import statistics
+
+    import torch
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)] for _ in fns]
+    for i in range(n):
+        for j, f in enumerate(fns):
+            flush.zero_()
+            ev[j][i][0].record()
+            f()
+            ev[j][i][1].record()
+    torch.cuda.synchronize()
+    return [statistics.median(a.elapsed_time(b) for a, b in e) for e in ev]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--waves", default="0,1,0.5")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES", choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES"))
+    ap.add_argument("--interleave", type=int, default=0, help="calls per value per round, interleaved (0: do_bench)")
     ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
     args = ap.parse_args(argv)
     import torch
@@ -52,15 +78,32 @@ def main(argv=None) -> int:
         fl = 2.5 * bench._flops(b, h, s, d, True)
         fn, _ = bench._flashgen_bwd_fn(q, k, v, True, False)
         times = {w: [] for w in waves}
+        peer_fns = {name: bench._sdpa_bwd_fn(backend, q, k, v, True)
+                    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION))}
+        peer_times = {name: [] for name in peer_fns}
         for _ in range(args.rounds):
-            for w in waves:
-                setattr(core, args.knob, w)
-                times[w].append(fl / bench._time_ms(fn) / 1e9)
+            if args.interleave:
+                def with_waves(w):
+                    def call():
+                        setattr(core, args.knob, w)
+                        fn()
+                    return call
+                named = [(w, with_waves(w)) for w in waves] + [(n, f) for n, f in peer_fns.items() if f]
+                for (key, _), ms in zip(named, _interleaved([f for _, f in named], args.interleave)):
+                    (times if key in times else peer_times)[key].append(fl / ms / 1e9)
+            else:
+                for w in waves:
+                    setattr(core, args.knob, w)
+                    times[w].append(fl / bench._time_ms(fn) / 1e9)
         setattr(core, args.knob, default_waves)
         peers = {}
-        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
-            f = bench._sdpa_bwd_fn(backend, q, k, v, True)
-            peers[name] = fl / bench._time_ms(f) / 1e9 if f else float("nan")
+        for name, f in peer_fns.items():
+            if not f:
+                peers[name] = float("nan")
+            elif not args.interleave:
+                peers[name] = fl / bench._time_ms(f) / 1e9
+            else:
+                peers[name] = max(peer_times[name])
         row = {"dtype": dt, "head_dim": d, "seqlen": s, **{f"w{w:g}": "/".join(f"{x:.1f}" for x in times[w]) for w in waves},
                **{k2: f"{x:.1f}" for k2, x in peers.items()}}
         base = max(times[waves[0]])
