@@ -1,7 +1,9 @@
 """List-scheduling model of the hd256 causal backward's unordered grid (the default from seqlen 4k on).
 
 The grid's launch order: per (batch, head) column, pairs longest first; the last columns (one wave) longest first
-across them. The hardware fills whichever of the 66 cluster slots frees first. A pair's work is its query blocks
+across them. (Correction, session 2026-12-02 (7): at the time the code gave that tail to ordered-default calls only,
+so past 2k it ran with none, tail_waves=0 here: 5.1 % idle at 4k, which a clock64 probe matched; the tail now exists
+there too, core.UNORDERED_CAUSAL_TAIL_WAVES; docs/results/bwd_4k/.) The hardware fills whichever of the 66 cluster slots frees first. A pair's work is its query blocks
 plus `over` blocks of start-up and end (about 4.5 us against 2.65 us per block: docs/results/bwd_persistent/).
 Prints the modelled idle share of the SMs per seqlen. A model, not a measurement: python3 tail_model.py"""
 import heapq
