@@ -6,8 +6,10 @@ drained, exit; globaltimer at entry and exit; its iterations, key block, tail fl
 the role tiles returns at once, so dq keeps them. Marks 2 / 3: K and Q landed / V landed with this folder's
 patch (kernels before the chunked first loads); consumer 0's / consumer 1's first GEMM done with
 docs/results/bwd_chunked_first/cta_probe.patch (the current kernels, whose first GEMMs start by chunk).
-Marks 14 / 15 (docs/results/bwd_4k/cta_probe.patch only): the CTA's
-head_k and batch. PROBE_DUMP=DIR writes each point's raw records to DIR/probe_hd{hd}_{seqlen}_{causal}.csv.
+Marks 14 / 15 (docs/results/bwd_4k/cta_probe*.patch only): the CTA's
+head_k and batch. With docs/results/bwd_4k/cta_probe_epilogue.patch set PROBE_SLOTS=24: marks 16-19 (each
+consumer's epilogue after both consumers met, after its dK / dV store was issued) and 20-21 (the reducer warp's
+loop end, its last reductions complete) split the epilogue. PROBE_DUMP=DIR writes each point's raw records to DIR/probe_hd{hd}_{seqlen}_{causal}.csv.
 Build the bf16 hd256 variants, then
 
     FLASHGEN_TUNE_TABLE=off python3 bwd_cta_probe.py 256,512,1 256,2048,0 ...   (head_dim,seqlen,causal)
@@ -47,11 +49,13 @@ def point(hd, seqlen, causal):
     num_n = -(-seqlen // 64)
     grid_n = num_n + num_n % 2
     ctas = grid_n * h * b
-    r = dq.view(torch.int64).flatten()[: 16 * ctas].view(ctas, 16).cpu().tolist()
+    slots = int(os.environ.get("PROBE_SLOTS", "16"))
+    r = dq.view(torch.int64).flatten()[: slots * ctas].view(ctas, slots).cpu().tolist()
     if os.environ.get("PROBE_DUMP"):  # the raw records, one CSV per point, for offline analysis
         with open(os.path.join(os.environ["PROBE_DUMP"], f"probe_hd{hd}_{seqlen}_{int(causal)}.csv"), "w") as fh:
             fh.write("smid,clk_entry,mark2,mark3,loop_end0,loop_end1,drained0,drained1,gt_entry,iters,n_block,tail,"
-                     "clk_exit,gt_exit,head_k,batch\n")
+                     "clk_exit,gt_exit,head_k,batch" + (",met0,met1,issued0,issued1,red_loop_end,red_done,x22,x23"
+                                                        if slots == 24 else "") + "\n")
             fh.writelines(",".join(map(str, x)) + "\n" for x in r)
     # clock rate from globaltimer: whole-kernel span
     g0 = min(x[8] for x in r); g1 = max(x[13] for x in r)
@@ -86,6 +90,14 @@ def point(hd, seqlen, causal):
     print(f"  per iteration:    {f(loop)} (iters total {sum(x[9] for x in act)})")
     print(f"  consumers' loop-end skew: {f(drain)}")
     print(f"  epilogue (last loop end -> both stores drained): {f(epi)}")
+    if slots == 24:  # cta_probe_epilogue.patch: the epilogue's steps
+        end = lambda x: max(x[4], x[5])
+        print(f"  loop end -> consumers met: {f([us(max(x[16], x[17]) - end(x)) for x in act])}")
+        print(f"  met -> dK/dV stores issued: {f([us(max(x[18], x[19]) - max(x[16], x[17])) for x in act])}")
+        print(f"  issued -> drained: {f([us(max(x[6], x[7]) - max(x[18], x[19])) for x in act])}")
+        print(f"  reducer: loop end - consumers' loop end: {f([us(x[20] - end(x)) for x in act])}")
+        print(f"  reducer: last wait (reductions complete): {f([us(x[21] - x[20]) for x in act])}")
+        print(f"  reducer done -> exit: {f([us(x[12] - x[21]) for x in act])}")
     print(f"  drained -> exit (cluster_sync): {f(tail)}")
     print(f"  gap exit -> next entry on the SM: {f(gaps)}")
     sys.stdout.flush()
