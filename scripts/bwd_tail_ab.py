@@ -31,12 +31,14 @@ POINTS = [("bf16", d, 512) for d in (64, 96, 128, 192, 256)] + [("bf16", 256, 10
 
 def _interleaved(fns, n):
     """Median milliseconds per call of each of ``fns``, called in turn n times (f0, f1, ..., f0, f1, ...),
-    the L2 flushed (a 256 MB buffer zeroed) before each call and CUDA events around it."""
+    the L2 flushed (bench's flush buffer zeroed) before each call and CUDA events around it."""
     import statistics
 
     import torch
 
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    from flashgen import bench
+
+    flush = torch.empty(bench._FLUSH_BYTES, dtype=torch.int8, device="cuda")
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -81,14 +83,15 @@ def main(argv=None) -> int:
         peer_fns = {name: bench._sdpa_bwd_fn(backend, q, k, v, True)
                     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION))}
         peer_times = {name: [] for name in peer_fns}
+
+        def with_waves(w):
+            def call():
+                setattr(core, args.knob, w)
+                fn()
+            return call
+        named = [(w, with_waves(w)) for w in waves] + [(n, f) for n, f in peer_fns.items() if f]
         for _ in range(args.rounds):
             if args.interleave:
-                def with_waves(w):
-                    def call():
-                        setattr(core, args.knob, w)
-                        fn()
-                    return call
-                named = [(w, with_waves(w)) for w in waves] + [(n, f) for n, f in peer_fns.items() if f]
                 for (key, _), ms in zip(named, _interleaved([f for _, f in named], args.interleave)):
                     (times if key in times else peer_times)[key].append(fl / ms / 1e9)
             else:

@@ -192,7 +192,7 @@ probe)
     for r in 1 2; do
       timeout ${BENCH_TIMEOUT:-200} python3 -m flashgen.cli bench --backward-only --no-ablation --no-overhead --no-combine \
         $BWD_ARGS --csv "$out/bwd_new$r.csv" --png /tmp/n.png > "$out/bench_new$r.log" 2>&1
-      echo "bench run $r: rc $?"; grep '^|' "$out/bench_new$r.log" | tail -12
+      echo "bench run $r: rc $?"; grep -A40 'backward TFLOP' "$out/bench_new$r.log" | tail -n +2
     done
   fi
   pf=${PROBE_FILTER:-bwd_bf16_hd256_causal_m*,fwd_bf16_hd256_causal*}
