@@ -5,7 +5,9 @@ Usage: python scripts/bwd_tail_ab.py [--waves 0,1,0.5] [--rounds 2] [--csv OUT.c
 
 --knob: the core constant the waves set (default UNORDERED_TAIL_WAVES, the ordered default's tail;
 UNORDERED_CAUSAL_TAIL_WAVES: the tail of causal calls that are unordered throughout, whose points
-are past the ordered bounds). --points: dtype:head_dim:seqlen entries instead of the defaults below.
+are past the ordered bounds; ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS: the ds_pairs kernels' (head_dim 256) ordered
+default's bound on seqlen_k, the values in keys).
+--points: dtype:head_dim:seqlen entries instead of the defaults below.
 --interleave N: instead of one do_bench per value, each round calls the values and the SDPA peers in
 turn, one call each, N times (the L2 flushed before each call, CUDA events around it), and takes each
 one's median: a drift of the GPU's clock during the round falls on all of them alike.
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--waves", default="0,1,0.5")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--csv", default=None)
-    ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES", choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES"))
+    ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES",
+                    choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES", "ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS"))
     ap.add_argument("--interleave", type=int, default=0, help="calls per value per round, interleaved (0: do_bench)")
     ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
     args = ap.parse_args(argv)

@@ -256,6 +256,21 @@ def ds_pairs(params: dict) -> bool:
     return roles(params) and _pad64(params["head_dim"]) == 256 and not params.get("local", False)
 
 
+# The role tiles' k-steps of K (consumer 0) and V (consumer 1) held in registers, by padded head_dim
+# (kv_reg_steps); head dims not listed hold none.
+KV_REG_STEPS = {256: 5}
+
+
+def kv_reg_steps(params: dict) -> int:
+    """The template's kKvRegSteps: how many of the 16-column k-steps of K and V the role tiles' consumers
+    hold in registers across blocks (4 registers each per thread) and issue as RS-WGMMA in their
+    S^T = K Q^T and dP^T = V dO^T GEMMs. Those GEMMs have N = block_m = 64: as SS-WGMMA they read
+    A and B from shared memory at its full bandwidth (128 B/clk), which the role tiles are bound by;
+    every k-step held halves that k-step's reads. 0: not a role tile, or a head_dim not in
+    KV_REG_STEPS (the consumers' registers: dK or dV's 128 beside S^T's 32 at head_dim 256)."""
+    return KV_REG_STEPS.get(_pad64(params["head_dim"]), 0) if roles(params) else 0
+
+
 def roles(params: dict) -> bool:
     """Whether the tile splits the consumers by role (block_n 64) rather than by key rows."""
     return int(params["block_n"]) == ROLES_BLOCK_N
@@ -303,7 +318,8 @@ class BwdFamily(Family):
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
                     num_slices=max(1, p // int(params["slice"])), pre_post_threads=PRE_POST_THREADS,
                     pre_row_lanes=pre_row_lanes(params), pre_rows_per_cta=pre_rows_per_cta(params),
-                    stage_dq=staged, bulk_dq=dq_buffers > 0 or staged, dq_swap=dq_swap(params))
+                    stage_dq=staged, bulk_dq=dq_buffers > 0 or staged, dq_swap=dq_swap(params),
+                    kv_reg_steps=kv_reg_steps(params))
 
     def problems(self, params):
         out = []

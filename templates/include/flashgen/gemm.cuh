@@ -39,6 +39,43 @@ __device__ __forceinline__ void gemm_ss(float (&d)[R], const TileA& a, int a_row
   wgmma_commit();
 }
 
+// The RS-WGMMA A fragments of k-steps [0, RA / 4) of rows [a_row, a_row + 64) of a K-major 16-bit tile
+// (4 registers per k-step, by one ldmatrix.x4 each: warp w's rows a_row + 16 w + {0..15}; lane l gives
+// row l % 16, columns 16 ks + 8 (l / 16), so matrices 0-3 are the fragment's (row, k), (row + 8, k),
+// (row, k + 8), (row + 8, k + 8)). For an A operand read block after block (the backward's K and V):
+// held in registers, its k-steps cost no shared-memory bandwidth (gemm_rs_ss).
+template <int RA, typename TileA>
+__device__ __forceinline__ void load_a_frags(const TileA& a, int a_row, uint32_t (&frags)[RA]) {
+  static_assert(TileA::kKStep == 16 && RA % 4 == 0 && (RA / 4) * TileA::kKStep <= TileA::kCols,
+                "16-bit elements, whole k-steps of the tile");
+  const int lane = threadIdx.x % 32;
+  const int row = a_row + (threadIdx.x % 128) / 32 * 16 + lane % 16;
+#pragma unroll
+  for (int ks = 0; ks < RA / 4; ++ks) {
+    uint32_t x[4];
+    ldmatrix_x4(a.addr + TileA::offset(row, ks * TileA::kKStep + 8 * (lane / 16)), x);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) frags[4 * ks + i] = x[i];
+  }
+}
+
+// gemm_ss (D = A B^T, the first k-step overwrites D) with A's first RA / 4 k-steps from registers
+// (load_a_frags of the same rows; MmaRS: the RS form of MmaSS) and the rest from the tile.
+template <auto MmaRS, auto MmaSS, int R, int RA, typename TileA, typename TileB>
+__device__ __forceinline__ void gemm_rs_ss(float (&d)[R], const uint32_t (&a)[RA], const TileA& a_tile, int a_row,
+                                           const TileB& b) {
+  static_assert(TileA::kCols == TileB::kCols && TileA::kKStep == TileB::kKStep, "A and B share K");
+  static_assert(RA % 4 == 0 && RA / 4 <= TileA::kCols / TileA::kKStep, "whole k-steps of A");
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < RA / 4; ++ks)
+    MmaRS(d, a[4 * ks + 0], a[4 * ks + 1], a[4 * ks + 2], a[4 * ks + 3], b.desc_k_major(ks), ks > 0 ? 1 : 0);
+#pragma unroll
+  for (int ks = RA / 4; ks < TileA::kCols / TileA::kKStep; ++ks)
+    MmaSS(d, a_tile.desc_k_major(ks, a_row), b.desc_k_major(ks), ks > 0 ? 1 : 0);
+  wgmma_commit();
+}
+
 // D += A B, A in registers (4 per k-step: the RS-WGMMA A fragment), B an MN-major tile whose rows
 // are K (all of them; KSteps > 0: the first KSteps k-steps alone) and columns N.
 template <auto Mma, int KSteps = 0, int R, int RA, typename TileB>
