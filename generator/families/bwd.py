@@ -256,19 +256,21 @@ def ds_pairs(params: dict) -> bool:
     return roles(params) and _pad64(params["head_dim"]) == 256 and not params.get("local", False)
 
 
-# The role tiles' k-steps of K (consumer 0) and V (consumer 1) held in registers, by padded head_dim
+# The role tiles' k-steps of K (consumer 0) and of V (consumer 1) held in registers, by padded head_dim
 # (kv_reg_steps); head dims not listed hold none.
-KV_REG_STEPS = {256: 5}
+KV_REG_STEPS = {192: (12, 12), 256: (5, 5)}
 
 
-def kv_reg_steps(params: dict) -> int:
-    """The template's kKvRegSteps: how many of the 16-column k-steps of K and V the role tiles' consumers
-    hold in registers across blocks (4 registers each per thread) and issue as RS-WGMMA in their
-    S^T = K Q^T and dP^T = V dO^T GEMMs. Those GEMMs have N = block_m = 64: as SS-WGMMA they read
-    A and B from shared memory at its full bandwidth (128 B/clk), which the role tiles are bound by;
-    every k-step held halves that k-step's reads. 0: not a role tile, or a head_dim not in
-    KV_REG_STEPS (the consumers' registers: dK or dV's 128 beside S^T's 32 at head_dim 256)."""
-    return KV_REG_STEPS.get(_pad64(params["head_dim"]), 0) if roles(params) else 0
+def kv_reg_steps(params: dict) -> tuple:
+    """The template's (kKRegSteps, kVRegSteps): how many of the 16-column k-steps of K (consumer 0) and
+    of V (consumer 1) the role tiles' consumers hold in registers across blocks (4 registers each per
+    thread) and issue as RS-WGMMA in their S^T = K Q^T and dP^T = V dO^T GEMMs. Those GEMMs have
+    N = block_m = 64: as SS-WGMMA they read A and B from shared memory at its full bandwidth
+    (128 B/clk), which the role tiles are bound by; every k-step held halves that k-step's reads.
+    (0, 0): not a role tile, or a head_dim not in KV_REG_STEPS. The bound is the consumers'
+    registers: at head_dim 256 dK or dV's 128 beside S^T's or dP^T's 32 leave room for 5 of the 16
+    k-steps (6 in either consumer spilled, 8 serialized the WGMMAs); at head_dim 192 (96) all 12 fit."""
+    return KV_REG_STEPS.get(_pad64(params["head_dim"]), (0, 0)) if roles(params) else (0, 0)
 
 
 def roles(params: dict) -> bool:
