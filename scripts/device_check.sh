@@ -21,6 +21,8 @@
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
 #                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward; TESTS: GPU
 #                                          tests run first; VARIANTS: fp8_bench.py --variants args, this tree)
+#   bash scripts/device_check.sh bwdgrid   the backward and feature GPU tests (TESTS_K), then the backward's FA3 grid (bf16) twice
+#                                          with SDPA peers (SEQLENS, HEAD_DIMS, BWD_ARGS), CSVs grid1/grid2
 #   bash scripts/device_check.sh bwd       backward change check: bwd GPU tests (TESTS: files, TESTS_K: -k), then the backward alone of
 #                                          .base/ and this tree alternated old, new, old, new (bf16, hd 64/128/256;
 #                                          SEQLENS, default 512,2048,16384; HEAD_DIMS, default 64,128,256; DTYPES), default
@@ -294,6 +296,18 @@ compare)
     echo "== old bwd"; oldenv python3 -m flashgen.cli bench $bw --csv "$out/bwd_old.csv" 2>&1 | tail -8
     echo "== new bwd"; python3 -m flashgen.cli bench $bw --csv "$out/bwd_new.csv" 2>&1 | tail -8
   fi
+  ;;
+bwdgrid)
+  # the backward and feature GPU tests (TESTS_K), then the backward alone over the FA3 grid (bf16, hd 64/128/256,
+  # 512-16k, causal and not; SEQLENS, HEAD_DIMS, BWD_ARGS) twice, SDPA cuDNN and FA2 in the same runs
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu/test_bwd_gpu.py tests/gpu/test_features_gpu.py \
+    -k "${TESTS_K:-determin or bwd or grad}" 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  for r in 1 2; do
+    timeout ${BENCH_TIMEOUT:-300} python3 -m flashgen.cli bench --backward-only --no-ablation --no-overhead --no-combine \
+      --seqlens "${SEQLENS:-512,1024,2048,4096,8192,16384}" --head-dims "${HEAD_DIMS:-64,128,256}" --dtypes bf16 ${BWD_ARGS:-} \
+      --csv "$out/grid$r.csv" --png /tmp/g.png > "$out/grid$r.log" 2>&1
+    echo "grid run $r: rc $?"; grep -A40 'backward TFLOP' "$out/grid$r.log" | tail -n +2
+  done
   ;;
 bwd)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
