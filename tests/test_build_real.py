@@ -353,6 +353,24 @@ def test_real_bwd_role_tiles_bulk_reduce_dq(real_bwd):
         assert "HGMMA.64x128x16.F32" not in body, v.name
 
 
+def test_real_bwd_role_tiles_hold_k_and_v_steps_in_registers(real_bwd):
+    """kv_reg_steps (templates/bwd.cu.j2 kKRegSteps / kVRegSteps): the role tiles' consumers load K's and
+    V's first k-steps once (one LDSM per k-step and thread) and issue those k-steps of S^T = K Q^T and
+    dP^T = V dO^T with A from registers (HGMMA.64x64x16 R.., R..: the RS form) after the first block,
+    whose GEMMs stay SS (their A chunks wait on TMA). The block_n 128 tiles load nothing so."""
+    from flashgen.generator.families.bwd import kv_reg_steps
+
+    proj, res, pick = real_bwd
+    for v in pick:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        k_steps, v_steps = kv_reg_steps(v.params)
+        assert len(re.findall(r"\bLDSM\.16\.M88\.4\b", body)) == k_steps + v_steps, v.name
+        assert (k_steps > 0) == (v.params["block_n"] == 64), v.name
+        if k_steps:  # (at block_n 128 the RS dV / dK GEMMs of a 64-column slice are 64x64 too)
+            rs = re.findall(r"HGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc", body)
+            assert len(rs) == k_steps + v_steps, (v.name, len(rs))
+
+
 def test_real_bwd_deterministic_hand_off(real_bwd):
     """The deterministic dQ hand-off of both staged tile kinds (templates/bwd.cu.j2: wait_turn,
     bulk_put, publish_landed): the first share in the order is a bulk store (UBLKCP shared ->

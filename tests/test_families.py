@@ -767,6 +767,27 @@ def test_bwd_ds_pairs_are_the_hd256_role_tiles_not_local():
         assert not r["ds_pairs"] and r["cluster"] == (1, 1, 1) and r["smem"]["kp"]["bytes"] == 0, p
 
 
+def test_bwd_kv_reg_steps_fit_the_role_tiles():
+    """kv_reg_steps: the role tiles hold K's / V's first k-steps in registers (KV_REG_STEPS: all 12 at
+    head_dim 192, 5 of 16 at 256, in every role variant of the default build, causal, softcap or local),
+    the block_n 128 tiles none; the rendered main kernel says so (kKRegSteps, kVRegSteps)."""
+    from flashgen.generator.families.bwd import kv_reg_steps
+    from flashgen.generator.render import render
+
+    seen = set()
+    for v in load_variants(Project(REPO)):
+        if v.family != "bwd":
+            continue
+        want = {192: (12, 12), 256: (5, 5)}.get(v.params["head_dim"], (0, 0)) if v.params["block_n"] == 64 else (0, 0)
+        assert kv_reg_steps(v.params) == want == tuple(v.resources["kv_reg_steps"]), v.name
+        if (v.params["head_dim"], v.params["local"]) not in seen:
+            seen.add((v.params["head_dim"], v.params["local"]))
+            src = render(v, REPO / "templates")
+            assert f"constexpr int kKRegSteps = {want[0]};" in src and f"constexpr int kVRegSteps = {want[1]};" in src
+    assert {(192, True), (256, True), (128, False)} <= seen
+    assert kv_reg_steps(_bwd_params(head_dim=128, block_n=128, slice=128)) == (0, 0)
+
+
 def test_bwd_default_build_uses_role_tiles_above_128():
     """configs/bwd.yaml: head dims 192 and 256 on role tiles, the others on block_n 128."""
     for v in load_variants(Project(REPO)):
