@@ -7,7 +7,7 @@ Usage: python scripts/bwd_tail_ab.py [--waves 0,1,0.5] [--rounds 2] [--csv OUT.c
 UNORDERED_CAUSAL_TAIL_WAVES: the tail of causal calls that are unordered throughout, whose points
 are past the ordered bounds; ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS: the ds_pairs kernels' (head_dim 256) ordered
 default's bound on seqlen_k, the values in keys).
---points: dtype:head_dim:seqlen entries instead of the defaults below.
+--points: dtype:head_dim:seqlen entries instead of the defaults below (causal; dtype:head_dim:seqlen:nc non-causal).
 --interleave N: instead of one do_bench per value, each round calls the values and the SDPA peers in
 turn, one call each, N times (the L2 flushed before each call, CUDA events around it), and takes each
 one's median: a drift of the GPU's clock during the round falls on all of them alike.
@@ -72,18 +72,19 @@ def main(argv=None) -> int:
 
     waves = [float(w) for w in args.waves.split(",")]
     default_waves = getattr(core, args.knob)
-    points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]))
+    points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), x.endswith(":nc"))
                                               for x in args.points.split(",")]
     gpu = torch.cuda.get_device_name()
     rows = []
-    for dt, d, s in points:
+    for dt, d, s, *nc in points:
+        causal = not (nc and nc[0])
         dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         b, h = 16384 // s, 2048 // d
         q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda") for _ in range(3))
-        fl = 2.5 * bench._flops(b, h, s, d, True)
-        fn, _ = bench._flashgen_bwd_fn(q, k, v, True, False)
+        fl = 2.5 * bench._flops(b, h, s, d, causal)
+        fn, _ = bench._flashgen_bwd_fn(q, k, v, causal, False)
         times = {w: [] for w in waves}
-        peer_fns = {name: bench._sdpa_bwd_fn(backend, q, k, v, True)
+        peer_fns = {name: bench._sdpa_bwd_fn(backend, q, k, v, causal)
                     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION))}
         peer_times = {name: [] for name in peer_fns}
 
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
                 peers[name] = fl / bench._time_ms(f) / 1e9
             else:
                 peers[name] = max(peer_times[name])
-        row = {"dtype": dt, "head_dim": d, "seqlen": s, **{f"w{w:g}": "/".join(f"{x:.1f}" for x in times[w]) for w in waves},
+        row = {"dtype": dt, "head_dim": d, "seqlen": s, "causal": causal, **{f"w{w:g}": "/".join(f"{x:.1f}" for x in times[w]) for w in waves},
                **{k2: f"{x:.1f}" for k2, x in peers.items()}}
         base = max(times[waves[0]])
         row.update({f"w{w:g}/w{waves[0]:g}": f"{max(times[w]) / base:.3f}" for w in waves[1:]})
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    print(f"\nbackward causal TFLOP/s on {gpu}, the unordered tail in waves (core.{args.knob}), "
+    print(f"\nbackward TFLOP/s on {gpu}, the unordered tail in waves (core.{args.knob}), "
           f"{args.rounds} alternated rounds each")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
