@@ -27,8 +27,8 @@ import csv
 import math
 import sys
 
-POINTS = [("bf16", d, 512) for d in (64, 96, 128, 192, 256)] + [("bf16", 256, 1024), ("bf16", 256, 2048),
-                                                                ("fp16", 256, 512), ("fp16", 256, 2048)]
+POINTS = [("bf16", d, 512, True) for d in (64, 96, 128, 192, 256)] + [
+    ("bf16", 256, 1024, True), ("bf16", 256, 2048, True), ("fp16", 256, 512, True), ("fp16", 256, 2048, True)]
 
 
 def _interleaved(fns, n):
@@ -72,12 +72,11 @@ def main(argv=None) -> int:
 
     waves = [float(w) for w in args.waves.split(",")]
     default_waves = getattr(core, args.knob)
-    points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), x.endswith(":nc"))
+    points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), not x.endswith(":nc"))
                                               for x in args.points.split(",")]
     gpu = torch.cuda.get_device_name()
     rows = []
-    for dt, d, s, *nc in points:
-        causal = not (nc and nc[0])
+    for dt, d, s, causal in points:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float16
         b, h = 16384 // s, 2048 // d
         q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda") for _ in range(3))

@@ -266,7 +266,8 @@ def kv_reg_steps(params: dict) -> tuple:
     of V (consumer 1) the role tiles' consumers hold in registers across blocks (4 registers each per
     thread) and issue as RS-WGMMA in their S^T = K Q^T and dP^T = V dO^T GEMMs. Those GEMMs have
     N = block_m = 64: as SS-WGMMA they read A and B from shared memory at its full bandwidth
-    (128 B/clk), which the role tiles are bound by; every k-step held halves that k-step's reads.
+    (128 B/clk), which the role tiles share with their other traffic; every k-step held halves that
+    k-step's reads (H200: +1 % at head_dim 256, up to +2.5 % at 192; docs/results/bwd_kv_regs/).
     (0, 0): not a role tile, or a head_dim not in KV_REG_STEPS. The bound is the consumers'
     registers: at head_dim 256 dK or dV's 128 beside S^T's or dP^T's 32 leave room for 5 of the 16
     k-steps (6 in either consumer spilled, 8 serialized the WGMMAs); at head_dim 192 (96) all 12 fit."""
