@@ -494,6 +494,7 @@ class _BwdPlan(NamedTuple):
     pre_rows: int  # query rows per CTA of the preprocess (generator/families/bwd.py pre_rows_per_cta)
     bulk_dq: bool  # dQ added by the reducer warp's bulk reductions (bwd.py resources; every default tile)
     pairs: bool  # ds_pairs: the main kernel runs as 2-CTA clusters of key blocks (bwd.py resources, bwd.cu.j2 kPairs)
+    split_tail: bool  # the main kernel can split its grid's last wave (bwd.py split_tail, bwd.cu.j2 kSplitTail)
 
 
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
@@ -535,7 +536,7 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
         res = _BWD_FAMILY.resources(p)
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
                         p["block_m"], p["block_n"], pad, pad // p["slice"], launch.num_sms(device),
-                        pre_rows_per_cta(p), res["bulk_dq"], res["ds_pairs"])
+                        pre_rows_per_cta(p), res["bulk_dq"], res["ds_pairs"], res["split_tail"])
         _bwd_plans[key] = plan
     return plan
 
@@ -599,6 +600,44 @@ def _unordered_tail(plan: _BwdPlan, deterministic: bool, ordered_default: bool, 
     return min(groups, max(1, math.ceil(waves * plan.sms / per_group)))
 
 
+# The split tail (bwd.cu.j2 kSplitTail): in calls that are not deterministic and have no mask on whole
+# blocks (not causal, no window), at block_n 128, the main grid's last partial wave of units (CTAs, one
+# per SM) runs as P pieces per unit over equal parts of its query blocks, their dK / dV partial sums
+# added by the unit's last piece. P minimises the modelled time of the tail: ceil(units * P / SMs)
+# rounds of (blocks / P + SPLIT_TAIL_OVERHEAD_BLOCKS), the second term a piece's start-up and
+# partial-sum hand-off in query-block times; P = 1 (no split) unless it gains. At most
+# SPLIT_TAIL_MAX_PIECES pieces per unit and SPLIT_TAIL_MAX_ROUNDS rounds of the SMs (the workspace
+# holds units x P partial dK / dV tiles: at most MAX_ROUNDS x SMs of them).
+SPLIT_TAIL_OVERHEAD_BLOCKS = 2.0
+SPLIT_TAIL_MAX_PIECES = 16
+SPLIT_TAIL_MAX_ROUNDS = 2
+
+
+def _split_applies(plan: _BwdPlan, mask: MaskSpec, deterministic: bool) -> bool:
+    """Whether a call may split its tail: a variant that can (bwd.py split_tail: block_n 128, no causal
+    or local mask), a call that is not deterministic (whose dQ additions are ordered by key block)."""
+    return plan.split_tail and not (deterministic or mask.causal or mask.local) and SPLIT_TAIL_MAX_PIECES >= 2
+
+
+def _split_tail(plan: _BwdPlan, mask: MaskSpec, deterministic: bool, units: int, blocks: int) -> tuple:
+    """(split_units, split_pieces) of the main grid (BwdParams; bwd.cu.j2 GridCta, kSplitTail):
+    ``units`` CTAs in the unsplit grid, each ``blocks`` iterations (query blocks times the GQA group);
+    (0, 1) where the split does not apply (deterministic, causal, local, the role tiles) or gains
+    nothing under the model above."""
+    if not _split_applies(plan, mask, deterministic) or blocks < 2:
+        return 0, 1
+    tail = units % plan.sms
+    if tail == 0:
+        return 0, 1
+    best, best_p = blocks + SPLIT_TAIL_OVERHEAD_BLOCKS, 1
+    for pieces in range(2, min(SPLIT_TAIL_MAX_PIECES, blocks) + 1):
+        rounds = -(-tail * pieces // plan.sms)
+        t = rounds * (blocks / pieces + SPLIT_TAIL_OVERHEAD_BLOCKS)
+        if t < best and rounds <= SPLIT_TAIL_MAX_ROUNDS:
+            best, best_p = t, pieces
+    return (tail, best_p) if best_p > 1 else (0, 1)
+
+
 def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordered_default: bool = False) -> int:
     """BwdParams.deterministic: the order of the backward's fp32 dQ additions across key-block CTAs.
 
@@ -627,13 +666,17 @@ def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordere
     return 3 if num_n_blocks <= sms // 2 else 1
 
 
-def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int) -> tuple:
-    """(total bytes, offsets of lse_log2, dpsum, dq_accum, sem) of the backward's scratch memory:
-    fp32 (batch, heads, seqlen_q_pad) twice, fp32 (batch, heads, seqlen_q_pad, head_dim_padded),
-    int32 (batch, heads, num_m_blocks, num_slices); each region 256-byte aligned."""
+def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int, split: tuple = (0, 1)) -> tuple:
+    """(total bytes, offsets of lse_log2, dpsum, dq_accum, sem, split_tickets, split_parts) of the
+    backward's scratch memory: fp32 (batch, heads, seqlen_q_pad) twice, fp32 (batch, heads, seqlen_q_pad,
+    head_dim_padded), int32 (batch, heads, num_m_blocks, num_slices), int32 (split units), fp32 (split
+    units, pieces, 2, 2, 64 x slice) (``split``: _split_tail's); each region 256-byte aligned."""
     num_m = -(-seqlen_q // plan.block_m)
     rows = batch * heads * num_m * plan.block_m
-    sizes = (rows * 4, rows * 4, rows * plan.head_dim_padded * 4, batch * heads * num_m * plan.num_slices * 4)
+    units, pieces = split
+    slice_cols = plan.head_dim_padded // plan.num_slices
+    sizes = (rows * 4, rows * 4, rows * plan.head_dim_padded * 4, batch * heads * num_m * plan.num_slices * 4,
+             units * 4, units * pieces * 4 * 64 * slice_cols * 4)
     offs, off = [], 0
     for s in sizes:
         offs.append(off)
@@ -657,7 +700,20 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int
     mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
     d = head_dim if head_dim_v is None else max(head_dim, head_dim_v)
     plan = _bwd_plan(dtype, d, mask, softcap > 0, device, variant, seqlen_q)
-    return _bwd_workspace(plan, batch, seqlen_q, heads)[0]
+    # the split tail of a call that is not deterministic (a deterministic call uses less of it); without
+    # seqlen_k, room for any: fewer units than SMs, at most SPLIT_TAIL_MAX_ROUNDS x SMs pieces
+    if seqlen_k > 0:
+        split = _split_tail(plan, mask, False, _bwd_units(plan, batch, heads_k, seqlen_k),
+                            -(-seqlen_q // plan.block_m) * (heads // heads_k))
+    else:
+        split = (SPLIT_TAIL_MAX_ROUNDS * plan.sms, 1) if _split_applies(plan, mask, False) else (0, 1)
+    return _bwd_workspace(plan, batch, seqlen_q, heads, split)[0]
+
+
+def _bwd_units(plan: _BwdPlan, batch: int, heads_k: int, seqlen_k: int) -> int:
+    """The main grid's CTAs (units): key blocks (2-CTA clusters: rounded up to even) x slices x heads_k x batch."""
+    num_n = -(-seqlen_k // plan.block_n)
+    return (num_n + num_n % 2 if plan.pairs else num_n) * plan.num_slices * heads_k * batch
 
 
 def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
@@ -700,10 +756,13 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq)
     bm, bn = plan.block_m, plan.block_n
     num_m, num_n = -(-sq // bm), -(-sk // bn)
-    _, (o_lse, o_dpsum, o_acc, o_sem) = _bwd_workspace(plan, b, sq, h)
+    grid_n = num_n + num_n % 2 if plan.pairs else num_n  # 2-CTA clusters: an odd count gets an idle CTA (kPairs)
+    units = grid_n * plan.num_slices * hk * b
+    split_units, split_pieces = _split_tail(plan, mask, deterministic, units, num_m * (h // hk))
+    _, (o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts) = _bwd_workspace(plan, b, sq, h,
+                                                                           (split_units, split_pieces))
     w = int(workspace_ptr)
     ordered = _ordered_default(plan, mask, sk)
-    grid_n = num_n + num_n % 2 if plan.pairs else num_n  # 2-CTA clusters: an odd count gets an idle CTA (kPairs)
     params = {
         "o": out.ptr, "dout": dout.ptr, "lse": lse.ptr,
         "lse_log2": w + o_lse, "dpsum": w + o_dpsum, "dq_accum": w + o_acc, "sem": w + o_sem, "dq": dq.ptr,
@@ -716,10 +775,14 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
         "unordered_tail": _unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk),
+        "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
+        "split_parts": w + o_parts if split_units else 0, "split_tickets": w + o_tickets if split_units else 0,
     }
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
             _bshd_map(dv, 64))
-    launch.launch(plan.main, (grid_n, plan.num_slices * hk, b), maps, params, stream)
+    # the split tail's extra pieces in planes past the batch's (GridCta: the CTAs past the last piece idle)
+    extra = -(-split_units * (split_pieces - 1) // (grid_n * plan.num_slices * hk))
+    launch.launch(plan.main, (grid_n, plan.num_slices * hk, b + extra), maps, params, stream)
     launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
     return plan.variant

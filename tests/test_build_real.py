@@ -377,11 +377,14 @@ def test_real_bwd_deterministic_hand_off(real_bwd):
     global) beside the bulk additions, which is what lets the preprocess skip zeroing the
     accumulator; and each signal (red.release.gpu) carries one GPU-scope fence, its own release,
     with no fence.sc on top (the two changes together made the deterministic backward 1.05-1.26x
-    faster on an H100, docs/PERF.md)."""
+    faster on an H100, docs/PERF.md). A split tail's ticket (bwd.py split_tail: ptx.cuh take_ticket,
+    one atom.acq_rel.gpu) carries one fence too, and no fence.sc either."""
     proj, res, pick = real_bwd
     for v in pick:
         body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
         assert "UBLKCP.G.S " in body and "UBLKRED.G.S.ADD.F32" in body, v.name
         assert "MEMBAR.SC.GPU" not in body, v.name
         signals = len(re.findall(r"REDG\.E\.ADD\.S32\.STRONG\.GPU", body))
-        assert signals >= 1 and len(re.findall(r"MEMBAR\.ALL\.GPU", body)) == signals, v.name
+        tickets = len(re.findall(r"ATOMG\.E\.ADD\.S32\.STRONG\.GPU", body))
+        assert tickets == (1 if v.resources["split_tail"] else 0), v.name
+        assert signals >= 1 and len(re.findall(r"MEMBAR\.ALL\.GPU", body)) == signals + tickets, v.name

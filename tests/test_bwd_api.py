@@ -854,6 +854,49 @@ def test_core_backward_unordered_tail(bwd_core, monkeypatch):
     assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
 
 
+def test_core_backward_split_tail(bwd_core, monkeypatch):
+    """BwdParams.split_*: a non-causal call without a window that is not deterministic, at block_n 128,
+    runs its main grid's last partial wave (units % 132 SMs here) as split_pieces CTAs per unit, P
+    minimising core._split_tail's model; the grid's z grows by the planes the extra pieces need, the
+    workspace holds the tickets and the pieces' partial dK / dV (backward_workspace_bytes sizes it,
+    with or without seqlen_k), and none of it in deterministic, causal, local, role-tile calls or a
+    call whose units fill whole waves."""
+    assert (core.SPLIT_TAIL_OVERHEAD_BLOCKS, core.SPLIT_TAIL_MAX_PIECES, core.SPLIT_TAIL_MAX_ROUNDS) == (2.0, 16, 2)
+    # (b, seqlen, h, head_dim): units = key blocks x heads x batch; the last units % 132 split in P
+    for b, s, h, d, units, want in ((8, 2048, 16, 128, 2048, (68, 3)),   # 26 blocks of 80 rows: 2 rounds of 8.7
+                                    (8, 2048, 32, 64, 4096, (4, 16)),    # 16 blocks, 4 units: 16 pieces each
+                                    (2, 1000, 3, 128, 48, (48, 2)),      # fewer units than SMs
+                                    (2, 300, 2, 128, 12, (12, 5))):      # 5 blocks of 64 rows
+        variant, _ = _run_backward(b, s, s, h, h, d, d, False)
+        main = bwd_core.launches[-2]
+        p = main["params"]
+        assert (p["split_units"], p["split_pieces"]) == want, (b, s, h, d)
+        assert p["split_whole"] == units - want[0] and p["deterministic"] == 0
+        gx, gy, gz = main["grid"]
+        assert gx * gy * b == units and gz * gx * gy >= units + want[0] * (want[1] - 1) > (gz - 1) * gx * gy
+        assert p["split_tickets"] >= p["sem"] + 4 and p["split_parts"] >= p["split_tickets"] + 4 * want[0]
+        slice_cols = variant.params["slice"]
+        end = p["split_parts"] + want[0] * want[1] * 4 * 64 * slice_cols * 4
+        for sk in (s, None):
+            ws = core.backward_workspace_bytes(b, s, h, h, d, "bf16", False, 0, seqlen_k=sk)
+            assert end <= 0xA00000 + ws, sk
+        assert pre_zeroes_tickets(bwd_core.launches[-3], p)
+    for causal, det, d, s in ((False, True, 128, 2048), (True, False, 128, 2048), (False, False, 256, 2048),
+                              (False, False, 192, 2048), (False, False, 128, 128 * 33)):
+        _run_backward(4, s, s, 16 if s == 2048 else 1, 16 if s == 2048 else 1, d, d, causal, deterministic=det)
+        main = bwd_core.launches[-2]
+        assert (main["params"]["split_units"], main["params"]["split_pieces"]) == (0, 1), (causal, det, d, s)
+        assert main["grid"][2] == 4 and main["params"]["split_whole"] == main["grid"][0] * main["grid"][1] * 4
+    monkeypatch.setattr(core, "SPLIT_TAIL_MAX_PIECES", 1)
+    _run_backward(8, 2048, 2048, 16, 16, 128, 128, False)
+    assert bwd_core.launches[-2]["params"]["split_units"] == 0 and bwd_core.launches[-2]["grid"][2] == 8
+
+
+def pre_zeroes_tickets(pre, main_params) -> bool:
+    """The preprocess gets the same split parameters (its CTA (0, 0, 0) zeroes the tickets)."""
+    return all(pre["params"][k] == main_params[k] for k in ("split_units", "split_tickets"))
+
+
 def test_stage_dq_is_every_role_tile():
     """bwd.stage_dq (the template's kStageDq): the role tiles (head_dim 192 and 256), whose
     consumers' fp32 dQ halves (64 x head_dim / 2 floats) are exactly a ring tile's bytes; the
@@ -893,7 +936,8 @@ def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal):
     pad = -(-served // 64) * 64
     slices = pad // vp["slice"]
     bn = vp["block_n"]
-    assert p["num_slices"] == slices and main["grid"] == (-(-sk // bn), slices * hk, b)
+    extra = -(-p["split_units"] * (p["split_pieces"] - 1) // (-(-sk // bn) * slices * hk))  # the split tail's planes
+    assert p["num_slices"] == slices and main["grid"] == (-(-sk // bn), slices * hk, b + extra)
     boxes = {"q": vp["block_m"], "dout": vp["block_m"], "k": bn, "v": bn, "dk": 64, "dv": 64}
     for name, m in main["maps"].items():
         width = dv if name in ("v", "dout", "dv") else d
@@ -915,12 +959,13 @@ def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal):
 
 def test_core_backward_workspace_head_dim_v_defaults_to_head_dim(bwd_core):
     """Existing callers (no head_dim_v) get the workspace of head_dim's variant; a larger head_dim_v
-    selects (and sizes for) the larger variant."""
+    selects (and sizes for) the larger variant. (With seqlen_k: without it the block_n 128 variants
+    also reserve room for any split tail, test_core_backward_split_tail.)"""
     def ws(d, **kw):
-        return core.backward_workspace_bytes(2, 300, 4, 2, d, "bf16", False, 0, **kw)
+        return core.backward_workspace_bytes(2, 300, 4, 2, d, "bf16", False, 0, seqlen_k=300, **kw)
 
     assert ws(64) == ws(64, head_dim_v=64) == ws(64, head_dim_v=None)
-    assert ws(64, head_dim_v=256) == ws(256) > ws(64)
+    assert ws(64, head_dim_v=256) == ws(256) != ws(64)  # (hd64's holds its split tail: it may be the larger)
     assert ws(192, head_dim_v=64) == ws(192)
 
 

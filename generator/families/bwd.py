@@ -188,6 +188,11 @@ PARAMS = params_struct(
     ("window_left", "i32"),  # local variants: the forward's band (fwd.py); both >= 0
     ("window_right", "i32"),
     ("unordered_tail", "i32"),  # ordered default runs: the last (batch, head_k) groups of the main grid's launch order that run unordered, longest first (core._unordered_tail; bwd.cu.j2 GridCta); else 0
+    ("split_whole", "i32"),  # split tail (core._split_tail; bwd.cu.j2 kSplitTail): the main grid's units (CTAs of launch order) before the split ones
+    ("split_units", "i32"),  # the last units of the launch order, each run as split_pieces CTAs over parts of its query blocks; 0: none
+    ("split_pieces", "i32"),  # >= 1
+    ("split_parts", "ptr", "float*"),  # workspace (split_units, split_pieces, 2 consumers, 2 (dK, dV), 64 * slice): the pieces' fp32 partial sums
+    ("split_tickets", "ptr", "int*"),  # workspace (split_units,): pieces done per unit; zeroed by the preprocess
 )
 
 
@@ -274,6 +279,17 @@ def kv_reg_steps(params: dict) -> tuple:
     return KV_REG_STEPS.get(_pad64(params["head_dim"]), (0, 0)) if roles(params) else (0, 0)
 
 
+def split_tail(params: dict) -> bool:
+    """Whether the main kernel can run its grid's last partial wave split (the template's kSplitTail;
+    the runtime's core._split_tail picks per call): each unit of it as several CTAs over parts of its
+    query blocks, whose fp32 dK / dV partial sums the unit's last piece adds. The block_n 128 tiles
+    without a mask on whole blocks (not causal, not local: every unit the same length), except head_dim
+    64 with softcap, whose consumers spilled a register with the piece's start in the kernel (8 bytes)."""
+    causal, local = params.get("causal", False), params.get("local", False)
+    hd64_softcap = _pad64(params["head_dim"]) == 64 and params.get("softcap", False)
+    return not roles(params) and not causal and not local and not hd64_softcap
+
+
 def roles(params: dict) -> bool:
     """Whether the tile splits the consumers by role (block_n 64) rather than by key rows."""
     return int(params["block_n"]) == ROLES_BLOCK_N
@@ -315,7 +331,7 @@ class BwdFamily(Family):
         p = _pad64(params["head_dim"])
         staged, pairs = stage_dq(params), ds_pairs(params)
         return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
-                    ds_pairs=pairs, cluster=(2, 1, 1) if pairs else (1, 1, 1),
+                    ds_pairs=pairs, cluster=(2, 1, 1) if pairs else (1, 1, 1), split_tail=split_tail(params),
                     dq_buffers=dq_buffers,
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,

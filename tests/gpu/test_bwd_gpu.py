@@ -444,6 +444,41 @@ def test_backward_unordered_causal_tail_matches_reference(d, shape, waves, monke
     _tail_case(d, shape, "UNORDERED_CAUSAL_TAIL_WAVES", waves, monkeypatch)
 
 
+@pytest.mark.parametrize("d,shape", [(64, (1, 700, 900, 4, 4)), (96, (2, 1500, 1200, 3, 3)),
+                                     (128, (2, 1000, 1000, 6, 2)), (128, (1, 2100, 2050, 4, 2))],
+                         ids=["hd64_uneven_pieces", "hd96", "hd128_gqa3_mid_head", "hd128_block_m_80"])
+def test_backward_split_tail_matches_reference(d, shape):
+    """Non-causal calls that are not deterministic split their main grid's last partial wave
+    (core._split_tail, bwd.cu.j2 kSplitTail): each unit of it runs as P CTAs over parts of its query
+    blocks (pieces that start inside a query head's blocks with GQA, uneven pieces), whose fp32 dK / dV
+    partials the unit's last piece adds in piece order. Each shape here splits (asserted); the gradients
+    pass FA3's rule on NaN-poisoned buffers and a NaN workspace, and dK / dV carry the same bits in three
+    runs (the sum's order does not depend on which piece ends last)."""
+    from flashgen import core
+
+    dtype = torch.bfloat16
+    need_bwd(dtype, d, False)
+    b, sq, sk, h, hk = shape
+    plan = core._bwd_plan("bf16", d, core.mask_spec(False, (-1, -1), sq, sk), False, torch.cuda.current_device(),
+                          None, sq)
+    units = core._bwd_units(plan, b, hk, sk)
+    split = core._split_tail(plan, core.mask_spec(False, (-1, -1), sq, sk), False, units,
+                             -(-sq // plan.block_m) * (h // hk))
+    assert split[1] > 1 and split[0] == units % plan.sms, (split, units)
+    scale = d ** -0.5
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=31)
+    dout = randn(b, sq, h, d, dtype=dtype, seed=32)
+    out, lse = forward_out_lse(q, k, v, False, scale)
+    first = tuple(t.clone() for t in fg_backward(dout, q, k, v, out, lse, False, scale))
+    torch.cuda.synchronize()
+    check_bwd(q, k, v, dout, False, {f"split {split}": first}, scale)
+    for run in range(2):
+        again = fg_backward(dout, q, k, v, out, lse, False, scale)
+        torch.cuda.synchronize()
+        for name, a, a2 in (("dk", first[1], again[1]), ("dv", first[2], again[2])):
+            assert bitwise_equal(a, a2), f"run {run + 1}: {name} differs: {first_difference(a, a2)}"
+
+
 def _tail_case(d, shape, knob, waves, monkeypatch):
     """One causal backward, not deterministic, with core.<knob> = waves, checked as in check_bwd."""
     from flashgen import core

@@ -222,6 +222,15 @@ __device__ __forceinline__ void wait_flag_at_least(const int* flag, int target) 
   } while (v < target);
 }
 
+// old = *counter, *counter += 1, acquire and release (gpu scope): a ticket that publishes the writes this
+// thread has observed (its CTA's, after a barrier: the release is cumulative) and, to the one that
+// draws the last ticket, acquires the writes published by the earlier ones.
+__device__ __forceinline__ int take_ticket(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
 // *flag += n with release semantics (gpu scope): the signal half; the caller fences its prior writes.
 __device__ __forceinline__ void signal_flag(int* flag, int n = 1) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(n) : "memory");
