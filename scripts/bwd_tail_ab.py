@@ -6,7 +6,8 @@ Usage: python scripts/bwd_tail_ab.py [--waves 0,1,0.5] [--rounds 2] [--csv OUT.c
 --knob: the core constant the waves set (default UNORDERED_TAIL_WAVES, the ordered default's tail;
 UNORDERED_CAUSAL_TAIL_WAVES: the tail of causal calls that are unordered throughout, whose points
 are past the ordered bounds; ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS: the ds_pairs kernels' (head_dim 256) ordered
-default's bound on seqlen_k, the values in keys).
+default's bound on seqlen_k, the values in keys; SPLIT_TAIL_MAX_PIECES: the non-causal split tail, 1 = off,
+with :nc points).
 --points: dtype:head_dim:seqlen entries instead of the defaults below (causal; dtype:head_dim:seqlen:nc non-causal).
 --interleave N: instead of one do_bench per value, each round calls the values and the SDPA peers in
 turn, one call each, N times (the L2 flushed before each call, CUDA events around it), and takes each
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES",
-                    choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES", "ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS"))
+                    choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES", "ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS",
+                             "SPLIT_TAIL_MAX_PIECES"))
     ap.add_argument("--interleave", type=int, default=0, help="calls per value per round, interleaved (0: do_bench)")
     ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
     args = ap.parse_args(argv)
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
     from flashgen import bench, core
 
     waves = [float(w) for w in args.waves.split(",")]
+    if args.knob == "SPLIT_TAIL_MAX_PIECES":
+        waves = [int(w) for w in waves]
     default_waves = getattr(core, args.knob)
     points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), not x.endswith(":nc"))
                                               for x in args.points.split(",")]
