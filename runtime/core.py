@@ -608,9 +608,15 @@ def _unordered_tail(plan: _BwdPlan, deterministic: bool, ordered_default: bool, 
 # partial-sum hand-off in query-block times; P = 1 (no split) unless it gains. At most
 # SPLIT_TAIL_MAX_PIECES pieces per unit and SPLIT_TAIL_MAX_ROUNDS rounds of the SMs (the workspace
 # holds units x P partial dK / dV tiles: at most MAX_ROUNDS x SMs of them).
-SPLIT_TAIL_OVERHEAD_BLOCKS = 2.0
+SPLIT_TAIL_OVERHEAD_BLOCKS = 6.0
 SPLIT_TAIL_MAX_PIECES = 16
 SPLIT_TAIL_MAX_ROUNDS = 2
+
+
+# Unordered non-causal calls at block_n 128 with no more key blocks than query blocks visit the query
+# blocks rotated, key block n from query block n on (as the deterministic mode 3 does), so that the key
+# blocks of a (batch, head) add into different dQ tiles at a time, not all into the same one.
+ROTATE_UNORDERED = True
 
 
 def _split_applies(plan: _BwdPlan, mask: MaskSpec, deterministic: bool) -> bool:
@@ -775,6 +781,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
         "unordered_tail": _unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk),
+        "rotate": int(ROTATE_UNORDERED and not deterministic and not mask.causal and not mask.local
+                      and plan.block_n == 128 and num_n <= num_m),
         "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
         "split_parts": w + o_parts if split_units else 0, "split_tickets": w + o_tickets if split_units else 0,
     }

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES",
                     choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES", "ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS",
-                             "SPLIT_TAIL_MAX_PIECES"))
+                             "SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED"))
     ap.add_argument("--interleave", type=int, default=0, help="calls per value per round, interleaved (0: do_bench)")
     ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
     args = ap.parse_args(argv)
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     from flashgen import bench, core
 
     waves = [float(w) for w in args.waves.split(",")]
-    if args.knob == "SPLIT_TAIL_MAX_PIECES":
+    if args.knob in ("SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED"):
         waves = [int(w) for w in waves]
     default_waves = getattr(core, args.knob)
     points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), not x.endswith(":nc"))

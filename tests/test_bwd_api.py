@@ -861,7 +861,7 @@ def test_core_backward_split_tail(bwd_core, monkeypatch):
     workspace holds the tickets and the pieces' partial dK / dV (backward_workspace_bytes sizes it,
     with or without seqlen_k), and none of it in deterministic, causal, local, role-tile calls or a
     call whose units fill whole waves."""
-    assert (core.SPLIT_TAIL_OVERHEAD_BLOCKS, core.SPLIT_TAIL_MAX_PIECES, core.SPLIT_TAIL_MAX_ROUNDS) == (2.0, 16, 2)
+    assert (core.SPLIT_TAIL_OVERHEAD_BLOCKS, core.SPLIT_TAIL_MAX_PIECES, core.SPLIT_TAIL_MAX_ROUNDS) == (6.0, 16, 2)
     # (b, seqlen, h, head_dim): units = key blocks x heads x batch; the last units % 132 split in P
     for b, s, h, d, units, want in ((8, 2048, 16, 128, 2048, (68, 3)),   # 26 blocks of 80 rows: 2 rounds of 8.7
                                     (8, 2048, 32, 64, 4096, (4, 16)),    # 16 blocks, 4 units: 16 pieces each
@@ -890,6 +890,21 @@ def test_core_backward_split_tail(bwd_core, monkeypatch):
     monkeypatch.setattr(core, "SPLIT_TAIL_MAX_PIECES", 1)
     _run_backward(8, 2048, 2048, 16, 16, 128, 128, False)
     assert bwd_core.launches[-2]["params"]["split_units"] == 0 and bwd_core.launches[-2]["grid"][2] == 8
+
+
+def test_core_backward_rotate(bwd_core, monkeypatch):
+    """BwdParams.rotate: unordered non-causal calls at block_n 128 with no more key blocks than query
+    blocks (core.ROTATE_UNORDERED) visit the query blocks rotated; not deterministic calls (mode 3
+    rotates by itself), causal ones, the role tiles (head_dim 256), longer keys, or with the knob off."""
+    assert core.ROTATE_UNORDERED is True
+    for b, sq, sk, d, causal, det, want in ((2, 2048, 2048, 128, False, False, 1), (2, 300, 300, 64, False, False, 1),
+                                            (2, 300, 1000, 128, False, False, 0), (2, 2048, 2048, 128, False, True, 0),
+                                            (2, 2048, 2048, 128, True, False, 0), (2, 2048, 2048, 256, False, False, 0)):
+        _run_backward(b, sq, sk, 4, 2, d, d, causal, deterministic=det)
+        assert bwd_core.launches[-2]["params"]["rotate"] == want, (b, sq, sk, d, causal, det)
+    monkeypatch.setattr(core, "ROTATE_UNORDERED", False)
+    _run_backward(2, 2048, 2048, 4, 2, 128, 128, False)
+    assert bwd_core.launches[-2]["params"]["rotate"] == 0
 
 
 def pre_zeroes_tickets(pre, main_params) -> bool:

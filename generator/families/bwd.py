@@ -188,6 +188,7 @@ PARAMS = params_struct(
     ("window_left", "i32"),  # local variants: the forward's band (fwd.py); both >= 0
     ("window_right", "i32"),
     ("unordered_tail", "i32"),  # ordered default runs: the last (batch, head_k) groups of the main grid's launch order that run unordered, longest first (core._unordered_tail; bwd.cu.j2 GridCta); else 0
+    ("rotate", "i32"),  # unordered non-causal runs: key block n visits the query blocks from block n on, as mode 3 (core.ROTATE_UNORDERED)
     ("split_whole", "i32"),  # split tail (core._split_tail; bwd.cu.j2 kSplitTail): the main grid's units (CTAs of launch order) before the split ones
     ("split_units", "i32"),  # the last units of the launch order, each run as split_pieces CTAs over parts of its query blocks; 0: none
     ("split_pieces", "i32"),  # >= 1
