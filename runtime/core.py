@@ -613,10 +613,15 @@ SPLIT_TAIL_MAX_PIECES = 16
 SPLIT_TAIL_MAX_ROUNDS = 2
 
 
-# Unordered non-causal calls at block_n 128 with no more key blocks than query blocks visit the query
-# blocks rotated, key block n from query block n on (as the deterministic mode 3 does), so that the key
-# blocks of a (batch, head) add into different dQ tiles at a time, not all into the same one.
+# Unordered non-causal calls at block_n 128 with no more key blocks than query blocks and at least
+# ROTATE_UNORDERED_MIN_M_BLOCKS query blocks visit the query blocks rotated, key block n from query block
+# n on (as the deterministic mode 3 does), so that the key blocks of a (batch, head) add into different
+# dQ tiles at a time, not all into the same one. Measured on an H200 (bf16, FA3 protocol, the same
+# kernels rotated / not, interleaved, two runs; docs/results/bwd_split_tail/): hd128 16k (205 blocks)
+# 1.019 / 1.019, 8k (103) 1.007 / 1.003, 2k / 4k (26 / 52) 1.000-1.002; hd64 2k (16) 0.990 / 0.994, hd128
+# 1k (16) 0.996 / 0.997 (hd64 past 2k not measured).
 ROTATE_UNORDERED = True
+ROTATE_UNORDERED_MIN_M_BLOCKS = 64
 
 
 def _split_applies(plan: _BwdPlan, mask: MaskSpec, deterministic: bool) -> bool:
@@ -782,7 +787,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
         "unordered_tail": _unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk),
         "rotate": int(ROTATE_UNORDERED and not deterministic and not mask.causal and not mask.local
-                      and plan.block_n == 128 and num_n <= num_m),
+                      and plan.block_n == 128 and num_n <= num_m and num_m >= ROTATE_UNORDERED_MIN_M_BLOCKS),
         "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
         "split_parts": w + o_parts if split_units else 0, "split_tickets": w + o_tickets if split_units else 0,
     }

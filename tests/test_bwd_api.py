@@ -894,16 +894,20 @@ def test_core_backward_split_tail(bwd_core, monkeypatch):
 
 def test_core_backward_rotate(bwd_core, monkeypatch):
     """BwdParams.rotate: unordered non-causal calls at block_n 128 with no more key blocks than query
-    blocks (core.ROTATE_UNORDERED) visit the query blocks rotated; not deterministic calls (mode 3
-    rotates by itself), causal ones, the role tiles (head_dim 256), longer keys, or with the knob off."""
-    assert core.ROTATE_UNORDERED is True
-    for b, sq, sk, d, causal, det, want in ((2, 2048, 2048, 128, False, False, 1), (2, 300, 300, 64, False, False, 1),
-                                            (2, 300, 1000, 128, False, False, 0), (2, 2048, 2048, 128, False, True, 0),
-                                            (2, 2048, 2048, 128, True, False, 0), (2, 2048, 2048, 256, False, False, 0)):
+    blocks and at least ROTATE_UNORDERED_MIN_M_BLOCKS query blocks (core.ROTATE_UNORDERED) visit the
+    query blocks rotated; not deterministic calls (mode 3 rotates by itself), causal ones, the role tiles
+    (head_dim 256), longer keys, fewer query blocks, or with the knob off."""
+    assert core.ROTATE_UNORDERED is True and core.ROTATE_UNORDERED_MIN_M_BLOCKS == 64
+    for b, sq, sk, d, causal, det, want in ((2, 8192, 8192, 128, False, False, 1), (2, 8192, 8192, 64, False, False, 1),
+                                            (2, 5120, 5120, 128, False, False, 1),  # 64 blocks of 80 rows
+                                            (2, 5040, 5040, 128, False, False, 0),  # 63
+                                            (2, 2048, 2048, 128, False, False, 0), (2, 300, 300, 64, False, False, 0),
+                                            (2, 5120, 9000, 128, False, False, 0), (2, 8192, 8192, 128, False, True, 0),
+                                            (2, 8192, 8192, 128, True, False, 0), (2, 8192, 8192, 256, False, False, 0)):
         _run_backward(b, sq, sk, 4, 2, d, d, causal, deterministic=det)
         assert bwd_core.launches[-2]["params"]["rotate"] == want, (b, sq, sk, d, causal, det)
     monkeypatch.setattr(core, "ROTATE_UNORDERED", False)
-    _run_backward(2, 2048, 2048, 4, 2, 128, 128, False)
+    _run_backward(2, 8192, 8192, 4, 2, 128, 128, False)
     assert bwd_core.launches[-2]["params"]["rotate"] == 0
 
 
@@ -1015,8 +1019,9 @@ def test_core_backward_long_rows_take_block_m_80(bwd_core, sq):
     ws = core.backward_workspace_bytes(b, sq, h, h, 128, "bf16", False, 0)
     p = main["params"]
     assert p["sem"] - p["dq_accum"] >= b * h * num_m * bm * 128 * 4 and p["sem"] + b * h * num_m * 4 <= 0xA00000 + ws
-    assert ws == core._bwd_workspace(core._bwd_plan("bf16", 128, core.mask_spec(False, (-1, -1), sq, 1000), False, 0,
-                                                    None, sq), b, sq, h)[0]
+    plan = core._bwd_plan("bf16", 128, core.mask_spec(False, (-1, -1), sq, 1000), False, 0, None, sq)
+    # without seqlen_k: room for any split tail (SPLIT_TAIL_MAX_ROUNDS x SMs pieces)
+    assert ws == core._bwd_workspace(plan, b, sq, h, (core.SPLIT_TAIL_MAX_ROUNDS * plan.sms, 1))[0]
     for d, causal in ((128, True), (64, False), (256, False)):
         other, _ = _run_backward(b, sq, 1000, h, h, d, d, causal)
         assert other.default and other.params["block_m"] != 80, (d, causal)

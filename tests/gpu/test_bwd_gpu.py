@@ -445,15 +445,19 @@ def test_backward_unordered_causal_tail_matches_reference(d, shape, waves, monke
 
 
 @pytest.mark.parametrize("d,shape", [(64, (1, 700, 900, 4, 4)), (96, (2, 1500, 1200, 3, 3)),
-                                     (128, (2, 1000, 1000, 6, 2)), (128, (1, 2100, 2050, 4, 2))],
-                         ids=["hd64_uneven_pieces", "hd96", "hd128_gqa3_mid_head", "hd128_block_m_80"])
+                                     (128, (2, 1000, 1000, 6, 2)), (128, (1, 2100, 2050, 4, 2)),
+                                     (128, (1, 5200, 5100, 4, 2)), (64, (1, 8300, 8200, 2, 1))],
+                         ids=["hd64_uneven_pieces", "hd96", "hd128_gqa3_mid_head", "hd128_block_m_80",
+                              "hd128_rotated_gqa2", "hd64_rotated"])
 def test_backward_split_tail_matches_reference(d, shape):
     """Non-causal calls that are not deterministic split their main grid's last partial wave
     (core._split_tail, bwd.cu.j2 kSplitTail): each unit of it runs as P CTAs over parts of its query
     blocks (pieces that start inside a query head's blocks with GQA, uneven pieces), whose fp32 dK / dV
     partials the unit's last piece adds in piece order. Each shape here splits (asserted); the gradients
     pass FA3's rule on NaN-poisoned buffers and a NaN workspace, and dK / dV carry the same bits in three
-    runs (the sum's order does not depend on which piece ends last)."""
+    runs (the sum's order does not depend on which piece ends last). The last two shapes have at least
+    core.ROTATE_UNORDERED_MIN_M_BLOCKS query blocks, so their key blocks also visit the query blocks
+    rotated (BwdParams.rotate; with GQA the producer's head steps inside rotated, split pieces)."""
     from flashgen import core
 
     dtype = torch.bfloat16
@@ -465,6 +469,8 @@ def test_backward_split_tail_matches_reference(d, shape):
     split = core._split_tail(plan, core.mask_spec(False, (-1, -1), sq, sk), False, units,
                              -(-sq // plan.block_m) * (h // hk))
     assert split[1] > 1 and split[0] == units % plan.sms, (split, units)
+    rotated = -(-sq // plan.block_m) >= core.ROTATE_UNORDERED_MIN_M_BLOCKS and -(-sk // 128) <= -(-sq // plan.block_m)
+    assert rotated == (sq > 5000), (sq, plan.block_m)
     scale = d ** -0.5
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=31)
     dout = randn(b, sq, h, d, dtype=dtype, seed=32)
