@@ -714,17 +714,28 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int
     # the split tail of a call that is not deterministic (a deterministic call uses less of it); without
     # seqlen_k, room for any: fewer units than SMs, at most SPLIT_TAIL_MAX_ROUNDS x SMs pieces
     if seqlen_k > 0:
-        split = _split_tail(plan, mask, False, _bwd_units(plan, batch, heads_k, seqlen_k),
-                            -(-seqlen_q // plan.block_m) * (heads // heads_k))
+        split = _call_split(plan, mask, False, batch, seqlen_q, heads, heads_k, seqlen_k)
     else:
         split = (SPLIT_TAIL_MAX_ROUNDS * plan.sms, 1) if _split_applies(plan, mask, False) else (0, 1)
     return _bwd_workspace(plan, batch, seqlen_q, heads, split)[0]
 
 
-def _bwd_units(plan: _BwdPlan, batch: int, heads_k: int, seqlen_k: int) -> int:
-    """The main grid's CTAs (units): key blocks (2-CTA clusters: rounded up to even) x slices x heads_k x batch."""
+def _bwd_grid_n(plan: _BwdPlan, seqlen_k: int) -> int:
+    """The main grid's x: key blocks (2-CTA clusters, kPairs: an odd count gets an idle CTA)."""
     num_n = -(-seqlen_k // plan.block_n)
-    return (num_n + num_n % 2 if plan.pairs else num_n) * plan.num_slices * heads_k * batch
+    return num_n + num_n % 2 if plan.pairs else num_n
+
+
+def _bwd_units(plan: _BwdPlan, batch: int, heads_k: int, seqlen_k: int) -> int:
+    """The main grid's CTAs (units) without a split tail: its x times slices x heads_k x batch."""
+    return _bwd_grid_n(plan, seqlen_k) * plan.num_slices * heads_k * batch
+
+
+def _call_split(plan: _BwdPlan, mask: MaskSpec, deterministic: bool, batch: int, seqlen_q: int, heads: int,
+                heads_k: int, seqlen_k: int) -> tuple:
+    """_split_tail of one call: its units, each (query blocks x the GQA group) iterations."""
+    return _split_tail(plan, mask, deterministic, _bwd_units(plan, batch, heads_k, seqlen_k),
+                       -(-seqlen_q // plan.block_m) * (heads // heads_k))
 
 
 def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
@@ -767,9 +778,9 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq)
     bm, bn = plan.block_m, plan.block_n
     num_m, num_n = -(-sq // bm), -(-sk // bn)
-    grid_n = num_n + num_n % 2 if plan.pairs else num_n  # 2-CTA clusters: an odd count gets an idle CTA (kPairs)
-    units = grid_n * plan.num_slices * hk * b
-    split_units, split_pieces = _split_tail(plan, mask, deterministic, units, num_m * (h // hk))
+    grid_n = _bwd_grid_n(plan, sk)
+    units = _bwd_units(plan, b, hk, sk)
+    split_units, split_pieces = _call_split(plan, mask, deterministic, b, sq, h, hk, sk)
     _, (o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts) = _bwd_workspace(plan, b, sq, h,
                                                                            (split_units, split_pieces))
     w = int(workspace_ptr)
