@@ -70,7 +70,7 @@
 #                                          scripts/bwd_tail_ab.py (WAVES, default 0,1,0.5; ROUNDS, default 2; TAIL_ARGS: more of its
 #                                          arguments, e.g. --knob/--points) twice, its
 #                                          table printed last
-#   bash scripts/device_check.sh probe     per-CTA clock64 records of the backward main kernel (PATCH, PROBE_FILTER, PROBE_POINTS;
+#   bash scripts/device_check.sh probe     per-CTA clock64 records of the backward main kernel (PATCH, PROBE_FILTER, PROBE_POINTS, PROBE_SCRIPT;
 #                                          raw CSVs under $OUT), after the backward bench of BWD_ARGS twice if set
 #   bash scripts/device_check.sh split     the backward's time per kernel (pre, main, post) at FA3-protocol points, default then
 #                                          deterministic (scripts/bwd_split.py; HEAD_DIMS, SEQLENS, DTYPES as bwd)
@@ -187,7 +187,8 @@ tail)
   ;;
 probe)
   # PATCH (default docs/results/bwd_4k/cta_probe.patch) applied, PROBE_FILTER (default the bf16 hd256 causal backward
-  # and forward) rebuilt with it, docs/results/bwd_persistent/bwd_cta_probe.py over PROBE_POINTS (head_dim,seqlen,causal
+  # and forward) rebuilt with it, PROBE_SCRIPT (default docs/results/bwd_persistent/bwd_cta_probe.py, the role tiles;
+  # docs/results/bwd_n128_probe/ has the block_n 128 patch and script) over PROBE_POINTS (head_dim,seqlen,causal
   # ...), the raw records under $OUT; then the patch reverted and the same kernels rebuilt without it. Before it:
   # the bench of BWD_ARGS (if set) on the unpatched build, twice, with SDPA peers.
   if [ -n "${BWD_ARGS:-}" ]; then
@@ -201,7 +202,7 @@ probe)
   pt=${PATCH:-docs/results/bwd_4k/cta_probe.patch}
   git apply "$pt" || patch -p1 < "$pt" || exit 3
   flashgen build --filter "$pf" -j "$(nproc)" 2>&1 | tail -1
-  PROBE_DUMP=$out FLASHGEN_TUNE_TABLE=off timeout ${PROBE_TIMEOUT:-200} python3 docs/results/bwd_persistent/bwd_cta_probe.py \
+  PROBE_DUMP=$out FLASHGEN_TUNE_TABLE=off timeout ${PROBE_TIMEOUT:-200} python3 ${PROBE_SCRIPT:-docs/results/bwd_persistent/bwd_cta_probe.py} \
     ${PROBE_POINTS:-256,2048,1 256,4096,1 256,16384,1} 2>&1 | tee "$out/probe.txt"
   git apply -R "$pt" || patch -R -p1 < "$pt"
   flashgen build --filter "$pf" -j "$(nproc)" 2>&1 | tail -1
