@@ -21,31 +21,13 @@ import os
 import statistics as st
 import sys
 
-import torch
-
-import flashgen
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bwd_persistent"))
+from bwd_cta_probe import run_backward  # noqa: E402  (the same four calls as the role tiles' probe)
+import torch  # noqa: E402
 
 
 def point(hd, seqlen, causal):
-    b, h = 16384 // seqlen, 2048 // hd
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(b, seqlen, h, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    with torch.no_grad():
-        out, lse = flashgen.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    dout = torch.randn_like(out)
-    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    res = []
-    for _ in range(4):
-        dq.zero_()
-        flush.zero_()
-        ev[0].record()
-        flashgen.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=hd ** -0.5, causal=causal,
-                                     deterministic=False, stream=torch.cuda.current_stream(), dq=dq, dk=dk, dv=dv)
-        ev[1].record()
-        torch.cuda.synchronize()
-        res.append(ev[0].elapsed_time(ev[1]) * 1000)
+    res, dq = run_backward(hd, seqlen, causal)
     recs = dq.view(torch.int64).flatten()
     recs = recs[: recs.numel() // 16 * 16].view(-1, 16).cpu().tolist()
     r = [x for x in recs if x[1] != 0]  # CTAs that ran (the rest of dq stays zero)
