@@ -714,7 +714,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int
     # the split tail of a call that is not deterministic (a deterministic call uses less of it); without
     # seqlen_k, room for any: fewer units than SMs, at most SPLIT_TAIL_MAX_ROUNDS x SMs pieces
     if seqlen_k > 0:
-        split = _call_split(plan, mask, False, batch, seqlen_q, heads, heads_k, seqlen_k)
+        split = _call_split(plan, mask, False, _bwd_units(plan, batch, heads_k, seqlen_k), seqlen_q, heads, heads_k)
     else:
         split = (SPLIT_TAIL_MAX_ROUNDS * plan.sms, 1) if _split_applies(plan, mask, False) else (0, 1)
     return _bwd_workspace(plan, batch, seqlen_q, heads, split)[0]
@@ -731,11 +731,10 @@ def _bwd_units(plan: _BwdPlan, batch: int, heads_k: int, seqlen_k: int) -> int:
     return _bwd_grid_n(plan, seqlen_k) * plan.num_slices * heads_k * batch
 
 
-def _call_split(plan: _BwdPlan, mask: MaskSpec, deterministic: bool, batch: int, seqlen_q: int, heads: int,
-                heads_k: int, seqlen_k: int) -> tuple:
-    """_split_tail of one call: its units, each (query blocks x the GQA group) iterations."""
-    return _split_tail(plan, mask, deterministic, _bwd_units(plan, batch, heads_k, seqlen_k),
-                       -(-seqlen_q // plan.block_m) * (heads // heads_k))
+def _call_split(plan: _BwdPlan, mask: MaskSpec, deterministic: bool, units: int, seqlen_q: int, heads: int,
+                heads_k: int) -> tuple:
+    """_split_tail of one call of ``units`` CTAs (_bwd_units), each (query blocks x the GQA group) iterations."""
+    return _split_tail(plan, mask, deterministic, units, -(-seqlen_q // plan.block_m) * (heads // heads_k))
 
 
 def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
@@ -780,7 +779,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     num_m, num_n = -(-sq // bm), -(-sk // bn)
     grid_n = _bwd_grid_n(plan, sk)
     units = _bwd_units(plan, b, hk, sk)
-    split_units, split_pieces = _call_split(plan, mask, deterministic, b, sq, h, hk, sk)
+    split_units, split_pieces = _call_split(plan, mask, deterministic, units, sq, h, hk)
     _, (o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts) = _bwd_workspace(plan, b, sq, h,
                                                                            (split_units, split_pieces))
     w = int(workspace_ptr)

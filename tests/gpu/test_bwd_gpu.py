@@ -466,7 +466,7 @@ def test_backward_split_tail_matches_reference(d, shape):
     plan = core._bwd_plan("bf16", d, core.mask_spec(False, (-1, -1), sq, sk), False, torch.cuda.current_device(),
                           None, sq)
     units = core._bwd_units(plan, b, hk, sk)
-    split = core._call_split(plan, core.mask_spec(False, (-1, -1), sq, sk), False, b, sq, h, hk, sk)
+    split = core._call_split(plan, core.mask_spec(False, (-1, -1), sq, sk), False, units, sq, h, hk)
     assert split[1] > 1 and split[0] == units % plan.sms, (split, units)
     rotated = -(-sq // plan.block_m) >= core.ROTATE_UNORDERED_MIN_M_BLOCKS and -(-sk // 128) <= -(-sq // plan.block_m)
     assert rotated == (sq > 5000), (sq, plan.block_m)
