@@ -57,6 +57,10 @@ def point(hd, seqlen, causal):
           f" ~{(g1 - g0) / 1000:.1f} us, {len(r)} CTAs ({len(whole)} whole units) on {nsm} SMs, clock {ghz:.3f} GHz")
     print(f"  SM busy (entry..last event) {us(busy) / nsm:.1f} us per SM")
     print(f"  entry -> K, V, first Q / dO landed: {f([us(max(x[2], x[3]) - x[1]) for x in whole])}")
+    # (cta_probe_n128_v2.patch: landed0 = K, the first Q and LSE; landed1 = V and the first dO, consumer 1's
+    # first-block wait; cta_probe_n128.patch: both = all of them)
+    print(f"  entry -> landed0 (v2: K + first Q): {f([us(x[2] - x[1]) for x in whole])}")
+    print(f"  entry -> landed1 (v2: V + first dO): {f([us(x[3] - x[1]) for x in whole])}")
     print(f"  per iteration (landed -> loop end): {f([us(max(x[4], x[5]) - max(x[2], x[3])) / x[9] for x in whole])}")
     print(f"  consumers' loop-end skew: {f([us(abs(x[4] - x[5])) for x in whole])}")
     print(f"  loop end -> dK / dV stores complete: {f([us(max(x[6], x[7]) - max(x[4], x[5])) for x in whole])}")
