@@ -11,6 +11,10 @@ PROBE_FILTER='bwd_bf16_hd128_*,bwd_bf16_hd64_*'). Each main CTA writes 16 uint64
   11 split unit (-1: a whole unit; else a split tail piece), 12 the reducer warp's last reductions complete,
   13 globaltimer at consumer 0's stores complete, 14 K/V head, 15 batch.
 
+cta_probe_n128_v3.patch (PROBE_SLOTS=24) adds, as clock64: 16 the producer's thread 0 past the barriers' init and
+its setmaxnreg, 17 K, the first Q, V and the first dO issued, 18 the producer's grid dependency met, 19 consumer 0's
+registers granted, 20 consumer 0's grid dependency met, 21 K and the first Q landed (before the LSE wait).
+
     FLASHGEN_TUNE_TABLE=off python3 bwd_n128_probe.py 128,512,0 128,2048,0 ...   (head_dim,seqlen,causal)
 
 Per point (FA3 protocol: 16k tokens, hidden 2048, bf16): medians, means and sums per SM of each phase in us over
@@ -26,15 +30,19 @@ from bwd_cta_probe import run_backward  # noqa: E402  (the same four calls as th
 import torch  # noqa: E402
 
 
+SLOTS = int(os.environ.get("PROBE_SLOTS", "16"))  # 24 with cta_probe_n128_v3.patch
+
+
 def point(hd, seqlen, causal):
     res, dq = run_backward(hd, seqlen, causal)
     recs = dq.view(torch.int64).flatten()
-    recs = recs[: recs.numel() // 16 * 16].view(-1, 16).cpu().tolist()
+    recs = recs[: recs.numel() // SLOTS * SLOTS].view(-1, SLOTS).cpu().tolist()
     r = [x for x in recs if x[1] != 0]  # CTAs that ran (the rest of dq stays zero)
     if os.environ.get("PROBE_DUMP"):
         with open(os.path.join(os.environ["PROBE_DUMP"], f"probe_n128_hd{hd}_{seqlen}_{int(causal)}.csv"), "w") as fh:
             fh.write("smid,clk_entry,landed0,landed1,loop_end0,loop_end1,drained0,drained1,gt_entry,iters,n_block,"
-                     "unit,reduced,gt_drained0,head_k,batch\n")
+                     "unit,reduced,gt_drained0,head_k,batch" +
+                     (",setup,issued,dep_producer,regs_consumer0,dep_consumer0,k_q_landed" if SLOTS == 24 else "") + "\n")
             fh.writelines(",".join(map(str, x)) + "\n" for x in r)
     whole = [x for x in r if x[9] > 0 and x[11] < 0]
     rates = [(x[6] - x[1]) / (x[13] - x[8]) for x in whole if x[13] - x[8] > 5000]
@@ -61,6 +69,11 @@ def point(hd, seqlen, causal):
     # first-block wait; cta_probe_n128.patch: both = all of them)
     print(f"  entry -> landed0 (v2: K + first Q): {f([us(x[2] - x[1]) for x in whole])}")
     print(f"  entry -> landed1 (v2: V + first dO): {f([us(x[3] - x[1]) for x in whole])}")
+    if SLOTS == 24:
+        for name, i in (("barriers + setmaxnreg (producer)", 16), ("K, Q, V, dO issued", 17),
+                        ("producer's grid dependency met", 18), ("consumer 0's registers granted", 19),
+                        ("consumer 0's grid dependency met", 20), ("K + first Q landed (no LSE)", 21)):
+            print(f"  entry -> {name}: {f([us(x[i] - x[1]) for x in whole])}")
     print(f"  per iteration (landed -> loop end): {f([us(max(x[4], x[5]) - max(x[2], x[3])) / x[9] for x in whole])}")
     print(f"  consumers' loop-end skew: {f([us(abs(x[4] - x[5])) for x in whole])}")
     print(f"  loop end -> dK / dV stores complete: {f([us(max(x[6], x[7]) - max(x[4], x[5])) for x in whole])}")
