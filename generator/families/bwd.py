@@ -45,9 +45,10 @@ leaves, init their barriers and load their K and V block with the first query bl
 K's and V's barriers; the consumers' first S^T GEMM waits for K and Q only) while ``pre`` finishes,
 and wait (``cudaGridDependencySynchronize``: ``pre`` complete, its writes visible) before anything
 that reads what ``pre`` writes (LSE, dPsum, the semaphores, the accumulator); ``post`` waits likewise
-before it reads the accumulator. (A block_n 128 CTA's start, entry to its first K and Q landed, is
-still 1.8-2.3 us at head_dim 128 on an H200: docs/results/bwd_n128_probe/.) Each kernel's completion therefore still follows the one before it. Measured
-on an H200: +0.7-0.9 % at seqlen 512 for head_dim 64 / 128 (3-4 us a call), level elsewhere.
+before it reads the accumulator. Each kernel's completion therefore still follows the one before it.
+Measured on an H200: +0.7-0.9 % at seqlen 512 for head_dim 64 / 128 (3-4 us a call), level elsewhere.
+(A block_n 128 CTA's start, entry to its first K and Q landed, is still 1.8-2.3 us at head_dim 128
+on an H200: docs/results/bwd_n128_probe/.)
 
 Masks and softcap, as in the forward family: ``causal`` or ``local`` (a band with runtime
 bounds: sliding windows; a CTA visits only the query blocks its key block's band reaches),
