@@ -47,8 +47,10 @@ and wait (``cudaGridDependencySynchronize``: ``pre`` complete, its writes visibl
 that reads what ``pre`` writes (LSE, dPsum, the semaphores, the accumulator); ``post`` waits likewise
 before it reads the accumulator. Each kernel's completion therefore still follows the one before it.
 Measured on an H200: +0.7-0.9 % at seqlen 512 for head_dim 64 / 128 (3-4 us a call), level elsewhere.
-(A block_n 128 CTA's start, entry to its first K and Q landed, is still 1.8-2.3 us at head_dim 128
-on an H200: docs/results/bwd_n128_probe/.)
+The block_n 128 tiles issue those loads in the prologue, right after K's and V's barriers are
+initialised (before the CTA barrier and setmaxnreg); a CTA's start, entry to its first K and Q
+landed, is then 1.6-2.1 us at head_dim 128 on an H200, 0.3-0.5 us less than when the producer
+issued them (docs/results/bwd_prologue_issue/).
 
 Masks and softcap, as in the forward family: ``causal`` or ``local`` (a band with runtime
 bounds: sliding windows; a CTA visits only the query blocks its key block's band reaches),
