@@ -338,6 +338,20 @@ def test_real_bwd_compiles_without_spills_and_uses_wgmma_and_tma(real_bwd):
         assert "ACQBULK" in ops[v.symbol("post")]
 
 
+def test_real_bwd_first_loads_issued_before_the_cta_barrier(real_bwd):
+    """The block_n 128 tiles issue K, V and the first Q / dO in the prologue (templates/bwd.cu.j2
+    issue_kv: thread 0, right after their barriers' init), so the main kernel's first UTMALDG comes
+    before its CTA barrier (BAR.SYNC 0x0) and before any USETMAXREG: issued by the producer after
+    those, they left about 1 us after a CTA's entry (H200, docs/results/bwd_prologue_issue). The role
+    tiles (block_n 64) issue them in the producer, after the barrier."""
+    proj, res, pick = real_bwd
+    for v in pick:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        first_load = body.index("UTMALDG")
+        barrier = re.search(r"BAR\.SYNC(?:\.DEFER_BLOCKING)? 0x0 ;", body).start()
+        assert (first_load < barrier and first_load < body.index("USETMAXREG")) == (v.params["block_n"] == 128), v.name
+
+
 def test_real_bwd_role_tiles_bulk_reduce_dq(real_bwd):
     """The role tiles (head_dim 192 and 256) stage each consumer's dQ half for the reducer warp's
     bulk reductions: the main kernel has no fp32 vector reductions (REDG ...F32x4, the consumers'
