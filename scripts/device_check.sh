@@ -72,6 +72,12 @@
 #                                          table printed last
 #   bash scripts/device_check.sh probe     per-CTA clock64 records of the backward main kernel (PATCH, PROBE_FILTER, PROBE_POINTS, PROBE_SCRIPT;
 #                                          raw CSVs under $OUT), after the backward bench of BWD_ARGS twice if set
+#   bash scripts/device_check.sh patchab   backward A/B of PATCHES (space-separated patch files, e.g. docs/results/bwd_end_overlap/
+#                                          *.patch) against this tree, one build (no .base): each patch's bwd GPU tests (TESTS_K,
+#                                          default 'determin or bwd or grad'; TEST_PATCHES: which patches, default the last), then the bench
+#                                          of the tree and of each patch in turn, twice (SEQLENS, HEAD_DIMS, DTYPES, BWD_ARGS as
+#                                          bwd; PATCH_FILTER rebuilt per patch, from the cache after the first round), one
+#                                          bwd_compare.py table per patch (old = the tree)
 #   bash scripts/device_check.sh split     the backward's time per kernel (pre, main, post) at FA3-protocol points, default then
 #                                          deterministic (scripts/bwd_split.py; HEAD_DIMS, SEQLENS, DTYPES as bwd)
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
@@ -206,6 +212,38 @@ probe)
     ${PROBE_POINTS:-256,2048,1 256,4096,1 256,16384,1} 2>&1 | tee "$out/probe.txt"
   git apply -R "$pt" || patch -R -p1 < "$pt"
   flashgen build --filter "$pf" -j "$(nproc)" 2>&1 | tail -1
+  ;;
+patchab)
+  pf=${PATCH_FILTER:-bwd_*}
+  with_patch() {  # $1: a patch or "" (the tree); the rest: the command, run with its kernels built
+    local pt=$1 rc
+    shift
+    if [ -n "$pt" ]; then git apply "$pt" || exit 3; fi
+    flashgen build --filter "$pf" -j "$(nproc)" 2>&1 | grep -E "FAIL|spill bytes\)$" | grep -v " 0 spill" | head -3
+    "$@"; rc=$?
+    if [ -n "$pt" ]; then git apply -R "$pt" || exit 3; fi
+    return $rc
+  }
+  for p in ${TEST_PATCHES:-${PATCHES##* }}; do
+    with_patch "$p" timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu/test_bwd_gpu.py \
+      tests/gpu/test_features_gpu.py -k "${TESTS_K:-determin or bwd or grad}" > "$out/test_$(basename "$p" .patch).log" 2>&1
+    echo "tests with $p: $(grep -E "passed|failed" "$out/test_$(basename "$p" .patch).log" | tail -1)"
+  done
+  bw="--backward-only --seqlens ${SEQLENS:-512,1024,2048} --head-dims ${HEAD_DIMS:-64,128} --dtypes ${DTYPES:-bf16} --no-ablation --no-overhead --no-combine ${BWD_ARGS:-}"
+  for r in 1 2; do
+    for p in "" $PATCHES; do
+      name=$([ -n "$p" ] && basename "$p" .patch || echo tree)
+      with_patch "$p" timeout ${BENCH_TIMEOUT:-200} python3 -m flashgen.cli bench $bw --csv "$out/bwd_${name}_$r.csv" \
+        --png /tmp/b.png > "$out/bench_${name}_$r.log" 2>&1
+      echo "$name run $r: rc $?"
+    done
+  done
+  for p in $PATCHES; do
+    name=$(basename "$p" .patch)
+    echo "## $name / tree"
+    python3 scripts/bwd_compare.py "$out/bwd_tree_1_bwd.csv" "$out/bwd_${name}_1_bwd.csv" "$out/bwd_tree_2_bwd.csv" \
+      "$out/bwd_${name}_2_bwd.csv" | tee "$out/compare_$name.md" | tail -1
+  done
   ;;
 split)
   for dt in ${DTYPES:-bf16}; do
