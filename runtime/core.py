@@ -495,6 +495,7 @@ class _BwdPlan(NamedTuple):
     bulk_dq: bool  # dQ added by the reducer warp's bulk reductions (bwd.py resources; every default tile)
     pairs: bool  # ds_pairs: the main kernel runs as 2-CTA clusters of key blocks (bwd.py resources, bwd.cu.j2 kPairs)
     split_tail: bool  # the main kernel can split its grid's last wave (bwd.py split_tail, bwd.cu.j2 kSplitTail)
+    persistent: bool  # the main kernel can run persistent (bwd.py persistent, bwd.cu.j2 kPersistent)
 
 
 _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent calls)
@@ -536,7 +537,8 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
         res = _BWD_FAMILY.resources(p)
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
                         p["block_m"], p["block_n"], pad, pad // p["slice"], launch.num_sms(device),
-                        pre_rows_per_cta(p), res["bulk_dq"], res["ds_pairs"], res["split_tail"])
+                        pre_rows_per_cta(p), res["bulk_dq"], res["ds_pairs"], res["split_tail"],
+                        res["persistent"])
         _bwd_plans[key] = plan
     return plan
 
@@ -622,6 +624,37 @@ SPLIT_TAIL_MAX_ROUNDS = 2
 # 1k (16) 0.996 / 0.997 (hd64 past 2k not measured).
 ROTATE_UNORDERED = True
 ROTATE_UNORDERED_MIN_M_BLOCKS = 64
+
+
+# The persistent backward grid (bwd.cu.j2 kPersistent; bwd.py persistent: block_n 128, not block_m 80, no
+# softcap): a call that is not deterministic, with no mask on whole blocks, more units (CTAs of the plain
+# grid) than SMs and at most PERSISTENT_MAX_BLOCKS iterations per unit (query blocks x the GQA group), runs
+# one CTA per SM over the units in turn: a unit's K and V load under the last unit's dK / dV stores, and
+# the CTA's start-up is paid once, not per unit (H200, hd128 non-causal 512: about 2 us of start and 2.2 us
+# of stores per unit of 21.7 us, docs/results/bwd_prologue_issue/). Longer units keep the split tail
+# (their start and end weigh less than the last wave). 0: off.
+PERSISTENT_BWD = 1
+PERSISTENT_MAX_BLOCKS = 8
+
+
+def _persistent_units(plan: _BwdPlan, mask: MaskSpec, deterministic: bool, units: int, blocks: int) -> int:
+    """BwdParams.persistent_units: ``units`` where the call runs the persistent grid (PERSISTENT_BWD), else 0;
+    ``blocks``: a unit's iterations."""
+    if not (PERSISTENT_BWD and plan.persistent) or deterministic or mask.causal or mask.local:
+        return 0
+    return units if units > plan.sms and blocks <= PERSISTENT_MAX_BLOCKS else 0
+
+
+def fast_div(d: int) -> tuple:
+    """(mul, shift) of ``d`` (1 <= d < 2**31) for the kernels' fast_div (templates/include/flashgen/scheduler.cuh):
+    x // d == (x * mul) >> (32 + shift) for 0 <= x < 2**31, mul 0 for d = 1 (Granlund and Montgomery, PLDI 1994,
+    31-bit dividends). Raises ValueError outside that range."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"flashgen: fast_div divisor {d} outside [1, 2**31)")
+    if d == 1:
+        return 0, 0
+    ceil_log2 = (d - 1).bit_length()
+    return ((1 << (31 + ceil_log2)) + d - 1) // d, ceil_log2 - 1
 
 
 def _split_applies(plan: _BwdPlan, mask: MaskSpec, deterministic: bool) -> bool:
@@ -779,7 +812,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     num_m, num_n = -(-sq // bm), -(-sk // bn)
     grid_n = _bwd_grid_n(plan, sk)
     units = _bwd_units(plan, b, hk, sk)
-    split_units, split_pieces = _call_split(plan, mask, deterministic, units, sq, h, hk)
+    persistent = _persistent_units(plan, mask, deterministic, units, num_m * (h // hk))
+    split_units, split_pieces = (0, 1) if persistent else _call_split(plan, mask, deterministic, units, sq, h, hk)
     _, (o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts) = _bwd_workspace(plan, b, sq, h,
                                                                            (split_units, split_pieces))
     w = int(workspace_ptr)
@@ -796,16 +830,20 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
         "unordered_tail": _unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk),
-        "rotate": int(ROTATE_UNORDERED and not deterministic and not mask.causal and not mask.local
+        "rotate": int(ROTATE_UNORDERED and not deterministic and not mask.causal and not mask.local and not persistent
                       and plan.block_n == 128 and num_n <= num_m and num_m >= ROTATE_UNORDERED_MIN_M_BLOCKS),
         "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
         "split_parts": w + o_parts if split_units else 0, "split_tickets": w + o_tickets if split_units else 0,
+        "persistent_units": persistent,
     }
+    (params["unit_x_mul"], params["unit_x_shift"]), (params["unit_y_mul"], params["unit_y_shift"]) = (
+        (fast_div(grid_n), fast_div(plan.num_slices * hk)) if persistent else ((0, 0), (0, 0)))
     launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
     maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
             _bshd_map(dv, 64))
     # the split tail's extra pieces in planes past the batch's (GridCta: the CTAs past the last piece idle)
     extra = -(-split_units * (split_pieces - 1) // (grid_n * plan.num_slices * hk))
-    launch.launch(plan.main, (grid_n, plan.num_slices * hk, b + extra), maps, params, stream)
+    grid = (plan.sms, 1, 1) if persistent else (grid_n, plan.num_slices * hk, b + extra)
+    launch.launch(plan.main, grid, maps, params, stream)
     launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
     return plan.variant

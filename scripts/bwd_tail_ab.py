@@ -8,7 +8,8 @@ UNORDERED_CAUSAL_TAIL_WAVES: the tail of causal calls that are unordered through
 are past the ordered bounds; ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS: the ds_pairs kernels' (head_dim 256) ordered
 default's bound on seqlen_k, the values in keys; SPLIT_TAIL_MAX_PIECES: the non-causal split tail, 1 = off,
 with :nc points; ROTATE_UNORDERED: rotated query blocks, 0 = off; DQ_SWAP_MIN_SEQLEN_Q: the block_m 80 tile's
-bound, the values in rows).
+bound, the values in rows; PERSISTENT_BWD: the persistent grid, 0 = off, PERSISTENT_MAX_BLOCKS its bound on a
+unit's blocks, both with :nc points).
 --points: dtype:head_dim:seqlen entries instead of the defaults below (causal; dtype:head_dim:seqlen:nc non-causal).
 --interleave N: instead of one do_bench per value, each round calls the values and the SDPA peers in
 turn, one call each, N times (the L2 flushed before each call, CUDA events around it), and takes each
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES",
                     choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES", "ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS",
                              "SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED",
-                             "DQ_SWAP_MIN_SEQLEN_Q"))
+                             "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD", "PERSISTENT_MAX_BLOCKS"))
     ap.add_argument("--interleave", type=int, default=0, help="calls per value per round, interleaved (0: do_bench)")
     ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
     args = ap.parse_args(argv)
@@ -75,7 +76,8 @@ def main(argv=None) -> int:
     from flashgen import bench, core
 
     waves = [float(w) for w in args.waves.split(",")]
-    if args.knob in ("SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED", "DQ_SWAP_MIN_SEQLEN_Q"):
+    if args.knob in ("SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED", "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD",
+                     "PERSISTENT_MAX_BLOCKS"):
         waves = [int(w) for w in waves]
     default_waves = getattr(core, args.knob)
     points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), not x.endswith(":nc"))

@@ -776,10 +776,12 @@ def _run_backward(b, sq, sk, h, hk, d, dv, causal, deterministic=False):
 
 
 @pytest.mark.parametrize("d", [128, 256], ids=lambda d: f"hd{d}")
-def test_core_backward_deterministic_mode(bwd_core, d):
+def test_core_backward_deterministic_mode(bwd_core, d, monkeypatch):
     """BwdParams.deterministic: 0 without determinism; 3 (the rotated non-causal order) while a
     query block's chain of key-block CTAs fits half the GPU (132 SMs here), 1 while it fits the GPU,
-    2 (the hand-off signalled one block late) once it is longer."""
+    2 (the hand-off signalled one block late) once it is longer. (The persistent grid off: its grid
+    is not the key blocks'.)"""
+    monkeypatch.setattr(core, "PERSISTENT_BWD", 0)
     bn = None
     for det, sk, want in ((False, 100000, 0), (True, 1000, 3), (True, 100000, 2)):
         variant, _ = _run_backward(1, 300, sk, 2, 2, d, d, False, deterministic=det)
@@ -860,7 +862,8 @@ def test_core_backward_split_tail(bwd_core, monkeypatch):
     minimising core._split_tail's model; the grid's z grows by the planes the extra pieces need, the
     workspace holds the tickets and the pieces' partial dK / dV (backward_workspace_bytes sizes it,
     with or without seqlen_k), and none of it in deterministic, causal, local, role-tile calls or a
-    call whose units fill whole waves."""
+    call whose units fill whole waves. (The persistent grid off: it takes the short units' calls.)"""
+    monkeypatch.setattr(core, "PERSISTENT_BWD", 0)
     assert (core.SPLIT_TAIL_OVERHEAD_BLOCKS, core.SPLIT_TAIL_MAX_PIECES, core.SPLIT_TAIL_MAX_ROUNDS) == (6.0, 16, 2)
     # (b, seqlen, h, head_dim): units = key blocks x heads x batch; the last units % 132 split in P
     for b, s, h, d, units, want in ((8, 2048, 16, 128, 2048, (68, 3)),   # 26 blocks of 80 rows: 2 rounds of 8.7
@@ -890,6 +893,60 @@ def test_core_backward_split_tail(bwd_core, monkeypatch):
     monkeypatch.setattr(core, "SPLIT_TAIL_MAX_PIECES", 1)
     _run_backward(8, 2048, 2048, 16, 16, 128, 128, False)
     assert bwd_core.launches[-2]["params"]["split_units"] == 0 and bwd_core.launches[-2]["grid"][2] == 8
+
+
+def test_core_backward_persistent(bwd_core, monkeypatch):
+    """BwdParams.persistent_units: a non-causal call without a window that is not deterministic, on a
+    variant that can (bwd.py persistent: block_n 128, not block_m 80, no softcap), with more units than
+    the SMs (132 here) and at most PERSISTENT_MAX_BLOCKS iterations per unit, launches one CTA per SM
+    over all its units, with fast_div's magic numbers of the plain grid's x and y, no split tail and no
+    rotation; every other call gets the plain grid and persistent_units 0."""
+    assert core.PERSISTENT_BWD == 1 and core.PERSISTENT_MAX_BLOCKS == 8
+    for b, s, h, hk, d in ((16, 512, 16, 16, 128), (16, 512, 32, 32, 64), (16, 1024, 32, 32, 64), (40, 100, 8, 2, 96),
+                           (1, 100, 2, 1, 128)):
+        sk = s if s > 100 else 17000
+        variant, _ = _run_backward(b, s, sk, h, hk, d, d, False)
+        p, grid = bwd_core.launches[-2]["params"], bwd_core.launches[-2]["grid"]
+        nx, ny = -(-sk // 128), hk
+        assert variant.params["block_n"] == 128 and grid == (132, 1, 1), (b, s, d)
+        assert p["persistent_units"] == nx * ny * b > 132 and (p["split_units"], p["split_pieces"]) == (0, 1)
+        assert p["rotate"] == 0 and p["deterministic"] == 0
+        assert (p["unit_x_mul"], p["unit_x_shift"]) == core.fast_div(nx) and (p["unit_y_mul"], p["unit_y_shift"]) == core.fast_div(ny)
+        assert bwd_core.launches[-3]["params"] == p == bwd_core.launches[-1]["params"]
+    # not: deterministic, causal, 9 and 16 blocks, block_m 80 (hd128 from 2k), the role tiles, units <= SMs, the knob off
+    for b, s, h, d, causal, det in ((16, 512, 16, 128, False, True), (16, 512, 16, 128, True, False),
+                                    (16, 576, 16, 128, False, False), (16, 1024, 16, 128, False, False),
+                                    (8, 2048, 16, 128, False, False),
+                                    (16, 512, 8, 256, False, False), (1, 512, 33, 128, False, False)):
+        variant, _ = _run_backward(b, s, s, h, h, d, d, causal, deterministic=det)
+        p, grid = bwd_core.launches[-2]["params"], bwd_core.launches[-2]["grid"]
+        assert p["persistent_units"] == 0 and grid[0] == -(-s // variant.params["block_n"]), (b, s, d, causal, det)
+        assert (p["unit_x_mul"], p["unit_y_mul"]) == (0, 0)
+    monkeypatch.setattr(core, "PERSISTENT_BWD", 0)
+    _run_backward(16, 512, 512, 16, 16, 128, 128, False)
+    assert bwd_core.launches[-2]["params"]["persistent_units"] == 0 and bwd_core.launches[-2]["grid"] == (4, 16, 16)
+
+
+def test_fast_div_matches_floor_division():
+    """core.fast_div's (mul, shift): (x * mul) >> (32 + shift) == x // d for 31-bit x (mul 0: d = 1), at
+    the divisors' edges (powers of two and their neighbours) and on random ones; out-of-range divisors
+    raise ValueError."""
+    import random
+
+    rng = random.Random(7)
+    divisors = [1, 2, 3, 5, 7, 127, 128, 129, 132, 1000, 2**30, 2**30 + 1, 2**31 - 1]
+    divisors += [rng.randrange(1, 2**31) for _ in range(300)] + [rng.randrange(1, 5000) for _ in range(300)]
+    for d in divisors:
+        mul, shift = core.fast_div(d)
+        assert 0 <= mul < 2**32 and (mul == 0) == (d == 1)
+        xs = [0, 1, d - 1, d, d + 1, 2**31 - 1, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1]
+        xs += [rng.randrange(0, 2**31) for _ in range(50)]
+        for x in xs:
+            if 0 <= x < 2**31:
+                assert (x if mul == 0 else (x * mul) >> (32 + shift)) == x // d, (x, d)
+    for bad in (0, -3, 2**31):
+        with pytest.raises(ValueError, match="fast_div"):
+            core.fast_div(bad)
 
 
 def test_core_backward_rotate(bwd_core, monkeypatch):

@@ -199,6 +199,9 @@ PARAMS = params_struct(
     ("split_pieces", "i32"),  # >= 1
     ("split_parts", "ptr", "float*"),  # workspace (split_units, split_pieces, 2 consumers, 2 (dK, dV), 64 * slice): the pieces' fp32 partial sums
     ("split_tickets", "ptr", "int*"),  # workspace (split_units,): pieces done per unit; zeroed by the preprocess
+    ("unit_x_mul", "u32"), ("unit_x_shift", "u32"),  # persistent calls: core.fast_div of the key blocks (bwd.cu.j2 unit_cta)
+    ("unit_y_mul", "u32"), ("unit_y_shift", "u32"),  # and of num_slices x heads_k
+    ("persistent_units", "i32"),  # persistent variants (bwd.cu.j2 kPersistent): > 0, the units (CTAs of the plain grid) that a grid of one CTA per SM runs in turn; 0: one unit per CTA
 )
 
 
@@ -296,6 +299,18 @@ def split_tail(params: dict) -> bool:
     return not roles(params) and not causal and not local and not hd64_softcap
 
 
+def persistent(params: dict) -> bool:
+    """Whether the main kernel can run persistent (the template's kPersistent; core._persistent_units picks
+    per call): a grid of one CTA per SM, each running units of the plain grid in turn, the next unit's K
+    and V loaded under this unit's dK / dV stores, which are staged in the dS^T and dQ buffers. The block_n
+    128 tiles without a mask on whole blocks (every unit the same length: a static deal matches the
+    hardware's), except block_m 80, whose staging buffers hold a consumer's dV rows across both dQ buffers,
+    and softcap, whose consumers spilled 4-20 bytes with the unit loop."""
+    causal, local, softcap = params.get("causal", False), params.get("local", False), params.get("softcap", False)
+    return (not roles(params) and not causal and not local and not softcap
+            and int(params["block_m"]) != DQ_SWAP_BLOCK_M)
+
+
 def roles(params: dict) -> bool:
     """Whether the tile splits the consumers by role (block_n 64) rather than by key rows."""
     return int(params["block_n"]) == ROLES_BLOCK_N
@@ -338,6 +353,7 @@ class BwdFamily(Family):
         staged, pairs = stage_dq(params), ds_pairs(params)
         return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
                     ds_pairs=pairs, cluster=(2, 1, 1) if pairs else (1, 1, 1), split_tail=split_tail(params),
+                    persistent=persistent(params),
                     dq_buffers=dq_buffers,
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,

@@ -470,18 +470,61 @@ def test_backward_split_tail_matches_reference(d, shape):
     assert split[1] > 1 and split[0] == units % plan.sms, (split, units)
     rotated = -(-sq // plan.block_m) >= core.ROTATE_UNORDERED_MIN_M_BLOCKS and -(-sk // 128) <= -(-sq // plan.block_m)
     assert rotated == (sq > 5000), (sq, plan.block_m)
-    scale = d ** -0.5
-    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=31)
-    dout = randn(b, sq, h, d, dtype=dtype, seed=32)
-    out, lse = forward_out_lse(q, k, v, False, scale)
-    first = tuple(t.clone() for t in fg_backward(dout, q, k, v, out, lse, False, scale))
-    torch.cuda.synchronize()
-    check_bwd(q, k, v, dout, False, {f"split {split}": first}, scale)
+    call, first = _checked_noncausal(d, shape, 31, f"split {split}")
     for run in range(2):
-        again = fg_backward(dout, q, k, v, out, lse, False, scale)
-        torch.cuda.synchronize()
+        again = call()
         for name, a, a2 in (("dk", first[1], again[1]), ("dv", first[2], again[2])):
             assert bitwise_equal(a, a2), f"run {run + 1}: {name} differs: {first_difference(a, a2)}"
+
+
+def _checked_noncausal(d, shape, seed, label):
+    """One non-causal bf16 backward of ``shape`` (b, seqlen_q, seqlen_k, heads, heads_k) on NaN-poisoned
+    buffers, checked by FA3's rule under ``label``: returns (call, its gradients), call() running the
+    same backward again (synchronised)."""
+    b, sq, sk, h, hk = shape
+    scale = d ** -0.5
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, seed=seed)
+    dout = randn(b, sq, h, d, dtype=torch.bfloat16, seed=seed + 1)
+    out, lse = forward_out_lse(q, k, v, False, scale)
+
+    def call():
+        got = fg_backward(dout, q, k, v, out, lse, False, scale)
+        torch.cuda.synchronize()
+        return got
+
+    first = tuple(t.clone() for t in call())
+    check_bwd(q, k, v, dout, False, {label: first}, scale)
+    return call, first
+
+
+@pytest.mark.parametrize("d,shape", [(64, (20, 500, 501, 8, 4)), (96, (10, 250, 700, 6, 3)),
+                                     (128, (9, 500, 1000, 16, 16)), (128, (1, 100, 17000, 2, 1)),
+                                     (64, (3, 129, 6000, 4, 1))],
+                         ids=["hd64_gqa2", "hd96_gqa2_odd", "hd128_sk_longer", "hd128_133_units", "hd64_mqa"])
+def test_backward_persistent_matches_reference(d, shape, monkeypatch):
+    """Non-causal calls that are not deterministic, with more units than SMs and at most
+    core.PERSISTENT_MAX_BLOCKS blocks each, run the persistent grid (core._persistent_units, bwd.cu.j2
+    kPersistent: one CTA per SM over the units in turn, each unit's K / V loaded under the last unit's
+    dK / dV stores, which go out through the dS^T and dQ staging buffers). Each shape here runs it
+    (asserted; 133 units: one CTA runs two, the first and the 133rd): the gradients pass FA3's rule on
+    NaN-poisoned buffers, and dK / dV carry the bits of the plain grid (the split tail off: a unit's dK
+    and dV are summed in the same order either way; only dQ's fp32 additions are unordered)."""
+    from flashgen import core
+
+    dtype = torch.bfloat16
+    need_bwd(dtype, d, False)
+    b, sq, sk, h, hk = shape
+    mask = core.mask_spec(False, (-1, -1), sq, sk)
+    plan = core._bwd_plan("bf16", d, mask, False, torch.cuda.current_device(), None, sq)
+    units = core._bwd_units(plan, b, hk, sk)
+    blocks = -(-sq // plan.block_m) * (h // hk)
+    assert core._persistent_units(plan, mask, False, units, blocks) == units > plan.sms, (units, blocks)
+    call, got = _checked_noncausal(d, shape, 41, "persistent")
+    monkeypatch.setattr(core, "PERSISTENT_BWD", 0)
+    monkeypatch.setattr(core, "SPLIT_TAIL_MAX_PIECES", 1)
+    plain = call()
+    for name, a, a2 in (("dk", got[1], plain[1]), ("dv", got[2], plain[2])):
+        assert bitwise_equal(a, a2), f"{name}: persistent and plain differ: {first_difference(a, a2)}"
 
 
 def _tail_case(d, shape, knob, waves, monkeypatch):

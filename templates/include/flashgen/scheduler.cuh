@@ -22,6 +22,15 @@ __device__ __forceinline__ int grid_ctas() {
   return static_cast<int>(n);
 }
 
+// x / d for 0 <= x < 2^31 without a division: (mul, shift) from the host (runtime/core.py fast_div: mul =
+// ceil(2^(31 + l) / d), shift = l - 1, l = ceil(log2 d); mul 0 for d = 1). Granlund and Montgomery, "Division
+// by invariant integers using multiplication" (PLDI 1994), with 31-bit dividends. Both come from the
+// kernel's parameters, so a loop that divides at every step holds no divisor state in registers (the
+// backward's 24-register producer: bwd.cu.j2 unit_cta).
+__device__ __forceinline__ int fast_div(int x, unsigned mul, unsigned shift) {
+  return mul == 0 ? x : static_cast<int>(__umulhi(static_cast<unsigned>(x), mul) >> shift);
+}
+
 // A tile of work: query block m_block of (batch, head). The forward's producer publishes each one
 // decoded in shared memory (fwd.cu.j2's tile slots; m_block -1: the stop), so that the consumers do
 // not repeat the divisions of tile() at every tile start (three runtime divisions, about 170
