@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    print(f"\nbackward TFLOP/s on {gpu}, the unordered tail in waves (core.{args.knob}), "
+    print(f"\nbackward TFLOP/s on {gpu}, by the value of core.{args.knob} (w<value>), "
           f"{args.rounds} alternated rounds each")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
