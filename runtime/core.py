@@ -517,6 +517,21 @@ def _long_rows_variant(var: Variant) -> Variant:
     return var
 
 
+# The A/B switch of the block_n 128 tiles' dV / dK k-steps (generator/families/bwd.py dkv_steps): False serves a
+# call with the built variant of its key that has dkv_steps off (configs/bwd_ablation.yaml, built by `flashgen
+# build --all`) where there is one. For scripts/bwd_tail_ab.py --knob BWD_DKV_STEPS; the shipped path is True.
+BWD_DKV_STEPS = True
+
+
+def _twin_variant(var: Variant, **params) -> Variant:
+    """The built variant of ``var``'s dispatch key whose params are ``var``'s with ``params`` set, else ``var``."""
+    want = {**var.params, **params}
+    for v in load_manifest().by_key().get((var.family, *sorted(var.dispatch.items())), ()):
+        if v.params == want:
+            return v
+    return var
+
+
 def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
               seqlen_q: int = 0) -> _BwdPlan:
     """The bwd variant serving (dtype, head_dim ``d``, mask, softcap) and its three loaded kernels,
@@ -524,7 +539,8 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
     max(head_dim, head_dim_v), as FA3 rounds its backward's head dim). Calls with seqlen_q >=
     DQ_SWAP_MIN_SEQLEN_Q take the key's block_m 80 variant where one is built (_long_rows_variant)."""
     long_rows = variant is None and seqlen_q >= DQ_SWAP_MIN_SEQLEN_Q
-    key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device, long_rows)
+    key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device, long_rows,
+           BWD_DKV_STEPS)
     plan = _bwd_plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
@@ -532,6 +548,8 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
             round_up=_ROUND_UP)
         if long_rows:
             var = _long_rows_variant(var)
+        if variant is None and not BWD_DKV_STEPS:
+            var = _twin_variant(var, dkv_steps=False)
         p = var.params
         pad = -(-p["head_dim"] // 64) * 64
         res = _BWD_FAMILY.resources(p)

@@ -311,6 +311,16 @@ def persistent(params: dict) -> bool:
             and int(params["block_m"]) != DQ_SWAP_BLOCK_M)
 
 
+def dkv_steps(params: dict) -> bool:
+    """Whether each consumer issues the dV += P^T dO and dK += dS^T Q GEMMs k-step by k-step (16 query
+    rows each) as P^T and dS^T are packed (the template's kDkvSteps), so that the tensor cores run them
+    while the next exponentials are computed. Both consumers meet at every block's dS^T, so their
+    exponentials (MUFU-bound: 8192 per block at head_dim 128, about 512 cycles at 16 per clock) run
+    at the same time, and with both GEMMs issued after them the tensor cores idle meanwhile. The
+    block_n 128 tiles with the ``dkv_steps`` knob on (the default)."""
+    return bool(params.get("dkv_steps", True)) and not roles(params)
+
+
 def roles(params: dict) -> bool:
     """Whether the tile splits the consumers by role (block_n 64) rather than by key rows."""
     return int(params["block_n"]) == ROLES_BLOCK_N
@@ -353,7 +363,7 @@ class BwdFamily(Family):
         staged, pairs = stage_dq(params), ds_pairs(params)
         return dict(threads=128 * (CONSUMER_WGS + 1), smem=smem, smem_bytes=_smem_total(smem), ds_buffers=ds_buffers,
                     ds_pairs=pairs, cluster=(2, 1, 1) if pairs else (1, 1, 1), split_tail=split_tail(params),
-                    persistent=persistent(params),
+                    persistent=persistent(params), dkv_steps=dkv_steps(params),
                     dq_buffers=dq_buffers,
                     producer_regs=ROLES_PRODUCER_REGS if roles(params) else PRODUCER_REGS,
                     consumer_regs=ROLES_CONSUMER_REGS if roles(params) else CONSUMER_REGS, head_dim_padded=p,
@@ -412,7 +422,8 @@ class BwdFamily(Family):
 
     def name_parts(self, p):
         return [p["dtype"], f"hd{p['head_dim']}", "causal" if p["causal"] else "local" if p["local"] else "noncausal",
-                *(["softcap"] if p["softcap"] else []), f"m{p['block_m']}n{p['block_n']}", f"sl{p['slice']}", f"s{p['stages']}"]
+                *(["softcap"] if p["softcap"] else []), f"m{p['block_m']}n{p['block_n']}", f"sl{p['slice']}", f"s{p['stages']}",
+                *([] if p.get("dkv_steps", True) else ["nosteps"])]
 
     def suggest(self, key):
         """The tile of configs/bwd.yaml's table for the key's head_dim (rounded up to a built size)."""
@@ -441,6 +452,8 @@ FAMILY = BwdFamily(
             doc="key rows per CTA: 128 (2 consumer warpgroups x 64 rows) or 64 (both consumers, split by role)"),
         Key("slice", int, "tile", allowed=(64, 128, 192, 256), doc="dK/dV/dQ columns per CTA"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="Q/dO ring depth"),
+        Key("dkv_steps", bool, "knob", default=True,
+            doc="block_n 128: dV / dK k-steps issued as P^T / dS^T are packed (off: both GEMMs after them)"),
     ),
     tile_match=("head_dim", "dtype", "causal", "local", "softcap"),
     tile_required=("head_dim", "block_m", "block_n", "slice"),

@@ -90,6 +90,15 @@ __device__ __forceinline__ void gemm_rs(float (&d)[R], const uint32_t (&a)[RA], 
   wgmma_commit();
 }
 
+// One k-step kk of gemm_rs (D += A B): the A fragment a[4 kk .. 4 kk + 3], B's rows [16 kk, 16 kk + 16). No
+// fence or commit: the caller fences before each step whose A registers it has just written (PTX ISA,
+// wgmma.fence) and commits the steps as one group.
+template <auto Mma, int R, int RA, typename TileB>
+__device__ __forceinline__ void mma_rs_step(float (&d)[R], const uint32_t (&a)[RA], const TileB& b, int kk) {
+  static_assert(RA == 4 * (TileB::kRows / TileB::kKStep), "one 4-register A fragment per k-step");
+  Mma(d, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], b.desc_mn_major(kk), 1);
+}
+
 // D += A B, A in registers (4 per k-step), B a K-major tile whose rows are N and whose columns
 // are K (FP8's O += P V with V^T from transpose_v: WGMMA reads 8-bit operands K-major only);
 // K = the A fragments' k-steps, from column 0 (the tile may have padding columns past them).
