@@ -517,7 +517,7 @@ def _long_rows_variant(var: Variant) -> Variant:
     return var
 
 
-# The A/B switch of the dV / dK k-steps (generator/families/bwd.py dkv_steps): False serves a
+# The A/B switch of the block_n 128 tiles' dV / dK k-steps (generator/families/bwd.py dkv_steps): False serves a
 # call with the built variant of its key that has dkv_steps off (configs/bwd_ablation.yaml, built by `flashgen
 # build --all`) where there is one. For scripts/bwd_tail_ab.py --knob BWD_DKV_STEPS; the shipped path is True.
 BWD_DKV_STEPS = True

@@ -317,9 +317,8 @@ def dkv_steps(params: dict) -> bool:
     while the next exponentials are computed. Both consumers meet at every block's dS^T, so their
     exponentials (MUFU-bound: 8192 per block at head_dim 128, about 512 cycles at 16 per clock) run
     at the same time, and with both GEMMs issued after them the tensor cores idle meanwhile. The
-    block_n 128 tiles with the ``dkv_steps`` knob on (the default); the role tiles (block_n 64) issue
-    consumer 0's dV so (consumer 1's dS^T takes no exponentials)."""
-    return bool(params.get("dkv_steps", True))
+    block_n 128 tiles with the ``dkv_steps`` knob on (the default)."""
+    return bool(params.get("dkv_steps", True)) and not roles(params)
 
 
 def roles(params: dict) -> bool:
