@@ -212,7 +212,10 @@ def test_real_configs():
     tuned = [v for v in vs if v.tuned]
     assert all(v.default_build and not v.default for v in tuned)
     # + bwd's block_m 80 extras (non-causal hd128, bf16 / fp16: not dispatch defaults; core.DQ_SWAP_MIN_SEQLEN_Q)
-    swap = [v for v in vs if v.family == "bwd" and v.params["block_m"] == 80]
+    swap = [v for v in vs if v.family == "bwd" and v.params["block_m"] == 80 and v.default_build]
+    # bwd's A/B twins (configs/bwd_ablation.yaml: dkv_steps off, block_n 128), built by --all only
+    twins = [v for v in vs if v.family == "bwd" and not v.params["dkv_steps"]]
+    assert twins and not any(v.default_build or v.default or v.params["block_n"] != 128 for v in twins)
     assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
              v.default) for v in swap} == {(d, 128, False, False, False, False) for d in ("bf16", "fp16")}
     assert len(select(vs)) == 60 + 12 + 30 + 18 + 60 + 3 + 2 + len(swap) + len(tuned)
@@ -266,7 +269,7 @@ def test_real_configs():
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) + len(tuned) == (60 + 12 + 30 + 18 + 60 + 3 + 2 + len(swap)
+    assert len(vs) + len(tuned) == (60 + 12 + 30 + 18 + 60 + 3 + 2 + len(swap) + len(twins)
                                     + len({v.name for v in abl + tune + tuned if not v.default}))
     assert len(select(vs, all_=True)) == len(vs)
 
