@@ -11,6 +11,7 @@ with :nc points; ROTATE_UNORDERED: rotated query blocks, 0 = off; DQ_SWAP_MIN_SE
 bound, the values in rows; PERSISTENT_BWD: the persistent grid, 0 = off, PERSISTENT_MAX_BLOCKS its bound on a
 unit's blocks, both with :nc points; BWD_DKV_STEPS: the block_n 128 tiles' dV / dK k-steps issued as P^T / dS^T
 are packed, 0 = the dkv_steps-off twins of configs/bwd_ablation.yaml, built by `flashgen build --all`).
+--deterministic: flashgen's deterministic backward is timed instead of its default (SDPA as always).
 --points: dtype:head_dim:seqlen entries instead of the defaults below (causal; dtype:head_dim:seqlen:nc non-causal).
 --interleave N: instead of one do_bench per value, each round calls the values and the SDPA peers in
 turn, one call each, N times (the L2 flushed before each call, CUDA events around it), and takes each
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
                     choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES", "ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS",
                              "SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED",
                              "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD", "PERSISTENT_MAX_BLOCKS", "BWD_DKV_STEPS"))
+    ap.add_argument("--deterministic", action="store_true", help="time the deterministic backward (default: not)")
     ap.add_argument("--interleave", type=int, default=0, help="calls per value per round, interleaved (0: do_bench)")
     ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
     args = ap.parse_args(argv)
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
         b, h = 16384 // s, 2048 // d
         q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device="cuda") for _ in range(3))
         fl = 2.5 * bench._flops(b, h, s, d, causal)
-        fn, _ = bench._flashgen_bwd_fn(q, k, v, causal, False)
+        fn, _ = bench._flashgen_bwd_fn(q, k, v, causal, args.deterministic)
         times = {w: [] for w in waves}
         peer_fns = {name: bench._sdpa_bwd_fn(backend, q, k, v, causal)
                     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION))}
@@ -136,8 +138,8 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    print(f"\nbackward TFLOP/s on {gpu}, by the value of core.{args.knob} (w<value>), "
-          f"{args.rounds} alternated rounds each")
+    print(f"\n{'deterministic ' if args.deterministic else ''}backward TFLOP/s on {gpu}, by the value of "
+          f"core.{args.knob} (w<value>), {args.rounds} alternated rounds each")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -385,6 +385,25 @@ def test_real_bwd_role_tiles_hold_k_and_v_steps_in_registers(real_bwd):
             assert len(rs) == k_steps + v_steps, (v.name, len(rs))
 
 
+def test_real_bwd_dkv_steps_interleave_the_exponentials(real_bwd):
+    """dkv_steps (templates/bwd.cu.j2 kDkvSteps): the block_n 128 tiles issue each 16-row k-step of dV += P^T dO
+    and dK += dS^T Q (RS-HGMMA: A from registers) once its P^T / dS^T quads are packed, so the exponentials of
+    the next k-steps (8 MUFU.EX2 per k-step and thread) lie between a block's first and last RS-HGMMA. The
+    role tiles keep their dV / dK GEMMs after all of them (dkv_steps lost 1-4 % at head_dim 256 on an H200)."""
+    proj, res, pick = real_bwd
+    for v in pick:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        lines = body.splitlines()
+        n = v.params["slice"]  # dV / dK: N = the slice (the role tiles' K / V register steps are N = 64 RS too)
+        rs = [i for i, line in enumerate(lines) if re.search(rf"HGMMA\.64x{n}x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc", line)]
+        steps = v.params["block_m"] // 16
+        between = sum("MUFU.EX2" in line for line in lines[rs[0]:rs[2 * steps - 1]]) if len(rs) >= 2 * steps else 0
+        if v.params["block_n"] == 128:
+            assert between == 8 * (steps - 1), (v.name, between)
+        else:
+            assert between == 0, (v.name, between)
+
+
 def test_real_bwd_deterministic_hand_off(real_bwd):
     """The deterministic dQ hand-off of both staged tile kinds (templates/bwd.cu.j2: wait_turn,
     bulk_put, publish_landed): the first share in the order is a bulk store (UBLKCP shared ->

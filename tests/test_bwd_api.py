@@ -704,18 +704,20 @@ def test_compile_dynamic_shapes_forward_and_backward(gpu):
 # The real core.attention_backward: its variant, params, TMA maps and grids (no driver)
 # --------------------------------------------------------------------------------------
 
-def _bwd_record(dtype: str, head_dim: int, causal: bool, block_m: int | None = None) -> dict:
+def _bwd_record(dtype: str, head_dim: int, causal: bool, block_m: int | None = None, **knobs) -> dict:
     """The manifest record of configs/bwd.yaml's variant for this key, from the family module
     (tile, resources, kernels, params layout); no fatbin behind it. ``block_m``: another tile's
-    (not the dispatch default), e.g. the non-causal hd128 block_m 80 of configs/bwd.yaml's extra."""
+    (not the dispatch default), e.g. the non-causal hd128 block_m 80 of configs/bwd.yaml's extra;
+    ``knobs``: more params (e.g. dkv_steps=False: configs/bwd_ablation.yaml's twins, not defaults)."""
     key = {"dtype": dtype, "head_dim": head_dim, "causal": causal, "local": False, "softcap": False}
-    params = {"family": "bwd", **bwd_mod.FAMILY.suggest(key), **({"block_m": block_m} if block_m else {})}
-    name = f"bwd_{dtype}_hd{head_dim}_{'causal' if causal else 'noncausal'}{f'_m{block_m}' if block_m else ''}_fake"
+    params = {"family": "bwd", **bwd_mod.FAMILY.suggest(key), **({"block_m": block_m} if block_m else {}), **knobs}
+    name = (f"bwd_{dtype}_hd{head_dim}_{'causal' if causal else 'noncausal'}{f'_m{block_m}' if block_m else ''}"
+            f"{''.join(f'_{k}{v}' for k, v in knobs.items())}_fake")
     kernels = [{"role": k.role, "symbol": f"flashgen_{name}_{k.role}", "threads": k.threads, "cluster": list(k.cluster),
                 "smem_bytes": k.smem_bytes, "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
                 "tensor_maps": list(k.tensor_maps), "sass": list(k.sass), "params": k.params.layout()}
                for k in bwd_mod.FAMILY.kernels(params, bwd_mod.FAMILY.resources(params))]
-    return {"name": name, "key": "0" * 64, "family": "bwd", "params": params, "dispatch": key, "default": not block_m,
+    return {"name": name, "key": "0" * 64, "family": "bwd", "params": params, "dispatch": key, "default": not (block_m or knobs),
             "fatbin": f"fatbin/{name}.fatbin", "sha256": "0" * 64, "kernels": kernels}
 
 
@@ -1053,6 +1055,37 @@ def test_core_backward_pairs_grid_is_padded_to_the_cluster(bwd_core):
         _run_backward(1, 300, sk, 2, 2, d, d, False)
         main = bwd_core.launches[-2]
         assert main["role"] == "main" and main["grid"][0] == want, (d, sk, main["grid"])
+
+
+def test_core_backward_dkv_steps_twins(bwd_core, monkeypatch, tmp_path):
+    """core.BWD_DKV_STEPS (True, the shipped path) serves calls with the dispatch default; False with the
+    built twin of the chosen variant that has dkv_steps off (configs/bwd_ablation.yaml), the block_m 80
+    variant's twin for long rows, and the variant itself where no twin is built (hd64 here)."""
+    assert core.BWD_DKV_STEPS is True
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["variants"] += [_bwd_record("bf16", 128, False, dkv_steps=False),
+                             _bwd_record("bf16", 128, False, block_m=80, dkv_steps=False)]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    for sq, bm in ((1000, 64), (3000, 80)):
+        on, _ = _run_backward(1, sq, 1000, 2, 2, 128, 128, False)
+        monkeypatch.setattr(core, "BWD_DKV_STEPS", False)
+        off, _ = _run_backward(1, sq, 1000, 2, 2, 128, 128, False)
+        other, _ = _run_backward(1, sq, 1000, 2, 2, 64, 64, False)
+        monkeypatch.setattr(core, "BWD_DKV_STEPS", True)
+        assert on.params.get("dkv_steps", True) and on.params["block_m"] == bm
+        assert off.params["dkv_steps"] is False and off.params["block_m"] == bm and not off.default
+        assert {k: x for k, x in off.params.items() if k != "dkv_steps"} == on.params
+        assert other.params.get("dkv_steps", True) and other.default
+
+
+def test_bwd_dkv_steps_rule():
+    """dkv_steps: the block_n 128 tiles issue dV / dK k-step by k-step unless the knob is off; the role tiles
+    never (tried: hd256 0.96-0.99x, docs/results/bwd_dkv_steps/)."""
+    for d in bwd_mod.HEAD_DIMS:
+        p = bwd_mod.FAMILY.suggest({"dtype": "bf16", "head_dim": d, "causal": False, "local": False, "softcap": False})
+        assert bwd_mod.dkv_steps(p) == (p["block_n"] == 128), d
+        assert not bwd_mod.dkv_steps({**p, "dkv_steps": False})
+        assert bwd_mod.FAMILY.resources(p)["dkv_steps"] == (p["block_n"] == 128)
 
 
 @pytest.mark.parametrize("sq", [300, 2047, 2048, 5000], ids=str)
