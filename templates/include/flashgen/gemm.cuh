@@ -76,27 +76,25 @@ __device__ __forceinline__ void gemm_rs_ss(float (&d)[R], const uint32_t (&a)[RA
   wgmma_commit();
 }
 
-// D += A B, A in registers (4 per k-step: the RS-WGMMA A fragment), B an MN-major tile whose rows
-// are K (all of them; KSteps > 0: the first KSteps k-steps alone) and columns N.
-template <auto Mma, int KSteps = 0, int R, int RA, typename TileB>
-__device__ __forceinline__ void gemm_rs(float (&d)[R], const uint32_t (&a)[RA], const TileB& b) {
-  static_assert(RA == 4 * (TileB::kRows / TileB::kKStep), "one 4-register A fragment per k-step");
-  constexpr int kSteps = KSteps > 0 ? KSteps : TileB::kRows / TileB::kKStep;
-  static_assert(kSteps <= TileB::kRows / TileB::kKStep, "KSteps: at most the tile's k-steps");
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk)
-    Mma(d, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], b.desc_mn_major(kk), 1);
-  wgmma_commit();
-}
-
 // One k-step kk of gemm_rs (D += A B): the A fragment a[4 kk .. 4 kk + 3], B's rows [16 kk, 16 kk + 16). No
 // fence or commit: the caller fences before each step whose A registers it has just written (PTX ISA,
-// wgmma.fence) and commits the steps as one group.
+// wgmma.fence) and commits the steps as one group (the backward's dkv_steps).
 template <auto Mma, int R, int RA, typename TileB>
 __device__ __forceinline__ void mma_rs_step(float (&d)[R], const uint32_t (&a)[RA], const TileB& b, int kk) {
   static_assert(RA == 4 * (TileB::kRows / TileB::kKStep), "one 4-register A fragment per k-step");
   Mma(d, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], b.desc_mn_major(kk), 1);
+}
+
+// D += A B, A in registers (4 per k-step: the RS-WGMMA A fragment), B an MN-major tile whose rows
+// are K (all of them; KSteps > 0: the first KSteps k-steps alone) and columns N.
+template <auto Mma, int KSteps = 0, int R, int RA, typename TileB>
+__device__ __forceinline__ void gemm_rs(float (&d)[R], const uint32_t (&a)[RA], const TileB& b) {
+  constexpr int kSteps = KSteps > 0 ? KSteps : TileB::kRows / TileB::kKStep;
+  static_assert(kSteps <= TileB::kRows / TileB::kKStep, "KSteps: at most the tile's k-steps");
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) mma_rs_step<Mma>(d, a, b, kk);
+  wgmma_commit();
 }
 
 // D += A B, A in registers (4 per k-step), B a K-major tile whose rows are N and whose columns
