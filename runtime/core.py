@@ -509,14 +509,6 @@ _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent c
 DQ_SWAP_MIN_SEQLEN_Q = 2048
 
 
-def _long_rows_variant(var: Variant) -> Variant:
-    """The built bwd variant of ``var``'s dispatch key with block_m 80 (bwd.py dq_swap), else ``var``."""
-    for v in load_manifest().by_key().get(("bwd", *sorted(var.dispatch.items())), ()):
-        if v.params.get("block_m") == _BWD_SWAP_BLOCK_M:
-            return v
-    return var
-
-
 # The A/B switch of the block_n 128 tiles' dV / dK k-steps (generator/families/bwd.py dkv_steps): False serves a
 # call with the built variant of its key that has dkv_steps off (configs/bwd_ablation.yaml, built by `flashgen
 # build --all`) where there is one. For scripts/bwd_tail_ab.py --knob BWD_DKV_STEPS; the shipped path is True.
@@ -524,7 +516,8 @@ BWD_DKV_STEPS = True
 
 
 def _twin_variant(var: Variant, **params) -> Variant:
-    """The built variant of ``var``'s dispatch key whose params are ``var``'s with ``params`` set, else ``var``."""
+    """The built variant of ``var``'s dispatch key whose params are ``var``'s with ``params`` set, else ``var``
+    (block_m=80: the key's block_m 80 tile, bwd.py dq_swap; dkv_steps=False: its A/B twin)."""
     want = {**var.params, **params}
     for v in load_manifest().by_key().get((var.family, *sorted(var.dispatch.items())), ()):
         if v.params == want:
@@ -537,7 +530,7 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
     """The bwd variant serving (dtype, head_dim ``d``, mask, softcap) and its three loaded kernels,
     once per process (``d`` rounds up to the smallest built size that covers it; callers pass
     max(head_dim, head_dim_v), as FA3 rounds its backward's head dim). Calls with seqlen_q >=
-    DQ_SWAP_MIN_SEQLEN_Q take the key's block_m 80 variant where one is built (_long_rows_variant)."""
+    DQ_SWAP_MIN_SEQLEN_Q take the key's block_m 80 variant where one is built (_twin_variant)."""
     long_rows = variant is None and seqlen_q >= DQ_SWAP_MIN_SEQLEN_Q
     key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device, long_rows,
            BWD_DKV_STEPS)
@@ -547,7 +540,7 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
             "bwd", {"dtype": dtype, "head_dim": d, "causal": mask.causal, "local": mask.local, "softcap": softcap},
             round_up=_ROUND_UP)
         if long_rows:
-            var = _long_rows_variant(var)
+            var = _twin_variant(var, block_m=_BWD_SWAP_BLOCK_M)
         if variant is None and not BWD_DKV_STEPS:
             var = _twin_variant(var, dkv_steps=False)
         p = var.params
