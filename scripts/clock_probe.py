@@ -1,7 +1,8 @@
-"""The SM clock and board power while one FA3-protocol forward point runs back to back, so that a
+"""The SM clock and board power while one FA3-protocol forward (or backward) point runs back to back, so that a
 kernel's cycles per K/V block can be worked out from its TFLOP/s (docs/PERF.md: the FP8 loop's period).
 
 Usage: python scripts/clock_probe.py --dtype e4m3|bf16|fp16 --head-dim 128 [--causal] [--seqlen 16384] [--seconds 4]
+                                     [--impl flashgen|cudnn|fa2] [--backward [--deterministic]]
 Samples `nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu` every 100 ms while the calls run (the
 first second is dropped as ramp-up) and prints the TFLOP/s (CUDA events over all calls) with the median,
 minimum and maximum clock (MHz) and power (W). Clocks and power limits are only read, never set."""
@@ -11,20 +12,19 @@ import subprocess
 import time
 
 import torch
-from profile_fwd import point, point_args  # scripts/ is the script's folder: on sys.path
-
-import flashgen
+from profile_fwd import backward_args, make_call, point_args  # scripts/ is the script's folder: on sys.path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     point_args(ap)
+    backward_args(ap)
     ap.add_argument("--seconds", type=float, default=4.0)
     a = ap.parse_args()
     s, d = a.seqlen, a.head_dim
-    q, k, v, kw, b, h = point(a)
+    call, flops, _, _ = make_call(a)
     for _ in range(3):
-        flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
+        call()
     torch.cuda.synchronize()
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
                             "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
@@ -34,7 +34,7 @@ def main() -> None:
     e0.record()
     while time.time() < t_end:
         for _ in range(10):
-            flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
+            call()
         calls += 10
         torch.cuda.synchronize()
     e1.record()
@@ -45,8 +45,8 @@ def main() -> None:
     clk = [float(r[0]) for r in rows]
     pw = [float(r[1]) for r in rows]
     ms = e0.elapsed_time(e1) / calls
-    flops = 4 * b * h * s * s * d / (2 if a.causal else 1)
-    print(f"{a.dtype} hd{d} causal={a.causal} s{s}: {flops / ms / 1e9:.0f} TFLOP/s over {calls} calls; "
+    what = f"{a.impl}{' backward' if a.backward else ''}{' deterministic' if a.deterministic else ''}"
+    print(f"{what} {a.dtype} hd{d} causal={a.causal} s{s}: {flops / ms / 1e9:.0f} TFLOP/s over {calls} calls; "
           f"SM clock MHz median {statistics.median(clk):.0f} (min {min(clk):.0f}, max {max(clk):.0f}); "
           f"power W median {statistics.median(pw):.0f} (max {max(pw):.0f}); {len(rows)} samples")
 

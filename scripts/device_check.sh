@@ -98,7 +98,7 @@ prof() {
     --section SourceCounters -f -o "/tmp/prof/$name" python3 scripts/profile_fwd.py "$@" 2>&1 | grep -v '^==PROF==' | tail -3
   ncu -i "/tmp/prof/$name.ncu-rep" --page details > "/tmp/prof/$name.details.txt" 2>&1
   ncu -i "/tmp/prof/$name.ncu-rep" --page source --csv --print-source sass > "/tmp/prof/$name.sass.csv" 2>&1
-  grep -E '^  [a-zA-Z_]|Duration|SM Frequency|Elapsed Cycles|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L2 Hit Rate  |dram__bytes|sm__|l1tex__' \
+  grep -E '^  [a-zA-Z_]|Duration|SM Frequency|Elapsed Cycles|DRAM Throughput|L2 Cache Throughput|Memory Throughput|Mem Busy|Max Bandwidth|Mem Pipes Busy|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L2 Hit Rate  |dram__bytes|sm__|l1tex__|lts__' \
     "/tmp/prof/$name.details.txt" | sed "s/^/$name: /"
 }
 

@@ -5,8 +5,8 @@ Usage: python scripts/profile_fwd.py --dtype e4m3|bf16|fp16 --head-dim 128 [--ca
 16384 tokens, hidden 2048 (batch = 16384 / seqlen, heads = 2048 / head_dim); e4m3 inputs are bf16 random
 normal cast to float8_e4m3fn with unit FA3 descales. --impl cudnn / fa2: PyTorch SDPA with that backend on
 the same tensors in BSHD strides; e4m3 with --impl cudnn: cuDNN's own FP8 forward (scripts/cudnn_fp8_peer.py).
---backward: flashgen's backward alone (bench._flashgen_bwd_fn: a forward made once, its three kernels per call;
-16-bit, flashgen only). The last call runs inside the NVTX range "prof" (for `ncu --nvtx --nvtx-include prof/`).
+--backward: the backward alone, 16-bit: flashgen's (bench._flashgen_bwd_fn: a forward made once, its three
+kernels per call) or, with --impl cudnn / fa2, SDPA's (bench._sdpa_bwd_fn: autograd.grad on a forward made once). The last call runs inside the NVTX range "prof" (for `ncu --nvtx --nvtx-include prof/`).
 Prints the kernel time of the last call (CUDA events)."""
 import argparse
 
@@ -37,21 +37,32 @@ def point(a):
     return q, k, v, kw, b, h
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    point_args(ap)
-    ap.add_argument("--calls", type=int, default=3)
+def backward_args(ap: argparse.ArgumentParser) -> None:
+    """--impl, --backward, --deterministic (shared with clock_probe.py)."""
     ap.add_argument("--impl", default="flashgen", choices=("flashgen", "cudnn", "fa2"))
-    ap.add_argument("--backward", action="store_true", help="flashgen's backward alone (16-bit)")
-    ap.add_argument("--deterministic", action="store_true", help="with --backward: deterministic=True")
-    a = ap.parse_args()
+    ap.add_argument("--backward", action="store_true", help="the backward alone (16-bit)")
+    ap.add_argument("--deterministic", action="store_true", help="with --backward: flashgen's deterministic=True")
+
+
+def make_call(a):
+    """(call, flops, batch, heads): one forward (or, with --backward, backward) of the point by a.impl, and
+    the FLOPs one call counts (FA3's: 4 b h s^2 d, halved when causal, times 2.5 for the backward).
+    Raises SystemExit for a combination no implementation has (FP8 backward, FA2 FP8)."""
     s, d = a.seqlen, a.head_dim
     q, k, v, kw, b, h = point(a)
+    flops = 4 * b * h * s * s * d / (2 if a.causal else 1) * (2.5 if a.backward else 1)
     if a.backward:
-        if a.impl != "flashgen" or a.dtype == "e4m3":
-            raise SystemExit("--backward: flashgen, 16-bit dtypes only")
-        from flashgen.bench import _flashgen_bwd_fn
-        call, _ = _flashgen_bwd_fn(q, k, v, a.causal, a.deterministic)
+        if a.dtype == "e4m3":
+            raise SystemExit("--backward: 16-bit dtypes only")
+        from flashgen.bench import _flashgen_bwd_fn, _sdpa_bwd_fn
+        if a.impl == "flashgen":
+            call, _ = _flashgen_bwd_fn(q, k, v, a.causal, a.deterministic)
+        else:
+            from torch.nn.attention import SDPBackend
+            backend = SDPBackend.CUDNN_ATTENTION if a.impl == "cudnn" else SDPBackend.FLASH_ATTENTION
+            call = _sdpa_bwd_fn(backend, q, k, v, a.causal)
+            if call is None:
+                raise SystemExit(f"SDPA {a.impl} refused the backward of this point")
     elif a.impl == "flashgen":
         def call():
             flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
@@ -70,6 +81,17 @@ def main() -> None:
             with sdpa_kernel(backend):
                 torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=a.causal)
+    return call, flops, b, h
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    point_args(ap)
+    backward_args(ap)
+    ap.add_argument("--calls", type=int, default=3)
+    a = ap.parse_args()
+    s, d = a.seqlen, a.head_dim
+    call, flops, _, _ = make_call(a)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(a.calls):
         if i == a.calls - 1:
@@ -80,7 +102,6 @@ def main() -> None:
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     ms = e0.elapsed_time(e1)
-    flops = 4 * b * h * s * s * d / (2 if a.causal else 1) * (2.5 if a.backward else 1)
     what = (" backward" + (" deterministic" if a.deterministic else "")) if a.backward else ""
     print(f"{a.impl}{what} {a.dtype} hd{d} causal={a.causal} s{s}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (last call)")
 
