@@ -637,12 +637,6 @@ ROTATE_UNORDERED = True
 ROTATE_UNORDERED_MIN_M_BLOCKS = 64
 
 
-# The ds_pairs variants (bwd.py ds_pairs: head_dim 256, clusters of two key blocks that visit the same query
-# blocks): each block's Q and dO are loaded once for both CTAs of a pair, each CTA's TMA multicasting half of
-# the columns into both (BwdParams.multicast; bwd.cu.j2, the producer's `load`). False: each CTA loads its own.
-PAIRS_MULTICAST = True
-
-
 # The persistent backward grid (bwd.cu.j2 kPersistent; bwd.py persistent: block_n 128, not block_m 80, no
 # softcap): a call that is not deterministic, with no mask on whole blocks, more units (CTAs of the plain
 # grid) than SMs and at most PERSISTENT_MAX_BLOCKS iterations per unit (query blocks x the GQA group), runs
@@ -853,7 +847,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
                       and plan.block_n == 128 and num_n <= num_m and num_m >= ROTATE_UNORDERED_MIN_M_BLOCKS),
         "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
         "split_parts": w + o_parts if split_units else 0, "split_tickets": w + o_tickets if split_units else 0,
-        "persistent_units": persistent, "multicast": int(PAIRS_MULTICAST),
+        "persistent_units": persistent,
     }
     (params["unit_x_mul"], params["unit_x_shift"]), (params["unit_y_mul"], params["unit_y_shift"]) = (
         (fast_div(grid_n), fast_div(plan.num_slices * hk)) if persistent else ((0, 0), (0, 0)))

@@ -10,7 +10,7 @@ default's bound on seqlen_k, the values in keys; SPLIT_TAIL_MAX_PIECES: the non-
 with :nc points; ROTATE_UNORDERED: rotated query blocks, 0 = off; DQ_SWAP_MIN_SEQLEN_Q: the block_m 80 tile's
 bound, the values in rows; PERSISTENT_BWD: the persistent grid, 0 = off, PERSISTENT_MAX_BLOCKS its bound on a
 unit's blocks, both with :nc points; BWD_DKV_STEPS: the block_n 128 tiles' dV / dK k-steps issued as P^T / dS^T
-are packed, 0 = the dkv_steps-off twins of configs/bwd_ablation.yaml, built by `flashgen build --all`; PAIRS_MULTICAST: the head_dim 256 pairs' Q / dO multicast, 0 = each CTA loads its own).
+are packed, 0 = the dkv_steps-off twins of configs/bwd_ablation.yaml, built by `flashgen build --all`).
 --deterministic: flashgen's deterministic backward is timed instead of its default (SDPA as always).
 --points: dtype:head_dim:seqlen entries instead of the defaults below (causal; dtype:head_dim:seqlen:nc non-causal).
 --interleave N: instead of one do_bench per value, each round calls the values and the SDPA peers in
@@ -68,8 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES",
                     choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES", "ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS",
                              "SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED",
-                             "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD", "PERSISTENT_MAX_BLOCKS", "BWD_DKV_STEPS",
-                             "PAIRS_MULTICAST"))
+                             "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD", "PERSISTENT_MAX_BLOCKS", "BWD_DKV_STEPS"))
     ap.add_argument("--deterministic", action="store_true", help="time the deterministic backward (default: not)")
     ap.add_argument("--interleave", type=int, default=0, help="calls per value per round, interleaved (0: do_bench)")
     ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
     if args.knob in ("SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED", "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD",
                      "PERSISTENT_MAX_BLOCKS"):
         waves = [int(w) for w in waves]
-    elif args.knob in ("BWD_DKV_STEPS", "PAIRS_MULTICAST"):
+    elif args.knob == "BWD_DKV_STEPS":
         waves = [bool(int(w)) for w in waves]
     default_waves = getattr(core, args.knob)
     points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), not x.endswith(":nc"))

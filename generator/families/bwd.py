@@ -204,7 +204,6 @@ PARAMS = params_struct(
     ("unit_x_mul", "u32"), ("unit_x_shift", "u32"),  # persistent calls: core.fast_div of the key blocks (bwd.cu.j2 unit_cta)
     ("unit_y_mul", "u32"), ("unit_y_shift", "u32"),  # and of num_slices x heads_k
     ("persistent_units", "i32"),  # persistent variants (bwd.cu.j2 kPersistent): > 0, the units (CTAs of the plain grid) that a grid of one CTA per SM runs in turn; 0: one unit per CTA
-    ("multicast", "i32"),  # ds_pairs variants, paired CTAs: each block's Q and dO loaded once for both, each CTA's TMA multicasting half of the columns (core.PAIRS_MULTICAST); 0: each CTA loads its own
 )
 
 

@@ -527,36 +527,6 @@ def test_backward_persistent_matches_reference(d, shape, monkeypatch):
         assert bitwise_equal(a, a2), f"{name}: persistent and plain differ: {first_difference(a, a2)}"
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("shape", [(2, 333, 517, 4, 2), (1, 1000, 1000, 3, 3), (3, 130, 192, 2, 1), (1, 77, 2300, 8, 1)],
-                         ids=["gqa2_odd", "even", "lone_block", "mqa_long"])
-def test_backward_pairs_multicast(shape, causal, monkeypatch):
-    """head_dim 256 (the ds_pairs variants): with core.PAIRS_MULTICAST each block's Q and dO reach both CTAs of
-    a pair by one TMA multicast per half (bwd.cu.j2 `load`). The default backward with it passes FA3's rule on
-    NaN-poisoned buffers, and the deterministic backward gives the same bits with and without it (only the
-    loads differ). Shapes: odd lengths with GQA, an even number of key blocks, an odd one (a lone last
-    block: its CTA loads its own), MQA with a long key range."""
-    from flashgen import core
-
-    dtype, d = torch.bfloat16, 256
-    need_bwd(dtype, d, causal)
-    b, sq, sk, h, hk = shape
-    scale = d ** -0.5
-    q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, seed=51)
-    dout = randn(b, sq, h, d, dtype=dtype, seed=52)
-    out, lse = forward_out_lse(q, k, v, causal, scale)
-    monkeypatch.setattr(core, "PAIRS_MULTICAST", True)
-    got = fg_backward(dout, q, k, v, out, lse, causal, scale)
-    det_on = fg_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True)
-    torch.cuda.synchronize()
-    check_bwd(q, k, v, dout, causal, {"multicast": got, "multicast, deterministic": det_on}, scale)
-    monkeypatch.setattr(core, "PAIRS_MULTICAST", False)
-    det_off = fg_backward(dout, q, k, v, out, lse, causal, scale, deterministic=True)
-    torch.cuda.synchronize()
-    for name, a, a2 in zip(("dq", "dk", "dv"), det_on, det_off):
-        assert bitwise_equal(a, a2), f"{name}: multicast on and off differ: {first_difference(a, a2)}"
-
-
 def _tail_case(d, shape, knob, waves, monkeypatch):
     """One causal backward, not deterministic, with core.<knob> = waves, checked as in check_bwd."""
     from flashgen import core

@@ -104,15 +104,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, i
   ptx::cp_async_bulk_tensor(ptx::space_cluster, ptx::space_global, dst, map, coords, bar);
 }
 
-// The same, multicast: the box lands at dst's offset in the shared memory of every CTA of the cluster
-// in `cta_mask` (this one among them), each completing on its own barrier at bar's offset (its
-// complete-tx may come before that CTA's expect-tx: a phase completes only once its arrivals are in too).
-__device__ __forceinline__ void tma_load_4d_multicast(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
-                                                      uint64_t* bar, uint16_t cta_mask) {
-  const int32_t coords[4] = {c0, c1, c2, c3};
-  ptx::cp_async_bulk_tensor(ptx::space_cluster, ptx::space_global, dst, map, coords, bar, cta_mask);
-}
-
 // 5-D tile load (PackGQA's Q: head_dim, head in group, seqlen, K/V head, batch), completing on `bar`.
 __device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
                                             uint64_t* bar) {

@@ -97,14 +97,6 @@ struct SmemTileSW {
       tma_load_4d(ptr() + ch * kChunkBytes, map, col0 + ch * kChunkCols, row, head, batch, bar);
   }
 
-  // TMA: the same into this tile's place in every CTA of `cta_mask` (tma_load_4d_multicast). One thread.
-  __device__ __forceinline__ void tma_load_multicast(const CUtensorMap* map, int row, int head, int batch, uint64_t* bar,
-                                                     uint16_t cta_mask, int col0 = 0) const {
-#pragma unroll
-    for (int ch = 0; ch < kChunks; ++ch)
-      tma_load_4d_multicast(ptr() + ch * kChunkBytes, map, col0 + ch * kChunkCols, row, head, batch, bar, cta_mask);
-  }
-
   // TMA: the same from a 5-D (dim, c1, c2, c3, c4) map whose box is one chunk of up to Rows rows
   // (PackGQA's Q: c1 the head in the group, c2 the query position; the box's rows land in order).
   __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, int c1, int c2, int c3, int c4,
