@@ -509,10 +509,19 @@ _bwd_plans: dict = {}  # call key -> _BwdPlan (immutable; shared by concurrent c
 DQ_SWAP_MIN_SEQLEN_Q = 2048
 
 
-# The A/B switch of the block_n 128 tiles' dV / dK k-steps (generator/families/bwd.py dkv_steps): False serves a
-# call with the built variant of its key that has dkv_steps off (configs/bwd_ablation.yaml, built by `flashgen
-# build --all`) where there is one. For scripts/bwd_tail_ab.py --knob BWD_DKV_STEPS; the shipped path is True.
+# The A/B switch of the block_n 128 tiles' dV / dK k-steps (generator/families/bwd.py dkv_steps): False serves
+# every call with the built variant of its key that has dkv_steps off (its twin: configs/bwd.yaml's extra at
+# head_dim 128, configs/bwd_ablation.yaml's, built by `flashgen build --all`, at 64) where there is one. For
+# scripts/bwd_tail_ab.py --knob BWD_DKV_STEPS; the shipped path is True.
 BWD_DKV_STEPS = True
+
+# Deterministic calls whose variant has one of these head dims take its dkv_steps-off twin where one is built
+# (the default set builds them at 128). The steps issue dV / dK under the exponentials, which pays in the
+# default backward (+1-6 % at head_dim 128) but made the deterministic one slower, whose ordered dQ hand-off
+# waits on each block's dQ: H200, bf16, the same process, twin over steps, three runs: head_dim 128 non-causal
+# 1k 1.010-1.014, 2k 1.017-1.023, 4k 1.019-1.026, 16k 1.004-1.013 (block_m 80), causal 2k 1.008-1.013, 16k
+# 1.023-1.030; head_dim 64 non-causal 2k 0.981 (so 64 keeps the steps). docs/results/bwd_det_nosteps/.
+DET_NOSTEPS_HEAD_DIMS = (128,)
 
 
 def _twin_variant(var: Variant, **params) -> Variant:
@@ -526,14 +535,16 @@ def _twin_variant(var: Variant, **params) -> Variant:
 
 
 def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
-              seqlen_q: int = 0) -> _BwdPlan:
+              seqlen_q: int = 0, deterministic: bool = False) -> _BwdPlan:
     """The bwd variant serving (dtype, head_dim ``d``, mask, softcap) and its three loaded kernels,
     once per process (``d`` rounds up to the smallest built size that covers it; callers pass
     max(head_dim, head_dim_v), as FA3 rounds its backward's head dim). Calls with seqlen_q >=
-    DQ_SWAP_MIN_SEQLEN_Q take the key's block_m 80 variant where one is built (_twin_variant)."""
+    DQ_SWAP_MIN_SEQLEN_Q take the key's block_m 80 variant where one is built, and deterministic
+    calls at DET_NOSTEPS_HEAD_DIMS the dkv_steps-off twin (_twin_variant). A twin has the same tile, so
+    the workspace (_bwd_workspace) does not depend on ``deterministic``."""
     long_rows = variant is None and seqlen_q >= DQ_SWAP_MIN_SEQLEN_Q
     key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device, long_rows,
-           BWD_DKV_STEPS)
+           BWD_DKV_STEPS, deterministic and DET_NOSTEPS_HEAD_DIMS)
     plan = _bwd_plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
@@ -541,7 +552,7 @@ def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, va
             round_up=_ROUND_UP)
         if long_rows:
             var = _twin_variant(var, block_m=_BWD_SWAP_BLOCK_M)
-        if variant is None and not BWD_DKV_STEPS:
+        if variant is None and (not BWD_DKV_STEPS or (deterministic and var.params["head_dim"] in DET_NOSTEPS_HEAD_DIMS)):
             var = _twin_variant(var, dkv_steps=False)
         p = var.params
         pad = -(-p["head_dim"] // 64) * 64
@@ -820,7 +831,7 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq)
+    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq, deterministic)
     bm, bn = plan.block_m, plan.block_n
     num_m, num_n = -(-sq // bm), -(-sk // bn)
     grid_n = _bwd_grid_n(plan, sk)

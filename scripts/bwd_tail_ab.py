@@ -10,7 +10,9 @@ default's bound on seqlen_k, the values in keys; SPLIT_TAIL_MAX_PIECES: the non-
 with :nc points; ROTATE_UNORDERED: rotated query blocks, 0 = off; DQ_SWAP_MIN_SEQLEN_Q: the block_m 80 tile's
 bound, the values in rows; PERSISTENT_BWD: the persistent grid, 0 = off, PERSISTENT_MAX_BLOCKS its bound on a
 unit's blocks, both with :nc points; BWD_DKV_STEPS: the block_n 128 tiles' dV / dK k-steps issued as P^T / dS^T
-are packed, 0 = the dkv_steps-off twins of configs/bwd_ablation.yaml, built by `flashgen build --all`).
+are packed, 0 = every call on the dkv_steps-off twins (head_dim 128's in the default build, 64's in
+configs/bwd_ablation.yaml, built by `flashgen build --all`); DET_NOSTEPS_HEAD_DIMS: the head dim whose deterministic
+calls run on those twins, 0 = none; with --deterministic).
 --deterministic: flashgen's deterministic backward is timed instead of its default (SDPA as always).
 --points: dtype:head_dim:seqlen entries instead of the defaults below (causal; dtype:head_dim:seqlen:nc non-causal).
 --interleave N: instead of one do_bench per value, each round calls the values and the SDPA peers in
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--knob", default="UNORDERED_TAIL_WAVES",
                     choices=("UNORDERED_TAIL_WAVES", "UNORDERED_CAUSAL_TAIL_WAVES", "ORDERED_CAUSAL_MAX_SEQLEN_K_PAIRS",
                              "SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED",
-                             "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD", "PERSISTENT_MAX_BLOCKS", "BWD_DKV_STEPS"))
+                             "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD", "PERSISTENT_MAX_BLOCKS", "BWD_DKV_STEPS",
+                             "DET_NOSTEPS_HEAD_DIMS"))
     ap.add_argument("--deterministic", action="store_true", help="time the deterministic backward (default: not)")
     ap.add_argument("--interleave", type=int, default=0, help="calls per value per round, interleaved (0: do_bench)")
     ap.add_argument("--points", default=None, help="dtype:head_dim:seqlen,... (default: the ordered default's points)")
@@ -84,6 +87,12 @@ def main(argv=None) -> int:
         waves = [int(w) for w in waves]
     elif args.knob == "BWD_DKV_STEPS":
         waves = [bool(int(w)) for w in waves]
+    elif args.knob == "DET_NOSTEPS_HEAD_DIMS":  # a head dim, or 0: none (deterministic calls keep the steps)
+        waves = [int(w) for w in waves]
+
+    def knob_value(w):  # the core constant's value for the waves value w
+        return ((w,) if w else ()) if args.knob == "DET_NOSTEPS_HEAD_DIMS" else w
+
     default_waves = getattr(core, args.knob)
     points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), not x.endswith(":nc"))
                                               for x in args.points.split(",")]
@@ -102,7 +111,7 @@ def main(argv=None) -> int:
 
         def with_waves(w):
             def call():
-                setattr(core, args.knob, w)
+                setattr(core, args.knob, knob_value(w))
                 fn()
             return call
         named = [(w, with_waves(w)) for w in waves] + [(n, f) for n, f in peer_fns.items() if f]
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
                     (times if key in times else peer_times)[key].append(fl / ms / 1e9)
             else:
                 for w in waves:
-                    setattr(core, args.knob, w)
+                    setattr(core, args.knob, knob_value(w))
                     times[w].append(fl / bench._time_ms(fn) / 1e9)
         setattr(core, args.knob, default_waves)
         peers = {}

@@ -1078,6 +1078,31 @@ def test_core_backward_dkv_steps_twins(bwd_core, monkeypatch, tmp_path):
         assert other.params.get("dkv_steps", True) and other.default
 
 
+def test_core_backward_deterministic_runs_on_the_nosteps_twins(bwd_core, monkeypatch, tmp_path):
+    """Deterministic calls whose variant's head_dim is in core.DET_NOSTEPS_HEAD_DIMS (128) run on its built
+    dkv_steps-off twin (configs/bwd.yaml's extra), the block_m 80 variant's twin for long rows; the default
+    backward keeps the steps; head_dim 64 keeps them in both modes even with a twin built (the ablation
+    set's); emptying DET_NOSTEPS_HEAD_DIMS (the A/B) gives deterministic calls the steps again."""
+    assert 128 in core.DET_NOSTEPS_HEAD_DIMS and 64 not in core.DET_NOSTEPS_HEAD_DIMS
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["variants"] += [_bwd_record("bf16", 128, c, dkv_steps=False) for c in (False, True)] + [
+        _bwd_record("bf16", 128, False, block_m=80, dkv_steps=False), _bwd_record("bf16", 64, False, dkv_steps=False)]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    for sq, causal, bm in ((1000, False, 64), (1000, True, 64), (3000, False, 80)):
+        default, _ = _run_backward(1, sq, 1000, 2, 2, 128, 128, causal)
+        det, _ = _run_backward(1, sq, 1000, 2, 2, 128, 128, causal, deterministic=True)
+        assert default.params.get("dkv_steps", True) and default.params["block_m"] == bm and default.params["causal"] == causal
+        assert det.params["dkv_steps"] is False and det.params["block_m"] == bm and det.params["causal"] == causal
+        assert {k: x for k, x in det.params.items() if k != "dkv_steps"} == default.params
+        assert bwd_core.launches[-2]["params"]["deterministic"] > 0
+    for det in (False, True):
+        hd64, _ = _run_backward(1, 1000, 1000, 2, 2, 64, 64, False, deterministic=det)
+        assert hd64.params.get("dkv_steps", True) and hd64.default
+    monkeypatch.setattr(core, "DET_NOSTEPS_HEAD_DIMS", ())
+    det, _ = _run_backward(1, 1000, 1000, 2, 2, 128, 128, False, deterministic=True)
+    assert det.params.get("dkv_steps", True) and det.default
+
+
 def test_bwd_dkv_steps_rule():
     """dkv_steps: the block_n 128 tiles issue dV / dK k-step by k-step unless the knob is off; the role tiles
     never (tried: hd256 0.96-0.99x, docs/results/bwd_dkv_steps/)."""

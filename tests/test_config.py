@@ -212,13 +212,19 @@ def test_real_configs():
     tuned = [v for v in vs if v.tuned]
     assert all(v.default_build and not v.default for v in tuned)
     # + bwd's block_m 80 extras (non-causal hd128, bf16 / fp16: not dispatch defaults; core.DQ_SWAP_MIN_SEQLEN_Q)
-    swap = [v for v in vs if v.family == "bwd" and v.params["block_m"] == 80 and v.default_build]
-    # bwd's A/B twins (configs/bwd_ablation.yaml: dkv_steps off, block_n 128), built by --all only
+    swap = [v for v in vs if v.family == "bwd" and v.params["block_m"] == 80 and v.default_build and v.params["dkv_steps"]]
+    # + bwd's dkv_steps-off twins (block_n 128, never dispatch defaults): head_dim 128's in the default build
+    # (deterministic calls run on them: core.DET_NOSTEPS_HEAD_DIMS), head_dim 64's A/B twins
+    # (configs/bwd_ablation.yaml) built by --all only
     twins = [v for v in vs if v.family == "bwd" and not v.params["dkv_steps"]]
-    assert twins and not any(v.default_build or v.default or v.params["block_n"] != 128 for v in twins)
-    assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
-             v.default) for v in swap} == {(d, 128, False, False, False, False) for d in ("bf16", "fp16")}
-    assert len(select(vs)) == 60 + 12 + 30 + 18 + 60 + 3 + 2 + len(swap) + len(tuned)
+    assert twins and not any(v.default or v.params["block_n"] != 128 for v in twins)
+    built_twins = [v for v in twins if v.default_build]
+    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["block_m"]) for v in built_twins) == \
+        sorted((d, 128, c, bm) for d in ("bf16", "fp16") for c, bm in ((False, 64), (True, 64), (False, 80)))
+    assert all(v.params["head_dim"] == 64 for v in twins if not v.default_build)
+    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
+                   v.default) for v in swap) == [(d, 128, False, False, False, False) for d in ("bf16", "fp16")]
+    assert len(select(vs)) == 60 + 12 + 30 + 18 + 60 + 3 + 2 + len(swap) + len(built_twins) + len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa")]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
     all_vs, vs = vs, [v for v in vs if not v.tuned]
@@ -230,7 +236,7 @@ def test_real_configs():
             for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
         fam = [v for v in select(vs) if v.family == family and v.params["head_dim_v" if family == "fwd" else "head_dim"]
-               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap]  # FP8 has no backward
+               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap and v not in twins]  # FP8 has no backward
         assert all(v.default for v in fam)
         assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"])
                 for v in fam} == keys

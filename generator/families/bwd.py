@@ -322,7 +322,9 @@ def dkv_steps(params: dict) -> bool:
     block_n 128 tiles with the ``dkv_steps`` knob on (the default). Measured on an H200 against the
     knob-off twins (configs/bwd_ablation.yaml) in one process, interleaved: hd128 non-causal +2-6 %,
     causal 2k / 16k +3-4 %, hd64 +1-2 %, causal 512 level. The role tiles (consumer 0's dV so) lost
-    1-4 % at head_dim 256 and were level at 192: they keep the GEMM after P^T (docs/results/bwd_dkv_steps/)."""
+    1-4 % at head_dim 256 and were level at 192: they keep the GEMM after P^T (docs/results/bwd_dkv_steps/).
+    The deterministic backward at head_dim 128 is 1-3 % faster without the steps, so head_dim 128's twins are
+    in the default set (configs/bwd.yaml) and serve it (core.DET_NOSTEPS_HEAD_DIMS; docs/results/bwd_det_nosteps/)."""
     return bool(params.get("dkv_steps", True)) and not roles(params)
 
 
