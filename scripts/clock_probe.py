@@ -12,17 +12,15 @@ import subprocess
 import time
 
 import torch
-from profile_fwd import backward_args, make_call, point_args  # scripts/ is the script's folder: on sys.path
+from profile_fwd import label, make_call, point_args  # scripts/ is the script's folder: on sys.path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     point_args(ap)
-    backward_args(ap)
     ap.add_argument("--seconds", type=float, default=4.0)
     a = ap.parse_args()
-    s, d = a.seqlen, a.head_dim
-    call, flops, _, _ = make_call(a)
+    call, flops = make_call(a)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -45,8 +43,7 @@ def main() -> None:
     clk = [float(r[0]) for r in rows]
     pw = [float(r[1]) for r in rows]
     ms = e0.elapsed_time(e1) / calls
-    what = f"{a.impl}{' backward' if a.backward else ''}{' deterministic' if a.deterministic else ''}"
-    print(f"{what} {a.dtype} hd{d} causal={a.causal} s{s}: {flops / ms / 1e9:.0f} TFLOP/s over {calls} calls; "
+    print(f"{label(a)}: {flops / ms / 1e9:.0f} TFLOP/s over {calls} calls; "
           f"SM clock MHz median {statistics.median(clk):.0f} (min {min(clk):.0f}, max {max(clk):.0f}); "
           f"power W median {statistics.median(pw):.0f} (max {max(pw):.0f}); {len(rows)} samples")
 

@@ -16,11 +16,20 @@ import flashgen
 
 
 def point_args(ap: argparse.ArgumentParser) -> None:
-    """The options that choose an FA3-protocol point (shared with clock_probe.py)."""
+    """The options that choose an FA3-protocol point and what runs there (shared with clock_probe.py)."""
     ap.add_argument("--dtype", default="e4m3", choices=("e4m3", "bf16", "fp16"))
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--impl", default="flashgen", choices=("flashgen", "cudnn", "fa2"))
+    ap.add_argument("--backward", action="store_true", help="the backward alone (16-bit)")
+    ap.add_argument("--deterministic", action="store_true", help="with --backward: flashgen's deterministic=True")
+
+
+def label(a) -> str:
+    """What runs, for the scripts' output lines: implementation, direction, dtype, head_dim, mask, seqlen."""
+    what = (" backward" + (" deterministic" if a.deterministic else "")) if a.backward else ""
+    return f"{a.impl}{what} {a.dtype} hd{a.head_dim} causal={a.causal} s{a.seqlen}"
 
 
 def point(a):
@@ -37,15 +46,8 @@ def point(a):
     return q, k, v, kw, b, h
 
 
-def backward_args(ap: argparse.ArgumentParser) -> None:
-    """--impl, --backward, --deterministic (shared with clock_probe.py)."""
-    ap.add_argument("--impl", default="flashgen", choices=("flashgen", "cudnn", "fa2"))
-    ap.add_argument("--backward", action="store_true", help="the backward alone (16-bit)")
-    ap.add_argument("--deterministic", action="store_true", help="with --backward: flashgen's deterministic=True")
-
-
 def make_call(a):
-    """(call, flops, batch, heads): one forward (or, with --backward, backward) of the point by a.impl, and
+    """(call, flops): one forward (or, with --backward, backward) of the point by a.impl, and
     the FLOPs one call counts (FA3's: 4 b h s^2 d, halved when causal, times 2.5 for the backward).
     Raises SystemExit for a combination no implementation has (FP8 backward, FA2 FP8)."""
     s, d = a.seqlen, a.head_dim
@@ -81,17 +83,15 @@ def make_call(a):
             with sdpa_kernel(backend):
                 torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=a.causal)
-    return call, flops, b, h
+    return call, flops
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     point_args(ap)
-    backward_args(ap)
     ap.add_argument("--calls", type=int, default=3)
     a = ap.parse_args()
-    s, d = a.seqlen, a.head_dim
-    call, flops, _, _ = make_call(a)
+    call, flops = make_call(a)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(a.calls):
         if i == a.calls - 1:
@@ -102,8 +102,7 @@ def main() -> None:
     torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     ms = e0.elapsed_time(e1)
-    what = (" backward" + (" deterministic" if a.deterministic else "")) if a.backward else ""
-    print(f"{a.impl}{what} {a.dtype} hd{d} causal={a.causal} s{s}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (last call)")
+    print(f"{label(a)}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s (last call)")
 
 
 if __name__ == "__main__":
