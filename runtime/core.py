@@ -518,9 +518,10 @@ BWD_DKV_STEPS = True
 # Deterministic calls whose variant has one of these head dims take its dkv_steps-off twin where one is built
 # (the default set builds them at 128). The steps issue dV / dK under the exponentials, which pays in the
 # default backward (+1-6 % at head_dim 128) but made the deterministic one slower, whose ordered dQ hand-off
-# waits on each block's dQ: H200, bf16, the same process, twin over steps, three runs: head_dim 128 non-causal
-# 1k 1.010-1.014, 2k 1.017-1.022, 4k 1.019-1.026, 16k 1.004-1.013 (block_m 80), causal 2k 1.008-1.013, 16k
-# 1.024-1.030; head_dim 64 non-causal 2k 0.981 (so 64 keeps the steps). docs/results/bwd_det_nosteps/.
+# waits on each block's dQ: H200, bf16, the same process, twin over steps, two or three runs: head_dim 128
+# non-causal 1k 1.010-1.014, 2k 1.017-1.022, 4k 1.019-1.026, 16k 1.004-1.013 (block_m 80), causal 2k 1.008-1.013,
+# 16k 1.024-1.030; head_dim 64 non-causal 2k 0.981 (so 64 keeps the steps). This rule on / off (bf16 and fp16,
+# two runs): +1.1 % to +4.4 % at head_dim 128. docs/results/bwd_det_nosteps/.
 DET_NOSTEPS_HEAD_DIMS = (128,)
 
 
