@@ -83,12 +83,10 @@ def main(argv=None) -> int:
 
     waves = [float(w) for w in args.waves.split(",")]
     if args.knob in ("SPLIT_TAIL_MAX_PIECES", "ROTATE_UNORDERED", "DQ_SWAP_MIN_SEQLEN_Q", "PERSISTENT_BWD",
-                     "PERSISTENT_MAX_BLOCKS"):
+                     "PERSISTENT_MAX_BLOCKS", "DET_NOSTEPS_HEAD_DIMS"):  # (DET_NOSTEPS_HEAD_DIMS: a head dim, 0 = none)
         waves = [int(w) for w in waves]
     elif args.knob == "BWD_DKV_STEPS":
         waves = [bool(int(w)) for w in waves]
-    elif args.knob == "DET_NOSTEPS_HEAD_DIMS":  # a head dim, or 0: none (deterministic calls keep the steps)
-        waves = [int(w) for w in waves]
 
     def knob_value(w):  # the core constant's value for the waves value w
         return ((w,) if w else ()) if args.knob == "DET_NOSTEPS_HEAD_DIMS" else w
