@@ -7,7 +7,7 @@ repetitions). TFLOP/s = 4 b h s^2 d (halved for causal) / time.
 --variants: instead, every built e4m3 variant of each (head_dim, causal) key (default tiles and
 configs/fwd_fp8_tune.yaml's candidates), launched through flashgen.core with the variant forced.
 --softcap C: both the e4m3 and the bf16 calls with softcap C (FA3's tests use 15).
---match GLOB: with --variants, only the variants whose names match (e.g. '*noncausal_m*').
+--match GLOB[,GLOB...]: with --variants, only the variants whose names match one of them (e.g. '*noncausal_m*').
 --dtype bf16|fp16: with --variants, that dtype's variants instead of e4m3 (random normal inputs, no descales).
 --rounds N: with --variants, every variant timed N times in turn (rounds alternate over the variants).
   With --dtype bf16/fp16, SDPA's cuDNN and FA2 backends are timed in each round too (rows `sdpa-cudnn`,
@@ -107,7 +107,7 @@ def tiles(a) -> None:
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.dtype, torch.bfloat16)
     stream = torch.cuda.current_stream().cuda_stream
     variants = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == a.dtype
-                and fnmatch.fnmatch(v.name, a.match) and not (v.params["local"] or v.params["softcap"] or
+                and any(fnmatch.fnmatch(v.name, m) for m in a.match.split(",")) and not (v.params["local"] or v.params["softcap"] or
                 v.params["pack_gqa"] or v.params["head_dim_v"] != v.params["head_dim"])]  # FA3-protocol calls
     seqlens = [int(x) for x in a.seqlens.split(",")]
     print(f"# {torch.cuda.get_device_name()}: {a.dtype} TFLOP/s per variant (flashgen tune's labels; * = default), "

@@ -23,8 +23,8 @@ from flashgen.generator.toolchain import find_nvcc  # noqa: E402
 
 BASE = dict(family="fwd", dtype="bf16", head_dim=128, head_dim_v=128, causal=True, block_m=128, block_n=128,
             stages=2, q_stages=1, consumer_wgs=2, pingpong=True, overlap=True, persistent=True, late_pv_wait=True,
-            exp_turns=False, vt_global=False)
-NAME_RE = re.compile(r"^fwd_(bf16|fp16|e4m3)_hd\d+(v\d+)?_(causal|noncausal|local)_(softcap_)?(packgqa_)?m\d+n\d+_s\d_(q2_)?wg\d_(no)?pp_(no)?ov_(no)?ps_(ew_)?(xt_)?(vtg_)?[0-9a-f]{8}$")
+            exp_turns=False, rowsum_mma=False, vt_global=False)
+NAME_RE = re.compile(r"^fwd_(bf16|fp16|e4m3)_hd\d+(v\d+)?_(causal|noncausal|local)_(softcap_)?(packgqa_)?m\d+n\d+_s\d_(q2_)?wg\d_(no)?pp_(no)?ov_(no)?ps_(ew_)?(xt_)?(rsm_)?(vtg_)?[0-9a-f]{8}$")
 COMBINE_NAME_RE = re.compile(r"^combine_(fp32|bf16|fp16)_m\d+_t\d+_[0-9a-f]{8}$")
 BWD_NAME_RE = re.compile(r"^bwd_(bf16|fp16)_hd\d+_(causal|noncausal|local)_(softcap_)?m\d+n\d+_sl\d+_s\d_(nosteps_)?[0-9a-f]{8}$")
 QUANT_NAME_RE = re.compile(r"^quant_(bf16|fp16)_b\d_[0-9a-f]{8}$")
@@ -40,6 +40,7 @@ def test_name_spells_every_parameter():
     assert "_noncausal_" in off and off.endswith(off[-8:]) and "_nopp_noov_nops_" in off
     assert "_ps_ew_" in variant_name({**BASE, "late_pv_wait": False}) and "_ew_" not in n
     assert "_ps_xt_" in variant_name({**BASE, "exp_turns": True}) and "_xt_" not in n
+    assert "_ps_rsm_" in variant_name({**BASE, "rowsum_mma": True}) and "_rsm_" not in n
     assert "_ps_vtg_" in variant_name({**BASE, "dtype": "e4m3", "vt_global": True}) and "_vtg_" not in n
     assert "_s2_q2_wg2_" in variant_name({**BASE, "q_stages": 2}) and "_q2_" not in n
     assert "hd192v128" in variant_name({**BASE, "head_dim": 192, "head_dim_v": 128})
@@ -52,7 +53,7 @@ def test_name_canonical_and_hash_covers_every_key():
     hashes = {params_hash(BASE)}
     changes = dict(dtype="fp16", head_dim=64, head_dim_v=64, causal=False, local=True, softcap=True, pack_gqa=True,
                    block_m=192, block_n=112, stages=3, q_stages=2, consumer_wgs=3, pingpong=False, overlap=False, persistent=False,
-                   late_pv_wait=False, exp_turns=True, vt_global=True)
+                   late_pv_wait=False, exp_turns=True, rowsum_mma=True, vt_global=True)
     for k, v in changes.items():
         hashes.add(params_hash({**BASE, k: v}))
     assert len(hashes) == len(changes) + 1  # every key changes the hash

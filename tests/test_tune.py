@@ -28,7 +28,7 @@ from flashgen.generator.project import Project  # noqa: E402
 
 GPU = "NVIDIA Test GPU 80GB HBM3"  # no shipped table has this name
 SLUG = "nvidia-test-gpu-80gb-hbm3"
-KNOBS = {"q_stages": 1, "pingpong": True, "overlap": True, "persistent": True, "late_pv_wait": True, "exp_turns": False, "vt_global": False}
+KNOBS = {"q_stages": 1, "pingpong": True, "overlap": True, "persistent": True, "late_pv_wait": True, "exp_turns": False, "rowsum_mma": False, "vt_global": False}
 DEFAULT = {"block_m": 128, "block_n": 128, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND = {"block_m": 128, "block_n": 176, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND2 = {"block_m": 128, "block_n": 112, "stages": 2, "consumer_wgs": 2, **KNOBS}

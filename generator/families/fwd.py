@@ -238,8 +238,9 @@ def spec_max(params: dict) -> bool:
     the plain update). 16-bit P without softcap (its preparation of S is not repeatable) at head dims
     up to 128. Measured per tile against the same tile without it (H100, FA3 protocol, docs/PERF.md):
     bf16 hd64 / hd128 +1.5-7 % at 2k-16k; hd256 within 1 % (and its causal builds spilled 8-16 bytes);
-    e4m3 (P checked against 448 by a max over the exponents) 1-17 % slower, so not there."""
-    return (params["dtype"] in ("bf16", "fp16") and not params.get("softcap")
+    e4m3 (P checked against 448 by a max over the exponents) 1-17 % slower, so not there. Not with
+    ``rowsum_mma`` (its bound is checked on the row sums in registers, which that knob removes)."""
+    return (params["dtype"] in ("bf16", "fp16") and not params.get("softcap") and not params.get("rowsum_mma")
             and max(params["head_dim"], params.get("head_dim_v", params["head_dim"])) <= 128)
 
 
@@ -409,6 +410,7 @@ class FwdFamily(Family):
                 f"s{p['stages']}", *(["q2"] if p.get("q_stages", 1) == 2 else []), f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops",
                 *([] if p.get("late_pv_wait", True) else ["ew"]), *(["xt"] if p.get("exp_turns") else []),
+                *(["rsm"] if p.get("rowsum_mma") else []),
                 *(["vtg"] if p.get("vt_global") else [])]
 
     def suggest(self, key):
@@ -459,6 +461,10 @@ FAMILY = FwdFamily(
         Key("exp_turns", bool, "knob", default=False,
             doc="the consumer warpgroups take turns for their softmax exponentials (a second named-barrier "
                 "ring), so one warpgroup's MUFU.EX2 phase runs at a time (fwd.cu.j2 kExpTurns)"),
+        Key("rowsum_mma", bool, "knob", default=False,
+            doc="the softmax row sums l on the tensor cores: each P V GEMM also issues L += P 1 (an m64n8 WGMMA per "
+                "k-step against a tile of ones) instead of one FADD per score (fwd.cu.j2 kRowsumMma); "
+                "not with spec_max, which then stays off"),
         Key("vt_global", bool, "knob", default=False,
             doc="e4m3: V^T written to per-call scratch by a preprocess kernel and TMA-loaded (no in-kernel "
                 "V transpose; fwd.cu.j2 kVtGlobal)"),

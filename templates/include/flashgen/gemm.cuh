@@ -87,25 +87,45 @@ __device__ __forceinline__ void mma_rs_step(float (&d)[R], const uint32_t (&a)[R
 
 // D += A B, A in registers (4 per k-step: the RS-WGMMA A fragment), B an MN-major tile whose rows
 // are K (all of them; KSteps > 0: the first KSteps k-steps alone) and columns N.
-template <auto Mma, int KSteps = 0, int R, int RA, typename TileB>
-__device__ __forceinline__ void gemm_rs(float (&d)[R], const uint32_t (&a)[RA], const TileB& b) {
+// tail(k_steps), if given, issues more WGMMAs of the same A k-steps into the same commit group (the
+// forward's rowsum_mma: mma_rowsum).
+struct NoTail {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <auto Mma, int KSteps = 0, int R, int RA, typename TileB, typename Tail = NoTail>
+__device__ __forceinline__ void gemm_rs(float (&d)[R], const uint32_t (&a)[RA], const TileB& b, Tail&& tail = {}) {
   constexpr int kSteps = KSteps > 0 ? KSteps : TileB::kRows / TileB::kKStep;
   static_assert(kSteps <= TileB::kRows / TileB::kKStep, "KSteps: at most the tile's k-steps");
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) mma_rs_step<Mma>(d, a, b, kk);
+  tail(kSteps);
   wgmma_commit();
+}
+
+// L += A 1 over A's k-steps [0, k_steps) (4 registers each), on the tensor cores: Mma an RS m64n8 WGMMA,
+// `ones` the descriptor of a tile of ones (smem.cuh SmemOnes). L is an m64n8 fp32 accumulator: this
+// thread's registers 0-1 hold its row r's sum of A (each the same), 2-3 row r + 8's. No fence or commit
+// (a gemm_rs / gemm_rs_kmajor tail). The forward's row sums of P (FA3 Algorithm 1 line 19's l) as the
+// P V GEMM reads P: in the A operand's type, summed in fp32.
+template <auto Mma, int RA>
+__device__ __forceinline__ void mma_rowsum(float (&l)[4], const uint32_t (&a)[RA], uint64_t ones, int k_steps) {
+#pragma unroll
+  for (int kk = 0; kk < RA / 4; ++kk) {
+    if (kk < k_steps) Mma(l, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], ones, 1);
+  }
 }
 
 // D += A B, A in registers (4 per k-step), B a K-major tile whose rows are N and whose columns
 // are K (FP8's O += P V with V^T from transpose_v: WGMMA reads 8-bit operands K-major only);
-// K = the A fragments' k-steps, from column 0 (the tile may have padding columns past them).
-template <auto Mma, int R, int RA, typename TileB>
-__device__ __forceinline__ void gemm_rs_kmajor(float (&d)[R], const uint32_t (&a)[RA], const TileB& b) {
+// K = the A fragments' k-steps, from column 0 (the tile may have padding columns past them). tail: as gemm_rs's.
+template <auto Mma, int R, int RA, typename TileB, typename Tail = NoTail>
+__device__ __forceinline__ void gemm_rs_kmajor(float (&d)[R], const uint32_t (&a)[RA], const TileB& b, Tail&& tail = {}) {
   static_assert(RA % 4 == 0 && (RA / 4) * TileB::kKStep <= TileB::kCols, "one 4-register A fragment per k-step");
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < RA / 4; ++kk) Mma(d, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], b.desc_k_major(kk), 1);
+  tail(RA / 4);
   wgmma_commit();
 }
 

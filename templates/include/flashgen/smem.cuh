@@ -16,6 +16,9 @@
 // stage arithmetic stays 32-bit; ptr() converts back where a generic pointer is needed (it folds away).
 #pragma once
 
+#include <cuda/std/type_traits>
+#include <cuda_fp16.h>
+
 #include "flashgen/ptx.cuh"
 
 namespace flashgen {
@@ -118,5 +121,26 @@ struct SmemTileSW {
 
 template <typename T, int Rows, int Cols>
 using SmemTileSW128 = SmemTileSW<T, Rows, Cols, 128>;
+
+// A K-major 8 x k32-byte tile of ones of T (the B operand of an m64n8 WGMMA, any k-step: 16-bit
+// k16 or 8-bit k32), without swizzle: two 8 x 16-byte core matrices, LBO = SBO = 128 bytes. Every
+// byte pattern is 1.0, so L += P 1 gives each row's sum of P in all 8 columns (the forward's
+// rowsum_mma). 256 bytes, 128-byte aligned; written once per CTA (fill, then a proxy fence and a
+// barrier before WGMMA reads it), never changed.
+template <typename T>
+struct SmemOnes {
+  static_assert(sizeof(T) == 1 || sizeof(T) == 2, "16-bit (f16/bf16) or 8-bit (e4m3) elements");
+  static constexpr int kBytes = 256;
+  uint32_t addr;
+
+  // 1.0's bit pattern, repeated over 32 bits: bf16 0x3F80, fp16 0x3C00, e4m3 0x38.
+  static constexpr uint32_t kWord =
+      sizeof(T) == 1 ? 0x38383838u : cuda::std::is_same_v<T, __half> ? 0x3C003C00u : 0x3F803F80u;
+  // Threads t < kBytes / 4 each write one word; the caller fences (fence_proxy_async_smem) and syncs.
+  __device__ __forceinline__ void fill(int t) const {
+    if (t < kBytes / 4) reinterpret_cast<uint32_t*>(smem_ptr(addr))[t] = kWord;
+  }
+  __device__ __forceinline__ uint64_t desc() const { return make_smem_desc(addr, 128, 128, 0, 0u); }
+};
 
 }  // namespace flashgen

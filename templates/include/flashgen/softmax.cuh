@@ -100,14 +100,19 @@ __device__ __forceinline__ void acc_to_a_frag_e4m3(const float (&s)[R], uint32_t
 // by more than Lazy (log2 units), so P <= 2^Lazy; O and l are rescaled only then, and finalize's
 // O / l and lse are unchanged (both carry the same stale max). 0: the max follows every increase.
 // 16-bit P only (P <= 2^8 is far inside bf16/fp16 range); FP8 keeps 0 (P's range is its Offset).
-template <int N, int Offset = 0, int Groups = 1, bool Varying = false, int Lazy = 0>
+// TensorSum (the forward's rowsum_mma): the row sums come from the tensor cores instead, l_mma (an
+// m64n8 accumulator that the caller's P V GEMM adds P 1 into: gemm.cuh mma_rowsum), rescaled with O;
+// the exponentials' FADD chains are then dead code (one FADD per score fewer). l is then the sum of P as
+// the GEMM reads it (rounded to P's type), so O / l is a weighted mean of V's rows with those weights.
+template <int N, int Offset = 0, int Groups = 1, bool Varying = false, int Lazy = 0, bool TensorSum = false>
 struct OnlineSoftmax {
   static_assert(Lazy == 0 || Offset == 0, "lazy rescaling widens P's range: 16-bit P only");
   static constexpr bool kRawMax = Groups == 1 && !Varying;
   static_assert((N / 8) % Groups == 0, "groups of whole 8-column blocks");
   static constexpr int kJ = N / 8 / Groups;  // 8-column blocks per group
   float row_max[2] = {-INFINITY, -INFINITY};  // kRawMax: raw scores; else scaled scores (log2 units)
-  float row_sum[2] = {0.f, 0.f};
+  float row_sum[2] = {0.f, 0.f};  // thread-partial (not with TensorSum: l_mma)
+  float l_mma[4] = {0.f, 0.f, 0.f, 0.f};  // TensorSum: rows r (registers 0, 1) and r + 8 (2, 3), quad-complete
   // After update: the factor the O accumulator must be multiplied by (exp2 of the max's change;
   // exactly 1 when the max did not change, or when nothing was attended before: O is still 0).
   // After finalize: o_factor / row sum (0 for a row that attended to nothing), already applied to O.
@@ -187,7 +192,11 @@ struct OnlineSoftmax {
     const float zero = turn.wait(ms[0], ms[1]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
-    turn.pass(row_sum[0], row_sum[1]);
+    if constexpr (TensorSum) {
+      turn.pass(s[M - 3], s[M - 1]);  // each row's last exponential (no sums to wait for)
+    } else {
+      turn.pass(row_sum[0], row_sum[1]);
+    }
   }
 
   // Speculative update (16-bit P): FA3's online softmax with the row max taken after the exponentials
@@ -204,7 +213,7 @@ struct OnlineSoftmax {
   // zero: 0.f (FencedTurns::wait's, with exp_turns: the exponentials start after the turn).
   __device__ __forceinline__ bool update_speculative(float (&s)[N / 2], const float (&scale_log2)[Groups],
                                                      float (&sum)[2], float zero = 0.f) const {
-    static_assert(Offset == 0, "16-bit P");
+    static_assert(Offset == 0 && !TensorSum, "16-bit P, sums in registers");
     const float unit = kRawMax ? scale_log2[0] : 1.f;
     bool ok = true;
 #pragma unroll
@@ -225,8 +234,11 @@ struct OnlineSoftmax {
   // O *= scale after an update, skipped when no row of the warp changed its max (every factor is
   // exactly 1, so skipping is exact): one vote instead of N_v / 2 FMULs on most blocks of a long row.
   template <int R>
-  __device__ __forceinline__ void rescale(float (&o)[R]) const {
-    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) rescale_rows(o, scale);
+  __device__ __forceinline__ void rescale(float (&o)[R]) {
+    if (__any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+      rescale_rows(o, scale);
+      if constexpr (TensorSum) rescale_rows(l_mma, scale);
+    }
   }
 
   // rescale, with O's pending GEMM completed in between: `wait(tag)` (wgmma_wait<0, tag> and
@@ -240,14 +252,17 @@ struct OnlineSoftmax {
   // rescale vote as its condition the warps of one warpgroup waited at two PCs (compute-sanitizer
   // synccheck, H100, e4m3 hd64 causal).
   template <int R, typename Wait>
-  __device__ __forceinline__ void rescale_after(float (&o)[R], Wait&& wait) const {
+  __device__ __forceinline__ void rescale_after(float (&o)[R], Wait&& wait) {
     const bool any = __any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f);
     if (opaque_true()) {
       wait(std::integral_constant<int, 1>{});
     } else {
       wait(std::integral_constant<int, 2>{});
     }
-    if (any) rescale_rows(o, scale);
+    if (any) {
+      rescale_rows(o, scale);
+      if constexpr (TensorSum) rescale_rows(l_mma, scale);
+    }
   }
 
   template <int M>
@@ -257,7 +272,7 @@ struct OnlineSoftmax {
     update(s, one);
   }
 
-  // End of the row: O *= o_factor / row sum (reduced over the quad) and lse = natural-log
+  // End of the row: O *= o_factor / row sum (reduced over the quad; TensorSum: l_mma, the caller's P V GEMMs done) and lse = natural-log
   // sum-exp of the scaled scores. scale_log2: the updates' (kRawMax; unused otherwise).
   // sink_log2: a learnable sink's logit times log2(e) (-inf: none), one more term exp(sink) of
   // every row's denominator that adds nothing to O (gpt-oss; FA4's learnable_sink). o_factor:
@@ -272,8 +287,12 @@ struct OnlineSoftmax {
     for (int h = 0; h < 2; ++h) {
       const float sink_log2 = sink_rows_log2[h];
       float l = row_sum[h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if constexpr (TensorSum) {
+        l = l_mma[2 * h];
+      } else {
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+      }
       float m = row_max[h] == -INFINITY ? -INFINITY : row_max[h] * unit - Offset;  // P = exp2(s - m)
       float a = 1.f;  // O's and l's factor for the new maximum max(m, sink)
       if (sink_log2 != -INFINITY) {
