@@ -52,14 +52,9 @@ def softmax_under_pv(body: str) -> bool:
     return seen
 
 
-def exp_phases(body: str, gap: int = 24, least: int = 16) -> list[tuple[str, str]]:
-    """The softmax exponential phases of a forward kernel's SASS, each as (the barrier instruction
-    nearest before its first MUFU.EX2, the one nearest after its last): "SYNC+LDS" for a BAR.SYNC
-    followed by a shared load before the first exponential, else the opcode ("BAR.SYNC", "BAR.ARV",
-    "none"). A phase is a run of at least ``least`` unpredicated MUFU.EX2 with at most ``gap`` other
-    instructions between neighbours. With exp_turns (fwd.cu.j2 kExpTurns, pipeline.cuh FencedTurns)
-    each turn's phase reads ("SYNC+LDS", "BAR.ARV"): the turn's wait, its fencing load, the
-    exponentials, its pass."""
+def _exp_runs(body: str, gap: int, least: int) -> tuple[list[str], list[list[int]]]:
+    """(the listing's instructions, the exponential phases as lists of their MUFU.EX2 indices): runs of
+    at least ``least`` MUFU.EX2 with at most ``gap`` other instructions between neighbours."""
     ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", body)]
     mufu = [i for i, t in enumerate(ins) if t.startswith("MUFU.EX2")]
     runs, cur = [], []
@@ -70,8 +65,28 @@ def exp_phases(body: str, gap: int = 24, least: int = 16) -> list[tuple[str, str
         cur.append(i)
     if cur:
         runs.append(cur)
+    return ins, [r for r in runs if len(r) >= least]
+
+
+def exp_phase_counts(body: str, opcode: str, gap: int = 24, least: int = 16) -> list[tuple[int, int]]:
+    """(MUFU.EX2, ``opcode`` instructions) counted from each exponential phase's first exponential to
+    its last (phases as :func:`exp_phases`): e.g. the row sums' FADDs, which rowsum_mma (fwd.py) takes
+    out of the phase."""
+    ins, runs = _exp_runs(body, gap, least)
+    return [(len(r), sum(t.startswith(opcode) for t in ins[r[0]:r[-1] + 1])) for r in runs]
+
+
+def exp_phases(body: str, gap: int = 24, least: int = 16) -> list[tuple[str, str]]:
+    """The softmax exponential phases of a forward kernel's SASS, each as (the barrier instruction
+    nearest before its first MUFU.EX2, the one nearest after its last): "SYNC+LDS" for a BAR.SYNC
+    followed by a shared load before the first exponential, else the opcode ("BAR.SYNC", "BAR.ARV",
+    "none"). A phase is a run of at least ``least`` unpredicated MUFU.EX2 with at most ``gap`` other
+    instructions between neighbours. With exp_turns (fwd.cu.j2 kExpTurns, pipeline.cuh FencedTurns)
+    each turn's phase reads ("SYNC+LDS", "BAR.ARV"): the turn's wait, its fencing load, the
+    exponentials, its pass."""
+    ins, runs = _exp_runs(body, gap, least)
     out = []
-    for r in (r for r in runs if len(r) >= least):
+    for r in runs:
         before = next((k for k in range(r[0] - 1, -1, -1) if ins[k].startswith("BAR.")), None)
         after = next((k for k in range(r[-1] + 1, len(ins)) if ins[k].startswith("BAR.")), None)
         if before is None:

@@ -439,7 +439,7 @@ def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, ou
     return prep.plan.variant
 
 
-def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
+def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg | None,
                       softmax_scale: float, causal: bool, stream: int, variant: Variant | None = None, *,
                       window_size=(-1, -1), softcap: float = 0.0, sink: int = 0,
                       q_descale: TensorArg | None = None, k_descale: TensorArg | None = None,
@@ -452,7 +452,8 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     head added to every row's softmax denominator (not to out); lse includes it.
     q (batch, seqlen_q, heads, head_dim), k/v (batch, seqlen_k, heads_k, head_dim[_v]),
     out (batch, seqlen_q, heads, head_dim_v) of q's dtype (bf16 for fp8_e4m3 inputs), lse fp32
-    (batch, heads, seqlen_q) contiguous.
+    (batch, heads, seqlen_q) contiguous, or None: no lse is written (FP8 rowsum_mma variants then skip
+    the exact row sums, fwd.cu.j2 kRowsumMma).
     FP8 (q, k, v fp8_e4m3; FA3 paper §3.3): the logits use q * q_descale and k * k_descale, and out
     is softmax(...) (v * v_descale). Each descale is None (1) or an fp32 tensor: q_descale
     (batch, heads_k) (FA3's shape: one per GQA group) or (batch, heads, ceil(seqlen_q / 64)) (block
@@ -475,7 +476,8 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     prep = prepare_forward(q, k, v, out, causal, variant, window_size=window_size, softcap=softcap,
                            softmax_scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                            pack_gqa=pack_gqa)
-    return launch_forward(prep, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, softmax_scale, softcap, stream, sink,
+    return launch_forward(prep, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr, softmax_scale, softcap,
+                          stream, sink,
                           0 if q_descale is None else q_descale.ptr, 0 if k_descale is None else k_descale.ptr,
                           0 if v_descale is None else v_descale.ptr)
 

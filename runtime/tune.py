@@ -3,7 +3,7 @@
 Protocol (FA3 paper §4.1, DESIGN.md §6): per dispatch key (dtype, head_dim, causal; head_dim_v =
 head_dim, no window, no softcap) and seqlen, total tokens 16384 (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 // head_dim), random normal q/k/v in BSHD (e4m3: rounded to e4m3, no descales,
-bf16 output). FLOPs = 4 * batch * heads * seqlen^2
+bf16 output, no lse: FP8's usual call). FLOPs = 4 * batch * heads * seqlen^2
 * head_dim, halved for causal. Each built variant of the key is launched through
 ``flashgen.core.attention_forward(..., variant=...)`` and timed with ``flashgen.bench._time_ms``
 (triton's do_bench: L2 flushed before every repetition, median). The default tile is timed first
@@ -164,7 +164,9 @@ class _Point:
         if fp8:
             q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
         self._keep = (q, k, v, torch.empty(b, h, seqlen, device="cuda", dtype=torch.float32))
-        self.args = tuple(bench.tensor_arg(t) for t in (q, k, v, self.out, self._keep[3]))
+        # e4m3 without the lse (flash_attn_func's FP8 call without return_attn_probs: the FP8 rowsum_mma
+        # variants then skip their exact row sums); 16-bit with it (training saves it)
+        self.args = tuple(bench.tensor_arg(t) for t in (q, k, v, self.out)) + (None if fp8 else bench.tensor_arg(self._keep[3]),)
         self.flops = bench._flops(b, h, seqlen, d, self.causal)
         self.scale = d ** -0.5
         self.stream = torch.cuda.current_stream().cuda_stream

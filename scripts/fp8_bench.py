@@ -132,7 +132,7 @@ def tiles(a) -> None:
                     lse = torch.empty(b, h, s, device="cuda")
                     for var in vs:
                         fn = lambda: core.attention_forward(arg(q, elem), arg(k, elem), arg(v_, elem), arg(out, a.dtype if not fp8 else "bf16"),
-                                                            arg(lse, "fp32"), d ** -0.5, causal, stream, variant=var,
+                                                            None if fp8 else arg(lse, "fp32"), d ** -0.5, causal, stream, variant=var,
                                                             q_descale=ds, k_descale=ds, v_descale=ds)
                         cells[var.name][si].append(_flops(b, h, s, d, causal) / 1e9 / _time_ms(fn))
                     if peers:

@@ -207,6 +207,30 @@ def test_real_template_exp_turns_fence_the_exponentials(real_subset, tmp_path):
         assert not w.params.get("exp_turns") and ("SYNC+LDS", "BAR.ARV") not in sass.exp_phases(body), w.name
 
 
+def test_real_template_rowsum_mma_takes_the_sums_out_of_the_exponentials(tmp_path):
+    """rowsum_mma (fwd.py; fwd.cu.j2 kRowsumMma) is in the SASS: the e4m3 hd64 192x128 wg3 rowsum_mma
+    variants (plain and vt_global, the tune candidates) issue m64n8 QGMMAs (the row sums of P against the
+    ones tile) and their exponential phases hold no FADD, where the same tiles without the knob add one per
+    exponential (the fp32 row sums); 0 spill bytes."""
+    proj = Project(REPO, build_override=tmp_path)
+    vs = [v for v in select(load_variants(proj), "fwd_e4m3_hd64_noncausal_m192n128_s2_wg3_pp_ov_ps_*", all_=True)
+          if not v.params.get("exp_turns")]
+    on = [v for v in vs if v.params.get("rowsum_mma")]
+    off = [v for v in vs if not v.params.get("rowsum_mma")]
+    assert {v.params["vt_global"] for v in on} == {True, False} and len(off) >= 2
+    r = build(proj, on + off, jobs=2, log=lambda s: None)
+    assert r.failed == []
+    for v in on + off:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        counts = sass.exp_phase_counts(body, "FADD")
+        assert len(counts) >= 2, (v.name, counts)
+        if v.params.get("rowsum_mma"):
+            assert "QGMMA.64x8x32" in body and all(f <= 2 for _, f in counts), (v.name, counts)
+        else:
+            assert "QGMMA.64x8x32" not in body and all(f >= e // 2 for e, f in counts), (v.name, counts)
+    assert all(k["spill_bytes"] == 0 for e in read_manifest(proj)["variants"] for k in e["kernels"])
+
+
 def test_real_template_consumers_read_the_decoded_tile(real_subset):
     """The consumers take each work tile decoded from its tile slot (scheduler.cuh WorkTile): their
     branch of the kernel (from the setmaxnreg raise to the producer's lowering, where ptxas lays the

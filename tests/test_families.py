@@ -838,3 +838,19 @@ def test_bwd_block_m_80_is_the_plain_non_causal_hd128_tile():
     for kw in ({"causal": True}, {"local": True}, {"softcap": True}):
         bad = fam.problems({**base, **kw})
         assert [k for k, _, _ in bad] == ["block_m"] and "non-causal" in bad[0][2], kw
+
+
+def test_rowsum_mma_is_e4m3_only():
+    """rowsum_mma (fwd.py): refused for 16-bit dtypes before anything compiles (they ran 1-13 % slower
+    with it, H200), accepted for e4m3; it names its variants `rsm` and keeps spec_max off."""
+    from flashgen.generator.families import fwd as fwd_mod
+    from flashgen.generator.naming import variant_name
+
+    base = dict(family="fwd", dtype="bf16", head_dim=64, head_dim_v=64, causal=False, local=False, softcap=False,
+                pack_gqa=False, block_m=192, block_n=128, stages=2, q_stages=1, consumer_wgs=3, pingpong=True,
+                overlap=True, persistent=True, late_pv_wait=True, exp_turns=False, vt_global=False)
+    bad = fwd_mod.FAMILY.problems({**base, "rowsum_mma": True})
+    assert [(k, v) for k, v, _ in bad] == [("rowsum_mma", True)] and "e4m3" in bad[0][2]
+    assert fwd_mod.FAMILY.problems({**base, "dtype": "e4m3", "rowsum_mma": True}) == []
+    assert fwd_mod.spec_max(base) and not fwd_mod.spec_max({**base, "rowsum_mma": True})
+    assert "_ps_rsm_" in variant_name({**base, "dtype": "e4m3", "rowsum_mma": True})

@@ -49,6 +49,10 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   seqlen_k rounded up to 16; keys contiguous, in P's k order within each 16, zeros past seqlen_k)
   into per-call scratch, and ``main``, which TMA-loads V^T tiles into its vt ring. No V ring and no
   transposer warps, so the producer takes FA3's 24 / 240 split with 2 consumer warpgroups.
+- ``rowsum_mma`` (e4m3 only): O's softmax row sums l come from the tensor cores, an m64n8 WGMMA of P
+  against a 256-byte tile of ones in the barrier area per P V k-step, instead of one FADD per score;
+  O / l is then the mean of V's rows weighted by P as the GEMM read it (e4m3). Where the lse is
+  written the exact fp32 sums are kept too, for it alone (O is the same with or without the lse).
 """
 from __future__ import annotations
 
@@ -239,7 +243,8 @@ def spec_max(params: dict) -> bool:
     up to 128. Measured per tile against the same tile without it (H100, FA3 protocol, docs/PERF.md):
     bf16 hd64 / hd128 +1.5-7 % at 2k-16k; hd256 within 1 % (and its causal builds spilled 8-16 bytes);
     e4m3 (P checked against 448 by a max over the exponents) 1-17 % slower, so not there. Not with
-    ``rowsum_mma`` (its bound is checked on the row sums in registers, which that knob removes)."""
+    ``rowsum_mma`` (its bound is checked on the row sums in registers, which that knob removes; e4m3 only
+    today, so that never meets spec_max)."""
     return (params["dtype"] in ("bf16", "fp16") and not params.get("softcap") and not params.get("rowsum_mma")
             and max(params["head_dim"], params.get("head_dim_v", params["head_dim"])) <= 128)
 
@@ -361,6 +366,8 @@ class FwdFamily(Family):
                 out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) with dtype e4m3"))
         elif params.get("vt_global"):
             out.append(("vt_global", True, "false unless dtype is e4m3 (16-bit V is read MN-major in place)"))
+        if params.get("rowsum_mma") and params["dtype"] != "e4m3":
+            out.append(("rowsum_mma", True, "false unless dtype is e4m3 (16-bit tiles ran 1-13 % slower with it, H200: configs/fwd_tune.yaml)"))
         if out:
             return out
         r = self.resources(params)
@@ -462,9 +469,9 @@ FAMILY = FwdFamily(
             doc="the consumer warpgroups take turns for their softmax exponentials (a second named-barrier "
                 "ring), so one warpgroup's MUFU.EX2 phase runs at a time (fwd.cu.j2 kExpTurns)"),
         Key("rowsum_mma", bool, "knob", default=False,
-            doc="the softmax row sums l on the tensor cores: each P V GEMM also issues L += P 1 (an m64n8 WGMMA per "
-                "k-step against a tile of ones) instead of one FADD per score (fwd.cu.j2 kRowsumMma); "
-                "not with spec_max, which then stays off"),
+            doc="e4m3: O's softmax row sums on the tensor cores: each P V GEMM also issues L += P 1 (an m64n8 WGMMA "
+                "per k-step against a tile of ones) instead of one FADD per score; the exact fp32 sums only where "
+                "the lse is written (fwd.cu.j2 kRowsumMma)"),
         Key("vt_global", bool, "knob", default=False,
             doc="e4m3: V^T written to per-call scratch by a preprocess kernel and TMA-loaded (no in-kernel "
                 "V transpose; fwd.cu.j2 kVtGlobal)"),

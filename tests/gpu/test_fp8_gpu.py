@@ -284,9 +284,10 @@ def _built_e4m3_variants() -> list:
     return [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] == "e4m3"]
 
 
-def _forward_forced(var, q8, k8, v8, ds, softcap: float):
+def _forward_forced(var, q8, k8, v8, ds, softcap: float, with_lse: bool = True, sink=None):
     """(out, lse) of `var` on e4m3 q8, k8, v8 with descales ds, launched through flashgen.core with the
-    variant forced (out and lse NaN before the launch: a row not written stays NaN)."""
+    variant forced (out and lse NaN before the launch: a row not written stays NaN). with_lse False: the
+    kernel gets no lse (a null pointer; lse comes back all NaN). sink: learnable_sink (heads,) fp32."""
     from flashgen import core
 
     def arg(t, dtype):
@@ -296,10 +297,36 @@ def _forward_forced(var, q8, k8, v8, ds, softcap: float):
     out = torch.full((b, sq, h, v8.shape[3]), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device="cuda")
     core.attention_forward(arg(q8, "fp8_e4m3"), arg(k8, "fp8_e4m3"), arg(v8, "fp8_e4m3"), arg(out, "bf16"),
-                           arg(lse, "fp32"), scale, bool(var.params["causal"]), torch.cuda.current_stream().cuda_stream,
-                           variant=var, q_descale=arg(ds[0], "fp32"), k_descale=arg(ds[1], "fp32"),
-                           v_descale=arg(ds[2], "fp32"), softcap=softcap)
+                           arg(lse, "fp32") if with_lse else None, scale, bool(var.params["causal"]),
+                           torch.cuda.current_stream().cuda_stream, variant=var, q_descale=arg(ds[0], "fp32"),
+                           k_descale=arg(ds[1], "fp32"), v_descale=arg(ds[2], "fp32"), softcap=softcap,
+                           sink=0 if sink is None else sink.data_ptr())
     return out, lse
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk", [(2, 301, 517, 4, 2), (1, 1, 1, 2, 1), (3, 113, 17, 4, 4), (1, 1023, 1024, 8, 1)])
+def test_fp8_rowsum_mma_variants(b, sq, sk, h, hk):
+    """rowsum_mma (fwd.py; fwd.cu.j2 kRowsumMma): O's row sums by the tensor cores from P in e4m3. Every
+    built e4m3 rowsum_mma variant, forced, with block descales and a learnable sink: O within FA3's FP8
+    rule; with the lse asked for, the lse exact (the fp32 sums kept too: the FP8 accumulation bound of
+    _check, which the sums of e4m3 P missed by up to 2e-2, H200); without it, O bitwise the same and no
+    lse written."""
+    from generator.families.fwd import spec_max
+
+    vs = [v for v in _built_e4m3_variants() if v.params.get("rowsum_mma")]
+    if not vs:
+        pytest.skip("MISSING-FWD-VARIANT: no e4m3 rowsum_mma variant is built")
+    assert not any(spec_max(v.params) for v in vs)
+    for var in vs:
+        d = var.params["head_dim"]
+        q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed=sq + sk + d)
+        ds = _descales("block", b, sq, sk, h, hk, seed=sq + d)
+        for sink in (None, torch.randn(h, device="cuda")):
+            out, lse = _forward_forced(var, q8, k8, v8, ds, 0.0, sink=sink)
+            _check(q8, k8, v8, ds, bool(var.params["causal"]), out, lse, d ** -0.5, sink=sink)
+            out2, lse2 = _forward_forced(var, q8, k8, v8, ds, 0.0, with_lse=False, sink=sink)
+            assert torch.equal(out2.view(torch.int16), out.view(torch.int16)), var.name
+            assert bool(torch.isnan(lse2).all()), var.name
 
 
 def test_every_built_fp8_variant():

@@ -100,10 +100,13 @@ __device__ __forceinline__ void acc_to_a_frag_e4m3(const float (&s)[R], uint32_t
 // by more than Lazy (log2 units), so P <= 2^Lazy; O and l are rescaled only then, and finalize's
 // O / l and lse are unchanged (both carry the same stale max). 0: the max follows every increase.
 // 16-bit P only (P <= 2^8 is far inside bf16/fp16 range); FP8 keeps 0 (P's range is its Offset).
-// TensorSum (the forward's rowsum_mma): the row sums come from the tensor cores instead, l_mma (an
-// m64n8 accumulator that the caller's P V GEMM adds P 1 into: gemm.cuh mma_rowsum), rescaled with O;
-// the exponentials' FADD chains are then dead code (one FADD per score fewer). l is then the sum of P as
-// the GEMM reads it (rounded to P's type), so O / l is a weighted mean of V's rows with those weights.
+// TensorSum (the forward's rowsum_mma): O's row sums come from the tensor cores instead, l_mma (an
+// m64n8 accumulator that the caller's P V GEMM adds P 1 into: gemm.cuh mma_rowsum), rescaled with O,
+// and the exponentials have no FADD chains (one FADD per score fewer). O / l_mma is then a weighted
+// mean of V's rows with P as the GEMM read it (rounded to P's type: e4m3 moves a sum by up to a few %).
+// The lse wants the exact sum: with exact_sum (the caller asked for the lse) the fp32 row sums are
+// also kept, in a pass of their own after the exponentials, and finalize's lse uses them; O is the
+// same either way.
 template <int N, int Offset = 0, int Groups = 1, bool Varying = false, int Lazy = 0, bool TensorSum = false>
 struct OnlineSoftmax {
   static_assert(Lazy == 0 || Offset == 0, "lazy rescaling widens P's range: 16-bit P only");
@@ -113,6 +116,7 @@ struct OnlineSoftmax {
   float row_max[2] = {-INFINITY, -INFINITY};  // kRawMax: raw scores; else scaled scores (log2 units)
   float row_sum[2] = {0.f, 0.f};  // thread-partial (not with TensorSum: l_mma)
   float l_mma[4] = {0.f, 0.f, 0.f, 0.f};  // TensorSum: rows r (registers 0, 1) and r + 8 (2, 3), quad-complete
+  bool exact_sum = true;                  // TensorSum: row_sum kept too (for the lse); uniform
   // After update: the factor the O accumulator must be multiplied by (exp2 of the max's change;
   // exactly 1 when the max did not change, or when nothing was attended before: O is still 0).
   // After finalize: o_factor / row sum (0 for a row that attended to nothing), already applied to O.
@@ -139,6 +143,32 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int c = 1; c < Chains; ++c) sum += acc[c];
     return sum;
+  }
+
+  // Row h of S -> exp2(S * scale_log2 - ms), in place, no sum (TensorSum).
+  template <int M>
+  __device__ __forceinline__ static void exp_row_only(float (&s)[M], int h, const float (&scale_log2)[Groups], float ms) {
+#pragma unroll
+    for (int j = 0; j < M / 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) s[4 * j + 2 * h + e] = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2[j / kJ], -ms));
+    }
+  }
+
+  // TensorSum with exact_sum: row_sum = row_sum * scale + this thread's sum of P's row h (S holds P).
+  template <int M>
+  __device__ __forceinline__ void add_exact_sums(const float (&s)[M]) {
+    if (!exact_sum) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float a = 0.f, b = 0.f;
+#pragma unroll
+      for (int j = 0; j < M / 4; ++j) {
+        a += s[4 * j + 2 * h];
+        b += s[4 * j + 2 * h + 1];
+      }
+      row_sum[h] = row_sum[h] * scale[h] + (a + b);
+    }
   }
 
   // Row h's new max (quad-reduced) and O factor scale[h]; returns the exponent offset ms of its P.
@@ -175,8 +205,13 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float ms = max_step(s, h, scale_log2);
-      row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms);
+      if constexpr (TensorSum) {
+        exp_row_only(s, h, scale_log2, ms);
+      } else {
+        row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms);
+      }
     }
+    if constexpr (TensorSum) add_exact_sums(s);
   }
 
   // update with the exponentials in a turn of their own (`turn`: a FencedTurns, pipeline.cuh, whose
@@ -191,10 +226,14 @@ struct OnlineSoftmax {
     for (int h = 0; h < 2; ++h) ms[h] = max_step(s, h, scale_log2);
     const float zero = turn.wait(ms[0], ms[1]);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
     if constexpr (TensorSum) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) exp_row_only(s, h, scale_log2, ms[h] + zero);
       turn.pass(s[M - 3], s[M - 1]);  // each row's last exponential (no sums to wait for)
+      add_exact_sums(s);
     } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
       turn.pass(row_sum[0], row_sum[1]);
     }
   }
@@ -286,24 +325,25 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sink_log2 = sink_rows_log2[h];
-      float l = row_sum[h];
-      if constexpr (TensorSum) {
-        l = l_mma[2 * h];
-      } else {
+      float l = row_sum[h];  // the lse's sum (TensorSum without exact_sum: no lse is written)
+      if (!TensorSum || exact_sum) {
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
       }
+      float l_o = TensorSum ? l_mma[2 * h] : l;  // O's
       float m = row_max[h] == -INFINITY ? -INFINITY : row_max[h] * unit - Offset;  // P = exp2(s - m)
       float a = 1.f;  // O's and l's factor for the new maximum max(m, sink)
       if (sink_log2 != -INFINITY) {
         const float mx = fmaxf(m, sink_log2);
         a = exp2f(m - mx);  // 0 when m = -inf
         l = l * a + exp2f(sink_log2 - mx);
+        l_o = l_o * a + exp2f(sink_log2 - mx);
         m = mx;
       }
-      const bool empty = !(l > 0.f);
-      scale[h] = empty ? 0.f : a / l * o_factor;
-      lse[h] = empty ? -INFINITY : (m + __log2f(l)) * 0.6931471805599453f;
+      if constexpr (!TensorSum) l_o = l;
+      const bool empty = !(l_o > 0.f);
+      scale[h] = empty ? 0.f : a / l_o * o_factor;
+      lse[h] = empty || !(l > 0.f) ? -INFINITY : (m + __log2f(l)) * 0.6931471805599453f;
     }
     rescale_rows(o, scale);
   }
