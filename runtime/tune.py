@@ -275,7 +275,7 @@ def _commit(root) -> str:
 def protocol(seqlens, warmup_ms, rep_ms, min_gain, rounds: int = ROUNDS) -> dict:
     return {"family": "fwd", "total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "seqlens": list(seqlens),
             "inputs": "random normal, BSHD, batch = total_tokens / seqlen, heads = hidden // head_dim; "
-                      "e4m3: rounded to e4m3, no descales, bf16 output",
+                      "e4m3: rounded to e4m3, no descales, bf16 output, no lse",
             "flops": "4 * batch * heads * seqlen^2 * head_dim, halved for causal",
             "timer": "flashgen.bench._time_ms (triton do_bench: L2 flushed before each repetition, median)",
             "warmup_ms": warmup_ms, "rep_ms": rep_ms, "rounds": rounds,

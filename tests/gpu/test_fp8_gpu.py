@@ -304,13 +304,15 @@ def _forward_forced(var, q8, k8, v8, ds, softcap: float, with_lse: bool = True, 
     return out, lse
 
 
-@pytest.mark.parametrize("b,sq,sk,h,hk", [(2, 301, 517, 4, 2), (1, 1, 1, 2, 1), (3, 113, 17, 4, 4), (1, 1023, 1024, 8, 1)])
+@pytest.mark.parametrize("b,sq,sk,h,hk", [(2, 301, 517, 4, 2), (1, 3, 1, 2, 1), (3, 113, 17, 4, 4), (1, 1023, 1024, 8, 1)])
 def test_fp8_rowsum_mma_variants(b, sq, sk, h, hk):
     """rowsum_mma (fwd.py; fwd.cu.j2 kRowsumMma): O's row sums by the tensor cores from P in e4m3. Every
     built e4m3 rowsum_mma variant, forced, with block descales and a learnable sink: O within FA3's FP8
     rule; with the lse asked for, the lse exact (the fp32 sums kept too: the FP8 accumulation bound of
     _check, which the sums of e4m3 P missed by up to 2e-2, H200); without it, O bitwise the same and no
-    lse written."""
+    lse written. (1, 3, 1): causal rows with no key (O 0, lse -inf, or the sink's).
+    (A call whose causal mask covers every key, e.g. seqlen_q = seqlen_k = 1, is served unmasked, so a
+    forced causal variant refuses it.)"""
     from generator.families.fwd import spec_max
 
     vs = [v for v in _built_e4m3_variants() if v.params.get("rowsum_mma")]
