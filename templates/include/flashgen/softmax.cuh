@@ -114,7 +114,7 @@ struct OnlineSoftmax {
   static_assert((N / 8) % Groups == 0, "groups of whole 8-column blocks");
   static constexpr int kJ = N / 8 / Groups;  // 8-column blocks per group
   float row_max[2] = {-INFINITY, -INFINITY};  // kRawMax: raw scores; else scaled scores (log2 units)
-  float row_sum[2] = {0.f, 0.f};  // thread-partial (not with TensorSum: l_mma)
+  float row_sum[2] = {0.f, 0.f};  // thread-partial (TensorSum: kept only with exact_sum, for the lse)
   float l_mma[4] = {0.f, 0.f, 0.f, 0.f};  // TensorSum: rows r (registers 0, 1) and r + 8 (2, 3), quad-complete
   bool exact_sum = true;                  // TensorSum: row_sum kept too (for the lse); uniform
   // After update: the factor the O accumulator must be multiplied by (exp2 of the max's change;
