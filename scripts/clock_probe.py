@@ -2,7 +2,7 @@
 kernel's cycles per K/V block can be worked out from its TFLOP/s (docs/PERF.md: the FP8 loop's period).
 
 Usage: python scripts/clock_probe.py --dtype e4m3|bf16|fp16 --head-dim 128 [--causal] [--seqlen 16384] [--seconds 4]
-                                     [--impl flashgen|cudnn|fa2] [--backward [--deterministic]]
+                                     [--impl flashgen|cudnn|fa2] [--backward [--deterministic]] [--variant GLOB]
 Samples `nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu` every 100 ms while the calls run (the
 first second is dropped as ramp-up) and prints the TFLOP/s (CUDA events over all calls) with the median,
 minimum and maximum clock (MHz) and power (W). Clocks and power limits are only read, never set."""

@@ -1,7 +1,7 @@
 """A few forward (or backward) calls of one FA3-protocol point, for Nsight Compute (scripts/device_check.sh prof).
 
 Usage: python scripts/profile_fwd.py --dtype e4m3|bf16|fp16 --head-dim 128 [--causal] [--seqlen 16384] [--calls 3]
-                                     [--impl flashgen|cudnn|fa2] [--backward [--deterministic]]
+                                     [--impl flashgen|cudnn|fa2] [--backward [--deterministic]] [--variant GLOB]
 16384 tokens, hidden 2048 (batch = 16384 / seqlen, heads = 2048 / head_dim); e4m3 inputs are bf16 random
 normal cast to float8_e4m3fn with unit FA3 descales. --impl cudnn / fa2: PyTorch SDPA with that backend on
 the same tensors in BSHD strides; e4m3 with --impl cudnn: cuDNN's own FP8 forward (scripts/cudnn_fp8_peer.py).
@@ -24,12 +24,16 @@ def point_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--impl", default="flashgen", choices=("flashgen", "cudnn", "fa2"))
     ap.add_argument("--backward", action="store_true", help="the backward alone (16-bit)")
     ap.add_argument("--deterministic", action="store_true", help="with --backward: flashgen's deterministic=True")
+    ap.add_argument("--variant", default=None,
+                    help="flashgen forward only: the built variant whose name matches this glob (one), forced through "
+                         "flashgen.core.attention_forward (e4m3 without the lse, as flash_attn_func's FP8 call; 16-bit with it)")
 
 
 def label(a) -> str:
     """What runs, for the scripts' output lines: implementation, direction, dtype, head_dim, mask, seqlen."""
     what = (" backward" + (" deterministic" if a.deterministic else "")) if a.backward else ""
-    return f"{a.impl}{what} {a.dtype} hd{a.head_dim} causal={a.causal} s{a.seqlen}"
+    forced = f" variant={a.variant}" if getattr(a, "variant", None) else ""
+    return f"{a.impl}{what} {a.dtype} hd{a.head_dim} causal={a.causal} s{a.seqlen}{forced}"
 
 
 def point(a):
@@ -44,6 +48,37 @@ def point(a):
         q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
         kw = {n: torch.ones(b, h, device="cuda") for n in ("q_descale", "k_descale", "v_descale")}
     return q, k, v, kw, b, h
+
+
+def _forced_call(a, q, k, v, kw):
+    """One forward of the point by the built variant matching a.variant (exactly one, of the point's dtype,
+    head_dim and mask), through flashgen.core.attention_forward: e4m3 without the lse, 16-bit with it."""
+    import fnmatch
+
+    from flashgen import core
+    from flashgen.manifest import load_manifest
+
+    dtype = {"e4m3": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}[a.dtype]
+    vs = [v_ for v_ in load_manifest().variants if v_.family == "fwd" and fnmatch.fnmatch(v_.name, a.variant)
+          and v_.params["dtype"] == a.dtype and v_.params["head_dim"] == a.head_dim
+          and v_.params["causal"] == a.causal and not (v_.params["local"] or v_.params["softcap"] or v_.params["pack_gqa"])]
+    if len(vs) != 1:
+        raise SystemExit(f"--variant {a.variant}: {len(vs)} built variants of this point match (one needed): "
+                         + ", ".join(v_.name for v_ in vs))
+
+    def arg(t, dt):
+        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dt, t.device.index)
+
+    b, s, h, d = q.shape
+    out = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16 if a.dtype == "e4m3" else q.dtype)
+    lse = None if a.dtype == "e4m3" else torch.empty(b, h, s, device="cuda")
+    ds = {n: arg(t, "fp32") for n, t in kw.items()}
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def call():
+        core.attention_forward(arg(q, dtype), arg(k, dtype), arg(v, dtype), arg(out, "bf16" if a.dtype == "e4m3" else a.dtype),
+                               None if lse is None else arg(lse, "fp32"), d ** -0.5, a.causal, stream, variant=vs[0], **ds)
+    return call
 
 
 def make_call(a):
@@ -65,6 +100,8 @@ def make_call(a):
             call = _sdpa_bwd_fn(backend, q, k, v, a.causal)
             if call is None:
                 raise SystemExit(f"SDPA {a.impl} refused the backward of this point")
+    elif a.impl == "flashgen" and a.variant:
+        call = _forced_call(a, q, k, v, kw)
     elif a.impl == "flashgen":
         def call():
             flashgen.flash_attn_func(q, k, v, causal=a.causal, **kw)
