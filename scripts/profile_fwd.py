@@ -56,9 +56,9 @@ def _forced_call(a, q, k, v, kw):
     import fnmatch
 
     from flashgen import core
+    from flashgen.bench import tensor_arg
     from flashgen.manifest import load_manifest
 
-    dtype = {"e4m3": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}[a.dtype]
     vs = [v_ for v_ in load_manifest().variants if v_.family == "fwd" and fnmatch.fnmatch(v_.name, a.variant)
           and v_.params["dtype"] == a.dtype and v_.params["head_dim"] == a.head_dim
           and v_.params["causal"] == a.causal and not (v_.params["local"] or v_.params["softcap"] or v_.params["pack_gqa"])]
@@ -66,18 +66,16 @@ def _forced_call(a, q, k, v, kw):
         raise SystemExit(f"--variant {a.variant}: {len(vs)} built variants of this point match (one needed): "
                          + ", ".join(v_.name for v_ in vs))
 
-    def arg(t, dt):
-        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dt, t.device.index)
-
     b, s, h, d = q.shape
     out = torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16 if a.dtype == "e4m3" else q.dtype)
     lse = None if a.dtype == "e4m3" else torch.empty(b, h, s, device="cuda")
-    ds = {n: arg(t, "fp32") for n, t in kw.items()}
+    ds = {n: tensor_arg(t) for n, t in kw.items()}
     stream = torch.cuda.current_stream().cuda_stream
 
+    args = (*(tensor_arg(t) for t in (q, k, v, out)), None if lse is None else tensor_arg(lse))
+
     def call():
-        core.attention_forward(arg(q, dtype), arg(k, dtype), arg(v, dtype), arg(out, "bf16" if a.dtype == "e4m3" else a.dtype),
-                               None if lse is None else arg(lse, "fp32"), d ** -0.5, a.causal, stream, variant=vs[0], **ds)
+        core.attention_forward(*args, d ** -0.5, a.causal, stream, variant=vs[0], **ds)
     return call
 
 

@@ -145,16 +145,6 @@ struct OnlineSoftmax {
     return sum;
   }
 
-  // Row h of S -> exp2(S * scale_log2 - ms), in place, no sum (TensorSum).
-  template <int M>
-  __device__ __forceinline__ static void exp_row_only(float (&s)[M], int h, const float (&scale_log2)[Groups], float ms) {
-#pragma unroll
-    for (int j = 0; j < M / 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) s[4 * j + 2 * h + e] = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2[j / kJ], -ms));
-    }
-  }
-
   // TensorSum with exact_sum: row_sum = row_sum * scale + this thread's sum of P's row h (S holds P).
   template <int M>
   __device__ __forceinline__ void add_exact_sums(const float (&s)[M]) {
@@ -206,7 +196,7 @@ struct OnlineSoftmax {
     for (int h = 0; h < 2; ++h) {
       const float ms = max_step(s, h, scale_log2);
       if constexpr (TensorSum) {
-        exp_row_only(s, h, scale_log2, ms);
+        exp_row<1>(s, h, scale_log2, ms);  // (the sum unused: its FADDs are dead code)
       } else {
         row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms);
       }
@@ -228,7 +218,7 @@ struct OnlineSoftmax {
 #pragma unroll
     if constexpr (TensorSum) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) exp_row_only(s, h, scale_log2, ms[h] + zero);
+      for (int h = 0; h < 2; ++h) exp_row<1>(s, h, scale_log2, ms[h] + zero);  // (the sum unused)
       turn.pass(s[M - 3], s[M - 1]);  // each row's last exponential (no sums to wait for)
       add_exact_sums(s);
     } else {
@@ -340,7 +330,6 @@ struct OnlineSoftmax {
         l_o = l_o * a + exp2f(sink_log2 - mx);
         m = mx;
       }
-      if constexpr (!TensorSum) l_o = l;
       const bool empty = !(l_o > 0.f);
       scale[h] = empty ? 0.f : a / l_o * o_factor;
       lse[h] = empty || !(l > 0.f) ? -INFINITY : (m + __log2f(l)) * 0.6931471805599453f;
