@@ -842,7 +842,8 @@ def test_bwd_block_m_80_is_the_plain_non_causal_hd128_tile():
 
 def test_rowsum_mma_is_e4m3_only():
     """rowsum_mma (fwd.py): refused for 16-bit dtypes before anything compiles (they ran 1-13 % slower
-    with it, H200), accepted for e4m3; it names its variants `rsm` and keeps spec_max off."""
+    with it, H200) and with exp_turns (ptxas issued the turn's pass before the exponentials), accepted
+    for e4m3; it names its variants `rsm` and keeps spec_max off."""
     from flashgen.generator.families import fwd as fwd_mod
     from flashgen.generator.naming import variant_name
 
@@ -852,5 +853,7 @@ def test_rowsum_mma_is_e4m3_only():
     bad = fwd_mod.FAMILY.problems({**base, "rowsum_mma": True})
     assert [(k, v) for k, v, _ in bad] == [("rowsum_mma", True)] and "e4m3" in bad[0][2]
     assert fwd_mod.FAMILY.problems({**base, "dtype": "e4m3", "rowsum_mma": True}) == []
+    bad = fwd_mod.FAMILY.problems({**base, "dtype": "e4m3", "rowsum_mma": True, "exp_turns": True})
+    assert [(k, v) for k, v, _ in bad] == [("rowsum_mma", True)] and "exp_turns" in bad[0][2]
     assert fwd_mod.spec_max(base) and not fwd_mod.spec_max({**base, "rowsum_mma": True})
     assert "_ps_rsm_" in variant_name({**base, "dtype": "e4m3", "rowsum_mma": True})

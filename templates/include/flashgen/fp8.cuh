@@ -201,7 +201,11 @@ struct Descale {
     return {ptr == nullptr ? nullptr : ptr + static_cast<size_t>(batch) * stride_batch + (head / head_div) * stride_head,
             stride_block, blocks};
   }
-  __device__ __forceinline__ float at(int batch, int head, int blk) const { return row(batch, head).at(blk); }
+  __device__ __forceinline__ float at(int batch, int head, int blk) const {
+    if (ptr == nullptr) return 1.f;
+    return __ldg(ptr + static_cast<size_t>(batch) * stride_batch + (head / head_div) * stride_head +
+                 min(blk, blocks - 1) * stride_block);
+  }
 };
 
 }  // namespace flashgen
