@@ -179,28 +179,10 @@ __device__ __forceinline__ void write_vt_tile(const uint8_t* v, int64_t stride_b
 // FA3's (batch, heads_k) form has block stride 0 and head_div = heads / heads_k (query head h reads
 // key head h / head_div); block quantization's (batch, heads, blocks) form has head_div 1. blk is
 // clamped to the last block (rows past the sequence read it; their results are never stored).
-// One (batch, head)'s descales along the block axis (Descale::row): the block-invariant part of the
-// address is computed once, by the caller, per tile.
-struct DescaleRow {
-  const float* ptr;  // null: 1
-  int stride_block, blocks;
-
-  __device__ __forceinline__ float at(int blk) const {
-    if (ptr == nullptr) return 1.f;
-    return __ldg(ptr + min(blk, blocks - 1) * stride_block);
-  }
-  // Whether the descale changes along the blocks (block quantization); otherwise at(0) is every block's.
-  __device__ __forceinline__ bool per_block() const { return ptr != nullptr && stride_block != 0; }
-};
-
 struct Descale {
   const float* ptr;  // null: 1
   int stride_batch, stride_head, stride_block, head_div, blocks;
 
-  __device__ __forceinline__ DescaleRow row(int batch, int head) const {
-    return {ptr == nullptr ? nullptr : ptr + static_cast<size_t>(batch) * stride_batch + (head / head_div) * stride_head,
-            stride_block, blocks};
-  }
   __device__ __forceinline__ float at(int batch, int head, int blk) const {
     if (ptr == nullptr) return 1.f;
     return __ldg(ptr + static_cast<size_t>(batch) * stride_batch + (head / head_div) * stride_head +
