@@ -32,7 +32,7 @@ def point_args(ap: argparse.ArgumentParser) -> None:
 def label(a) -> str:
     """What runs, for the scripts' output lines: implementation, direction, dtype, head_dim, mask, seqlen."""
     what = (" backward" + (" deterministic" if a.deterministic else "")) if a.backward else ""
-    forced = f" variant={a.variant}" if getattr(a, "variant", None) else ""
+    forced = f" variant={a.variant}" if a.variant else ""
     return f"{a.impl}{what} {a.dtype} hd{a.head_dim} causal={a.causal} s{a.seqlen}{forced}"
 
 

@@ -209,23 +209,18 @@ struct OnlineSoftmax {
   // pass(sum0, sum1) waits for the row sums): both rows' maxima, the turn, the exponentials, the pass.
   // The consumer warpgroups' exponential phases then alternate on the SM's MUFU pipes instead of
   // running together (docs/PERF.md: the FP8 loop's convoy; it paid only at 16-bit hd64 128x128).
+  // Not with TensorSum: without the row sums the pass would wait on a few exponentials only, and ptxas
+  // issued it before most of the others (fwd.py rowsum_mma; docs/PERF.md).
   template <int M, typename Turn>
   __device__ __forceinline__ void update(float (&s)[M], const float (&scale_log2)[Groups], const Turn& turn) {
+    static_assert(!TensorSum, "exponential turns wait on the row sums in registers");
     float ms[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) ms[h] = max_step(s, h, scale_log2);
     const float zero = turn.wait(ms[0], ms[1]);
 #pragma unroll
-    if constexpr (TensorSum) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) exp_row<1>(s, h, scale_log2, ms[h] + zero);  // (the sum unused)
-      turn.pass(s[M - 3], s[M - 1]);  // each row's last exponential (no sums to wait for)
-      add_exact_sums(s);
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
-      turn.pass(row_sum[0], row_sum[1]);
-    }
+    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
+    turn.pass(row_sum[0], row_sum[1]);
   }
 
   // Speculative update (16-bit P): FA3's online softmax with the row max taken after the exponentials
