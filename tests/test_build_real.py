@@ -249,33 +249,6 @@ def test_real_template_rowsum_mma_takes_the_sums_out_of_the_exponentials(tmp_pat
     assert all(k["spill_bytes"] == 0 for e in read_manifest(proj)["variants"] for k in e["kernels"])
 
 
-def test_real_template_rowsum_mma_exp_turns_fence_on_the_packed_p(tmp_path):
-    """rowsum_mma with exp_turns (no overlap; softmax.cuh's TensorSum turn update, pipeline.cuh
-    FencedTurns::pass_after): the e4m3 hd128 128x256 candidates, non-causal and causal. Each turn has two
-    arms, one basic block each from the turn's wait to its pass: without the lse (the arm the benchmarks
-    run) no FADD, the e4m3 packing (F2FP) among the exponentials and the pass waiting on the packed P;
-    with it, the fp32 row sums (a FADD per exponential). Every exponential phase ends at its BAR.ARV,
-    none at a BAR.SYNC; 0 spill bytes."""
-    proj = Project(REPO, build_override=tmp_path)
-    vs = select(load_variants(proj), "fwd_e4m3_hd128_*_m128n256_s2_wg2_pp_noov_ps_xt_rsm_vtg_*", all_=True)
-    assert {v.params["causal"] for v in vs} == {False, True}
-    r = build(proj, vs, jobs=2, log=lambda s: None)
-    assert r.failed == []
-    for v in vs:
-        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
-        assert "QGMMA.64x8x32" in body, v.name
-        arms = dict(gap=12, least=48)  # (the two arms of a turn are farther apart than 12 instructions)
-        phases = sass.exp_phases(body, **arms)
-        fadds = sass.exp_phase_counts(body, "FADD", **arms)
-        packs = sass.exp_phase_counts(body, "F2FP", **arms)
-        assert len(phases) >= 4 and all(end == "BAR.ARV" for _, end in phases), (v.name, phases)
-        plain = [i for i, (e, f) in enumerate(fadds) if f == 0]
-        exact = [i for i, (e, f) in enumerate(fadds) if f >= e - 4]
-        assert plain and exact and len(plain) + len(exact) == len(fadds), (v.name, fadds)
-        assert all(packs[i][1] >= packs[i][0] // 2 - 4 for i in plain), (v.name, packs)
-    assert all(k["spill_bytes"] == 0 for e in read_manifest(proj)["variants"] for k in e["kernels"])
-
-
 def test_real_template_consumers_read_the_decoded_tile(real_subset):
     """The consumers take each work tile decoded from its tile slot (scheduler.cuh WorkTile): their
     branch of the kernel (from the setmaxnreg raise to the producer's lowering, where ptxas lays the

@@ -53,10 +53,8 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   against a 256-byte tile of ones in the barrier area per P V k-step, instead of one FADD per score;
   O / l is then the mean of V's rows weighted by P as the GEMM read it (e4m3). Where the lse is
   written the exact fp32 sums are kept too, for it alone (O is the same with or without the lse).
-  With ``exp_turns`` only where ``overlap`` is false: with no row sums the turn's pass waits on the
-  packed P (pipeline.cuh ``FencedTurns::pass_after``; a pass on two exponentials was moved by ptxas
-  ahead of 120 of the 130 of e4m3 hd128 128 x 256, -11 % on an H200, docs/PERF.md), and the
-  overlapped schedule packs P only after the P V wait.
+  Not with ``exp_turns``: the turn's pass then waits on two exponentials only (no row sums), and ptxas
+  moved it ahead of 120 of the 130 exponentials of e4m3 hd128 128 x 256 (-11 % on an H200, docs/PERF.md).
 """
 from __future__ import annotations
 
@@ -372,9 +370,9 @@ class FwdFamily(Family):
             out.append(("vt_global", True, "false unless dtype is e4m3 (16-bit V is read MN-major in place)"))
         if params.get("rowsum_mma") and params["dtype"] != "e4m3":
             out.append(("rowsum_mma", True, "false unless dtype is e4m3 (16-bit tiles ran 1-13 % slower with it, H200: configs/fwd_tune.yaml)"))
-        if params.get("rowsum_mma") and params.get("exp_turns") and params.get("overlap", True):
-            out.append(("rowsum_mma", True, "false with exp_turns unless overlap is false (the turn's pass waits "
-                                            "on the packed P, which the overlapped schedule makes after the P V wait)"))
+        if params.get("rowsum_mma") and params.get("exp_turns"):
+            out.append(("rowsum_mma", True, "false with exp_turns (the turn's pass would wait on two exponentials "
+                                            "only; ptxas issued it before most of them)"))
         if out:
             return out
         r = self.resources(params)

@@ -136,17 +136,6 @@ struct FencedTurns {
   __device__ __forceinline__ void pass(float a, float b) const {
     if constexpr (Enabled) named_bar_arrive(FirstBar + (ring.wg + 1) % Warpgroups + dep(a, b), 256);
   }
-  // pass() once every word of `words` is written (an OR over them in four chains): the packed P of an
-  // update without row sums (OnlineSoftmax TensorSum), so that all of its exponentials precede the pass.
-  template <int R>
-  __device__ __forceinline__ void pass_after(const uint32_t (&words)[R]) const {
-    if constexpr (Enabled) {
-      uint32_t c[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-      for (int i = 0; i < R; ++i) c[i % 4] |= words[i];
-      pass(__int_as_float(static_cast<int>(c[0] | c[1])), __int_as_float(static_cast<int>(c[2] | c[3])));
-    }
-  }
 };
 
 }  // namespace flashgen

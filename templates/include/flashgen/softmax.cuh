@@ -209,9 +209,11 @@ struct OnlineSoftmax {
   // pass(sum0, sum1) waits for the row sums): both rows' maxima, the turn, the exponentials, the pass.
   // The consumer warpgroups' exponential phases then alternate on the SM's MUFU pipes instead of
   // running together (docs/PERF.md: the FP8 loop's convoy; it paid only at 16-bit hd64 128x128).
+  // Not with TensorSum: without the row sums the pass would wait on a few exponentials only, and ptxas
+  // issued it before most of the others (fwd.py rowsum_mma; docs/PERF.md).
   template <int M, typename Turn>
   __device__ __forceinline__ void update(float (&s)[M], const float (&scale_log2)[Groups], const Turn& turn) {
-    static_assert(!TensorSum, "with TensorSum the turn's pass waits on the packed P: the overload below");
+    static_assert(!TensorSum, "exponential turns wait on the row sums in registers");
     float ms[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) ms[h] = max_step(s, h, scale_log2);
@@ -219,32 +221,6 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
     turn.pass(row_sum[0], row_sum[1]);
-  }
-
-  // The same with TensorSum, where no row sums exist to wait on (a pass on a few exponentials alone was
-  // issued by ptxas before most of the others: docs/PERF.md): pack() packs P (S's exponentials) into
-  // its registers and returns them, and the pass waits on all of them (FencedTurns::pass_after). With
-  // exact_sum the fp32 row sums are made in the phase and the pass waits on them, as above. Each arm
-  // is one basic block from the turn's wait to its pass, so that ptxas interleaves the packing with
-  // the exponentials.
-  template <int M, typename Turn, typename Pack>
-  __device__ __forceinline__ void update(float (&s)[M], const float (&scale_log2)[Groups], const Turn& turn,
-                                         Pack&& pack) {
-    static_assert(TensorSum, "without TensorSum the pass waits on the row sums: the overload above");
-    float ms[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) ms[h] = max_step(s, h, scale_log2);
-    const float zero = turn.wait(ms[0], ms[1]);
-    if (exact_sum) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
-      pack();
-      turn.pass(row_sum[0], row_sum[1]);
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) exp_row<1>(s, h, scale_log2, ms[h] + zero);  // (sums unused: dead code)
-      turn.pass_after(pack());
-    }
   }
 
   // Speculative update (16-bit P): FA3's online softmax with the row max taken after the exponentials
