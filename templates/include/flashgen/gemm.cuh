@@ -118,17 +118,14 @@ __device__ __forceinline__ void mma_rowsum(float (&l)[4], const uint32_t (&a)[RA
 
 // D += A B, A in registers (4 per k-step), B a K-major tile whose rows are N and whose columns
 // are K (FP8's O += P V with V^T from transpose_v: WGMMA reads 8-bit operands K-major only);
-// K = the A fragments' k-steps, from column 0 (the tile may have padding columns past them); with K0 / K1
-// the k-steps [K0, K1) alone (K1 0: to the last; fwd.cu.j2 kSplitPv). tail: as gemm_rs's.
-template <auto Mma, int K0 = 0, int K1 = 0, int R, int RA, typename TileB, typename Tail = NoTail>
+// K = the A fragments' k-steps, from column 0 (the tile may have padding columns past them). tail: as gemm_rs's.
+template <auto Mma, int R, int RA, typename TileB, typename Tail = NoTail>
 __device__ __forceinline__ void gemm_rs_kmajor(float (&d)[R], const uint32_t (&a)[RA], const TileB& b, Tail&& tail = {}) {
   static_assert(RA % 4 == 0 && (RA / 4) * TileB::kKStep <= TileB::kCols, "one 4-register A fragment per k-step");
-  constexpr int kEnd = K1 > 0 ? K1 : RA / 4;
-  static_assert(0 <= K0 && K0 < kEnd && kEnd <= RA / 4, "k-steps [K0, K1) of A's");
   wgmma_fence();
 #pragma unroll
-  for (int kk = K0; kk < kEnd; ++kk) Mma(d, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], b.desc_k_major(kk), 1);
-  tail(kEnd);
+  for (int kk = 0; kk < RA / 4; ++kk) Mma(d, a[4 * kk + 0], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], b.desc_k_major(kk), 1);
+  tail(RA / 4);
   wgmma_commit();
 }
 

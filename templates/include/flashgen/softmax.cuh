@@ -125,16 +125,13 @@ struct OnlineSoftmax {
   // Row h of S -> exp2(S * scale_log2 - ms), in place; returns the row's (thread-partial) sum, added in
   // Chains interleaved FADD chains. S (here and below): the block's m64nN accumulator (M = N / 2
   // registers), or its first M registers alone: the block's first 2M columns (the rest masked).
-  // J0 / J1: S's 8-column blocks [J0, J1) alone (J1 0: to the last; update_split's halves).
-  template <int Chains, int J0 = 0, int J1 = 0, int M>
+  template <int Chains, int M>
   __device__ __forceinline__ static float exp_row(float (&s)[M], int h, const float (&scale_log2)[Groups],
                                                   float ms) {
     static_assert(M % 4 == 0 && M <= N / 2, "whole 8-column blocks of S");
-    constexpr int kEnd = J1 > 0 ? J1 : M / 4;
-    static_assert(0 <= J0 && J0 < kEnd && kEnd <= M / 4, "8-column blocks [J0, J1) of S's");
     float acc[Chains] = {};
 #pragma unroll
-    for (int j = J0; j < kEnd; ++j) {
+    for (int j = 0; j < M / 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float x = exp2f(fmaf(s[4 * j + 2 * h + e], scale_log2[j / kJ], -ms));
@@ -223,32 +220,6 @@ struct OnlineSoftmax {
     const float zero = turn.wait(ms[0], ms[1]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + exp_row<1>(s, h, scale_log2, ms[h] + zero);
-    turn.pass(row_sum[0], row_sum[1]);
-  }
-
-  // update with the exponentials in a turn, in two halves of S's columns (fwd.cu.j2 kSplitPv: the e4m3
-  // tiles without intra-warpgroup overlap, whose P V GEMM of the left half then runs under the right
-  // half's exponentials). before(): after both rows' maxima, before the turn (O's rescale, the V^T
-  // wait); mid(): after the left half's exponentials (packs them and issues their P V k-steps), returns
-  // a 0 read after that issue which the right half's exponent offsets add, so that ptxas keeps them after
-  // it. The pass waits on the row sums of both halves, as update(s, scale, turn)'s.
-  template <int M, typename Turn, typename Before, typename Mid>
-  __device__ __forceinline__ void update_split(float (&s)[M], const float (&scale_log2)[Groups], const Turn& turn,
-                                               Before&& before, Mid&& mid) {
-    static_assert(!TensorSum && M % 8 == 0, "row sums in registers; whole 8-column blocks per half");
-    float ms[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) ms[h] = max_step(s, h, scale_log2);
-    before();
-    const float zero = turn.wait(ms[0], ms[1]);
-    float sum[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) sum[h] = exp_row<1, 0, M / 8>(s, h, scale_log2, ms[h] + zero);
-    const float zero_mid = mid();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) sum[h] += exp_row<1, M / 8>(s, h, scale_log2, ms[h] + zero + zero_mid);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * scale[h] + sum[h];
     turn.pass(row_sum[0], row_sum[1]);
   }
 
