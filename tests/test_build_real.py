@@ -463,3 +463,28 @@ def test_real_bwd_deterministic_hand_off(real_bwd):
         tickets = len(re.findall(r"ATOMG\.E\.ADD\.S32\.STRONG\.GPU", body))
         assert tickets == (1 if v.resources["split_tail"] else 0), v.name
         assert signals >= 1 and len(re.findall(r"MEMBAR\.ALL\.GPU", body)) == signals + tickets, v.name
+
+
+def test_mufu_probe_paces_the_exponentials_as_the_kernel_does(tmp_path):
+    """scripts/mufu_probe.py (the FP8 exponential-phase probes, docs/results/mufu_probe/) builds with the
+    project's WGMMA macro, and ptxas schedules each probe's exponential phase as it does the e4m3 tiles'
+    (128 MUFU.EX2 per round, 7.5-8.5 static cycles each, generator/sass.py schedule): so its timings stand
+    for the kernel's phase. The GEMM probe's loops issue their QGMMAs asynchronously (one wait per round)."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "mufu_probe.py"), "--build-only", "--out", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "spill" not in r.stderr.replace("0 bytes spill", "")
+    for exe in ("mufu_probe", "mufu_probe_gemm"):
+        funcs = sass.functions(sass.dump(str(tmp_path / exe)))
+        phases = 0
+        for body in funcs.values():
+            ins, runs = sass._exp_runs(body, 24, 16)
+            sched = sass.schedule(body)
+            for run in runs:
+                assert len(run) == 128, (exe, len(run))
+                stall = sum(s for _, _, s in sched[run[0]:run[-1] + 1])
+                assert 7.5 <= stall / len(run) <= 8.5, (exe, stall / len(run))
+                phases += 1
+            qgmma = [x for x in ins if x.startswith("QGMMA")]
+            assert len(qgmma) >= 4 * sum("gsb0" in x for x in qgmma), exe  # one scoreboard per 4+ k-steps
+        assert phases >= 4, (exe, phases)
