@@ -1,7 +1,9 @@
-"""Render, build and run scripts/mufu_probe_gemm.cu.j2 (the MUFU.EX2 phase beside FP8 WGMMAs) and
-scripts/mufu_probe.cu (the phase alone and beside row-max warps): issue 10's exponential-phase
-probes (docs/PERF.md). Needs nvcc and a Hopper GPU; ``--build-only`` compiles and prints ptxas's
-register and spill lines (no GPU)."""
+"""Render, build and run scripts/mufu_probe.cu.j2: issue 10's exponential-phase probes (the FP8 softmax's
+MUFU.EX2 phase alone, beside row-max warps and beside FP8 WGMMAs; docs/results/mufu_probe/). The template
+takes its WGMMA wrappers from the project's macro (templates/macros/wgmma.j2). Needs nvcc and, to run, a
+Hopper GPU; ``--build-only`` compiles and prints ptxas's register and spill lines (no GPU needed).
+
+Usage: python scripts/mufu_probe.py [--out DIR] [--build-only]"""
 
 import argparse
 import subprocess
@@ -14,27 +16,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="/tmp/mufu_probe_build", help="folder for the rendered source and binaries")
-    ap.add_argument("--build-only", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/mufu_probe_build", help="folder for the rendered source and the binary")
+    ap.add_argument("--build-only", action="store_true", help="compile only")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader([str(ROOT / "templates"), str(ROOT / "scripts")]),
                              undefined=jinja2.StrictUndefined)
-    (out / "mufu_probe_gemm.cu").write_text(env.get_template("mufu_probe_gemm.cu.j2").render())
-    bins = []
-    for src in (out / "mufu_probe_gemm.cu", ROOT / "scripts" / "mufu_probe.cu"):
-        exe = out / src.stem
-        subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-use_fast_math", "-Xptxas", "-v", "-o", str(exe), str(src)],
-                       check=True)
-        bins.append(exe)
+    src = out / "mufu_probe.cu"
+    src.write_text(env.get_template("mufu_probe.cu.j2").render())
+    exe = out / "mufu_probe"
+    subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-use_fast_math", "-Xptxas", "-v",
+                    "-o", str(exe), str(src)], check=True)
     if a.build_only:
         return 0
-    rc = 0
-    for exe in bins:
-        rc |= subprocess.run([str(exe)]).returncode
-    return rc
+    return subprocess.run([str(exe)]).returncode
 
 
 if __name__ == "__main__":

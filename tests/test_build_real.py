@@ -474,7 +474,7 @@ def test_mufu_probe_paces_the_exponentials_as_the_kernel_does(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "spill" not in r.stderr.replace("0 bytes spill", "")
-    for exe in ("mufu_probe", "mufu_probe_gemm"):
+    for exe in ("mufu_probe",):
         funcs = sass.functions(sass.dump(str(tmp_path / exe)))
         phases = 0
         for body in funcs.values():
@@ -487,4 +487,4 @@ def test_mufu_probe_paces_the_exponentials_as_the_kernel_does(tmp_path):
                 phases += 1
             qgmma = [x for x in ins if x.startswith("QGMMA")]
             assert len(qgmma) >= 4 * sum("gsb0" in x for x in qgmma), exe  # one scoreboard per 4+ k-steps
-        assert phases >= 4, (exe, phases)
+        assert phases >= 9, (exe, phases)  # probe_side's four modes, probe_gemm's five kernels
