@@ -7,7 +7,8 @@ PROBE_FILTER='fwd_e4m3_hd128_noncausal_m128n256*' PROBE_POINTS='16384 2048'). Th
 stamps the first 32 K/V blocks its CTA runs into the module global flashgen::g_probe, 8 slots per block:
   0 the block's start (s_step), 1 the GEMM turn taken (S GEMM issued next), 2 S ready (its WGMMA wait),
   3 the exponential turn taken (both rows' maxima done and the other warpgroup's pass seen), 4 the turn passed
-  (exponentials and row sums done), 5 V^T's stage ready, 6 P V done (its WGMMA wait).
+  (exponentials and row sums done), 5 V^T's stage ready, 6 P V done (its WGMMA wait); with chain_probe_v2.patch
+  also 7 P packed (a read predicated on an OR over P's registers), before the V^T wait.
 Per seqlen (FA3 protocol: 16k tokens, hidden 2048, non-causal, the variant forced through flashgen.core): medians over
 the CTAs of blocks 4-31 per warpgroup, in cycles, of each segment, the period (slot 6 to slot 6), and how often the
 exponential turn was the wait (slot 3 within 64 cycles of the other warpgroup's pass that opened it)."""
@@ -61,6 +62,8 @@ def summarize(seqlen, recs):
     seg = {"k wait + GEMM turn (1-0)": (0, 1), "S GEMM issue to ready (2-1)": (1, 2),
            "max + exp-turn wait (3-2)": (2, 3), "exponentials (4-3)": (3, 4),
            "pack, rescale, V^T wait (5-4)": (4, 5), "P V issue to done (6-5)": (5, 6)}
+    if any(cta[c][i][7] for cta in recs for c in (0, 1) for i in range(BLOCKS)):  # chain_probe_v2.patch
+        seg.update({"  of which P's PRMTs, rescale (7-4)": (4, 7), "  of which V^T wait (5-7)": (7, 5)})
     out = {c: {name: [] for name in seg} for c in (0, 1)}
     period = {0: [], 1: []}
     turn_wait = {0: [0, 0], 1: [0, 0]}
