@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     src.write_text(env.get_template("mufu_probe.cu.j2").render())
     exe = out / "mufu_probe"
     subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-use_fast_math", "-Xptxas", "-v",
-                    "-o", str(exe), str(src)], check=True)
+                    "-I", str(ROOT / "templates" / "include"), "-o", str(exe), str(src)], check=True)
     if a.build_only:
         return 0
     return subprocess.run([str(exe)]).returncode
