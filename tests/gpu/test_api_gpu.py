@@ -335,6 +335,36 @@ def test_cuda_graph_replay_on_new_data(layout):
         assert_fa3_rule(static_out, nq, nk, nv, True, lse=static_lse)
 
 
+def test_cuda_graph_replays_a_call_with_a_tile_counter():
+    """A causal call with more tiles than SMs takes a tile counter of its own (launch._launch_argv: allocated,
+    zeroed and freed on the stream). Captured in a CUDA graph, each replay zeroes its counter again: the
+    replays on new data (outputs poisoned first) equal eager calls; a count left from the last replay would
+    skip every tile."""
+    dtype, d = pick(True)
+    b, s, h = 4, 1000, 8
+    tiles = b * h * -(-s // 192)  # (tiles of at most 192 rows)
+    assert tiles > torch.cuda.get_device_properties(0).multi_processor_count
+    q, k, v = inputs(b, s, s, h, h, d, dtype, seed=5)
+    assert_fa3_rule(flash_attn_func(q, k, v, causal=True), q, k, v, True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = flash_attn_func(q, k, v, causal=True)
+    for seed in (21, 22, 23):
+        nq, nk, nv = inputs(b, s, s, h, h, d, dtype, seed=seed)
+        q.copy_(nq)
+        k.copy_(nk)
+        v.copy_(nv)
+        static_out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, flash_attn_func(nq, nk, nv, causal=True))
+
+
 def test_compile_reduce_overhead_cudagraphs():
     torch._dynamo.reset()
     dtype, d = pick(False)
