@@ -12,7 +12,12 @@ from pathlib import Path
 
 import jinja2
 
+from flashgen.generator.build import NVCC_FLAGS, nvcc_command
+from flashgen.generator.toolchain import find_nvcc
+
 ROOT = Path(__file__).resolve().parent.parent
+# The kernels' own nvcc flags (arch, fast math, ptxas -v), for an executable instead of a fatbin
+FLAGS = [f for f in NVCC_FLAGS if f not in ("-fatbin", "-Xfatbin=-compress-all")]
 
 
 def main(argv=None) -> int:
@@ -27,8 +32,7 @@ def main(argv=None) -> int:
     src = out / "mufu_probe.cu"
     src.write_text(env.get_template("mufu_probe.cu.j2").render())
     exe = out / "mufu_probe"
-    subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-use_fast_math", "-Xptxas", "-v",
-                    "-I", str(ROOT / "templates" / "include"), "-o", str(exe), str(src)], check=True)
+    subprocess.run(nvcc_command(find_nvcc().path, ROOT / "templates" / "include", src, exe, FLAGS), check=True)
     if a.build_only:
         return 0
     return subprocess.run([str(exe)]).returncode
