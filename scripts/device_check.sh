@@ -13,6 +13,8 @@
 #                                          table (regress_fwd.py peers), e4m3 at 16k, host overhead per call
 #   bash scripts/device_check.sh full      test, then `flashgen bench --backward` (forward and backward grids vs SDPA
 #                                          cuDNN/FA2, ablation, combine; backward CSV/PNG as bench_bwd.*)
+#   bash scripts/device_check.sh quantab  quantize_fp8 A/B (carry .base): the quant GPU tests, quant_bench.py of .base and this
+#                                          tree alternated twice, then fp8_bench.py's e4m3 "from bf16" column (F8ARGS) the same way
 #   bash scripts/device_check.sh perf      kernel-change check: FP8 + forward API GPU tests, the FP8 grid (fp8_bench.py), and a
 #                                          reduced forward regression grid (bf16, hd 64/128/256, seqlen 512/2k/16k) against
 #                                          .base/ (scripts/make_base.sh), alternated twice, SDPA peers in the same runs
@@ -406,6 +408,21 @@ fp8ab)
     | tee "$out/test_fp8.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   [ "${TABLES:-off}" = off ] && export FLASHGEN_TUNE_TABLE=off
   f8_alternate --no-cudnn ${F8ARGS:---seqlens 512,2048,16384}
+  ;;
+quantab)
+  # quantize_fp8 A/B (carry .base; BUILD_FILTER='quant_*,fwd_e4m3_hd128*,fwd_bf16_hd128*' saves the full build): the
+  # quant GPU tests, then scripts/quant_bench.py of .base and of this tree alternated twice (torch's e4m3 cast as a
+  # reference row), then fp8_bench.py (F8ARGS, default hd128 non-causal at 512/2k/16k, no cuDNN column) alternated
+  # twice: its "from bf16" column is quantize_fp8 + the attention; the old/new tables last
+  old_build "${OLD_FILTER:-quant_*,fwd_e4m3_hd128*,fwd_bf16_hd128*}"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_quant_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | tee "$out/test_quant.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  for r in 1 2; do
+    oldenv timeout 120 python3 scripts/quant_bench.py > "$out/q_old$r.md" 2>&1
+    timeout 120 python3 scripts/quant_bench.py > "$out/q_new$r.md" 2>&1
+  done
+  f8_alternate --no-cudnn ${F8ARGS:---seqlens 512,2048,16384 --head-dims 128 --causal no}
+  for f in q_old1 q_new1 q_old2 q_new2; do echo "== $f"; grep -E 'incoherent, block|torch cast' "$out/$f.md"; done
   ;;
 perf)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

@@ -6,7 +6,9 @@ Timed like `flashgen bench` (L2 flushed before each repetition, median). Two fig
 * traffic GB/s: the bytes these kernels move (v, and q / k without block quantization, are read
   twice: the amax pass, then the quant pass).
 and the useful figure as a fraction of the GPU's DRAM peak (H100 SXM 3.35 TB/s, H200 4.8 TB/s;
---peak to override). Usage: python scripts/quant_bench.py [--peak 4.8e12] [--dtype bf16]
+--peak to override). A reference row per shape: torch's own e4m3 cast of the same three tensors
+(``x.to(torch.float8_e4m3fn)``, no scales: the same useful bytes, three elementwise kernels), timed
+the same way. Usage: python scripts/quant_bench.py [--peak 4.8e12] [--dtype bf16]
 """
 from __future__ import annotations
 
@@ -49,9 +51,13 @@ def main() -> None:
         k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
         v = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
         n_q, n_kv = q.numel(), k.numel()
+        useful = 3 * (n_q + 2 * n_kv)  # 2 bytes in, 1 out per element (descales are negligible)
+        e4m3 = torch.float8_e4m3fn
+        ms = _time_ms(lambda: (q.to(e4m3), k.to(e4m3), v.to(e4m3)))
+        print(f"| {b}, {s}, {h}, {hk}, {d} | torch cast (reference) | {ms * 1e3:.1f} | {useful / ms / 1e6:.0f} | "
+              f"{100 * useful * 1e3 / ms / peak:.0f} | {useful / ms / 1e6:.0f} |")
         for incoherent, block in ((True, True), (False, True), (True, False)):
             ms = _time_ms(lambda: quantize_fp8(q, k, v, incoherent=incoherent, block_quant=block))
-            useful = 3 * (n_q + 2 * n_kv)  # 2 bytes in, 1 out per element (descales are negligible)
             traffic = useful + 2 * n_kv + (0 if block else 2 * (n_q + n_kv))
             mode = ("incoherent" if incoherent else "plain") + (", block" if block else ", per-head")
             print(f"| {b}, {s}, {h}, {hk}, {d} | {mode} | {ms * 1e3:.1f} | {useful / ms / 1e6:.0f} | "
