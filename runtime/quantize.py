@@ -152,7 +152,6 @@ class _Plan(NamedTuple):
     variant: Variant
     amax: object  # launch.LoadedKernel
     quant: object
-    ctas: int  # the persistent grid's size: SMs x the variant's min_blocks (CTAs per SM)
 
 
 _plans: dict = {}  # (dtype, device) -> _Plan; immutable values
@@ -165,8 +164,7 @@ def _plan(dtype: str, device: int) -> _Plan:
     plan = _plans.get(key)
     if plan is None:
         var = dispatch.select_variant("quant", {"dtype": dtype})
-        plan = _Plan(var, launch.get_kernel(var, "amax", device), launch.get_kernel(var, "quant", device),
-                     launch.num_sms(device) * int(var.params["min_blocks"]))
+        plan = _Plan(var, launch.get_kernel(var, "amax", device), launch.get_kernel(var, "quant", device))
         _plans[key] = plan
     return plan
 
@@ -245,9 +243,8 @@ def quantize_fp8_launch(q: TensorArg, k: TensorArg, v: TensorArg, q8: TensorArg,
     tq, tk, tv = tile_counts(p)
     amax_grid = (0 if block_quant else tq + tk) + tv
     quant_grid = tq + tk + tv
-    if quant_grid > _INT32_MAX - plan.ctas:  # the kernels' tile indices (+ the grid) are int32
-        raise ValueError(f"flashgen: quantize_fp8: {quant_grid} tiles, more than the kernels' limit "
-                         f"{_INT32_MAX - plan.ctas}")
+    if quant_grid > _INT32_MAX:
+        raise ValueError(f"flashgen: quantize_fp8: {quant_grid} tiles, more than the grid limit {_INT32_MAX}")
     rows_qk, log_qk, _ = tile_geometry(p.head_dim)
     rows_v, log_v, _ = tile_geometry(p.head_dim_v)
     _, offs = workspace_layout(p, block_quant)
@@ -269,9 +266,8 @@ def quantize_fp8_launch(q: TensorArg, k: TensorArg, v: TensorArg, q8: TensorArg,
         "hadamard_scale": 1.0 / math.sqrt(b),  # packed as fp32: rounded once
         **{f"sign_bits{i}": int(w) for i, w in enumerate(sign_bits)},
     }
-    # persistent CTAs (templates/quant.cu.j2 run): each takes every grid-th tile
     if amax_grid:
-        launch.launch(plan.amax, (min(amax_grid, plan.ctas), 1, 1), (), params, stream, p.device)
+        launch.launch(plan.amax, (amax_grid, 1, 1), (), params, stream, p.device)
     if quant_grid:
-        launch.launch(plan.quant, (min(quant_grid, plan.ctas), 1, 1), (), params, stream, p.device)
+        launch.launch(plan.quant, (quant_grid, 1, 1), (), params, stream, p.device)
     return plan.variant

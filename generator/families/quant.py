@@ -23,20 +23,13 @@ Template: templates/quant.cu.j2. Two kernels, launched in order on one stream:
   (the tile's own amax for block-quantized q / k; else the max of the workspace entries of its
   group, reduced by every CTA that needs it), e4m3 out, descales out.
 
-A tile is what 256 threads (``THREADS``) hold at ``ITEMS`` (8) 16-byte chunks each: 8 consecutive
+A CTA is 256 threads (``THREADS``) holding ``ITEMS`` (8) 16-byte chunks each: 8 consecutive
 elements of one row, loaded once (q / k under block quantization are read from memory exactly
 once). Thread t takes chunk ``c = t % C`` (C = dim / 8) of row ``t / C`` in each pass of
-``R = 256 // C`` rows; ``2^items_log2`` passes cover the 64 rows of a block and a tile takes
+``R = 256 // C`` rows; ``2^items_log2`` passes cover the 64 rows of a block and a CTA takes
 ``8 >> items_log2`` heads of the same rows (small head dims: 4 heads of 64, 2 of 128), so every
-tile is about 32 KB of input (:func:`tile_geometry`). Chunks of one Hadamard block are then on
+CTA moves about 32 KB (:func:`tile_geometry`). Chunks of one Hadamard block are then on
 consecutive lanes of one warp, which is what the shuffle stages need.
-
-Both kernels are persistent: ``min_blocks`` CTAs per SM (the runtime launches ``SMs x min_blocks``,
-fewer when there are fewer tiles), each taking every grid-th tile. A CTA copies its next tile's
-chunks into the second of ``STAGES`` (2) shared-memory stages (cp.async) while it transforms,
-reduces and stores the current one: a CTA that loaded a tile, then computed on it, left the memory
-system idle for half of its time (quantize_fp8 ran at about 40 % of the H200's DRAM bandwidth,
-docs/PERF.md).
 
 Why head_dim is not an axis: the kernel is memory-bound and its inner loops (8 items x 8 values)
 do not depend on head_dim; head_dim only sets the thread -> (row, chunk) map, the pass count and
@@ -53,16 +46,12 @@ DTYPES = ("bf16", "fp16")  # input dtype; outputs are e4m3 and fp32 descales
 QUANT_BLOCK = 64  # rows per block scale (the FP8 forward reads its descales per 64 rows too)
 THREADS = 256
 ITEMS = 8  # 16-byte chunks per thread
-STAGES = 2  # tiles of shared memory per CTA: the next tile's chunks land while one is processed
-STAGE_BYTES = THREADS * ITEMS * 16
 CHUNK = 8  # elements per chunk (16 bytes of fp16 / bf16)
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
 E4M3_MAX = 448.0
 MAX_HADAMARD = 256
 REGISTER_FILE = 65536
-SMEM_PER_SM = 233472  # sm_90: 228 KB per SM, of which 1 KB per CTA is reserved
-SMEM_STATIC = 1024 + (THREADS // 32) * ITEMS * 4 + ITEMS * 4  # the reserved 1 KB and cta_max's arrays
 SIGN_WORDS = MAX_HEAD_DIM // 32  # the ±1 vector as bits, 32 per u32 field
 
 PARAMS = params_struct(
@@ -112,15 +101,13 @@ def tile_geometry(dim: int, threads: int = THREADS, items: int = ITEMS) -> tuple
 
 class QuantFamily(Family):
     def resources(self, params):
-        """threads, items, quant_block, e4m3_max, min_blocks' register budget; the stages' dynamic smem."""
+        """threads, items, quant_block, e4m3_max, min_blocks' register budget; no dynamic smem."""
         return dict(threads=THREADS, items=ITEMS, quant_block=QUANT_BLOCK, e4m3_max=E4M3_MAX,
-                    max_hadamard=MAX_HADAMARD, sign_words=SIGN_WORDS, stages=STAGES,
-                    max_registers=REGISTER_FILE // (THREADS * int(params["min_blocks"])), smem={},
-                    smem_bytes=STAGES * STAGE_BYTES)
+                    max_hadamard=MAX_HADAMARD, sign_words=SIGN_WORDS,
+                    max_registers=REGISTER_FILE // (THREADS * int(params["min_blocks"])), smem={}, smem_bytes=0)
 
     def problems(self, params):
-        # The tile lives in registers: ITEMS x 8 fp32 values per thread plus addresses and scales;
-        # and each CTA holds STAGES tiles of shared memory.
+        # The tile lives in registers: ITEMS x 8 fp32 values per thread plus addresses and scales.
         regs = self.resources(params)["max_registers"]
         need = ITEMS * CHUNK + 32
         if regs < need:
@@ -128,20 +115,13 @@ class QuantFamily(Family):
             return [("min_blocks", params["min_blocks"],
                      f"at most {fit} ({THREADS} threads x {need} registers per thread: the tile's "
                      f"{ITEMS * CHUNK} fp32 values per thread stay in registers)")]
-        smem = STAGES * STAGE_BYTES + SMEM_STATIC
-        if int(params["min_blocks"]) * smem > SMEM_PER_SM:
-            return [("min_blocks", params["min_blocks"],
-                     f"at most {SMEM_PER_SM // smem} ({smem} bytes of shared memory per CTA: {STAGES} stages of "
-                     f"{STAGE_BYTES} bytes; {SMEM_PER_SM} per SM)")]
         return []
 
     def kernels(self, params, resources):
-        # SASS: 16-byte copies into shared memory (LDGSTS: cp.async), warp shuffles (SHFL); the quant
-        # kernel's hardware e4m3 conversion (F2FP.SATFINITE.E4M3.F32.PACK_AB, not a software rounding)
-        # and stores.
-        smem = resources["smem_bytes"]
-        return [KernelSpec("amax", THREADS, smem, PARAMS, sass=("LDGSTS", "SHFL")),
-                KernelSpec("quant", THREADS, smem, PARAMS, sass=("LDGSTS", "SHFL", "F2FP", "STG"))]
+        # SASS: 16-byte loads (LDG), warp shuffles (SHFL); the quant kernel's hardware e4m3
+        # conversion (F2FP.SATFINITE.E4M3.F32.PACK_AB, not a software rounding) and stores.
+        return [KernelSpec("amax", THREADS, 0, PARAMS, sass=("LDG", "SHFL")),
+                KernelSpec("quant", THREADS, 0, PARAMS, sass=("LDG", "SHFL", "F2FP", "STG"))]
 
     def name_parts(self, p):
         return [p["dtype"], f"b{p['min_blocks']}"]

@@ -142,20 +142,6 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 
-// 16 bytes global -> shared without registers (cp.async.cg: L2 only, as a read-once stream wants;
-// PTX ISA "cp.async"; CCCL's cuda::ptx covers the bulk forms only). `take` false: nothing is read
-// and the 16 bytes are zero-filled (src-size 0), so `src` must merely be a valid address. Each
-// thread's copies join its next cp_async_commit group; cp_async_wait<N> waits until at most N of
-// this thread's groups are pending (its own copies: other threads' need a barrier as well).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool take) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(take ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // Named barriers: id 0 is __syncthreads; count is a multiple of 32 threads.
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
