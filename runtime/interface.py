@@ -989,12 +989,65 @@ def _quant_outputs(q: torch.Tensor, p: _v.Problem, block_quant: bool) -> tuple:
             *(q.new_empty(shape, dtype=torch.float32) for shape in _quant.descale_shapes(p, block_quant)))
 
 
+class _QuantCall(NamedTuple):
+    """What a quantize call's validated metadata decides (:func:`_quant_call`): the Problem, the
+    outputs' shapes and, when q, k, v have a layout the kernels read in place and no tensor is
+    empty, the prepared launches (:func:`flashgen.quantize.prepare_quantize`). :func:`_quantize_impl`
+    keeps one per key (``_quant_calls``: shapes, strides, dtypes, devices, flags, seed), so a
+    repeated call skips the validation and the params; immutable, so calls on any thread may share
+    it. The inputs' addresses (16-byte alignment) are checked per call."""
+
+    problem: _v.Problem
+    shapes: tuple  # q8, k8, v8, q_descale, k_descale, v_descale
+    prepared: Optional[_quant.PreparedQuantize]
+
+
+_quant_calls: dict = {}  # key (see _quantize_impl) -> _QuantCall; immutable values
+_QUANT_CALL_CACHE_MAX = 1024  # bounded: cleared when full (dropping entries is safe)
+
+
+def _quant_call(q, k, v, incoherent: bool, block_quant: bool, seed: int) -> _QuantCall:
+    """Validate a quantize call (every problem in one error), then make its :class:`_QuantCall`:
+    RuntimeError on a GPU that is not Hopper; MissingVariantError when no quant variant serves the
+    dtype and there is a kernel to launch."""
+    p = _quant_check(q, k, v, incoherent, block_quant, seed)
+    _check_device_capability(p.device)
+    shapes = (p.q_shape, p.k_shape, p.v_shape, *_quant.descale_shapes(p, block_quant))
+    prepared = None
+    in_place = all(t.stride(3) == 1 and all(n == 1 or (st * 2) % 16 == 0 for n, st in zip(t.shape[:3], t.stride()[:3]))
+                   for t in (q, k, v))  # the kernels' 16-byte loads (quantize._launch_problems), but the address
+    if in_place and p.batch and p.seqlen_q and p.seqlen_k:
+        sign_bits = _sign_bits(p.head_dim, seed) if incoherent else (0,) * _quant.SIGN_WORDS
+        prepared = _quant.prepare_quantize(p, (q.stride(), k.stride(), v.stride()), incoherent, block_quant, sign_bits)
+    return _QuantCall(p, shapes, prepared)
+
+
 def _quantize_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, incoherent: bool, block_quant: bool,
                    seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.flashgen.quantize_fp8(q, k, v, incoherent, block_quant, seed) -> (q8, k8, v8, q_descale,
-    k_descale, v_descale)``: the op behind :func:`quantize_fp8`. Validates its arguments."""
-    p = _quant_check(q, k, v, incoherent, block_quant, seed)
-    _check_device_capability(p.device)
+    k_descale, v_descale)``: the op behind :func:`quantize_fp8`. Validates its arguments (once per key:
+    ``_quant_calls``)."""
+    key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
+           v.shape, v.stride(), v.dtype, _device_of(v), incoherent, block_quant, seed)
+    call = _quant_calls.get(key)
+    if call is None:
+        call = _quant_call(q, k, v, incoherent, block_quant, seed)
+        if len(_quant_calls) >= _QUANT_CALL_CACHE_MAX:
+            _quant_calls.clear()
+        _quant_calls[key] = call
+    prep = call.prepared
+    if prep is not None:
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if not (ptrs[0] | ptrs[1] | ptrs[2]) % 16:  # read in place: the common call
+            e4m3, f32 = torch.float8_e4m3fn, torch.float32
+            sq8, sk8, sv8, sqd, skd, svd = call.shapes
+            outs = (q.new_empty(sq8, dtype=e4m3), q.new_empty(sk8, dtype=e4m3), q.new_empty(sv8, dtype=e4m3),
+                    q.new_empty(sqd, dtype=f32), q.new_empty(skd, dtype=f32), q.new_empty(svd, dtype=f32))
+            workspace = _workspace(q, max(prep.workspace_bytes, 1))
+            _quant.launch_quantize(prep, (*ptrs, *(t.data_ptr() for t in outs)), workspace.data_ptr(),
+                                   _current_stream(call.problem.device))
+            return outs  # (the workspace is released after the launches are enqueued: stream-ordered)
+    p = call.problem
     outs = _quant_outputs(q, p, block_quant)
     q8, k8, v8, qd, kd, vd = outs
     # a tensor with no rows: its global descales are those of amax 0 (its block descales are empty)

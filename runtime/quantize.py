@@ -47,6 +47,9 @@ __all__ = [
     "pack_sign_bits",
     "workspace_layout",
     "quantize_fp8_launch",
+    "PreparedQuantize",
+    "prepare_quantize",
+    "launch_quantize",
 ]
 
 #: What follows ``"flashgen: "`` in every message of the quantize checks.
@@ -217,6 +220,85 @@ def tile_counts(p: Problem) -> tuple:
     return (p.batch * nq * -(-p.heads // g_qk), p.batch * nk * -(-p.heads_k // g_qk), p.batch * nk * -(-p.heads_k // g_v))
 
 
+_POINTERS = ("q", "k", "v", "q8", "k8", "v8", "q_descale", "k_descale", "v_descale")
+
+
+def _fixed_params(p: Problem, strides: Sequence[Sequence[int]], incoherent: bool, block_quant: bool,
+                  sign_bits: Sequence[int], amax_ptrs: Sequence[Optional[int]] = (None, None, None)) -> dict:
+    """Every field of the kernels' params but q's, k's, v's and the outputs' addresses (0 here):
+    ``strides``, q's, k's and v's element strides; ``amax_ptrs``, the addresses of the workspace's
+    q, k, v amax regions (None, unused: 0)."""
+    tq, tk, tv = tile_counts(p)
+    rows_qk, log_qk, _ = tile_geometry(p.head_dim)
+    rows_v, log_v, _ = tile_geometry(p.head_dim_v)
+    b = hadamard_size(p.head_dim)
+    params = {name: 0 for name in _POINTERS}
+    for name, ptr in zip(("q_amax", "k_amax", "v_amax"), amax_ptrs):
+        params[name] = 0 if ptr is None else ptr
+    for name, st in zip("qkv", strides):
+        params.update({f"{name}_stride_batch": st[0], f"{name}_stride_seq": st[1], f"{name}_stride_head": st[2]})
+    params.update({
+        "batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "heads": p.heads, "heads_k": p.heads_k,
+        "head_dim": p.head_dim, "head_dim_v": p.head_dim_v, "q_blocks": blocks(p.seqlen_q),
+        "k_blocks": blocks(p.seqlen_k),
+        "q_tiles": tq, "k_tiles": tk, "v_tiles": tv,
+        "qk_rows": rows_qk, "qk_items_log2": log_qk, "v_rows": rows_v, "v_items_log2": log_v,
+        "hadamard": b, "incoherent": 1 if incoherent else 0, "block_quant": 1 if block_quant else 0,
+        "hadamard_scale": 1.0 / math.sqrt(b),  # packed as fp32: rounded once
+        **{f"sign_bits{i}": int(w) for i, w in enumerate(sign_bits)},
+    })
+    return params
+
+
+def _grids(p: Problem, block_quant: bool) -> tuple:
+    """(amax CTAs, quant CTAs): the amax kernel visits v, and q / k without block quantization."""
+    tq, tk, tv = tile_counts(p)
+    quant_grid = tq + tk + tv
+    if quant_grid > _INT32_MAX:
+        raise ValueError(f"flashgen: quantize_fp8: {quant_grid} tiles, more than the grid limit {_INT32_MAX}")
+    return (0 if block_quant else tq + tk) + tv, quant_grid
+
+
+class PreparedQuantize(NamedTuple):
+    """The launches of one quantize call shape (:func:`prepare_quantize`), made once and launched any
+    number of times by :func:`launch_quantize` with the call's addresses. Immutable: calls on any
+    thread may share it."""
+
+    variant: Variant
+    amax: Optional[launch.PreparedLaunch]  # None when the grid is empty
+    quant: Optional[launch.PreparedLaunch]
+    workspace_bytes: int  # :func:`workspace_layout`'s total
+    amax_offsets: tuple  # the byte offsets in the workspace of the amax regions the kernels use (per-call fields)
+
+
+def prepare_quantize(p: Problem, strides: Sequence[Sequence[int]], incoherent: bool, block_quant: bool,
+                     sign_bits: Sequence[int]) -> PreparedQuantize:
+    """The fixed part of :func:`quantize_fp8_launch` for inputs of ``strides`` (q's, k's, v's element
+    strides, last dim contiguous, rows 16-byte aligned: the caller checks) and contiguous outputs:
+    the variant and both kernels' params but the addresses. MissingVariantError when no quant
+    variant serves the dtype, ValueError for more tiles than the kernels index."""
+    plan = _plan(p.dtype, p.device)
+    amax_grid, quant_grid = _grids(p, block_quant)
+    nbytes, offs = workspace_layout(p, block_quant)
+    params = _fixed_params(p, strides, incoherent, block_quant, sign_bits)
+    used = [(n, o) for n, o in zip(("q_amax", "k_amax", "v_amax"), offs) if o is not None]
+    per_call = _POINTERS + tuple(n for n, _ in used)
+    prep = [launch.prepare_launch(kernel, (grid, 1, 1), params, per_call) if grid else None
+            for kernel, grid in ((plan.amax, amax_grid), (plan.quant, quant_grid))]
+    return PreparedQuantize(plan.variant, prep[0], prep[1], nbytes, tuple(o for _, o in used))
+
+
+def launch_quantize(prep: PreparedQuantize, pointers: Sequence[int], workspace_ptr: int, stream: int) -> None:
+    """Launch ``prep`` on ``stream``: ``pointers``, the addresses of q, k, v, q8, k8, v8, q_descale,
+    k_descale, v_descale (the layouts :func:`prepare_quantize` was made for); ``workspace_ptr``,
+    ``prep.workspace_bytes`` of device memory, 256-byte aligned. Never synchronises."""
+    ws = int(workspace_ptr)
+    values = (*pointers, *(ws + o for o in prep.amax_offsets))
+    for lp in (prep.amax, prep.quant):
+        if lp is not None:
+            launch.launch_prepared(lp, (), values, stream)
+
+
 def quantize_fp8_launch(q: TensorArg, k: TensorArg, v: TensorArg, q8: TensorArg, k8: TensorArg, v8: TensorArg,
                         q_descale: TensorArg, k_descale: TensorArg, v_descale: TensorArg, workspace_ptr: int,
                         p: Problem, incoherent: bool, block_quant: bool, sign_bits: Sequence[int],
@@ -240,32 +322,11 @@ def quantize_fp8_launch(q: TensorArg, k: TensorArg, v: TensorArg, q8: TensorArg,
     if problems:
         raise ValueError("flashgen: quantize_fp8_launch: " + "; ".join(problems))
     plan = _plan(p.dtype, p.device)
-    tq, tk, tv = tile_counts(p)
-    amax_grid = (0 if block_quant else tq + tk) + tv
-    quant_grid = tq + tk + tv
-    if quant_grid > _INT32_MAX:
-        raise ValueError(f"flashgen: quantize_fp8: {quant_grid} tiles, more than the grid limit {_INT32_MAX}")
-    rows_qk, log_qk, _ = tile_geometry(p.head_dim)
-    rows_v, log_v, _ = tile_geometry(p.head_dim_v)
+    amax_grid, quant_grid = _grids(p, block_quant)
     _, offs = workspace_layout(p, block_quant)
-    ws = [0 if o is None else int(workspace_ptr) + o for o in offs]
-    b = hadamard_size(p.head_dim)
-    params = {
-        "q": q.ptr, "k": k.ptr, "v": v.ptr, "q8": q8.ptr, "k8": k8.ptr, "v8": v8.ptr,
-        "q_descale": q_descale.ptr, "k_descale": k_descale.ptr, "v_descale": v_descale.ptr,
-        "q_amax": ws[0], "k_amax": ws[1], "v_amax": ws[2],
-        "q_stride_batch": q.strides[0], "q_stride_seq": q.strides[1], "q_stride_head": q.strides[2],
-        "k_stride_batch": k.strides[0], "k_stride_seq": k.strides[1], "k_stride_head": k.strides[2],
-        "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1], "v_stride_head": v.strides[2],
-        "batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "heads": p.heads, "heads_k": p.heads_k,
-        "head_dim": p.head_dim, "head_dim_v": p.head_dim_v, "q_blocks": blocks(p.seqlen_q),
-        "k_blocks": blocks(p.seqlen_k),
-        "q_tiles": tq, "k_tiles": tk, "v_tiles": tv,
-        "qk_rows": rows_qk, "qk_items_log2": log_qk, "v_rows": rows_v, "v_items_log2": log_v,
-        "hadamard": b, "incoherent": 1 if incoherent else 0, "block_quant": 1 if block_quant else 0,
-        "hadamard_scale": 1.0 / math.sqrt(b),  # packed as fp32: rounded once
-        **{f"sign_bits{i}": int(w) for i, w in enumerate(sign_bits)},
-    }
+    params = _fixed_params(p, (q.strides, k.strides, v.strides), incoherent, block_quant, sign_bits,
+                           [None if o is None else int(workspace_ptr) + o for o in offs])
+    params.update({name: args[name].ptr for name in _POINTERS})
     if amax_grid:
         launch.launch(plan.amax, (amax_grid, 1, 1), (), params, stream, p.device)
     if quant_grid:

@@ -1,6 +1,9 @@
 """Throughput of flashgen.quantize_fp8 (the ``quant`` kernels), as memory bandwidth.
 
-Timed like `flashgen bench` (L2 flushed before each repetition, median). Two figures per shape:
+Timed like `flashgen bench` (L2 flushed before each repetition, median), twice: the eager call (``call
+us``: what a user's stream sees, the Python host time included where it exceeds the GPU's, as after
+each L2 flush here) and the same call replayed from a CUDA graph (``us``: the two kernels alone).
+The figures below are of the graph. Two figures per shape:
 * useful GB/s: the bytes a one-pass quantizer must move (read q, k, v in bf16 / fp16, write them
   in e4m3, plus the descales) over the time;
 * traffic GB/s: the bytes these kernels move (v, and q / k without block quantization, are read
@@ -13,6 +16,7 @@ the same way. Usage: python scripts/quant_bench.py [--peak 4.8e12] [--dtype bf16
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -31,6 +35,20 @@ SHAPES = [  # batch, seqlen, heads, heads_k, head_dim
 ]
 
 
+def _graph(fn):
+    """``fn``'s kernels captured once in a CUDA graph (after a warm-up on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def _peak(name: str) -> float:
     return 4.8e12 if "H200" in name else 3.35e12
 
@@ -44,8 +62,19 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     peak = a.peak or _peak(name)
     print(f"{name}, peak {peak / 1e12:.2f} TB/s, {a.dtype}")
-    print("| b, s, h, hk, d | mode | us | useful GB/s | % of peak | traffic GB/s |")
-    print("|---|---|---|---|---|---|")
+    q = torch.randn(1, 128, 1, 128, device="cuda", dtype=dtype)
+    for _ in range(100):
+        quantize_fp8(q, q, q)
+    torch.cuda.synchronize()
+    n = 2000
+    t = time.perf_counter()
+    for _ in range(n):
+        quantize_fp8(q, q, q)
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    print(f"host time per quantize_fp8 call (q, k, v (1, 128, 1, 128), calls back to back): {host:.1f} us")
+    print("| b, s, h, hk, d | mode | call us | us | useful GB/s | % of peak | traffic GB/s |")
+    print("|---|---|---|---|---|---|---|")
     for b, s, h, hk, d in SHAPES:
         q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
         k = torch.randn(b, s, hk, d, device="cuda", dtype=dtype)
@@ -53,14 +82,16 @@ def main() -> None:
         n_q, n_kv = q.numel(), k.numel()
         useful = 3 * (n_q + 2 * n_kv)  # 2 bytes in, 1 out per element (descales are negligible)
         e4m3 = torch.float8_e4m3fn
-        ms = _time_ms(lambda: (q.to(e4m3), k.to(e4m3), v.to(e4m3)))
-        print(f"| {b}, {s}, {h}, {hk}, {d} | torch cast (reference) | {ms * 1e3:.1f} | {useful / ms / 1e6:.0f} | "
-              f"{100 * useful * 1e3 / ms / peak:.0f} | {useful / ms / 1e6:.0f} |")
+        cast = lambda: (q.to(e4m3), k.to(e4m3), v.to(e4m3))  # noqa: E731
+        call, ms = _time_ms(cast), _time_ms(_graph(cast))
+        print(f"| {b}, {s}, {h}, {hk}, {d} | torch cast (reference) | {call * 1e3:.1f} | {ms * 1e3:.1f} | "
+              f"{useful / ms / 1e6:.0f} | {100 * useful * 1e3 / ms / peak:.0f} | {useful / ms / 1e6:.0f} |")
         for incoherent, block in ((True, True), (False, True), (True, False)):
-            ms = _time_ms(lambda: quantize_fp8(q, k, v, incoherent=incoherent, block_quant=block))
+            fn = lambda: quantize_fp8(q, k, v, incoherent=incoherent, block_quant=block)  # noqa: E731
+            call, ms = _time_ms(fn), _time_ms(_graph(fn))
             traffic = useful + 2 * n_kv + (0 if block else 2 * (n_q + n_kv))
             mode = ("incoherent" if incoherent else "plain") + (", block" if block else ", per-head")
-            print(f"| {b}, {s}, {h}, {hk}, {d} | {mode} | {ms * 1e3:.1f} | {useful / ms / 1e6:.0f} | "
+            print(f"| {b}, {s}, {h}, {hk}, {d} | {mode} | {call * 1e3:.1f} | {ms * 1e3:.1f} | {useful / ms / 1e6:.0f} | "
                   f"{100 * useful * 1e3 / ms / peak:.0f} | {traffic / ms / 1e6:.0f} |")
 
 

@@ -21,6 +21,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ import flashgen
 import flashgen.core as core
 import flashgen.dispatch as dispatch
 import flashgen.interface as interface
+import flashgen.launch as launch_mod
 import flashgen.quantize as Q
 from flashgen import _validate as V
 from flashgen.generator import render, sass
@@ -322,15 +324,13 @@ def _tile(p: dict, J: dict, tile: int, quant: bool) -> None:
 
 
 def emulate(role: str, grid: int, p: dict, dtype) -> None:
-    """The ``role`` kernel of templates/quant.cu.j2 over ``grid`` CTAs (run: q tiles, k, v; the quant
-    kernel's CTA i takes the list's tile grid - 1 - i)."""
+    """The ``role`` kernel of templates/quant.cu.j2 over ``grid`` CTAs (run: q tiles, k, v)."""
     quant = role == "quant"
     qk = quant or not p["block_quant"]
     nq, nk = (p["q_tiles"], p["k_tiles"]) if qk else (0, 0)
-    assert grid == nq + nk + p["v_tiles"]
     jobs = {}
     for cta in range(grid):
-        tile, which = (grid - 1 - cta if quant else cta), 2
+        tile, which = cta, 2
         if tile < nq:
             which = 0
         elif tile - nq < nk:
@@ -353,6 +353,7 @@ class FakeGpu:
     def __init__(self, missing=()):
         self.missing = set(missing)
         self.selected, self.loaded, self.calls = [], [], []
+        self.prepared_launches = 0  # launches through the prepared path (interface._quant_calls)
 
     def select_variant(self, family, key, manifest=None):
         self.selected.append((family, dict(key)))
@@ -365,6 +366,18 @@ class FakeGpu:
     def get_kernel(self, variant, role, device):
         self.loaded.append((variant.name, role, device))
         return FakeKernel(variant, role, device)
+
+    def prepare_launch(self, kernel, grid, params, per_call, counter=None):
+        """launch.prepare_launch's stand-in: the fixed params with the per-call fields 0 (as packed)."""
+        assert counter is None and set(per_call) <= set(params)
+        return SimpleNamespace(kernel=kernel, grid=tuple(grid), params={**params, **{n: 0 for n in per_call}},
+                               per_call=tuple(per_call))
+
+    def launch_prepared(self, prep, tensor_maps, values, stream):
+        """launch.launch_prepared's stand-in: the per-call values into the params, then :meth:`launch`."""
+        assert len(values) == len(prep.per_call)
+        self.prepared_launches += 1
+        self.launch(prep.kernel, prep.grid, tensor_maps, {**prep.params, **dict(zip(prep.per_call, values))}, stream)
 
     def launch(self, kernel, grid, tensor_maps, params, stream, device=None):
         assert isinstance(kernel, FakeKernel) and tensor_maps == () and stream == STREAM
@@ -380,6 +393,9 @@ class FakeGpu:
 def fake_gpu(monkeypatch):
     fg = FakeGpu()
     patch_fake_gpu(monkeypatch, fg, STREAM, Q)
+    monkeypatch.setattr(launch_mod, "prepare_launch", fg.prepare_launch)
+    monkeypatch.setattr(launch_mod, "launch_prepared", fg.launch_prepared)
+    monkeypatch.setattr(interface, "_quant_calls", {})
     return fg
 
 
@@ -459,6 +475,32 @@ def test_unaligned_inputs_are_copied(fake_gpu):
     assert_matches_reference(got, q, k, v, False, True, 0)
     p = fake_gpu.calls[-1]["params"]
     assert p["q"] != q.data_ptr() and p["k"] != k.data_ptr() and p["v"] == v.data_ptr()
+
+
+def test_prepared_calls_match_the_direct_launch(fake_gpu):
+    """A repeated call (same shapes, strides, dtypes, flags, seed) launches through its prepared launches
+    (interface._quant_calls: validated once); their params are the direct launch's but for the addresses;
+    a call of the same key whose inputs are not 16-byte aligned takes the direct path, on a copy."""
+    q, k, v = _inputs(2, 70, 130, 4, 2, 128)
+    first = quantize_fp8(q, k, v, seed=5)
+    assert fake_gpu.prepared_launches == 2 and len(interface._quant_calls) == 1
+    prepared = [c["params"] for c in fake_gpu.calls]
+    buf = torch.empty(q.numel() + 4, dtype=q.dtype)
+    q_odd = buf[4:].view(q.shape).copy_(q)  # 8 bytes past a 16-byte boundary: same key, address not aligned
+    assert q_odd.stride() == q.stride() and q_odd.data_ptr() % 16
+    second = quantize_fp8(q_odd, k, v, seed=5)
+    assert fake_gpu.prepared_launches == 2 and len(interface._quant_calls) == 1  # the direct path, same entry
+    direct = [c["params"] for c in fake_gpu.calls[2:]]
+    assert [c["role"] for c in fake_gpu.calls] == ["amax", "quant"] * 2
+    addresses = {"q", "k", "v", "q8", "k8", "v8", "q_descale", "k_descale", "v_descale", "q_amax", "k_amax", "v_amax"}
+    for a, b in zip(prepared, direct):
+        assert set(a) == set(b) and {n: a[n] for n in a if n not in addresses} == {n: b[n] for n in b if n not in addresses}
+        assert b["q"] != q_odd.data_ptr()  # the copy
+        assert (a["q_amax"] == 0) == (b["q_amax"] == 0) and (a["v_amax"] == 0) == (b["v_amax"] == 0)
+    for x, y in zip(first, second):
+        assert torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,
+                           y.view(torch.uint8) if y.dtype != torch.float32 else y)
+    assert_matches_reference(second, q, k, v, True, True, 5)
 
 
 def test_zero_input_gives_descale_one(fake_gpu):
