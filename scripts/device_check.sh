@@ -422,7 +422,7 @@ quantab)
     timeout 120 python3 scripts/quant_bench.py > "$out/q_new$r.md" 2>&1
   done
   f8_alternate --no-cudnn ${F8ARGS:---seqlens 512,2048,16384 --head-dims 128 --causal no}
-  for f in q_old1 q_new1 q_old2 q_new2; do echo "== $f"; grep -E 'host time|incoherent, block|torch cast' "$out/$f.md"; done
+  for f in q_old1 q_new1 q_old2 q_new2; do echo "== $f"; grep -E 'host us|incoherent, block|torch cast' "$out/$f.md"; done
   ;;
 perf)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
