@@ -204,6 +204,26 @@ def test_sink_and_descales_are_per_call_with_their_metadata_in_the_key(fake_gpu)
     assert len(interface._fwd_calls) == 3  # sink; the two descale layouts
 
 
+def test_fp8_calls_with_descales_take_the_inline_path(fake_gpu, monkeypatch):
+    """An eager FP8 call with plain-tensor descales is checked inline (no feature_problems call per call)
+    under the same cache key as the general path (softcap given as an int goes there: no new entry)."""
+    q, k, v = qkv(b=2, sq=70, sk=130, h=4, hk=2, d=64)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    ds = torch.rand(2, 2) + 0.5
+    out1 = flash_attn_func(q8, k8, v8, q_descale=ds, v_descale=ds)  # the miss validates (any path)
+    assert len(interface._fwd_calls) == 1
+
+    def general(**kw):
+        raise AssertionError("the general path's checks ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(interface._v, "feature_problems", general)
+        out2 = flash_attn_func(q8, k8, v8, q_descale=ds, v_descale=ds)
+    assert torch.equal(out1, out2) and len(interface._fwd_calls) == 1
+    out3 = flash_attn_func(q8, k8, v8, q_descale=ds, v_descale=ds, softcap=0)  # an int: the general path
+    assert torch.equal(out1, out3) and len(interface._fwd_calls) == 1
+
+
 def test_the_prepared_call_cache_is_bounded(fake_gpu, monkeypatch):
     monkeypatch.setattr(interface, "_FWD_CALL_CACHE_MAX", 3)
     for sq in range(1, 11):
