@@ -11,7 +11,7 @@ The figures below are of the graph. Two figures per shape:
 and the useful figure as a fraction of the GPU's DRAM peak (H100 SXM 3.35 TB/s, H200 4.8 TB/s;
 --peak to override). A reference row per shape: torch's own e4m3 cast of the same three tensors
 (``x.to(torch.float8_e4m3fn)``, no scales: the same useful bytes, three elementwise kernels), timed
-the same way. Usage: python scripts/quant_bench.py [--peak 4.8e12] [--dtype bf16]
+the same way. Usage: python scripts/quant_bench.py [--peak 4.8e12] [--dtype bf16] [--host-only]
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peak", type=float, default=None, help="DRAM bytes/s (default: by GPU name)")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--host-only", action="store_true", help="the host time per call alone")
     a = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     name = torch.cuda.get_device_name()
@@ -77,6 +78,8 @@ def main() -> None:
             entries.remove((name, fn))
     us = host_us(entries)
     print("host us per call, q, k, v (1, 128, 1, 128): " + ", ".join(f"{n} {t:.1f}" for n, t in us.items()))
+    if a.host_only:
+        return
     print("| b, s, h, hk, d | mode | call us | us | useful GB/s | % of peak | traffic GB/s |")
     print("|---|---|---|---|---|---|---|")
     for b, s, h, hk, d in SHAPES:
