@@ -993,11 +993,21 @@ def _quant_check(q, k, v, incoherent, block_quant, seed) -> _v.Problem:
                                  also=_quant.flag_problems(incoherent, block_quant, seed))
 
 
-def _quant_outputs(q: torch.Tensor, p: _v.Problem, block_quant: bool) -> tuple:
-    """Fresh contiguous outputs: q8, k8, v8 (e4m3) and the three fp32 descales."""
-    e4m3 = torch.float8_e4m3fn
-    return (q.new_empty(p.q_shape, dtype=e4m3), q.new_empty(p.k_shape, dtype=e4m3), q.new_empty(p.v_shape, dtype=e4m3),
-            *(q.new_empty(shape, dtype=torch.float32) for shape in _quant.descale_shapes(p, block_quant)))
+def _quant_shapes(p: _v.Problem, block_quant: bool) -> tuple:
+    """The shapes of q8, k8, v8 and of the three descales."""
+    return (p.q_shape, p.k_shape, p.v_shape, *_quant.descale_shapes(p, block_quant))
+
+
+def _quant_outputs(q: torch.Tensor, shapes: tuple) -> tuple:
+    """Fresh contiguous outputs of :func:`_quant_shapes`: q8, k8, v8 (e4m3) and the three fp32 descales."""
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    return (q.new_empty(shapes[0], dtype=e4m3), q.new_empty(shapes[1], dtype=e4m3), q.new_empty(shapes[2], dtype=e4m3),
+            q.new_empty(shapes[3], dtype=f32), q.new_empty(shapes[4], dtype=f32), q.new_empty(shapes[5], dtype=f32))
+
+
+def _quant_signs(p: _v.Problem, incoherent: bool, seed: int) -> tuple:
+    """The kernels' ``sign_bits0..7``: those of (head_dim, seed) with incoherent processing, else 0."""
+    return _sign_bits(p.head_dim, int(seed)) if incoherent else (0,) * _quant.SIGN_WORDS
 
 
 class _QuantCall(NamedTuple):
@@ -1023,14 +1033,11 @@ def _quant_call(q, k, v, incoherent: bool, block_quant: bool, seed: int) -> _Qua
     dtype and there is a kernel to launch."""
     p = _quant_check(q, k, v, incoherent, block_quant, seed)
     _check_device_capability(p.device)
-    shapes = (p.q_shape, p.k_shape, p.v_shape, *_quant.descale_shapes(p, block_quant))
     prepared = None
-    in_place = all(t.stride(3) == 1 and all(n == 1 or (st * 2) % 16 == 0 for n, st in zip(t.shape[:3], t.stride()[:3]))
-                   for t in (q, k, v))  # the kernels' 16-byte loads (quantize._launch_problems), but the address
-    if in_place and p.batch and p.seqlen_q and p.seqlen_k:
-        sign_bits = _sign_bits(p.head_dim, seed) if incoherent else (0,) * _quant.SIGN_WORDS
-        prepared = _quant.prepare_quantize(p, (q.stride(), k.stride(), v.stride()), incoherent, block_quant, sign_bits)
-    return _QuantCall(p, shapes, prepared)
+    if all(_quant.reads_in_place(t.shape, t.stride()) for t in (q, k, v)) and p.batch and p.seqlen_q and p.seqlen_k:
+        prepared = _quant.prepare_quantize(p, (q.stride(), k.stride(), v.stride()), incoherent, block_quant,
+                                           _quant_signs(p, incoherent, seed))
+    return _QuantCall(p, _quant_shapes(p, block_quant), prepared)
 
 
 def _quantize_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, incoherent: bool, block_quant: bool,
@@ -1049,17 +1056,14 @@ def _quantize_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, incoherent
     prep = call.prepared
     if prep is not None:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-        if not (ptrs[0] | ptrs[1] | ptrs[2]) % 16:  # read in place: the common call
-            e4m3, f32 = torch.float8_e4m3fn, torch.float32
-            sq8, sk8, sv8, sqd, skd, svd = call.shapes
-            outs = (q.new_empty(sq8, dtype=e4m3), q.new_empty(sk8, dtype=e4m3), q.new_empty(sv8, dtype=e4m3),
-                    q.new_empty(sqd, dtype=f32), q.new_empty(skd, dtype=f32), q.new_empty(svd, dtype=f32))
+        if not (ptrs[0] | ptrs[1] | ptrs[2]) % 16:  # read in place (the layout is the key's): the common call
+            outs = _quant_outputs(q, call.shapes)
             workspace = _workspace(q, max(prep.workspace_bytes, 1))
             _quant.launch_quantize(prep, (*ptrs, *(t.data_ptr() for t in outs)), workspace.data_ptr(),
                                    _current_stream(call.problem.device))
             return outs  # (the workspace is released after the launches are enqueued: stream-ordered)
     p = call.problem
-    outs = _quant_outputs(q, p, block_quant)
+    outs = _quant_outputs(q, call.shapes)
     q8, k8, v8, qd, kd, vd = outs
     # a tensor with no rows: its global descales are those of amax 0 (its block descales are empty)
     if p.batch and not p.seqlen_q:
@@ -1073,7 +1077,7 @@ def _quantize_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, incoherent
     inputs = [_tma_arg(t, p.dtype, dev) for t in (q, k, v)]  # a copy where 16-byte loads cannot read t
     nbytes, _ = _quant.workspace_layout(p, block_quant)
     workspace = _workspace(q, max(nbytes, 1))
-    sign_bits = _sign_bits(p.head_dim, int(seed)) if incoherent else (0,) * _quant.SIGN_WORDS
+    sign_bits = _quant_signs(p, incoherent, seed)
     _quant.quantize_fp8_launch(
         *(arg for _, arg in inputs),
         _tensor_arg(q8, "fp8_e4m3", dev), _tensor_arg(k8, "fp8_e4m3", dev), _tensor_arg(v8, "fp8_e4m3", dev),
@@ -1089,7 +1093,7 @@ _quant_op = torch.library.custom_op("flashgen::quantize_fp8", _quantize_impl, mu
 
 @_quant_op.register_fake
 def _quantize_fake(q, k, v, incoherent, block_quant, seed):
-    return _quant_outputs(q, _quant_check(q, k, v, incoherent, block_quant, seed), block_quant)
+    return _quant_outputs(q, _quant_shapes(_quant_check(q, k, v, incoherent, block_quant, seed), block_quant))
 
 
 def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, incoherent: bool = True,

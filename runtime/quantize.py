@@ -45,6 +45,7 @@ __all__ = [
     "quantize_problems",
     "hadamard_size",
     "pack_sign_bits",
+    "reads_in_place",
     "workspace_layout",
     "quantize_fp8_launch",
     "PreparedQuantize",
@@ -172,6 +173,13 @@ def _plan(dtype: str, device: int) -> _Plan:
     return plan
 
 
+def reads_in_place(shape: Sequence[int], strides: Sequence[int], ptr: int = 0) -> bool:
+    """The kernels' 16-byte loads can read a 16-bit input of this (batch, seqlen, heads, dim) ``shape``,
+    element ``strides`` and address: a contiguous last dim, rows 16-byte aligned (``ptr`` 0 checks the
+    layout alone)."""
+    return strides[3] == 1 and not ptr % 16 and all(n <= 1 or (s * 2) % 16 == 0 for n, s in zip(shape[:3], strides[:3]))
+
+
 def _launch_problems(args: dict, p: Problem, block_quant: bool) -> list:
     """What the kernels rely on (the API layers check the rest, with nicer messages)."""
     P = []
@@ -189,8 +197,7 @@ def _launch_problems(args: dict, p: Problem, block_quant: bool) -> list:
         if t.dtype != p.dtype:
             P.append(f"{name} has dtype {t.dtype}, want {p.dtype}")
         elif 0 not in t.shape:
-            es = 2
-            if t.strides[3] != 1 or t.ptr % 16 or any(n > 1 and (s * es) % 16 for n, s in zip(t.shape[:3], t.strides[:3])):
+            if not reads_in_place(t.shape, t.strides, t.ptr):
                 P.append(f"{name} (strides {t.strides}, address 0x{t.ptr:x}) needs a contiguous last dim and 16-byte "
                          "aligned rows (16-byte loads)")
     for name in ("q8", "k8", "v8"):

@@ -647,7 +647,7 @@ def test_ops_entry_point_validates(fake_gpu):
 def test_launch_refuses_what_the_kernels_cannot_serve(fake_gpu):
     q, k, v = _inputs(1, 8, 8, 1, 1, 64)
     p = Q.check_quantize(interface._array_info(q), interface._array_info(k), interface._array_info(v))
-    outs = interface._quant_outputs(q, p, True)
+    outs = interface._quant_outputs(q, interface._quant_shapes(p, True))
     arg = interface._tensor_arg
     good = [arg(x, "bf16", 0) for x in (q, k, v)] + [arg(x, "fp8_e4m3", 0) for x in outs[:3]] + \
         [arg(x, "fp32", 0) for x in outs[3:]]
