@@ -258,14 +258,12 @@ def _fixed_params(p: Problem, strides: Sequence[Sequence[int]], incoherent: bool
 
 
 def _grids(p: Problem, block_quant: bool) -> tuple:
-    """(amax CTAs, quant CTAs) (templates/quant.cu.j2 first_pass / second_pass): the amax kernel
-    visits every tile of q, k and v once (q's and k's quantized there under block quantization, v's
-    and otherwise q's and k's measured); the quant kernel quantizes the measured ones."""
+    """(amax CTAs, quant CTAs): the amax kernel visits v, and q / k without block quantization."""
     tq, tk, tv = tile_counts(p)
-    first = tq + tk + tv
-    if first > _INT32_MAX:
-        raise ValueError(f"flashgen: quantize_fp8: {first} tiles, more than the grid limit {_INT32_MAX}")
-    return first, tv if block_quant else first
+    quant_grid = tq + tk + tv
+    if quant_grid > _INT32_MAX:
+        raise ValueError(f"flashgen: quantize_fp8: {quant_grid} tiles, more than the grid limit {_INT32_MAX}")
+    return (0 if block_quant else tq + tk) + tv, quant_grid
 
 
 class PreparedQuantize(NamedTuple):
@@ -312,8 +310,7 @@ def quantize_fp8_launch(q: TensorArg, k: TensorArg, v: TensorArg, q8: TensorArg,
                         q_descale: TensorArg, k_descale: TensorArg, v_descale: TensorArg, workspace_ptr: int,
                         p: Problem, incoherent: bool, block_quant: bool, sign_bits: Sequence[int],
                         stream: int) -> Variant:
-    """Launch the quant kernels: ``amax`` (every tile once: quantizes the tensors that scale
-    themselves, measures the others), then ``quant`` (quantizes the measured ones).
+    """Launch the quant kernels (``amax`` where some scale spans several blocks, then ``quant``).
 
     q, k, v: the inputs (fp16 / bf16, last dim contiguous, 16-byte aligned rows); q8, k8, v8:
     contiguous e4m3 outputs of their shapes; q/k/v_descale: contiguous fp32 outputs of

@@ -164,11 +164,11 @@ def test_real_compile_no_spills_and_sass(tmp_path):
     funcs = sass.functions(text)
     quant, amax = funcs[pick[0].symbol("quant")], funcs[pick[0].symbol("amax")]
     # saturating e4m3 conversion, 16-byte read-once loads, 8-byte stores, warp butterflies
-    # (both kernels quantize tiles: the amax kernel those of the tensors that scale themselves)
+    assert quant.count("F2FP.SATFINITE.E4M3.F32.PACK_AB") == 4 * 8 * 4  # 4 per chunk, 8 chunks, 4 tile shapes
     for body in (quant, amax):
-        assert body.count("F2FP.SATFINITE.E4M3.F32.PACK_AB") == 4 * 8 * 4  # 4 per chunk, 8 chunks, 4 tile shapes
-        assert "LDG.E.NA.128.CONSTANT" in body and "SHFL.BFLY" in body and "STG.E.64" in body
+        assert "LDG.E.NA.128.CONSTANT" in body and "SHFL.BFLY" in body
         assert "LDL" not in body and "STL" not in body  # nothing in local memory
+    assert "STG.E.64" in quant and "F2FP" not in amax
     assert sass.check(str(proj.build_dir / e["fatbin"]), {k["symbol"]: k["sass"] for k in e["kernels"]})
 
 
@@ -323,32 +323,20 @@ def _tile(p: dict, J: dict, tile: int, quant: bool) -> None:
                 J["out"][off:off + 8] = q8[th]
 
 
-def _first_pass_tile(p: dict, cta: int) -> tuple:
-    """first_pass's (which, tile, quant) for CTA ``cta``: q's and k's tiles interleaved evenly with v's."""
-    nq, nk, nv = p["q_tiles"], p["k_tiles"], p["v_tiles"]
-    total = nq + nk + nv
-    before = cta * nv // total
-    if (cta + 1) * nv // total > before:
-        return 2, before, False
-    heavy = cta - before
-    return (0, heavy, bool(p["block_quant"])) if heavy < nq else (1, heavy - nq, bool(p["block_quant"]))
-
-
 def emulate(role: str, grid: int, p: dict, dtype) -> None:
-    """The ``role`` kernel of templates/quant.cu.j2 over ``grid`` CTAs (first_pass / second_pass)."""
-    nq, nk = (0, 0) if p["block_quant"] else (p["q_tiles"], p["k_tiles"])
+    """The ``role`` kernel of templates/quant.cu.j2 over ``grid`` CTAs (run: q tiles, k, v)."""
+    quant = role == "quant"
+    qk = quant or not p["block_quant"]
+    nq, nk = (p["q_tiles"], p["k_tiles"]) if qk else (0, 0)
     jobs = {}
     for cta in range(grid):
-        if role == "amax":
-            which, tile, quant = _first_pass_tile(p, cta)
+        tile, which = cta, 2
+        if tile < nq:
+            which = 0
+        elif tile - nq < nk:
+            which, tile = 1, tile - nq
         else:
-            tile, which, quant = cta, 2, True
-            if tile < nq:
-                which = 0
-            elif tile - nq < nk:
-                which, tile = 1, tile - nq
-            else:
-                tile -= nq + nk
+            tile -= nq + nk
         if which not in jobs:
             jobs[which] = _job(p, which, dtype)
         _tile(p, jobs[which], tile, quant)
@@ -448,25 +436,8 @@ def test_emulated_kernels_match_reference(fake_gpu, case, incoherent, block_quan
     roles = [c["role"] for c in fake_gpu.calls]
     assert roles == ["amax", "quant"]  # v always needs the amax pass
     tq, tk, tv = Q.tile_counts(V.Problem(b, sq, sk, h, hk, d, dv or d, "bf16", 0))
-    assert fake_gpu.calls[0]["grid"][0] == tq + tk + tv  # every tile once
-    assert fake_gpu.calls[1]["grid"][0] == (0 if block_quant else tq + tk) + tv  # the measured ones
-
-
-def test_first_pass_interleaves_v_evenly():
-    """first_pass's map: every tile of q, k and v exactly once, q's before k's, v's in order and
-    spread evenly (never two v tiles where the ratio allows one)."""
-    for nq, nk, nv in [(6, 3, 3), (40, 10, 10), (5, 0, 7), (0, 0, 4), (9, 9, 0), (1, 1, 1), (64, 8, 8)]:
-        p = {"q_tiles": nq, "k_tiles": nk, "v_tiles": nv, "block_quant": 1}
-        got = [_first_pass_tile(p, i) for i in range(nq + nk + nv)]
-        assert [t for w, t, _ in got if w == 0] == list(range(nq))
-        assert [t for w, t, _ in got if w == 1] == list(range(nk))
-        assert [t for w, t, _ in got if w == 2] == list(range(nv))
-        assert all(quant == (w != 2) for w, _, quant in got)
-        first_k = next((i for i, (w, _, _) in enumerate(got) if w == 1), len(got))
-        assert all(w != 0 for w, _, _ in got[first_k:])
-        vpos = [i for i, (w, _, _) in enumerate(got) if w == 2]
-        per = (nq + nk + nv) / nv if nv else 0
-        assert all(abs(b - a - per) < 1 for a, b in zip(vpos, vpos[1:]))
+    assert fake_gpu.calls[0]["grid"][0] == (0 if block_quant else tq + tk) + tv
+    assert fake_gpu.calls[1]["grid"][0] == tq + tk + tv
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -17,15 +17,11 @@ and v ``(batch, seqlen_k, heads_k, head_dim_v)`` (fp16 or bf16, the ``dtype`` ax
 
 Template: templates/quant.cu.j2. Two kernels, launched in order on one stream:
 
-- ``amax``: every tile of q, k and v once. The tensors whose scale is their own 64-row block's
-  (q and k under block quantization) are quantized there (the tile's amax is its scale: e4m3 out,
-  descales out); the others (v always; q and k without block quantization) only get the amax of
-  x' per (tensor, batch, head, 64-row block), into an fp32 workspace. q's and k's tiles are
-  interleaved evenly with v's, so each SM runs the transform's arithmetic beside v's plain
-  memory traffic (one phase after the other was what the kernels cost before: docs/PERF.md).
-- ``quant``: the measured tiles: the transform again (cheaper than a round trip through memory),
-  the scale (the max of the workspace entries of the tile's group, reduced by every CTA that needs
-  it), e4m3 out, descales out.
+- ``amax``: the amax of x' per (tensor, batch, head, 64-row block), into an fp32 workspace, for
+  the tensors whose scale spans more than one block (v always; q and k without block quantization).
+- ``quant``: per tile, the transform again (cheaper than a round trip through memory), the scale
+  (the tile's own amax for block-quantized q / k; else the max of the workspace entries of its
+  group, reduced by every CTA that needs it), e4m3 out, descales out.
 
 A CTA is 256 threads (``THREADS``) holding ``ITEMS`` (8) 16-byte chunks each: 8 consecutive
 elements of one row, loaded once (q / k under block quantization are read from memory exactly
@@ -122,10 +118,9 @@ class QuantFamily(Family):
         return []
 
     def kernels(self, params, resources):
-        # SASS: 16-byte loads (LDG), warp shuffles (SHFL); in both kernels (each quantizes tiles)
-        # the hardware e4m3 conversion (F2FP.SATFINITE.E4M3.F32.PACK_AB, not a software rounding)
-        # and stores.
-        return [KernelSpec("amax", THREADS, 0, PARAMS, sass=("LDG", "SHFL", "F2FP", "STG")),
+        # SASS: 16-byte loads (LDG), warp shuffles (SHFL); the quant kernel's hardware e4m3
+        # conversion (F2FP.SATFINITE.E4M3.F32.PACK_AB, not a software rounding) and stores.
+        return [KernelSpec("amax", THREADS, 0, PARAMS, sass=("LDG", "SHFL")),
                 KernelSpec("quant", THREADS, 0, PARAMS, sass=("LDG", "SHFL", "F2FP", "STG"))]
 
     def name_parts(self, p):
