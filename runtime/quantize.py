@@ -221,7 +221,8 @@ def _contiguous(shape: Sequence[int]) -> tuple:
 
 def tile_counts(p: Problem) -> tuple:
     """CTAs of the q, k and v tiles: batch x blocks x ceil(heads / heads_per_cta) each."""
-    g_qk, g_v = tile_geometry(p.head_dim).heads, tile_geometry(p.head_dim_v).heads
+    _, _, g_qk = tile_geometry(p.head_dim)
+    _, _, g_v = tile_geometry(p.head_dim_v)
     nq, nk = blocks(p.seqlen_q), blocks(p.seqlen_k)
     return (p.batch * nq * -(-p.heads // g_qk), p.batch * nk * -(-p.heads_k // g_qk), p.batch * nk * -(-p.heads_k // g_v))
 
@@ -235,7 +236,8 @@ def _fixed_params(p: Problem, strides: Sequence[Sequence[int]], incoherent: bool
     ``strides``, q's, k's and v's element strides; ``amax_ptrs``, the addresses of the workspace's
     q, k, v amax regions (None, unused: 0)."""
     tq, tk, tv = tile_counts(p)
-    g_qk, g_v = tile_geometry(p.head_dim), tile_geometry(p.head_dim_v)
+    rows_qk, log_qk, _ = tile_geometry(p.head_dim)
+    rows_v, log_v, _ = tile_geometry(p.head_dim_v)
     b = hadamard_size(p.head_dim)
     params = {name: 0 for name in _POINTERS}
     for name, ptr in zip(("q_amax", "k_amax", "v_amax"), amax_ptrs):
@@ -247,8 +249,7 @@ def _fixed_params(p: Problem, strides: Sequence[Sequence[int]], incoherent: bool
         "head_dim": p.head_dim, "head_dim_v": p.head_dim_v, "q_blocks": blocks(p.seqlen_q),
         "k_blocks": blocks(p.seqlen_k),
         "q_tiles": tq, "k_tiles": tk, "v_tiles": tv,
-        **{f"{n}_{f}": getattr(g, f) for n, g in (("qk", g_qk), ("v", g_v))
-           for f in ("span_log2", "lanes_log2", "lanes", "cb_log2")},
+        "qk_rows": rows_qk, "qk_items_log2": log_qk, "v_rows": rows_v, "v_items_log2": log_v,
         "hadamard": b, "incoherent": 1 if incoherent else 0, "block_quant": 1 if block_quant else 0,
         "hadamard_scale": 1.0 / math.sqrt(b),  # packed as fp32: rounded once
         **{f"sign_bits{i}": int(w) for i, w in enumerate(sign_bits)},

@@ -90,44 +90,23 @@ def test_invalid_config_is_reported_before_compiling(tmp_path):
     assert "at most 2" in "\n".join(ei.value.problems)
 
 
-def _chunk_base(g, s: int) -> int:
-    """templates/quant.cu.j2 run_tile's cbase: lane slot s's first chunk of its row."""
-    if g.cb_log2 == 0:
-        return s
-    hi_log2 = g.cb_log2 - 1 - g.span_log2
-    u = s >> 1
-    return ((u >> hi_log2) << g.cb_log2) + (s & 1) + ((u & ((1 << hi_log2) - 1)) << (g.span_log2 + 1))
-
-
 @pytest.mark.parametrize("dim", range(8, 257, 8))
 def test_tile_geometry(dim):
-    """Every head dim: the lanes of a row hold each of its chunks exactly once, a row's lanes sit in
-    one warp, the row items of a pass cover heads x 64 rows, each warp's row slots lie in one 64-row
-    block, and each bit of a chunk's index inside its Hadamard block is where the kernel's stages
-    pair it: bit 0 the lane pair (lane ^ 1), the next span_log2 bits the thread's own chunks (j ^ 2^k),
-    the rest higher lanes (lane ^ 2^k)."""
-    g = quant_mod.tile_geometry(dim)
-    chunks, span = dim // 8, 1 << g.span_log2
-    assert sorted(_chunk_base(g, s) + 2 * j if g.cb_log2 else _chunk_base(g, s)
-                  for s in range(g.lanes) for j in range(span)) == list(range(chunks))
-    assert g.lanes <= 1 << g.lanes_log2 <= 32 and g.lanes * span == chunks
-    slots = quant_mod.THREADS >> g.lanes_log2
-    assert slots * (quant_mod.ITEMS // span) == g.heads * quant_mod.QUANT_BLOCK and g.heads >= 1
-    assert slots % 64 == 0 or 64 % slots == 0
-    assert quant_mod.hadamard_size(dim) == hadamard_block(dim)
-    where = {}  # chunk -> (lane slot, j)
-    for s in range(g.lanes):
-        for j in range(span):
-            where[_chunk_base(g, s) + (2 * j if g.cb_log2 else 0)] = (s, j)
-    for c, (s, j) in where.items():
-        for k in range(g.cb_log2):  # the bits inside the block
-            ps, pj = where[c ^ (1 << k)]
-            if k == 0:
-                assert (ps, pj) == (s ^ 1, j)
-            elif k <= g.span_log2:
-                assert (ps, pj) == (s, j ^ (1 << (k - 1)))
-            else:
-                assert (ps, pj) == (s ^ (1 << (k - g.span_log2)), j)
+    """Every head dim: the passes reach 64 rows, a thread's 8 items cover heads_per_cta heads, the
+    threads of a pass fit the CTA, and a Hadamard block's chunks sit on lanes l0 .. l0 + B/8 - 1 of
+    one warp with l0 a multiple of B/8 (what the shuffle stages pair by lane ^ m)."""
+    rows, items_log2, heads = quant_mod.tile_geometry(dim)
+    chunks = dim // 8
+    assert rows * chunks <= quant_mod.THREADS and (1 << items_log2) * rows >= quant_mod.QUANT_BLOCK
+    assert (1 << items_log2) * heads == quant_mod.ITEMS and heads >= 1
+    assert (1 << (items_log2 - 1) if items_log2 else 0) * rows < quant_mod.QUANT_BLOCK  # no pass is wasted
+    lanes = hadamard_block(dim) // 8
+    assert quant_mod.hadamard_size(dim) == hadamard_block(dim) and lanes <= 32
+    for t in range(rows * chunks):
+        r, c = divmod(t, chunks)
+        for m in (1 << s for s in range(lanes.bit_length() - 1)):
+            partner = t ^ m
+            assert partner // 32 == t // 32 and divmod(partner, chunks) == (r, c ^ m)
 
 
 @pytest.mark.parametrize("dim,b", [(64, 64), (96, 32), (128, 128), (192, 64), (256, 256), (8, 8), (40, 8), (80, 16)])
@@ -260,7 +239,8 @@ def _job(p: dict, which: int, dtype) -> dict:
         descale=host_view(p[f"{n}_descale"], torch.float32, (math.prod(dshape),), (1,)),
         amax=host_view(p[f"{n}_amax"], torch.float32, (b * heads * blocks,), (1,)) if p[f"{n}_amax"] else None,
         seqlen=seqlen, heads=heads, dim=dim, blocks=blocks, group=group,
-        **{f: p[f"{'v' if which == 2 else 'qk'}_{f}"] for f in ("span_log2", "lanes_log2", "lanes", "cb_log2")},
+        rows=p["v_rows"] if which == 2 else p["qk_rows"],
+        items_log2=p["v_items_log2"] if which == 2 else p["qk_items_log2"],
         transform=which != 2 and bool(p["incoherent"]), per_block=block)
 
 
@@ -276,76 +256,42 @@ def _fwht8(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tile(p: dict, J: dict, tile: int, quant: bool) -> None:
-    """One CTA of templates/quant.cu.j2 (run_tile), vectorised over its 256 threads: item (q, j) of
-    thread t = r * 2^lanes_log2 + s is chunk cbase(s) + 2 j of row item q (row slot r + q * slots)."""
-    threads, items, block = quant_mod.THREADS, quant_mod.ITEMS, quant_mod.QUANT_BLOCK
-    span = 1 << J["span_log2"]
-    nq = items // span
-    lanes_log2, cb_log2 = J["lanes_log2"], J["cb_log2"]
-    slots = threads >> lanes_log2
-    heads_log2 = 5 - lanes_log2 - J["span_log2"]
+    """One CTA of templates/quant.cu.j2 (run_tile), vectorised over its 256 threads."""
+    threads, items = quant_mod.THREADS, quant_mod.ITEMS
+    C, R, kper = J["dim"] >> 3, J["rows"], 1 << J["items_log2"]
+    kheads = items // kper
     t = torch.arange(threads)
-    s, r = t & ((1 << lanes_log2) - 1), t >> lanes_log2
-    cbase = s.clone()
-    if cb_log2 > 0:
-        hi_log2 = cb_log2 - 1 - J["span_log2"]
-        u = s >> 1
-        cbase = ((u >> hi_log2) << cb_log2) + (s & 1) + ((u & ((1 << hi_log2) - 1)) << (J["span_log2"] + 1))
-    head_groups = -(-J["heads"] // (1 << heads_log2))
+    active, r0, c = t < R * C, t // C, t % C
+    head_groups = -(-J["heads"] // kheads)
     hg, rest = tile % head_groups, tile // head_groups
     blk, b = rest % J["blocks"], rest // J["blocks"]
-    h0, row0 = hg << heads_log2, blk * block
-    C = J["dim"] >> 3
-    live = torch.zeros(nq, threads, dtype=torch.bool)
-    rows, heads = [], []
+    h0, row0 = hg * kheads, blk * quant_mod.QUANT_BLOCK
+    live = torch.zeros(items, threads, dtype=torch.bool)
     x = torch.empty(items, threads, 8, dtype=torch.float32)
-    for q in range(nq):
-        rh = r + q * slots
-        row, head = rh & (block - 1), rh >> 6
-        lv = (s < J["lanes"]) & (row0 + row < J["seqlen"]) & (h0 + head < J["heads"])
-        live[q] = lv
-        rows.append(row)
-        heads.append(head)
+    for i in range(items):
+        j, ps = divmod(i, kper)
+        row = r0 + ps * R
+        lv = active & (row < quant_mod.QUANT_BLOCK) & (row0 + row < J["seqlen"]) & (h0 + j < J["heads"])
+        live[i] = lv
         z = torch.zeros_like(t)
-        xs = J["x"][torch.where(lv, b + z, z), torch.where(lv, row0 + row, z), torch.where(lv, h0 + head, z)]
-        for j in range(span):
-            x[q * span + j] = xs.view(threads, C, 8)[t, torch.where(lv, cbase + 2 * j, z)].float()  # dead: chunk 0
+        rows = J["x"][torch.where(lv, b + z, z), torch.where(lv, row0 + row, z), torch.where(lv, h0 + j + z, z)]
+        x[i] = rows.view(threads, C, 8)[t, torch.where(lv, c, z)].float()  # dead: the tensor's first chunk
     if J["transform"]:
         words = torch.tensor([p[f"sign_bits{w}"] for w in range(quant_mod.SIGN_WORDS)], dtype=torch.int64)
-        for j in range(span):
-            c = cbase + 2 * j
-            byte = (words[c >> 2] >> ((c & 3) * 8)) & 0xFF
-            neg = ((byte.view(-1, 1) >> torch.arange(8)) & 1).bool()  # (threads, 8)
-            for q in range(nq):
-                x[q * span + j] = torch.where(neg, -x[q * span + j], x[q * span + j])
-        x = _fwht8(x)
-        if cb_log2 > 0:  # the lane pair's stage
-            x = torch.where(((s & 1) != 0).view(1, -1, 1), x[:, t ^ 1] - x, x + x[:, t ^ 1])
-        h = 1
-        while h < span:  # j's stages, in the thread
-            for q in range(nq):
-                for j in range(span):
-                    if j & h == 0:
-                        a, c = x[q * span + j].clone(), x[q * span + j + h].clone()
-                        x[q * span + j], x[q * span + j + h] = a + c, a - c
-            h <<= 1
-        m = 2
-        while m < (p["hadamard"] >> 3) >> J["span_log2"]:  # the higher lanes' stages
-            x = torch.where(((s & m) != 0).view(1, -1, 1), x[:, t ^ m] - x, x + x[:, t ^ m])
+        byte = (words[c >> 2] >> ((c & 3) * 8)) & 0xFF
+        neg = ((byte.view(-1, 1) >> torch.arange(8)) & 1).bool()  # (threads, 8)
+        x = _fwht8(torch.where(neg, -x, x))
+        m = 1
+        while m < p["hadamard"] >> 3:
+            other = x[:, t ^ m]
+            x = torch.where(((c & m) != 0).view(1, -1, 1), other - x, x + other)
             m <<= 1
     hscale = _f32(p["hadamard_scale"]) if J["transform"] else _f32(1.0)
     own = quant and J["per_block"]
-    nheads = 1 << heads_log2
-    heads_here = [h0 + j for j in range(nheads)]
+    heads_here = [h0 + j for j in range(kheads)]
     if not quant or own:
-        amax = [_f32(0.0)] * nheads
-        for q in range(nq):
-            a = torch.where(live[q], x[q * span:(q + 1) * span].abs().amax(dim=(0, 2)), _f32(0.0))
-            for hh in range(nheads):
-                sel = heads[q] == hh
-                if sel.any():
-                    amax[hh] = torch.maximum(amax[hh], a[sel].max())
-        amax = [a * hscale for a in amax]
+        amax = [torch.where(live[j * kper:(j + 1) * kper], x[j * kper:(j + 1) * kper].abs().amax(-1), _f32(0.0)).max()
+                * hscale for j in range(kheads)]
     if not quant:
         for j, h in enumerate(heads_here):
             if h < J["heads"]:
@@ -357,29 +303,24 @@ def _tile(p: dict, J: dict, tile: int, quant: bool) -> None:
             h = min(h, J["heads"] - 1)
             first = (b * J["heads"] + h - h % J["group"]) * J["blocks"]
             amax.append(J["amax"][first:first + J["group"] * J["blocks"]].max())
-    dvs, rcps = [], []
     for j, h in enumerate(heads_here):
         descale = amax[j] / E4M3_MAX if amax[j] > 0 else _f32(1.0)
         dv = descale / hscale
-        dvs.append(dv)
-        rcps.append(1.0 / dv)
+        rcp = 1.0 / dv
         if h < J["heads"]:
             if own:
                 J["descale"][(b * J["heads"] + h) * J["blocks"] + blk] = descale
             elif blk == 0 and h % J["group"] == 0:
                 J["descale"][b * (J["heads"] // J["group"]) + h // J["group"]] = descale
-    for q in range(nq):
-        for th in torch.nonzero(live[q]).flatten().tolist():
-            hh = int(heads[q][th])
-            dv, rcp = dvs[hh], rcps[hh]
-            for j in range(span):
-                xi = x[q * span + j, th]
-                y = xi * rcp  # div_rn_by: two fmas, each rounded once (float64 holds them exactly enough)
-                y = ((xi.double() - y.double() * dv.double()).float().double() * rcp.double() + y.double()).float()
-                q8 = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-                row = row0 + int(rows[q][th])
-                off = ((b * J["seqlen"] + row) * J["heads"] + h0 + hh) * J["dim"] + int(cbase[th] + 2 * j) * 8
-                J["out"][off:off + 8] = q8
+        for ps in range(kper):
+            i = j * kper + ps
+            y = x[i] * rcp  # div_rn_by: two fmas, each rounded once (float64 holds them exactly enough)
+            y = ((x[i].double() - y.double() * dv.double()).float().double() * rcp.double() + y.double()).float()
+            q8 = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+            for th in torch.nonzero(live[i]).flatten().tolist():
+                row = row0 + int(r0[th]) + ps * R
+                off = ((b * J["seqlen"] + row) * J["heads"] + h) * J["dim"] + int(c[th]) * 8
+                J["out"][off:off + 8] = q8[th]
 
 
 def emulate(role: str, grid: int, p: dict, dtype) -> None:

@@ -39,8 +39,6 @@ the same launch; the default build is 2 small variants (a few seconds each).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from ..abi import params_struct
 from . import Family, Key, KernelSpec
 
@@ -75,11 +73,8 @@ PARAMS = params_struct(
     ("head_dim", "i32"), ("head_dim_v", "i32"),
     ("q_blocks", "i32"), ("k_blocks", "i32"),  # ceil(seqlen / QUANT_BLOCK)
     ("q_tiles", "i32"), ("k_tiles", "i32"), ("v_tiles", "i32"),  # CTAs per tensor (tile_geometry)
-    # tile_geometry(head_dim) and tile_geometry(head_dim_v): log2 of the chunks a thread holds per row,
-    # log2 of the lanes a row takes (padded to a power of two), the lanes with chunks, log2 of the chunks
-    # per Hadamard-sized block
-    ("qk_span_log2", "i32"), ("qk_lanes_log2", "i32"), ("qk_lanes", "i32"), ("qk_cb_log2", "i32"),
-    ("v_span_log2", "i32"), ("v_lanes_log2", "i32"), ("v_lanes", "i32"), ("v_cb_log2", "i32"),
+    ("qk_rows", "i32"), ("qk_items_log2", "i32"),  # tile_geometry(head_dim)
+    ("v_rows", "i32"), ("v_items_log2", "i32"),  # tile_geometry(head_dim_v)
     ("hadamard", "i32"),  # B (q and k), with incoherent processing
     ("incoherent", "i32"), ("block_quant", "i32"),  # 0 / 1
     ("hadamard_scale", "f32"),  # 1 / sqrt(B) rounded to fp32
@@ -92,35 +87,16 @@ def hadamard_size(head_dim: int) -> int:
     return min(head_dim & -head_dim, MAX_HADAMARD)
 
 
-class TileGeometry(NamedTuple):
-    """How a CTA's threads hold a tile of a tensor whose rows have ``dim`` elements (a multiple of 8 up
-    to 256), in 16-byte chunks of 8 elements (C = dim / 8 per row). The chunks of a row fall in blocks
-    of Cb = B / 8 (B = :func:`hadamard_size`, the incoherent transform's block). A thread holds
-    ``span`` chunks of one row: chunks lo + 2 j (+ the block's and the lane's base), j < span, so the
-    Hadamard stages over the bits of j run inside the thread, and lane pairs (lo = 0, 1) read 32
-    contiguous bytes per load. A row takes ``lanes`` lanes (``2^lanes_log2`` with the padding;
-    lanes past ``lanes`` hold nothing), so a pass of the CTA's THREADS covers THREADS / 2^lanes_log2
-    row slots, and the ITEMS / span row items of a thread (slot r + pass * slots) cover
-    ``heads`` heads x QUANT_BLOCK rows: the tile."""
-
-    span_log2: int
-    lanes_log2: int
-    lanes: int
-    cb_log2: int
-    heads: int
-
-
-def tile_geometry(dim: int, threads: int = THREADS, items: int = ITEMS) -> TileGeometry:
-    """The :class:`TileGeometry` of a tensor with rows of ``dim`` elements (templates/quant.cu.j2 reads
-    the same fields from the params)."""
+def tile_geometry(dim: int, threads: int = THREADS, items: int = ITEMS) -> tuple:
+    """``(rows_per_pass, items_log2, heads_per_cta)`` of a tensor whose rows have ``dim`` elements
+    (a multiple of 8 up to 256): a CTA's ``threads`` threads cover ``rows_per_pass`` rows of 8-element
+    chunks per pass, ``2^items_log2`` passes reach the 64 rows of a block, and the ``items``
+    chunks of a thread then span ``heads_per_cta`` heads."""
     chunks = dim // CHUNK
-    cb = hadamard_size(dim) // CHUNK
-    span = min(items, cb // 2) if cb >= 2 else 1
-    lanes = chunks // span
-    lanes_log2 = (lanes - 1).bit_length()
-    slots = threads >> lanes_log2
-    heads = slots * (items // span) // QUANT_BLOCK
-    return TileGeometry(span.bit_length() - 1, lanes_log2, lanes, cb.bit_length() - 1, heads)
+    rows = threads // chunks
+    passes = -(-QUANT_BLOCK // rows)
+    items_log2 = (passes - 1).bit_length()
+    return rows, items_log2, items >> items_log2
 
 
 class QuantFamily(Family):

@@ -28,17 +28,6 @@ __device__ __forceinline__ void fwht8(float (&x)[8]) {
   }
 }
 
-// One stage between two chunks a thread holds (values i of a and of b, whose block indices differ in
-// the stage's bit only, a's clear): (a_i, b_i) -> (a_i + b_i, a_i - b_i).
-__device__ __forceinline__ void fwht_pair(float (&a)[8], float (&b)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float u = a[i], v = b[i];
-    a[i] = u + v;
-    b[i] = u - v;
-  }
-}
-
 // Stage h = 8 * m across lanes, for N values per lane: the lane holding chunk c pairs with lane
 // ^ m (chunk c ^ m); `upper` = (c & m) != 0, i.e. this lane holds the second value of each
 // pair and keeps the difference. Every lane of the warp must call it (full-mask shuffles).
