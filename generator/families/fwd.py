@@ -238,13 +238,6 @@ def dynamic_schedule(params: dict) -> bool:
     return bool(params["causal"]) and bool(params.get("persistent", True))
 
 
-def vt_pdl(params: dict) -> bool:
-    """Whether a vt_global variant's main kernel is a programmatic dependent (PDL) of its V^T
-    preprocess: when it takes no tile counter (not :func:`dynamic_schedule`), so that the two kernels
-    are adjacent on the stream."""
-    return bool(params.get("vt_global")) and not dynamic_schedule(params)
-
-
 def spec_max(params: dict) -> bool:
     """Whether the softmax takes its exponentials before its row max on a tile's middle K/V blocks
     (softmax.cuh update_speculative; a warpgroup whose P would exceed the bound recomputes S and runs
@@ -351,7 +344,7 @@ class FwdFamily(Family):
             half_first=half_first(params),
             half_first_gemm=half_first_gemm(params),
             first_block_skip=first_block_skip(params),
-            vt_global=bool(params.get("vt_global")), vt_pdl=vt_pdl(params),
+            vt_global=bool(params.get("vt_global")),
             vt_threads=VT_THREADS,
             vt_tile=VT_TILE,
             vt_tile_bytes=vt_tile_bytes(pad_operand(params["head_dim_v"], params["dtype"])),
@@ -415,16 +408,10 @@ class FwdFamily(Family):
         mma = "QGMMA" if resources["fp8"] else "HGMMA"  # e4m3 WGMMA is QGMMA in SASS
         # e4m3 with an O tile: O staged and TMA-stored (the other e4m3 tiles store it from registers)
         tma_o = ("UTMASTG",) if resources["fp8"] and resources["separate_o"] else ()
-        # vt_global: the V^T preprocess first; main's map "v" is then V^T's. Without a tile counter
-        # (whose memset would sit between the two) main is its programmatic dependent: its CTAs start
-        # on the SMs the preprocess's last wave leaves, and its producer waits for the preprocess
-        # (griddepcontrol.wait) only before its first V^T load (vt_pdl).
-        pdl = vt_pdl(params)
         main = KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
-                          tensor_maps=("q", "k", "v", "o"),
-                          sass=(mma, "UTMALDG", "USETMAXREG") + tma_o + (("ACQBULK",) if pdl else ()), pdl=pdl)
-        if resources.get("vt_global"):
-            return [KernelSpec("vt", resources["vt_threads"], 0, PARAMS, sass=("PREEXIT",) if pdl else ()), main]
+                          tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG") + tma_o)
+        if resources.get("vt_global"):  # the V^T preprocess first; main's map "v" is then V^T's
+            return [KernelSpec("vt", resources["vt_threads"], 0, PARAMS), main]
         return [main]
 
     def name_parts(self, p):
