@@ -272,6 +272,15 @@ def _no_descales(descales: tuple) -> bool:
     return descales[0] is None and descales[1] is None and descales[2] is None
 
 
+def _extras_key(sink, descales: tuple):
+    """The sink's and the descales' part of a forward call's cache key (``_fwd_calls``): None without
+    them, else the sink's (shape, dtype, device) and each descale's (shape, strides, dtype, device)."""
+    if sink is None and _no_descales(descales):
+        return None
+    return (None if sink is None else (sink.shape, sink.dtype, _device_of(sink)),
+            *(None if t is None else (t.shape, t.stride(), t.dtype, _device_of(t)) for t in descales))
+
+
 def _check_extras(p: _v.Problem, learnable_sink, q_descale, k_descale, v_descale) -> None:
     """learnable_sink, the FP8 descales and what the FP8 forward lacks, for valid q, k, v (``p``)."""
     P = [] if learnable_sink is None else _v.learnable_sink_problems(_array_info(learnable_sink), p)
@@ -706,8 +715,7 @@ def flash_attn_func(
         causal = bool(causal)
         window_left, window_right = window_size
         descales = (q_descale, k_descale, v_descale)
-        extras = None if _no_descales(descales) else (
-            None, *(None if t is None else (t.shape, t.stride(), t.dtype, _device_of(t)) for t in descales))
+        extras = None if _no_descales(descales) else _extras_key(None, descales)
         key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
                v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, extras,
                pack_gqa)
@@ -760,9 +768,7 @@ def flash_attn_func(
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
         # window_size and softcap were validated above; q, k, v, the sink and the descales are
         # validated once per key: everything the checks and the _FwdCall depend on.
-        extras = None if sink is None and _no_descales(descales) else (
-            None if sink is None else (sink.shape, sink.dtype, _device_of(sink)),
-            *(None if t is None else (t.shape, t.stride(), t.dtype, _device_of(t)) for t in descales))
+        extras = _extras_key(sink, descales)
         key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
                v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, extras,
                pack_gqa)

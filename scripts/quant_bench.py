@@ -70,12 +70,12 @@ def main() -> None:
     entries = [("quantize_fp8", lambda: quantize_fp8(q, q, q)), ("flash_attn_func", lambda: flash_attn_func(q, q, q)),
                ("flash_attn_func e4m3 + descales",
                 lambda: flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd))]
-    for name, fn in list(entries):
+    for label, fn in list(entries):
         try:
             fn()
         except MissingVariantError as e:  # a partial build
-            print(f"{name}: not timed ({e})".splitlines()[0])
-            entries.remove((name, fn))
+            print(f"{label}: not timed ({e})".splitlines()[0])
+            entries.remove((label, fn))
     us = host_us(entries)
     print("host us per call, q, k, v (1, 128, 1, 128): " + ", ".join(f"{n} {t:.1f}" for n, t in us.items()))
     if a.host_only:
