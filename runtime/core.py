@@ -323,9 +323,7 @@ def prepare_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, ca
         prep = _prepare_forward(q, k, v, out, causal, variant, window_size, softcap,
                                 1.0 if softmax_scale is None else softmax_scale, q_descale, k_descale, v_descale,
                                 pack_gqa)
-        if len(_prepared_forwards) >= _PREPARED_CACHE_MAX:
-            _prepared_forwards.clear()
-        _prepared_forwards[key] = prep
+        launch.cache_put(_prepared_forwards, key, prep, _PREPARED_CACHE_MAX)
     return prep
 
 

@@ -49,6 +49,7 @@ except ModuleNotFoundError as e:
 
 from . import _validate as _v
 from . import core as _core
+from . import launch as _launch
 
 __all__ = ["flash_attn_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "QUANT_BLOCK"]
 
@@ -249,10 +250,7 @@ def _new_fwd_call(key: tuple, q, k, v, causal: bool, window_left: int, window_ri
     if sink is not None or p.dtype == "fp8_e4m3" or not _no_descales(descales):
         _check_extras(p, sink, *descales)
     call = _fwd_call(p, q, k, v, causal, window_left, window_right, softcap, descales, pack_gqa)
-    if len(_fwd_calls) >= _FWD_CALL_CACHE_MAX:
-        _fwd_calls.clear()
-    _fwd_calls[key] = call
-    return call
+    return _launch.cache_put(_fwd_calls, key, call, _FWD_CALL_CACHE_MAX)
 
 
 def _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, q_descale=None, k_descale=None,
@@ -1056,9 +1054,7 @@ def _quantize_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, incoherent
     call = _quant_calls.get(key)
     if call is None:
         call = _quant_call(q, k, v, incoherent, block_quant, seed)
-        if len(_quant_calls) >= _QUANT_CALL_CACHE_MAX:
-            _quant_calls.clear()
-        _quant_calls[key] = call
+        _launch.cache_put(_quant_calls, key, call, _QUANT_CALL_CACHE_MAX)
     prep = call.prepared
     if prep is not None:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())

@@ -57,6 +57,18 @@ def check(result, what: str):
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+# ------------------------------------------------------------------------------------ caches
+def cache_put(cache: dict, key, value, limit: int):
+    """``cache[key] = value`` in a bounded per-process cache of immutable values, emptied first when it
+    holds ``limit`` entries (dropping entries is always safe: a miss only rebuilds one). Returns
+    ``value``. The runtime's lookup caches (kernels' streams, TMA maps, prepared calls) use it; values
+    are never mutated after insertion, so concurrent callers may share them."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 # ------------------------------------------------------------------------------------ devices
 _initialized = False
 _primary: dict[int, object] = {}  # device ordinal -> retained primary CUcontext (one retain per process)
@@ -306,9 +318,7 @@ _STREAM_CACHE_MAX = 1024
 def _stream(handle: int):
     s = _streams.get(handle)
     if s is None:
-        if len(_streams) >= _STREAM_CACHE_MAX:
-            _streams.clear()
-        s = _streams[handle] = _driver().CUstream(handle)
+        s = cache_put(_streams, handle, _driver().CUstream(handle), _STREAM_CACHE_MAX)
     return s
 
 
@@ -601,9 +611,7 @@ def map_geometry(dtype: str, dims: tuple, strides_bytes: tuple, box: tuple, swiz
             raise ValueError(f"flashgen: tensor_map needs rank 1..5 with len(box) = rank and rank - 1 strides; "
                              f"got dims {dims}, strides {strides_bytes}, box {box}")
         g = TensorMapGeometry(dtype, dims, strides_bytes, box, swizzle, device)
-        if len(_geometries) >= _TMAP_CACHE_MAX:  # bounded; a dropped geometry only costs a new object
-            _geometries.clear()
-        _geometries[key] = g
+        cache_put(_geometries, key, g, _TMAP_CACHE_MAX)
     return g
 
 
@@ -642,7 +650,4 @@ def tensor_map_at(geometry: TensorMapGeometry, ptr: int):
     else:
         tmap = check(d.cuTensorMapEncodeTiled(dtype_, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob),
                      what)
-    if len(_tmaps) >= _TMAP_CACHE_MAX:  # bounded; dropping entries is safe (they are never mutated)
-        _tmaps.clear()
-    _tmaps[key] = tmap
-    return tmap
+    return cache_put(_tmaps, key, tmap, _TMAP_CACHE_MAX)
