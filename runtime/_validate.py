@@ -25,8 +25,9 @@ the kernels' TMA requirements, docs/CONTRACTS.md §2):
 * ``window_size`` (FA3's sliding window): a pair (left, right) of ints >= -1 or None;
   ``softcap``: a finite real >= 0 (0 = off); ``learnable_sink``: float32 ``(heads,)`` on q's
   device (:func:`window_size_problems`, :func:`softcap_problems`,
-  :func:`learnable_sink_problems`). qv and attention_chunk are refused with
-  NotImplementedError (:func:`feature_problems`).
+  :func:`learnable_sink_problems`); ``attention_chunk``: None or an int >= 0
+  (:func:`attention_chunk_problems`). qv is refused with NotImplementedError
+  (:func:`feature_problems`).
 * the backward (:func:`backward_problems`) also takes dout and out, both of out's shape
   ``(batch, seqlen_q, heads, head_dim_v)`` and q's dtype and device, and the forward's lse
   (float32 ``(batch, heads, seqlen_q)``, C-contiguous); head_dim_v may differ from head_dim,
@@ -65,6 +66,7 @@ __all__ = [
     "fp8_problems",
     "QUANT_BLOCK",
     "feature_problems",
+    "attention_chunk_problems",
     "window_size_problems",
     "window_pair",
     "softcap_problems",
@@ -312,14 +314,25 @@ def feature_problems(
 ) -> list:
     """The problems (see :func:`raise_problems`) of :func:`check_features`'s arguments: those of
     ``window_size`` (:func:`window_size_problems`) and ``softcap`` (:func:`softcap_problems`),
-    then NotImplementedError for each FA3 feature no variant implements yet."""
+    then NotImplementedError for each FA3 feature no variant implements yet (qv), then those of
+    ``attention_chunk`` (:func:`attention_chunk_problems`)."""
     P: list = window_size_problems(window_size) + softcap_problems(softcap)
     if qv is not None:
         P.append((NotImplementedError, "qv (absorbed MLA) is not supported yet; pass qv=None"))
-    if attention_chunk not in (0, None):
-        P.append((NotImplementedError,
-                  f"attention_chunk={attention_chunk!r} is not supported yet; pass attention_chunk=0"))
-    return P
+    return P + attention_chunk_problems(attention_chunk)
+
+
+def attention_chunk_problems(attention_chunk) -> list:
+    """The problems (see :func:`raise_problems`) of FA3's ``attention_chunk`` (chunked attention,
+    Llama 4): None or an int >= 0 (not a bool), 0 / None off; C > 0 keeps each query row's keys to
+    its chunk of C key positions (flashgen.core.chunk_pieces). TypeError / ValueError naming it."""
+    if attention_chunk is None or type(attention_chunk) is int and attention_chunk >= 0:
+        return []
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, numbers.Integral):
+        return [(TypeError, f"attention_chunk must be an int >= 0 (0 = off), got {type(attention_chunk).__name__}")]
+    if attention_chunk < 0:
+        return [(ValueError, f"attention_chunk must be >= 0 (0 = off), got {attention_chunk}")]
+    return []
 
 
 def descale_problems(problem: "Problem", descales: dict) -> list:
@@ -375,10 +388,11 @@ def check_features(**features) -> None:
     Keywords: ``window_size``, ``softcap``, ``q_descale``, ``k_descale``, ``v_descale``, ``qv``,
     ``attention_chunk`` (see :func:`feature_problems`). ``window_size`` and ``softcap`` are
     implemented and checked for type and value (TypeError / ValueError naming them, see
-    :func:`window_size_problems`, :func:`softcap_problems`). NotImplementedError naming the
-    argument for any of ``q_descale`` / ``k_descale`` / ``v_descale`` (fp8 descaling), ``qv``
-    (absorbed MLA) and ``attention_chunk`` other than 0; :class:`InputError` for several kinds
-    at once. Every problem is listed (see :func:`raise_problems`).
+    :func:`window_size_problems`, :func:`softcap_problems`), and so is ``attention_chunk``
+    (:func:`attention_chunk_problems`); the descales are checked against q, k, v elsewhere
+    (:func:`descale_problems`). NotImplementedError naming ``qv`` (absorbed MLA) when given;
+    :class:`InputError` for several kinds at once. Every problem is listed (see
+    :func:`raise_problems`).
     """
     raise_problems(feature_problems(**features))
 

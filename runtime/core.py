@@ -22,7 +22,8 @@ from .generator.families.bwd import (FAMILY as _BWD_FAMILY, DQ_SWAP_BLOCK_M as _
 
 __all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
            "launch_forward", "PreparedForward", "attention_backward",
-           "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec", "softmax_constants"]
+           "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec", "softmax_constants",
+           "ChunkPiece", "chunk_pieces"]
 
 LOG2E = 1.4426950408889634
 
@@ -75,6 +76,67 @@ def mask_spec(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> MaskSp
     if left < 0 and right == 0:
         return MaskSpec(True, False, seqlen_k, 0)
     return MaskSpec(False, True, left if left >= 0 else seqlen_k, right if right >= 0 else seqlen_q)
+
+
+class ChunkPiece(NamedTuple):
+    """One sub-problem of an ``attention_chunk`` call (:func:`chunk_pieces`): query rows
+    ``[q_begin, q_end)`` see keys in ``[k_begin, k_end)`` only. ``chunks`` > 1: that many whole
+    chunks of ``(q_end - q_begin) // chunks`` rows and as many keys each, one after the other, which
+    a caller may run as one call with ``chunks`` times the batch."""
+
+    q_begin: int
+    q_end: int
+    k_begin: int
+    k_end: int
+    chunks: int
+
+
+def chunk_pieces(seqlen_q: int, seqlen_k: int, attention_chunk: int) -> list:
+    """FA3's ``attention_chunk`` (Llama 4's chunked attention; FA3's test reference
+    ``construct_chunk_mask``) as independent sub-problems: with ``C = attention_chunk`` > 0 and
+    ``off = seqlen_k - seqlen_q``, query row i sees only the keys j of its chunk,
+    ``floor((i + off) / C) * C <= j < that + C``, on top of its causal / window mask.
+
+    The chunks cut the rows (at their key position i + off) and the keys at the same multiples of C,
+    so every row's keys lie in one piece, the pieces' rows and keys do not overlap, and in each
+    piece the rows keep their bottom-right alignment: a piece of lq rows and lk keys starts its
+    rows at key position k_begin + lk - lq. The call's causal / window_size therefore apply
+    unchanged inside each piece, and its out and lse rows are those of the piece's own attention.
+
+    Returns the pieces in row order, together covering rows ``[0, seqlen_q)``: first the rows
+    whose position i + off < 0 (they see no key: ``k_begin == k_end == 0``), then the chunk of the
+    first row with a key if it is partial, then every whole chunk as one piece (``chunks`` of them),
+    then the last chunk if it is partial; at most 3 pieces whatever the number of chunks. Keys
+    ``[0, k_begin of the first piece with keys)`` are seen by no row. An empty problem is one piece.
+    ValueError unless attention_chunk is an int >= 1 and the lengths ints >= 0."""
+    sq, sk, c = int(seqlen_q), int(seqlen_k), int(attention_chunk)
+    if c < 1 or sq < 0 or sk < 0:
+        raise ValueError(f"flashgen: chunk_pieces needs attention_chunk >= 1 and lengths >= 0, got "
+                         f"{attention_chunk}, {seqlen_q}, {seqlen_k}")
+    if sq == 0 or sk == 0:
+        return [ChunkPiece(0, sq, 0, sk, 1)]
+    off = sk - sq
+    pieces = []
+    blind = min(sq, max(0, -off))  # rows before the first key position
+    if blind:
+        pieces.append(ChunkPiece(0, blind, 0, 0, 1))
+    if blind == sq:
+        return pieces
+    first = max(off, 0)  # the first row's key position (rows blind..sq-1 sit at positions first..sk-1)
+    c0, c_last = first // c, (sk - 1) // c
+    if c0 == c_last:  # one chunk holds every row with a key
+        pieces.append(ChunkPiece(first - off, sq, c0 * c, sk, 1))
+        return pieces
+    whole0 = c0 if first % c == 0 else c0 + 1  # the first and last chunks with all their rows and keys
+    whole1 = c_last if sk % c == 0 else c_last - 1
+    if whole0 > c0:  # the first chunk is partial (its rows start mid-chunk)
+        pieces.append(ChunkPiece(first - off, (c0 + 1) * c - off, c0 * c, (c0 + 1) * c, 1))
+    if whole0 <= whole1:
+        pieces.append(ChunkPiece(whole0 * c - off, (whole1 + 1) * c - off, whole0 * c, (whole1 + 1) * c,
+                                 whole1 - whole0 + 1))
+    if whole1 < c_last:  # the last chunk is partial (it ends at seqlen_k)
+        pieces.append(ChunkPiece(c_last * c - off, sq, c_last * c, sk, 1))
+    return pieces
 
 
 def softmax_constants(softmax_scale: float, softcap: float) -> tuple:

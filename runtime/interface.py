@@ -623,8 +623,15 @@ def flash_attn_func(
             inputs and descales from fp16/bf16 ones. FP8 serves every mask (causal, windows),
             softcap and learnable_sink as the 16-bit forward does (with softcap the descales
             scale q.k before the tanh); head_dim_v == head_dim only, and no backward yet.
-        qv, attention_chunk: FA3 arguments no built variant implements yet; anything but their
-            defaults (None / 0) raises NotImplementedError naming the argument.
+        attention_chunk: FA3's chunked attention (Llama 4): an int >= 0 (None or 0: off). With
+            C > 0 query row i sees only the keys of its chunk of C key positions,
+            ``floor((i + seqlen_k - seqlen_q) / C) * C <= j < that + C``, within its causal /
+            window mask (FA3's ``construct_chunk_mask``). Runs as at most three calls of the same
+            kernels on slices of q, k, v (the whole chunks batched), each with the call's mask
+            (:func:`flashgen.core.chunk_pieces`); differentiable (FA3 has no backward for it).
+            Block-quantized FP8 descales need every chunk boundary at a multiple of 64 rows.
+        qv: FA3's absorbed-MLA input, not implemented: anything but None raises
+            NotImplementedError naming it.
         pack_gqa: FA3's PackGQA hint (a K/V head's query heads in one tile, so K and V are read
             once per group); it never changes the result. None: flashgen.core.pack_gqa_rule
             decides (measured on decode-like calls, docs/PERF.md); False: never packed; True:
@@ -671,17 +678,18 @@ def flash_attn_func(
         TypeError: q, k or v not a torch.Tensor; dtype not float16/bfloat16/float8_e4m3fn;
             dtypes of q, k, v differ; softmax_scale or softcap not a real number; window_size
             not a tuple/list or an entry not an int or None; learnable_sink or a descale not a
-            torch.Tensor or not float32.
+            torch.Tensor or not float32; attention_chunk not an int.
         ValueError: not CUDA tensors or not on one device; not 4-D; batch, seqlen or
             heads mismatched between q, k, v; head_dim of k differs from q's; heads not a
             multiple of heads_k; head_dim / head_dim_v not a multiple of 8 in 8..256;
             softmax_scale NaN or infinite; softcap NaN, infinite or negative; window_size
             not of 2 entries or an entry < -1; learnable_sink not of shape (heads,) or not
-            on q's device.
+            on q's device; attention_chunk < 0.
         RuntimeError: the GPU is not compute capability 9.x (Hopper).
-        NotImplementedError: an FA3 feature not built yet (see above), float8_e5m2 or an fnuz
+        NotImplementedError: qv (an FA3 feature not built yet), float8_e5m2 or an fnuz
             fp8 format (only OCP float8_e4m3fn is read), FP8 with head_dim_v != head_dim or
-            inputs that require grad.
+            inputs that require grad, block FP8 descales with an attention_chunk whose
+            boundaries cut their 64-row blocks.
         ValueError (descales): a descale of the wrong shape or device, or given with 16-bit inputs.
         flashgen.InputError: problems of several of the kinds above at once (it is both a
             ValueError and a TypeError). Every problem found is listed in the one error,
@@ -758,6 +766,11 @@ def flash_attn_func(
         raise NotImplementedError("flashgen: the FP8 (float8_e4m3fn) forward has no backward (FA3 has none either); "
                                   "call it under torch.no_grad() or with inputs that do not require grad")
     causal = bool(causal)
+    if attention_chunk:  # FA3's chunked attention: the call's independent pieces (None / 0: off)
+        chunked = _attention_chunks(q, k, v, int(attention_chunk), scale, causal, (window_left, window_right), softcap,
+                                    sink, descales, pack_gqa, deterministic, return_attn_probs)
+        if chunked is not None:
+            return chunked if return_attn_probs else chunked[0]
     if (plain and (sink is None or type(sink) is _Tensor) and (q_descale is None or type(q_descale) is _Tensor)
             and (k_descale is None or type(k_descale) is _Tensor) and (v_descale is None or type(v_descale) is _Tensor)
             and not grad and not torch.compiler.is_compiling()):
@@ -780,6 +793,76 @@ def flash_attn_func(
     if return_attn_probs:
         return out, lse
     return out
+
+
+def _chunk_descale(t: Optional[torch.Tensor], name: str, begin: int, end: int, chunks: int, batch: int):
+    """A descale of an ``attention_chunk`` piece (:func:`_attention_chunks`) whose q (or k) rows are
+    ``[begin, end)``, as ``chunks`` calls' worth of batch: FA3's ``(batch, heads_k)`` is the same
+    for every piece (repeated per chunk); a block descale ``(batch, heads, blocks of 64 rows)`` is
+    sliced at the piece's 64-row blocks, which needs the piece (and each of its chunks) to start on
+    one: NotImplementedError otherwise."""
+    if t is None or t.dim() == 2:
+        return t if t is None or chunks == 1 else t.repeat_interleave(chunks, dim=0)
+    block = _core.QUANT_BLOCK
+    if begin % block or (chunks > 1 and (end - begin) // chunks % block):
+        raise NotImplementedError(
+            f"flashgen: attention_chunk with a block {name} (one scale per {block} rows) needs every chunk "
+            f"boundary at a multiple of {block} rows of {name[0]} (here a piece starts at row {begin}); use an "
+            f"attention_chunk that is a multiple of {block} with seqlen_k - seqlen_q a multiple of {block}, or "
+            "(batch, heads_k) descales")
+    part = t[:, :, begin // block:-(-end // block)]
+    if chunks > 1:
+        part = part.reshape(batch, part.shape[1], chunks, -1).transpose(1, 2).reshape(batch * chunks, part.shape[1], -1)
+    return part
+
+
+def _attention_chunks(q, k, v, attention_chunk: int, scale: float, causal: bool, window: tuple, softcap: float,
+                      sink, descales: tuple, pack_gqa, deterministic, want_lse: bool):
+    """flash_attn_func with FA3's ``attention_chunk`` C > 0: query row i sees only the keys of its
+    chunk, ``floor((i + seqlen_k - seqlen_q) / C) * C <= j < that + C`` (FA3's
+    ``construct_chunk_mask``), within its causal / window mask. Rows and keys split into at most
+    three independent pieces (:func:`flashgen.core.chunk_pieces`), each an ordinary call of the
+    same arguments on slices of q, k, v (the whole chunks of the middle piece as one call with
+    chunks x batch); out and lse are their rows in order. Autograd runs through the pieces
+    (slices, reshapes and cat are differentiable), so unlike FA3 the backward works too.
+
+    Returns ``(out, lse)`` (lse None unless ``want_lse``), or None when the chunks cut nothing
+    (the call is one piece: the caller runs it as usual). Validates q, k, v and the rest first
+    (the errors of :func:`flash_attn_func`); NotImplementedError for block descales whose 64-row
+    blocks a chunk boundary cuts, before any launch."""
+    _check_fwd(q, k, v, window[0], window[1], softcap, sink, *descales)
+    batch, seqlen_q, heads, head_dim = q.shape
+    _, seqlen_k, heads_k, head_dim_v = v.shape
+    pieces = _core.chunk_pieces(seqlen_q, seqlen_k, attention_chunk)
+    if batch == 0 or pieces == [_core.ChunkPiece(0, seqlen_q, 0, seqlen_k, 1)]:
+        return None
+    calls = []  # every slice and descale made (and checked) before the first launch
+    for pc in pieces:
+        n = pc.chunks
+        qs, ks, vs = q[:, pc.q_begin:pc.q_end], k[:, pc.k_begin:pc.k_end], v[:, pc.k_begin:pc.k_end]
+        if n > 1:  # whole chunks as the batch of one call (a view when the strides allow, else a copy)
+            qs = qs.reshape(batch * n, -1, heads, head_dim)
+            ks, vs = ks.reshape(batch * n, -1, heads_k, head_dim), vs.reshape(batch * n, -1, heads_k, head_dim_v)
+        ds = (_chunk_descale(descales[0], "q_descale", pc.q_begin, pc.q_end, n, batch),
+              _chunk_descale(descales[1], "k_descale", pc.k_begin, pc.k_end, n, batch),
+              _chunk_descale(descales[2], "v_descale", pc.k_begin, pc.k_end, n, batch))
+        calls.append((n, qs, ks, vs, ds))
+    outs, lses = [], []
+    for n, qs, ks, vs, ds in calls:
+        res = flash_attn_func(qs, ks, vs, scale, causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                              window_size=window, softcap=softcap, pack_gqa=pack_gqa, deterministic=deterministic,
+                              return_attn_probs=want_lse, learnable_sink=sink)
+        o, lse = res if want_lse else (res, None)
+        if n > 1:
+            o = o.reshape(batch, -1, heads, head_dim_v)
+            if lse is not None:
+                lse = lse.reshape(batch, n, heads, -1).transpose(1, 2).reshape(batch, heads, -1)
+        outs.append(o)
+        lses.append(lse)
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    if not want_lse:
+        return out, None
+    return out, (torch.cat(lses, dim=2) if len(lses) > 1 else lses[0])
 
 
 # ======================================================================================

@@ -8,16 +8,20 @@ import math
 import torch
 
 
-def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1), device=None):
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1), device=None,
+                 attention_chunk: int = 0):
     """FA3's mask (hopper/flash_api.cpp; test_util.construct_local_mask), bottom-right aligned:
     bool ``(seqlen_q, seqlen_k)``, True where query row i sees key j, i.e.
     ``i + sk - sq - left <= j <= i + sk - sq + right`` with ``window_size = (left, right)``; a side
     of -1 (any negative) or None is unbounded; ``causal`` forces right = 0 (so causal with
-    (left, -1) is the causal sliding window). None when nothing is masked (both sides unbounded)."""
+    (left, -1) is the causal sliding window). ``attention_chunk`` C > 0 (FA3's
+    test_util.construct_chunk_mask) also keeps row i to the keys of its chunk:
+    ``c <= j < c + C`` with ``c = (i + sk - sq) - (i + sk - sq) mod C`` (floor mod: a row before the
+    first key position has a chunk of negative keys, so it sees none). None when nothing is masked."""
     left, right = (-1 if x is None else int(x) for x in window_size)
     if causal:
         right = 0
-    if left < 0 and right < 0:
+    if left < 0 and right < 0 and not attention_chunk:
         return None
     row = torch.arange(seqlen_q, device=device).view(-1, 1)
     col = torch.arange(seqlen_k, device=device).view(1, -1)
@@ -27,16 +31,19 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size
         vis &= col <= diag + right
     if left >= 0:
         vis &= col >= diag - left
+    if attention_chunk:
+        start = diag - torch.remainder(diag, attention_chunk)
+        vis &= (col >= start) & (col < start + attention_chunk)
     return vis
 
 
 def attention_ref(q, k, v, causal: bool, softmax_scale: float, upcast: bool = True, *,
-                  window_size=(-1, -1), softcap: float = 0.0, sink=None):
+                  window_size=(-1, -1), softcap: float = 0.0, sink=None, attention_chunk: int = 0):
     """softmax(logits + mask) v, and the row logsumexp (natural log).
 
     logits = scale q k^T, or with ``softcap`` c > 0 ``c * tanh(scale q k^T / c)`` (FA3, Gemma 2;
-    before masking). Mask: :func:`visible_mask` of ``causal`` and ``window_size`` (FA3's
-    semantics, bottom-right aligned). ``sink``: None or float32 ``(heads,)`` learnable sink logits
+    before masking). Mask: :func:`visible_mask` of ``causal``, ``window_size`` and
+    ``attention_chunk`` (FA3's semantics, bottom-right aligned). ``sink``: None or float32 ``(heads,)`` learnable sink logits
     (gpt-oss; FA3's ``learnable_sink``) in the units of the final logits: a column of them is
     concatenated to the logits before the softmax and dropped after (gpt-oss's reference), so
     each row's denominator gets exp(sink_h) and lse includes it.
@@ -58,7 +65,7 @@ def attention_ref(q, k, v, causal: bool, softmax_scale: float, upcast: bool = Tr
     scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k)
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
-    vis = visible_mask(sq, sk, causal, window_size, device=q.device)
+    vis = visible_mask(sq, sk, causal, window_size, device=q.device, attention_chunk=attention_chunk)
     if vis is not None:
         scores = scores.masked_fill(~vis, float("-inf"))
     if sink is None:
@@ -111,13 +118,14 @@ def lse_atol(softcap: float = 0.0) -> float:
 
 
 def check_fwd(q, k, v, causal: bool, out, lse, softmax_scale: float | None = None, *,
-              window_size=(-1, -1), softcap: float = 0.0, sink=None, factor: float | None = None) -> None:
+              window_size=(-1, -1), softcap: float = 0.0, sink=None, factor: float | None = None,
+              attention_chunk: int = 0) -> None:
     """Assert a forward's (out, lse) against the float32 reference on upcast inputs: FA3's rule for
     out (factor 2, or 3 under softcap as in FA3's tests; ``factor`` overrides), no NaN in out,
     lse -inf exactly where the reference's is and within :func:`lse_atol` elsewhere.
-    ``window_size``, ``softcap``, ``sink``: as :func:`attention_ref`."""
+    ``window_size``, ``softcap``, ``sink``, ``attention_chunk``: as :func:`attention_ref`."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    feats = dict(window_size=window_size, softcap=softcap, sink=sink)
+    feats = dict(window_size=window_size, softcap=softcap, sink=sink, attention_chunk=attention_chunk)
     factor = factor if factor is not None else (3.0 if softcap > 0 else 2.0)
     ref, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True, **feats)
     pt, _ = attention_ref(q, k, v, causal, scale, upcast=False, **feats)
@@ -158,7 +166,7 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, seed: int = 0, outliers: bool = False, 
 
 
 def attention_grads_ref(q, k, v, dout, causal: bool, softmax_scale: float, upcast: bool = True, *,
-                        window_size=(-1, -1), softcap: float = 0.0, sink=None):
+                        window_size=(-1, -1), softcap: float = 0.0, sink=None, attention_chunk: int = 0):
     """(dq, dk, dv) of :func:`attention_ref`'s output for the incoming gradient ``dout``, by
     autograd, exactly as FA3's hopper/test_flash_attn.py forms dq_ref / dq_pt: the leaves are
     q, k, v in their own dtype (fp16/bf16), so with upcast=True the whole computation runs in
@@ -167,19 +175,20 @@ def attention_grads_ref(q, k, v, dout, causal: bool, softmax_scale: float, upcas
     GQA/MQA: dk, dv are summed over the query heads sharing a key head (repeat_interleave's
     backward). Shapes and dtypes are those of q, k, v; rows that see no key get dq = 0.
 
-    ``window_size``, ``softcap``: as :func:`attention_ref`. With ``sink`` (float32 ``(heads,)``,
+    ``window_size``, ``softcap``, ``attention_chunk``: as :func:`attention_ref`. With ``sink`` (float32 ``(heads,)``,
     a leaf too) the result is ``(dq, dk, dv, dsink)``, dsink float32 ``(heads,)``."""
     leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
     if sink is not None:
         leaves += (sink.detach().float().requires_grad_(),)
     with torch.enable_grad():
         out, _ = attention_ref(*leaves[:3], causal, softmax_scale, upcast=upcast, window_size=window_size,
-                               softcap=softcap, sink=leaves[3] if sink is not None else None)
+                               softcap=softcap, sink=leaves[3] if sink is not None else None,
+                               attention_chunk=attention_chunk)
         return torch.autograd.grad(out, leaves, dout)
 
 
 def dsink_noise(q, k, v, dout, causal: bool, softmax_scale: float, sink, *, window_size=(-1, -1),
-                softcap: float = 0.0):
+                softcap: float = 0.0, attention_chunk: int = 0):
     """Per head, the size of the error dsink gets from out's rounding: float32 ``(heads,)``.
 
     dsink_h = -sum_rows exp(sink_h - lse) (dout . out), and a kernel forms it from its out in the
@@ -187,14 +196,14 @@ def dsink_noise(q, k, v, dout, causal: bool, softmax_scale: float, sink, *, wind
     across the head dim and the rows; so the error has a standard deviation of about
     ``eps * sqrt(sum_rows (exp(sink - lse) |dout o out|_2)^2)`` (out, lse: the reference's)."""
     out, lse = attention_ref(q, k, v, causal, softmax_scale, upcast=True, window_size=window_size,
-                             softcap=softcap, sink=sink)
+                             softcap=softcap, sink=sink, attention_chunk=attention_chunk)
     p = torch.exp(sink.float().view(1, -1, 1) - lse)  # (b, h, sq)
     row = (dout.float() * out.float()).pow(2).sum(-1).sqrt().transpose(1, 2)  # (b, h, sq)
     return torch.finfo(q.dtype).eps * (p * row).pow(2).sum((0, 2)).sqrt()
 
 
 def check_bwd(q, k, v, dout, causal: bool, grads, softmax_scale: float | None = None, factor: float = 2.0, *,
-              window_size=(-1, -1), softcap: float = 0.0, sink=None):
+              window_size=(-1, -1), softcap: float = 0.0, sink=None, attention_chunk: int = 0):
     """Assert flashgen's gradients ``grads = (dq, dk, dv)`` of attention(q, k, v) for ``dout``
     against the float32 reference with FA3's rule (hopper/test_flash_attn.py, gradients):
     ``max|dx - dx_ref| <= 2 max|dx_pt - dx_ref| + 2 max|(dx_ref + 0.3 - 0.3) - dx_ref| + 1e-6``
@@ -203,13 +212,13 @@ def check_bwd(q, k, v, dout, causal: bool, grads, softmax_scale: float | None = 
     no NaN / inf (outputs handed in NaN-poisoned must be fully written). ``grads`` may be a dict
     name -> (dq, dk, dv) to check several results against one reference (computed once).
 
-    ``window_size``, ``softcap``, ``sink``: as :func:`attention_ref`; under softcap the bound gets
+    ``window_size``, ``softcap``, ``sink``, ``attention_chunk``: as :func:`attention_ref`; under softcap the bound gets
     FA3's + 3e-4. With ``sink``, each result may hold a 4th entry, dsink (float32 ``(heads,)``),
     checked per head: ``|dsink - dsink_ref| <= factor max|dsink_pt - dsink_ref| + 6 noise + 1e-5``
     with noise = :func:`dsink_noise` (a kernel's dsink comes from its rounded out: 6 standard
     deviations of that effect)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    feats = dict(window_size=window_size, softcap=softcap, sink=sink)
+    feats = dict(window_size=window_size, softcap=softcap, sink=sink, attention_chunk=attention_chunk)
     ref = attention_grads_ref(q, k, v, dout, causal, scale, upcast=True, **feats)
     pt = attention_grads_ref(q, k, v, dout, causal, scale, upcast=False, **feats)
     atol = 3e-4 if softcap > 0 else 0.0
@@ -225,7 +234,8 @@ def check_bwd(q, k, v, dout, causal: bool, grads, softmax_scale: float | None = 
                         f"baseline's {base:.3e} + noise")
         if sink is not None and len(got) > 3:
             _check_dsink(label, got[3], ref[3], pt[3], factor,
-                         dsink_noise(q, k, v, dout, causal, scale, sink, window_size=window_size, softcap=softcap))
+                         dsink_noise(q, k, v, dout, causal, scale, sink, window_size=window_size, softcap=softcap,
+                                     attention_chunk=attention_chunk))
 
 
 def _check_dsink(label, ds, ds_ref, ds_pt, factor, noise) -> None:

@@ -43,7 +43,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen.core import mask_spec  # noqa: E402
+from flashgen.core import chunk_pieces, mask_spec  # noqa: E402
 from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     DTYPE_NAMES,
     attention_ref,
@@ -88,6 +88,7 @@ class Case:
     sink: bool | float = False  # True: make_sink's logits; a float: those plus this offset
     scale: float | None = None
     dv: int | None = None
+    chunk: int = 0  # attention_chunk
 
     @property
     def head_dim_v(self) -> int:
@@ -99,12 +100,13 @@ class Case:
 
     @property
     def feats(self) -> dict:
-        """window_size / softcap keywords of the _ref functions (the sink is passed apart)."""
-        return dict(window_size=self.window, softcap=self.softcap)
+        """window_size / softcap / attention_chunk keywords of the _ref functions (the sink is passed
+        apart)."""
+        return dict(window_size=self.window, softcap=self.softcap, attention_chunk=self.chunk)
 
     def blind_rows(self):
         """Bool (seqlen_q,) on the GPU: the query rows that see no key."""
-        vis = visible_mask(self.sq, self.sk, self.causal, self.window, device="cuda")
+        vis = visible_mask(self.sq, self.sk, self.causal, self.window, device="cuda", attention_chunk=self.chunk)
         return torch.zeros(self.sq, dtype=torch.bool, device="cuda") if vis is None else ~vis.any(-1)
 
 
@@ -115,6 +117,8 @@ def case_id(c: Case) -> str:
         parts.append("causal")
     if c.window != UNBOUNDED:
         parts.append("w{}_{}".format(*("inf" if x is None or x < 0 else x for x in c.window)))
+    if c.chunk:
+        parts.append(f"chunk{c.chunk}")
     if c.softcap:
         parts.append(f"cap{c.softcap:g}")
     if c.scale is not None:
@@ -131,14 +135,19 @@ def need(c: Case, backward: bool = False) -> None:
     dispatch keys the runtime forms (flashgen.core: ``causal`` / ``local`` from mask_spec,
     ``softcap`` whether c > 0; head dims round up to a built size; the backward of head_dim_v !=
     head_dim runs on the bwd variant of their max)."""
-    m = mask_spec(c.causal, c.window, c.sq, c.sk)
-    base = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "causal": m.causal, "local": m.local,
-            "softcap": c.softcap > 0}
-    why = variant_missing("fwd", {**base, "head_dim_v": c.head_dim_v}, round_up=("head_dim", "head_dim_v"))
-    if why is None and backward:
-        why = variant_missing("bwd", {**base, "head_dim": max(c.d, c.head_dim_v)}, round_up=("head_dim",))
-    if why:
-        pytest.skip(why)
+    # attention_chunk: every piece with keys is a call of its own (flashgen.core.chunk_pieces)
+    shapes = [(c.sq, c.sk)] if not c.chunk else [
+        ((p.q_end - p.q_begin) // p.chunks, (p.k_end - p.k_begin) // p.chunks)
+        for p in chunk_pieces(c.sq, c.sk, c.chunk) if p.k_end > p.k_begin]
+    for sq, sk in shapes:
+        m = mask_spec(c.causal, c.window, sq, sk)
+        base = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "causal": m.causal, "local": m.local,
+                "softcap": c.softcap > 0}
+        why = variant_missing("fwd", {**base, "head_dim_v": c.head_dim_v}, round_up=("head_dim", "head_dim_v"))
+        if why is None and backward:
+            why = variant_missing("bwd", {**base, "head_dim": max(c.d, c.head_dim_v)}, round_up=("head_dim",))
+        if why:
+            pytest.skip(why)
 
 
 def make_sink(h: int, seed: int):
@@ -168,7 +177,8 @@ def inputs(c: Case, seed: int):
 def attn(c: Case, q, k, v, sink=None, **kw):
     """flashgen.flash_attn_func with the case's features; (out, lse)."""
     return flashgen.flash_attn_func(q, k, v, softmax_scale=c.scale, causal=c.causal, window_size=c.window,
-                                    softcap=c.softcap, learnable_sink=sink, return_attn_probs=True, **kw)
+                                    softcap=c.softcap, learnable_sink=sink, attention_chunk=c.chunk,
+                                    return_attn_probs=True, **kw)
 
 
 def run_forward(c: Case, q, k, v, sink=None):
@@ -471,6 +481,44 @@ def test_deterministic_window_20_runs_bitwise_equal(c):
         _, again = grads_of(c, q, k, v, sink, dout, deterministic=True)
         for name, a, b in zip(names, first, again):
             assert bitwise_equal(a, b), f"run {i + 1} of 20: {name} differs from run 0: {first_difference(a, b)}"
+
+
+# --------------------------------------------------------------------------------------
+# attention_chunk (FA3's chunked attention): forward and backward
+# --------------------------------------------------------------------------------------
+
+def random_chunk(sq: int, sk: int) -> int:
+    """FA3's random chunk: torch.randint(1, 2 * seqlen_k, (1,)), from a generator seeded by the shape."""
+    g = torch.Generator().manual_seed(7 * sq + sk)
+    return int(torch.randint(1, 2 * sk, (1,), generator=g))
+
+
+CHUNK_CASES = [
+    Case(2, 1023, 1024, 4, 2, 128, BF16, causal=True, chunk=256),          # a partial first chunk, 3 whole ones
+    Case(3, 113, 203, 4, 1, 64, FP16, chunk=50),                           # partial first and last chunks
+    Case(2, 517, 300, 4, 2, 96, BF16, causal=True, chunk=128),             # rows that see no key
+    Case(1, 4224, 4224, 4, 4, 64, BF16, causal=True, chunk=1000),
+    Case(2, 799, 3, 4, 2, 128, FP16, chunk=2),
+    Case(2, 1, 1000, 6, 2, 256, BF16, causal=True, chunk=333),             # decode
+    Case(2, 239, 387, 4, 2, 192, BF16, window=(64, 16), softcap=30.0, sink=True, chunk=97),
+    Case(2, 333, 517, 4, 2, 128, FP16, causal=True, chunk=random_chunk(333, 517)),
+    Case(2, 1024, 1024, 8, 2, 128, BF16, chunk=random_chunk(1024, 1024)),
+    Case(4, 64, 64, 4, 2, 64, BF16, causal=True, chunk=1),                 # every row its own chunk
+]
+
+
+@pytest.mark.parametrize("c", CHUNK_CASES, ids=case_id)
+def test_attention_chunk_forward(c):
+    """out and lse against the reference with FA3's chunk mask (test_util.construct_chunk_mask, on top
+    of causal / window); rows that see no key give out 0 and lse -inf (or the sink)."""
+    check_forward(c, seed=c.sq + c.sk + c.chunk)
+
+
+@pytest.mark.parametrize("c", [c for c in CHUNK_CASES if c.sq * c.sk <= 1024 * 1024], ids=case_id)
+def test_attention_chunk_backward(c):
+    """FA3 has no backward with attention_chunk; flashgen's pieces are ordinary calls, so autograd
+    gives dq, dk, dv (and d_sink) by FA3's rule against the reference with the chunk mask."""
+    check_backward(c, seed=c.sq + c.sk + c.chunk)
 
 
 # --------------------------------------------------------------------------------------

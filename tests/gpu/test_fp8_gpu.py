@@ -31,7 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen.core import mask_spec  # noqa: E402
+from flashgen.core import chunk_pieces, mask_spec  # noqa: E402
 from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     attention_ref,
     dequantize_fp8,
@@ -74,7 +74,7 @@ def _descales(kind: str, b, sq, sk, h, hk, seed=0):
     return r(b, h, -(-sq // QB)), r(b, hk, -(-sk // QB)), r(b, hk)
 
 
-def _baseline(qf, kf, vf, causal, scale, window_size=(-1, -1), softcap=0.0, sink=None):
+def _baseline(qf, kf, vf, causal, scale, window_size=(-1, -1), softcap=0.0, sink=None, attention_chunk=0):
     """FA3's out_pt for FP8: bf16 computation on the dequantized inputs (softcap's tanh too), P
     quantized to e4m3; with a sink, the softmax in float32 over the logits and the sink's column."""
     q, k, v = (x.to(torch.bfloat16) for x in (qf, kf, vf))
@@ -83,7 +83,7 @@ def _baseline(qf, kf, vf, causal, scale, window_size=(-1, -1), softcap=0.0, sink
     s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
-    vis = visible_mask(q.shape[1], k.shape[1], causal, window_size, device=q.device)
+    vis = visible_mask(q.shape[1], k.shape[1], causal, window_size, device=q.device, attention_chunk=attention_chunk)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
     if sink is None:
@@ -122,9 +122,9 @@ def _fp8_gemm_lse(q8, k8, descales, causal, scale):
 
 
 def _check(q8, k8, v8, descales, causal, out, lse, scale, lse_vs_gemm=False, window_size=(-1, -1), softcap=0.0,
-           sink=None):
+           sink=None, attention_chunk=0):
     qf, kf, vf = (dequantize_fp8(x, d) for x, d in zip((q8, k8, v8), descales))
-    feats = dict(window_size=window_size, softcap=softcap, sink=sink)
+    feats = dict(window_size=window_size, softcap=softcap, sink=sink, attention_chunk=attention_chunk)
     ref, lse_ref = attention_ref(qf, kf, vf, causal, scale, upcast=True, **feats)
     pt = _baseline(qf, kf, vf, causal, scale, **feats)
     assert out.dtype == torch.bfloat16 and out.shape == q8.shape[:3] + (v8.shape[3],)
@@ -148,17 +148,22 @@ def _check(q8, k8, v8, descales, causal, out, lse, scale, lse_vs_gemm=False, win
 
 
 def _run(b, sq, sk, h, hk, d, causal, kind, seed=0, outliers=False, scale=None, lse_vs_gemm=False,
-         window_size=(-1, -1), softcap=0.0, sink=None):
-    m = mask_spec(causal, window_size, sq, sk)  # which kernel serves the call
-    _need(d, m.causal, local=m.local, softcap=softcap > 0)
+         window_size=(-1, -1), softcap=0.0, sink=None, attention_chunk=0):
+    shapes = [(sq, sk)] if not attention_chunk else [  # attention_chunk: each piece with keys is a call
+        ((p.q_end - p.q_begin) // p.chunks, (p.k_end - p.k_begin) // p.chunks)
+        for p in chunk_pieces(sq, sk, attention_chunk) if p.k_end > p.k_begin]
+    for psq, psk in shapes:
+        m = mask_spec(causal, window_size, psq, psk)  # which kernel serves the call
+        _need(d, m.causal, local=m.local, softcap=softcap > 0)
     q8, k8, v8 = _inputs(b, sq, sk, h, hk, d, seed, outliers)
     ds = _descales(kind, b, sq, sk, h, hk, seed)
     scale = d ** -0.5 if scale is None else scale
     poison_cached_blocks(b * sq * h * d * 2)
     out, lse = flashgen.flash_attn_func(q8, k8, v8, softmax_scale=scale, causal=causal, q_descale=ds[0],
                                         k_descale=ds[1], v_descale=ds[2], return_attn_probs=True,
-                                        window_size=window_size, softcap=softcap, learnable_sink=sink)
-    _check(q8, k8, v8, ds, causal, out, lse, scale, lse_vs_gemm, window_size, softcap, sink)
+                                        window_size=window_size, softcap=softcap, learnable_sink=sink,
+                                        attention_chunk=attention_chunk)
+    _check(q8, k8, v8, ds, causal, out, lse, scale, lse_vs_gemm, window_size, softcap, sink, attention_chunk)
     return out
 
 
@@ -208,6 +213,18 @@ def test_fp8_window_softcap_sink(d, causal, window, softcap, sink, kind, sq, sk)
     h = 4
     s = (torch.randn(h, generator=torch.Generator().manual_seed(sq + d)) * 2).cuda() if sink else None
     _run(2, sq, sk, h, 2, d, causal, kind, seed=sq + sk + d, window_size=window, softcap=softcap, sink=s)
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,kind,chunk", [
+    (2, 1023, 1024, 4, 2, 128, True, "head", 256),
+    (2, 1024, 1024, 4, 2, 128, True, "block", 256),   # block descales: chunk boundaries on 64-row blocks
+    (3, 113, 203, 4, 1, 64, False, "head", 50),
+    (2, 517, 300, 4, 2, 256, True, "none", 128),       # rows that see no key
+])
+def test_fp8_attention_chunk(b, sq, sk, h, hk, d, causal, kind, chunk):
+    """FA3's attention_chunk with e4m3 inputs (FA3's test runs it for e4m3 too): the pieces' calls
+    against the reference with the chunk mask, by FA3's FP8 rule."""
+    _run(b, sq, sk, h, hk, d, causal, kind, seed=sq + chunk, attention_chunk=chunk)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.3, 2.0])

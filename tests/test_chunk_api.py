@@ -1,0 +1,280 @@
+"""CPU tests of FA3's ``attention_chunk`` (chunked attention) in flash_attn_func.
+
+A call with attention_chunk C > 0 runs as at most three ordinary calls on slices of q, k, v
+(flashgen.core.chunk_pieces; interface._attention_chunks). Checked here without a GPU:
+- the pieces against FA3's own mask (test_util.construct_chunk_mask, written out in
+  tests/gpu/_ref.visible_mask), with every causal / window combination: the masks the pieces run
+  with, put together, are FA3's mask;
+- flash_attn_func's out, lse and gradients against the float32 reference with the chunk mask,
+  on test_api_validation's emulated core (`fake_gpu`: each piece's launch computes attention
+  through the memory its TensorArgs describe) and test_bwd_api's emulated backward (`gpu`);
+- FP8 descales per piece, and the argument's errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen.core as core
+from flashgen import _validate as V
+from flashgen.interface import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from _ref import attention_ref, dequantize_fp8, visible_mask  # noqa: E402  (torch only: runs on the CPU)
+from test_api_validation import fake_gpu, qkv  # noqa: E402,F401
+from test_bwd_api import assert_close, gpu  # noqa: E402,F401
+
+WINDOWS = [(False, (-1, -1)), (True, (-1, -1)), (False, (3, -1)), (False, (-1, 2)), (False, (2, 1)),
+           (False, (0, 0)), (True, (4, -1))]
+
+
+def pieces_mask(sq, sk, chunk, causal, window):
+    """The (sq, sk) mask the pieces of chunk_pieces run with: each piece (each of its whole chunks)
+    with the call's own causal / window mask, bottom-right aligned in the piece; False elsewhere."""
+    m = torch.zeros(sq, sk, dtype=torch.bool)
+    for pc in core.chunk_pieces(sq, sk, chunk):
+        n = pc.chunks
+        cq, ck = (pc.q_end - pc.q_begin) // n, (pc.k_end - pc.k_begin) // n
+        for t in range(n):
+            part = visible_mask(cq, ck, causal, window)
+            q0, k0 = pc.q_begin + t * cq, pc.k_begin + t * ck
+            m[q0:q0 + cq, k0:k0 + ck] = True if part is None else part
+    return m
+
+
+def test_chunk_pieces_cover_fa3s_chunk_mask():
+    for sq in range(0, 26):
+        for sk in range(0, 26):
+            for chunk in range(1, 30):
+                pieces = core.chunk_pieces(sq, sk, chunk)
+                assert 1 <= len(pieces) <= 3
+                assert pieces[0].q_begin == 0 and pieces[-1].q_end == sq
+                keyed = [pc for pc in pieces if pc.k_end > pc.k_begin]
+                for a, b in zip(pieces, pieces[1:]):
+                    assert a.q_end == b.q_begin and a.q_end > a.q_begin
+                for a, b in zip(keyed, keyed[1:]):
+                    assert a.k_end == b.k_begin
+                if sq and sk:
+                    assert keyed and keyed[-1].k_end == sk
+                for pc in keyed:
+                    lq, lk = pc.q_end - pc.q_begin, pc.k_end - pc.k_begin
+                    assert pc.q_begin + sk - sq == pc.k_begin + lk - lq  # bottom-right alignment kept
+                    if pc.chunks > 1:
+                        assert lq == lk == chunk * pc.chunks
+                if sq and sk:
+                    assert torch.equal(pieces_mask(sq, sk, chunk, False, (-1, -1)),
+                                       visible_mask(sq, sk, attention_chunk=chunk))
+
+
+def test_chunk_pieces_with_causal_and_windows_give_fa3s_mask():
+    lengths = (1, 2, 3, 5, 7, 8, 13, 16, 17, 24, 31)
+    for sq in lengths:
+        for sk in lengths:
+            for chunk in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33):
+                for causal, window in WINDOWS:
+                    want = visible_mask(sq, sk, causal, window, attention_chunk=chunk)
+                    assert torch.equal(pieces_mask(sq, sk, chunk, causal, window), want), (sq, sk, chunk, causal,
+                                                                                          window)
+
+
+def test_chunk_pieces_count_does_not_grow_with_chunks():
+    assert core.chunk_pieces(16384, 16384, 1) == [core.ChunkPiece(0, 16384, 0, 16384, 16384)]
+    # decode-like: the rows' first chunk partial, then the last (partial) chunk
+    assert core.chunk_pieces(100, 1000, 64) == [core.ChunkPiece(0, 60, 896, 960, 1),
+                                                 core.ChunkPiece(60, 100, 960, 1000, 1)]
+    # rows past the keys' start see nothing; whole chunks batched; a partial last chunk
+    assert core.chunk_pieces(10, 4, 2) == [core.ChunkPiece(0, 6, 0, 0, 1), core.ChunkPiece(6, 10, 0, 4, 2)]
+    assert core.chunk_pieces(5, 7, 4) == [core.ChunkPiece(0, 2, 0, 4, 1), core.ChunkPiece(2, 5, 4, 7, 1)]
+    assert core.chunk_pieces(0, 7, 4) == [core.ChunkPiece(0, 0, 0, 7, 1)]
+    with pytest.raises(ValueError, match="attention_chunk >= 1"):
+        core.chunk_pieces(4, 4, 0)
+
+
+# --------------------------------------------------------------------------------------
+# flash_attn_func with attention_chunk, on the emulated core
+# --------------------------------------------------------------------------------------
+
+SHAPES = [  # (seqlen_q, seqlen_k, attention_chunk)
+    (37, 53, 16),   # partial first chunk, whole chunks, partial last one
+    (53, 37, 16),   # rows before the first key position see nothing
+    (40, 40, 8),    # whole chunks only: one call of 5 x batch
+    (29, 64, 7),
+    (1, 100, 30),   # decode
+    (100, 1, 3),
+    (24, 24, 1),    # every row its own chunk
+]
+
+
+def check_against_reference(out, lse, q, k, v, scale, causal, window, chunk, softcap=0.0, sink=None):
+    ref, ref_lse = attention_ref(q, k, v, causal, scale, window_size=window, softcap=softcap, sink=sink,
+                                 attention_chunk=chunk)
+    assert out.shape == ref.shape and out.dtype == q.dtype and out.is_contiguous()
+    tol = 2e-3 if out.dtype == torch.float16 else 1.6e-2  # one rounding of the emulator's fp32 result
+    assert (out.float() - ref.float()).abs().max().item() <= tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sq,sk,chunk", SHAPES)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (5, 3)), (True, (6, -1))])
+def test_chunked_forward_matches_reference(fake_gpu, sq, sk, chunk, causal, window):
+    q, k, v = qkv(b=2, sq=sq, sk=sk, h=4, hk=2)
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, attention_chunk=chunk,
+                               return_attn_probs=True)
+    check_against_reference(out, lse, q, k, v, 64 ** -0.5, causal, window, chunk)
+    pieces = core.chunk_pieces(sq, sk, chunk)
+    assert len(fake_gpu.calls) == sum(pc.k_end > pc.k_begin for pc in pieces)  # the blind rows launch nothing
+    for call, pc in zip(fake_gpu.calls, [pc for pc in pieces if pc.k_end > pc.k_begin]):
+        n = pc.chunks
+        assert call["q"].shape == (2 * n, (pc.q_end - pc.q_begin) // n, 4, 64)
+        assert call["k"].shape == (2 * n, (pc.k_end - pc.k_begin) // n, 2, 64)
+        assert call["causal"] is causal and call["scale"] == pytest.approx(64 ** -0.5)
+    # without lse: the same out
+    out2 = flash_attn_func(q, k, v, causal=causal, window_size=window, attention_chunk=chunk)
+    assert torch.equal(out2, out)
+
+
+def test_whole_chunks_share_one_call_as_a_view(fake_gpu):
+    q, k, v = qkv(b=3, sq=48, sk=48, h=2, hk=2)
+    out = flash_attn_func(q, k, v, causal=True, attention_chunk=16)
+    check_against_reference(out, flash_attn_func(q, k, v, causal=True, attention_chunk=16, return_attn_probs=True)[1],
+                            q, k, v, 64 ** -0.5, True, (-1, -1), 16)
+    call = fake_gpu.calls[0]
+    assert call["q"].shape == (9, 16, 2, 64) and call["q"].ptr == q.data_ptr()  # contiguous: no copy
+
+
+def test_a_chunk_covering_every_key_is_the_plain_call(fake_gpu):
+    q, k, v = qkv(b=2, sq=37, sk=37)
+    out = flash_attn_func(q, k, v, causal=True, attention_chunk=64)
+    (call,) = fake_gpu.calls
+    assert call["q"].shape == q.shape and call["q"].ptr == q.data_ptr()
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True))
+
+
+def test_chunked_softcap_sink_gqa(fake_gpu):
+    q, k, v = qkv(b=2, sq=45, sk=61, h=6, hk=2, dtype=torch.bfloat16)
+    sink = torch.randn(6, generator=torch.Generator().manual_seed(3))
+    out, lse = flash_attn_func(q, k, v, softcap=5.0, learnable_sink=sink, attention_chunk=20, softmax_scale=0.3,
+                               return_attn_probs=True)
+    check_against_reference(out, lse, q, k, v, 0.3, False, (-1, -1), 20, softcap=5.0, sink=sink)
+
+
+@pytest.mark.parametrize("sq,sk,chunk", [(37, 53, 16), (53, 37, 16), (40, 40, 8), (1, 30, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_gradients_match_reference(gpu, sq, sk, chunk, causal):
+    q, k, v = (t.requires_grad_(True) for t in qkv(b=2, sq=sq, sk=sk, h=4, hk=2))
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    out = flash_attn_func(q, k, v, causal=causal, attention_chunk=chunk, learnable_sink=sink)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    (out.float() * w.float()).sum().backward()
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v, sink)]
+    ref, _ = attention_ref(*leaves[:3], causal, 64 ** -0.5, sink=leaves[3], attention_chunk=chunk)
+    ref.backward(w.float())
+    for t, r in zip((q, k, v), leaves[:3]):
+        assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+        assert_close(t.grad, r.grad)
+    assert torch.allclose(sink.grad, leaves[3].grad, atol=2e-2, rtol=2e-2)
+    keyed = [pc for pc in core.chunk_pieces(sq, sk, chunk) if pc.k_end > pc.k_begin]
+    assert len(gpu.calls) == len(keyed)  # one backward per piece with keys
+
+
+# --------------------------------------------------------------------------------------
+# FP8 descales per piece; argument errors
+# --------------------------------------------------------------------------------------
+
+def _fp8(shape, seed):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("sq,sk,chunk,block", [(37, 53, 16, False), (40, 40, 8, False), (128, 192, 64, True),
+                                               (192, 192, 64, True), (64, 200, 128, True)])
+def test_chunked_fp8_descales(fake_gpu, sq, sk, chunk, block):
+    b, h, hk = 2, 4, 2
+    q, k, v = _fp8((b, sq, h, 64), 0), _fp8((b, sk, hk, 64), 1), _fp8((b, sk, hk, 64), 2)
+    g = torch.Generator().manual_seed(7)
+    if block:
+        qd = torch.rand(b, h, -(-sq // 64), generator=g) + 0.5
+        kd = torch.rand(b, hk, -(-sk // 64), generator=g) + 0.5
+    else:
+        qd, kd = torch.rand(b, hk, generator=g) + 0.5, torch.rand(b, hk, generator=g) + 0.5
+    vd = torch.rand(b, hk, generator=g) + 0.5
+    out, lse = flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                               attention_chunk=chunk, return_attn_probs=True)
+    deq = [dequantize_fp8(x, d) for x, d in zip((q, k, v), (qd, kd, vd))]
+    ref, ref_lse = attention_ref(*deq, True, 64 ** -0.5, attention_chunk=chunk)
+    assert out.dtype == torch.bfloat16
+    assert bool(((out.float() - ref).abs() <= 8e-3 * ref.abs().clamp(min=1.0)).all())  # one bf16 rounding
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-4)
+
+
+def test_block_descales_cut_by_a_chunk_raise_before_any_launch(fake_gpu):
+    b, h, hk, sq, sk = 1, 2, 2, 100, 100
+    q, k, v = _fp8((b, sq, h, 64), 0), _fp8((b, sk, hk, 64), 1), _fp8((b, sk, hk, 64), 2)
+    qd = torch.ones(b, h, 2)
+    with pytest.raises(NotImplementedError, match="attention_chunk with a block q_descale"):
+        flash_attn_func(q, k, v, q_descale=qd, attention_chunk=48)
+    assert fake_gpu.calls == []
+
+
+@pytest.mark.parametrize("chunk,exc,fragment", [
+    ("8", TypeError, "attention_chunk must be an int >= 0 (0 = off), got str"),
+    (True, TypeError, "got bool"),
+    (2.0, TypeError, "got float"),
+    (-1, ValueError, "attention_chunk must be >= 0 (0 = off), got -1"),
+])
+def test_attention_chunk_argument_errors(fake_gpu, chunk, exc, fragment):
+    q, k, v = qkv()
+    with pytest.raises(exc) as info:
+        flash_attn_func(q, k, v, attention_chunk=chunk)
+    assert fragment in str(info.value)
+    assert fake_gpu.calls == []
+    assert V.attention_chunk_problems(chunk)[0][0] is exc
+
+
+def test_chunked_empty_problems(fake_gpu):
+    for b, sq, sk in ((0, 37, 53), (2, 0, 53), (2, 37, 0)):
+        q, k, v = qkv(b=b, sq=sq, sk=sk)
+        out, lse = flash_attn_func(q, k, v, attention_chunk=16, return_attn_probs=True)
+        assert out.shape == (b, sq, 4, 64) and lse.shape == (b, 4, sq)
+        assert not out.any() and bool((lse == float("-inf")).all())
+    assert fake_gpu.calls == []
+
+
+@pytest.mark.parametrize("chunk", [0, None])
+def test_attention_chunk_off(fake_gpu, chunk):
+    q, k, v = qkv()
+    out = flash_attn_func(q, k, v, causal=True, attention_chunk=chunk)
+    (call,) = fake_gpu.calls
+    assert call["q"].shape == q.shape
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True))
+
+
+def test_compile_fullgraph_chunked_forward_and_backward(gpu):
+    """torch.compile(fullgraph=True) traces a chunked call (its slicing, the pieces' ops, the cat) and
+    its backward: the same gradients as eager, one fwd and one bwd op per piece in the graphs."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+
+    def loss_fn(q, k, v):
+        return (flash_attn_func(q, k, v, causal=True, attention_chunk=16).float() ** 2).sum()
+
+    def leaves():
+        return [t.requires_grad_(True) for t in qkv(b=2, sq=37, sk=53, h=4, hk=2)]
+
+    eager_in, compiled_in = leaves(), leaves()
+    loss_fn(*eager_in).backward()
+    backend = AotEagerAndRecordGraphs()
+    torch.compile(loss_fn, fullgraph=True, backend=backend)(*compiled_in).backward()
+    for a, b in zip(eager_in, compiled_in):
+        assert torch.equal(a.grad, b.grad)
+    (fw,), (bw,) = backend.fw_graphs, backend.bw_graphs
+    pieces = len(core.chunk_pieces(37, 53, 16))  # whole chunks 1-2 as one call, the partial last chunk
+    assert pieces == 2 and fw.code.count("flashgen.fwd") == bw.code.count("flashgen.bwd") == pieces
