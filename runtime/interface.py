@@ -51,7 +51,7 @@ from . import _validate as _v
 from . import core as _core
 from . import launch as _launch
 
-__all__ = ["flash_attn_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "QUANT_BLOCK"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "QUANT_BLOCK"]
 
 _Tensor = torch.Tensor
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -863,6 +863,70 @@ def _attention_chunks(q, k, v, attention_chunk: int, scale: float, causal: bool,
     if not want_lse:
         return out, None
     return out, (torch.cat(lses, dim=2) if len(lses) > 1 else lses[0])
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    window_size: tuple = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    num_heads_q: Optional[int] = None,
+    sm_margin: int = 0,
+    return_attn_probs: bool = False,
+):
+    """FA3's ``flash_attn_qkvpacked_func``: attention over q, k, v packed in one tensor, with FA3's
+    arguments in FA3's order; the same as :func:`flash_attn_func` on its three views (no copy when
+    their layout suits TMA, as for any flash_attn_func input), differentiable (the gradient comes
+    back packed, in qkv's shape).
+
+    Args:
+        qkv: ``(batch, seqlen, 3, heads, head_dim)`` (q, k, v stacked on dim 2), or, for MQA/GQA,
+            ``(batch, seqlen, num_heads_q + 2 * heads_k, head_dim)`` with ``num_heads_q`` given
+            (the q heads, then k's, then v's: FA3's layout). float16, bfloat16 or float8_e4m3fn.
+        num_heads_q: the q heads of a 4-D qkv (ignored for a 5-D one).
+        softmax_scale, causal, q_descale, k_descale, v_descale, window_size, attention_chunk,
+        softcap, deterministic, return_attn_probs: as :func:`flash_attn_func` (softmax_scale None:
+        ``head_dim ** -0.5``).
+        sm_margin: accepted and ignored, as in flash_attn_func.
+
+    Returns:
+        out ``(batch, seqlen, heads, head_dim)``, and lse float32 ``(batch, heads, seqlen)`` with
+        return_attn_probs.
+
+    Raises:
+        TypeError: qkv not a torch.Tensor, num_heads_q not an int.
+        ValueError: qkv not 5-D with 3 on dim 2, or 4-D without a num_heads_q that leaves an even,
+            non-zero number of heads for k and v; then whatever :func:`flash_attn_func` raises.
+    """
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"flashgen: qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError(f"flashgen: a 5-D qkv must be (batch, seqlen, 3, heads, head_dim), got shape "
+                             f"{tuple(qkv.shape)}")
+        q, k, v = qkv.unbind(dim=2)
+    elif qkv.dim() == 4:
+        if num_heads_q is None or isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int):
+            raise TypeError("flashgen: a 4-D qkv (batch, seqlen, num_heads_q + 2 * heads_k, head_dim) needs "
+                            f"num_heads_q, an int; got {type(num_heads_q).__name__}")
+        heads_k, odd = divmod(qkv.shape[2] - num_heads_q, 2)
+        if num_heads_q < 1 or heads_k < 1 or odd:
+            raise ValueError(f"flashgen: qkv has {qkv.shape[2]} heads on dim 2, which num_heads_q={num_heads_q} "
+                             "does not split into num_heads_q + 2 * heads_k with heads_k >= 1")
+        q, k, v = qkv.split([num_heads_q, heads_k, heads_k], dim=2)
+    else:
+        raise ValueError(f"flashgen: qkv must be 5-D (batch, seqlen, 3, heads, head_dim) or 4-D with num_heads_q, "
+                         f"got {qkv.dim()}-D shape {tuple(qkv.shape)}")
+    return flash_attn_func(q, k, v, softmax_scale, causal, q_descale=q_descale, k_descale=k_descale,
+                           v_descale=v_descale, window_size=window_size, attention_chunk=attention_chunk,
+                           softcap=softcap, deterministic=deterministic, sm_margin=sm_margin,
+                           return_attn_probs=return_attn_probs)
 
 
 # ======================================================================================

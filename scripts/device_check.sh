@@ -18,7 +18,8 @@
 #   bash scripts/device_check.sh perf      kernel-change check: FP8 + forward API GPU tests, the FP8 grid (fp8_bench.py), and a
 #                                          reduced forward regression grid (bf16, hd 64/128/256, seqlen 512/2k/16k) against
 #                                          .base/ (scripts/make_base.sh), alternated twice, SDPA peers in the same runs
-#   bash scripts/device_check.sh tests     every GPU test, then the host overhead per call (flash_attn_func, core launch, SDPA)
+#   bash scripts/device_check.sh tests     the host overhead per call (flash_attn_func, core launch, SDPA), then every GPU test
+#                                          (TESTS_K: only those matching -k, e.g. TESTS_K=chunk for attention_chunk's)
 #                                          (BUILD_ALL=0, any mode: the default build set only, without the tune
 #                                          candidates; over all 310 variants the suite ran past 450 s on an H200,
 #                                          session 2026-12-04, against 114-164 s in earlier sessions' calls)
@@ -322,7 +323,7 @@ sanity)
   ;;
 tests)
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"
-  timeout 510 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+  timeout 510 python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
   ;;
 compare)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

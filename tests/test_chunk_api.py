@@ -8,7 +8,8 @@ A call with attention_chunk C > 0 runs as at most three ordinary calls on slices
 - flash_attn_func's out, lse and gradients against the float32 reference with the chunk mask,
   on test_api_validation's emulated core (`fake_gpu`: each piece's launch computes attention
   through the memory its TensorArgs describe) and test_bwd_api's emulated backward (`gpu`);
-- FP8 descales per piece, and the argument's errors.
+- FP8 descales per piece, and the argument's errors;
+- flash_attn_qkvpacked_func (FA3's packed entry, which passes attention_chunk on as the rest).
 """
 
 from __future__ import annotations
@@ -278,3 +279,52 @@ def test_compile_fullgraph_chunked_forward_and_backward(gpu):
     (fw,), (bw,) = backend.fw_graphs, backend.bw_graphs
     pieces = len(core.chunk_pieces(37, 53, 16))  # whole chunks 1-2 as one call, the partial last chunk
     assert pieces == 2 and fw.code.count("flashgen.fwd") == bw.code.count("flashgen.bwd") == pieces
+
+
+# --------------------------------------------------------------------------------------
+# flash_attn_qkvpacked_func (FA3's packed entry; it passes attention_chunk on like the rest)
+# --------------------------------------------------------------------------------------
+
+def test_qkvpacked_5d_is_flash_attn_func_on_its_views(gpu):
+    from flashgen import flash_attn_qkvpacked_func
+
+    qkv = torch.randn(2, 37, 3, 4, 64, generator=torch.Generator().manual_seed(0)).half().requires_grad_(True)
+    out, lse = flash_attn_qkvpacked_func(qkv, causal=True, attention_chunk=16, return_attn_probs=True)
+    q, k, v = (t.detach() for t in qkv.unbind(dim=2))
+    check_against_reference(out, lse, q, k, v, 64 ** -0.5, True, (-1, -1), 16)
+    flash_attn_qkvpacked_func(qkv.detach(), causal=True)  # unchunked: q is a view of qkv, not a copy
+    assert gpu.fwd.calls[-1]["q"].ptr == qkv.data_ptr() and gpu.fwd.calls[-1]["k"].strides == qkv[:, :, 1].stride()
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).half()
+    (out.float() * w.float()).sum().backward()
+    leaves = [t.float().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = attention_ref(*leaves, True, 64 ** -0.5, attention_chunk=16)
+    ref.backward(w.float())
+    assert qkv.grad.shape == qkv.shape
+    assert_close(qkv.grad, torch.stack([t.grad for t in leaves], dim=2))
+
+
+def test_qkvpacked_4d_gqa(fake_gpu):
+    from flashgen import flash_attn_qkvpacked_func
+
+    qkv = torch.randn(2, 29, 6 + 2 * 2, 64, generator=torch.Generator().manual_seed(0)).half()
+    out = flash_attn_qkvpacked_func(qkv, window_size=(5, 3), num_heads_q=6, softmax_scale=0.2)
+    q, k, v = qkv[:, :, :6], qkv[:, :, 6:8], qkv[:, :, 8:]
+    ref, _ = attention_ref(q, k, v, False, 0.2, window_size=(5, 3))
+    assert out.shape == (2, 29, 6, 64) and (out.float() - ref).abs().max().item() <= 2e-3
+
+
+@pytest.mark.parametrize("qkv,kw,exc,fragment", [
+    ("x", {}, TypeError, "qkv must be a torch.Tensor, got str"),
+    (torch.zeros(2, 5, 2, 4, 64), {}, ValueError, "a 5-D qkv must be (batch, seqlen, 3, heads, head_dim)"),
+    (torch.zeros(2, 5, 10, 64), {}, TypeError, "needs num_heads_q, an int; got NoneType"),
+    (torch.zeros(2, 5, 10, 64), dict(num_heads_q=5), ValueError, "does not split into num_heads_q + 2 * heads_k"),
+    (torch.zeros(2, 5, 10, 64), dict(num_heads_q=10), ValueError, "with heads_k >= 1"),
+    (torch.zeros(5, 10, 64), {}, ValueError, "got 3-D shape (5, 10, 64)"),
+])
+def test_qkvpacked_errors(fake_gpu, qkv, kw, exc, fragment):
+    from flashgen import flash_attn_qkvpacked_func
+
+    with pytest.raises(exc) as info:
+        flash_attn_qkvpacked_func(qkv.half() if isinstance(qkv, torch.Tensor) else qkv, **kw)
+    assert fragment in str(info.value)
+    assert fake_gpu.calls == []
