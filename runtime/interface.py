@@ -591,9 +591,11 @@ def flash_attn_func(
         k: ``(batch, seqlen_k, heads_k, head_dim)``, same dtype and device as q.
         v: ``(batch, seqlen_k, heads_k, head_dim_v)``, same dtype and device as q.
             heads must be a multiple of heads_k; head_dim and head_dim_v multiples of 8 in
-            8..256. A head dim with no variant of its own runs on the smallest built larger one
-            (zero padded, as FA3 rounds up to its compiled sizes); a call no built variant
-            covers raises MissingVariantError.
+            8..256; with float16 / bfloat16 head_dim_v may go up to 512 (FA3's limit), served
+            as two calls on v's column halves (q k^T and the softmax computed twice). A head
+            dim with no variant of its own runs on the smallest built larger one (zero padded,
+            as FA3 rounds up to its compiled sizes); a call no built variant covers raises
+            MissingVariantError.
         softmax_scale: multiplies q.k before the softmax; None means ``head_dim ** -0.5``.
             Any finite float (FA3 accepts zero and negative scales too).
         causal: bottom-right aligned causal mask: query row i sees keys
@@ -681,7 +683,8 @@ def flash_attn_func(
             torch.Tensor or not float32; attention_chunk not an int.
         ValueError: not CUDA tensors or not on one device; not 4-D; batch, seqlen or
             heads mismatched between q, k, v; head_dim of k differs from q's; heads not a
-            multiple of heads_k; head_dim / head_dim_v not a multiple of 8 in 8..256;
+            multiple of heads_k; head_dim / head_dim_v not a multiple of 8 in 8..256 (head_dim_v:
+            8..512 for 16-bit inputs);
             softmax_scale NaN or infinite; softcap NaN, infinite or negative; window_size
             not of 2 entries or an entry < -1; learnable_sink not of shape (heads,) or not
             on q's device; attention_chunk < 0.
@@ -701,6 +704,7 @@ def flash_attn_func(
             mask, softcap).
     """
     if (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and learnable_sink is None
+            and v.shape[-1:] <= _ONE_CALL_HEAD_DIM_V  # (torch.Size: a tuple; () for a 0-d v, checked later)
             and (q_descale is None or type(q_descale) is _Tensor) and (k_descale is None or type(k_descale) is _Tensor)
             and (v_descale is None or type(v_descale) is _Tensor) and qv is None
             and attention_chunk in (0, None) and type(softcap) is float and 0.0 <= softcap < math.inf
@@ -766,6 +770,10 @@ def flash_attn_func(
         raise NotImplementedError("flashgen: the FP8 (float8_e4m3fn) forward has no backward (FA3 has none either); "
                                   "call it under torch.no_grad() or with inputs that do not require grad")
     causal = bool(causal)
+    if isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[3] > _v.MAX_HEAD_DIM:
+        # FA3's head_dim_v up to 512 (16-bit): two calls, each on half of v's columns
+        return _split_head_dim_v(q, k, v, scale, causal, window_size, attention_chunk, softcap, sink, descales,
+                                 pack_gqa, deterministic, return_attn_probs)
     if attention_chunk:  # FA3's chunked attention: the call's independent pieces (None / 0: off)
         chunked = _attention_chunks(q, k, v, int(attention_chunk), scale, causal, (window_left, window_right), softcap,
                                     sink, descales, pack_gqa, deterministic, return_attn_probs)
@@ -793,6 +801,38 @@ def flash_attn_func(
     if return_attn_probs:
         return out, lse
     return out
+
+
+MAX_SPLIT_HEAD_DIM_V = 2 * _v.MAX_HEAD_DIM  # FA3 serves head_dim_v up to 512 (16-bit, head_dim <= 64)
+_ONE_CALL_HEAD_DIM_V = (_v.MAX_HEAD_DIM,)  # flash_attn_func's fast path: v.shape[-1:] <= this
+
+
+def _split_head_dim_v(q, k, v, scale: float, causal: bool, window_size, attention_chunk, softcap: float, sink,
+                      descales: tuple, pack_gqa, deterministic, want_lse: bool):
+    """flash_attn_func for a head_dim_v over one kernel's 256 (FA3 serves up to 512 in 16 bits): the
+    softmax weights depend on q and k alone, so out's columns split into two calls of the same
+    arguments on v's two column halves (each a multiple of 8, read in place: a column slice keeps
+    v's strides), whose outs are concatenated; lse is the first call's (both compute the same).
+    Autograd sums the two calls' dq and dk and concatenates dv (dS is linear in dO and V's
+    columns). Costs q k^T and the softmax twice. ValueError for head_dim_v over 512 or not a
+    multiple of 8, NotImplementedError for float8_e4m3fn (FA3: 16-bit only); the rest is each
+    call's own checking. Returns what flash_attn_func returns."""
+    dv = v.shape[3]
+    if dv > MAX_SPLIT_HEAD_DIM_V or dv % _v.HEAD_DIM_MULTIPLE:
+        raise ValueError(f"flashgen: head_dim_v (dim 3 of v) must be a multiple of {_v.HEAD_DIM_MULTIPLE} up to "
+                         f"{_v.MAX_HEAD_DIM}, or up to {MAX_SPLIT_HEAD_DIM_V} with float16 / bfloat16 inputs, got {dv}")
+    if v.dtype in _FP8_TORCH_DTYPES:
+        raise NotImplementedError(f"flashgen: head_dim_v ({dv}) over {_v.MAX_HEAD_DIM} is served for float16 / "
+                                  "bfloat16 inputs only (as in FA3)")
+    half = -(-dv // (2 * _v.HEAD_DIM_MULTIPLE)) * _v.HEAD_DIM_MULTIPLE
+    res = [flash_attn_func(q, k, part, scale, causal, q_descale=descales[0], k_descale=descales[1],
+                           v_descale=descales[2], window_size=window_size, attention_chunk=attention_chunk,
+                           softcap=softcap, pack_gqa=pack_gqa, deterministic=deterministic,
+                           return_attn_probs=want_lse, learnable_sink=sink)
+           for part in (v[..., :half], v[..., half:])]
+    if not want_lse:
+        return torch.cat(res, dim=-1)
+    return torch.cat([o for o, _ in res], dim=-1), res[0][1]
 
 
 def _chunk_descale(t: Optional[torch.Tensor], name: str, begin: int, end: int, chunks: int, batch: int):

@@ -328,3 +328,40 @@ def test_qkvpacked_errors(fake_gpu, qkv, kw, exc, fragment):
         flash_attn_qkvpacked_func(qkv.half() if isinstance(qkv, torch.Tensor) else qkv, **kw)
     assert fragment in str(info.value)
     assert fake_gpu.calls == []
+
+
+# --------------------------------------------------------------------------------------
+# head_dim_v over 256 (FA3: up to 512 in 16 bits) as two calls on v's column halves
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dv,chunk", [(512, 0), (264, 0), (320, 16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_v_over_256_split(gpu, dv, chunk, causal):
+    q, k, v = (t.requires_grad_(True) for t in qkv(b=2, sq=37, sk=53, h=4, hk=2, d=64, dv=dv))
+    out, lse = flash_attn_func(q, k, v, causal=causal, attention_chunk=chunk, return_attn_probs=True)
+    check_against_reference(out, lse, q.detach(), k.detach(), v.detach(), 64 ** -0.5, causal, (-1, -1), chunk)
+    half = -(-dv // 16) * 8
+    widths = sorted({c["v"].shape[3] for c in gpu.fwd.calls})
+    assert widths == sorted({half, dv - half}) and all(c["v"].ptr in (v.data_ptr(), v.data_ptr() + 2 * half)
+                                                       for c in gpu.fwd.calls if chunk == 0)  # read in place
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).half()
+    (out.float() * w.float()).sum().backward()
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = attention_ref(*leaves, causal, 64 ** -0.5, attention_chunk=chunk)
+    ref.backward(w.float())
+    for t, r in zip((q, k, v), leaves):
+        assert_close(t.grad, r.grad)
+    assert torch.equal(flash_attn_func(q.detach(), k.detach(), v.detach(), causal=causal, attention_chunk=chunk), out)
+
+
+@pytest.mark.parametrize("dv,dtype,exc,fragment", [
+    (520, torch.float16, ValueError, "up to 512 with float16 / bfloat16 inputs, got 520"),
+    (300, torch.float16, ValueError, "must be a multiple of 8 up to 256, or up to 512"),
+    (512, torch.float8_e4m3fn, NotImplementedError, "head_dim_v (512) over 256 is served for float16"),
+])
+def test_head_dim_v_over_256_errors(fake_gpu, dv, dtype, exc, fragment):
+    q, k, v = (t.to(dtype) for t in qkv(d=64, dv=dv))
+    with pytest.raises(exc) as info:
+        flash_attn_func(q, k, v)
+    assert fragment in str(info.value)
+    assert fake_gpu.calls == []

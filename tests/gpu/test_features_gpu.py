@@ -139,13 +139,15 @@ def need(c: Case, backward: bool = False) -> None:
     shapes = [(c.sq, c.sk)] if not c.chunk else [
         ((p.q_end - p.q_begin) // p.chunks, (p.k_end - p.k_begin) // p.chunks)
         for p in chunk_pieces(c.sq, c.sk, c.chunk) if p.k_end > p.k_begin]
+    # head_dim_v over 256: two calls on v's column halves (interface._split_head_dim_v)
+    dv = c.head_dim_v if c.head_dim_v <= 256 else -(-c.head_dim_v // 16) * 8
     for sq, sk in shapes:
         m = mask_spec(c.causal, c.window, sq, sk)
         base = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "causal": m.causal, "local": m.local,
                 "softcap": c.softcap > 0}
-        why = variant_missing("fwd", {**base, "head_dim_v": c.head_dim_v}, round_up=("head_dim", "head_dim_v"))
+        why = variant_missing("fwd", {**base, "head_dim_v": dv}, round_up=("head_dim", "head_dim_v"))
         if why is None and backward:
-            why = variant_missing("bwd", {**base, "head_dim": max(c.d, c.head_dim_v)}, round_up=("head_dim",))
+            why = variant_missing("bwd", {**base, "head_dim": max(c.d, dv)}, round_up=("head_dim",))
         if why:
             pytest.skip(why)
 
@@ -385,6 +387,29 @@ def test_head_dim_rounded_up_forward(d, dtype, causal, window):
 def test_head_dim_192_v128_forward(c):
     """DeepSeek's (192, 128) head dims, forward: out (batch, seqlen_q, heads, 128)."""
     check_forward(c, seed=c.sq)
+
+
+WIDE_V_CASES = [  # FA3's head_dim <= 64 with head_dim_v 256 / 512 (16-bit): 512 runs as two calls of 256
+    Case(2, 239, 387, 4, 2, 64, BF16, dv=256),
+    Case(2, 239, 387, 4, 2, 64, FP16, causal=True, dv=512),
+    Case(3, 517, 333, 6, 2, 64, BF16, causal=True, dv=512),               # rows that see no key
+    Case(1, 1023, 1024, 4, 1, 64, BF16, window=(128, 16), softcap=15.0, sink=True, dv=512),
+    Case(2, 333, 517, 4, 2, 64, FP16, dv=512, chunk=100),
+]
+
+
+@pytest.mark.parametrize("c", WIDE_V_CASES, ids=case_id)
+def test_head_dim_v_256_512_forward(c):
+    """head_dim 64 with head_dim_v 256 (the hd256 variant, q and k zero-padded) and 512 (two calls on
+    v's column halves), forward against the reference."""
+    check_forward(c, seed=c.sq + c.head_dim_v)
+
+
+@pytest.mark.parametrize("c", WIDE_V_CASES[:3], ids=case_id)
+def test_head_dim_v_256_512_backward(c):
+    """Their gradients (FA3 has no backward beyond head_dim_v 256; autograd sums the two calls'
+    dq and dk and concatenates dv)."""
+    check_backward(c, seed=c.sq + c.head_dim_v)
 
 
 # --------------------------------------------------------------------------------------
