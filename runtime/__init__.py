@@ -2,7 +2,8 @@
 built ahead of time as fatbins and launched through cuda-python (no C++ extension, no libtorch ABI).
 
 Torch users: ``from flashgen import flash_attn_func`` (FA3's ``flash_attn_interface`` names;
-differentiable through torch autograd), and ``flash_attn_qkvpacked_func`` for packed q, k, v.
+differentiable through torch autograd), ``flash_attn_qkvpacked_func`` for packed q, k, v, and
+``flash_attn_varlen_func`` for sequences of different lengths (one call per sequence for now).
 Split-KV partials: ``flashgen.flash_attn_combine`` (torch, FA3's name).
 FP8 inputs: ``flashgen.quantize_fp8`` (torch) makes e4m3 q, k, v and their descales with FA3's
 block quantization and incoherent processing; ``flashgen.QUANT_BLOCK`` rows share a block scale.
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "flash_attn_func": ("interface", "flash_attn_func"),
     "flash_attn_qkvpacked_func": ("interface", "flash_attn_qkvpacked_func"),
+    "flash_attn_varlen_func": ("interface", "flash_attn_varlen_func"),
     "flash_attn_forward": ("dlpack_api", "flash_attn_forward"),
     "flash_attn_backward": ("dlpack_api", "flash_attn_backward"),
     "flash_attn_combine": ("interface", "flash_attn_combine"),

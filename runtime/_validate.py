@@ -67,6 +67,7 @@ __all__ = [
     "QUANT_BLOCK",
     "feature_problems",
     "attention_chunk_problems",
+    "varlen_problems",
     "window_size_problems",
     "window_pair",
     "softcap_problems",
@@ -320,6 +321,55 @@ def feature_problems(
     if qv is not None:
         P.append((NotImplementedError, "qv (absorbed MLA) is not supported yet; pass qv=None"))
     return P + attention_chunk_problems(attention_chunk)
+
+
+def varlen_problems(total_q: int, total_k: int, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    seqused_q=None, seqused_k=None) -> list:
+    """The problems (see :func:`raise_problems`) of FA3's varlen arguments, as host lists of ints
+    (``flashgen.flash_attn_varlen_func``): cu_seqlens_q / cu_seqlens_k of batch + 1 offsets each,
+    starting at 0, non-decreasing, the last at most total_q / total_k (q's / k's first dim);
+    seqused_q / seqused_k None or batch counts with 0 <= seqused[b] <= the sequence's length (the
+    rows of sequence b past seqused[b] are unused); max_seqlen_q / max_seqlen_k ints at least every
+    (used) sequence's length, as FA3's kernels, which size their grids by them, need. ValueError or
+    TypeError naming the argument."""
+    P: list = []
+    seqs = {}
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        if len(cu) < 1:
+            P.append((ValueError, f"{name} must hold batch + 1 >= 1 offsets, got none"))
+        elif cu[0] != 0:
+            P.append((ValueError, f"{name}[0] must be 0, got {cu[0]}"))
+        elif any(b < a for a, b in zip(cu, cu[1:])):
+            P.append((ValueError, f"{name} must be non-decreasing, got {list(cu)[:16]}"))
+        elif cu[-1] > total:
+            P.append((ValueError, f"{name}[-1] ({cu[-1]}) is past the {total} rows of "
+                                  f"{'q' if name.endswith('q') else 'k and v'}"))
+        else:
+            seqs[name[-1]] = [b - a for a, b in zip(cu, cu[1:])]
+    if len(cu_seqlens_q) != len(cu_seqlens_k):
+        P.append((ValueError, f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                              f"{len(cu_seqlens_q)} and {len(cu_seqlens_k)}"))
+    for which, used in (("q", seqused_q), ("k", seqused_k)):
+        lens = seqs.get(which)
+        if used is None or lens is None:
+            continue
+        if len(used) != len(lens):
+            P.append((ValueError, f"seqused_{which} must have batch = {len(lens)} entries, got {len(used)}"))
+            continue
+        bad = [b for b, (u, n) in enumerate(zip(used, lens)) if not 0 <= u <= n]
+        if bad:
+            b = bad[0]
+            P.append((ValueError, f"seqused_{which}[{b}] = {used[b]} must be between 0 and sequence {b}'s length "
+                                  f"{lens[b]} (cu_seqlens_{which})"))
+        else:
+            seqs[which] = list(used)
+    for which, mx in (("q", max_seqlen_q), ("k", max_seqlen_k)):
+        if not _is_int(mx):
+            P.append((TypeError, f"max_seqlen_{which} must be an int, got {type(mx).__name__}"))
+        elif which in seqs and seqs[which] and mx < max(seqs[which]):
+            P.append((ValueError, f"max_seqlen_{which} ({mx}) is less than the longest sequence "
+                                  f"({max(seqs[which])})"))
+    return P
 
 
 def attention_chunk_problems(attention_chunk) -> list:

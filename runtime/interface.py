@@ -51,7 +51,7 @@ from . import _validate as _v
 from . import core as _core
 from . import launch as _launch
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "QUANT_BLOCK"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "QUANT_BLOCK"]
 
 _Tensor = torch.Tensor
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -801,6 +801,144 @@ def flash_attn_func(
     if return_attn_probs:
         return out, lse
     return out
+
+
+def _host_ints(name: str, t, device: int, length: Optional[int] = None) -> list:
+    """A varlen index tensor (cu_seqlens_* / seqused_*) as a host list of ints: a 1-D int32 torch
+    tensor on q's GPU (read with one synchronisation) or on the CPU (no synchronisation).
+    TypeError / ValueError naming it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flashgen: {name} must be a torch.Tensor of int32, got {type(t).__name__}")
+    if t.dtype != torch.int32 or t.dim() != 1:
+        raise ValueError(f"flashgen: {name} must be a 1-D int32 tensor, got {t.dim()}-D {t.dtype}")
+    if t.device.type != "cpu" and _device_of(t) != (True, device):
+        raise ValueError(f"flashgen: {name} must be on q's device (cuda:{device}) or on the CPU, got {t.device}")
+    if t.device.type != "cpu" and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError(f"flashgen: flash_attn_varlen_func reads {name} on the host, which a CUDA graph "
+                                  "capture forbids for a GPU tensor; pass it as a CPU tensor to capture the call")
+    return t.tolist()
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    qv: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    window_size: tuple = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    deterministic: bool = False,
+    sm_margin: int = 0,
+    return_attn_probs: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
+):
+    """FA3's ``flash_attn_varlen_func``: attention over a batch of sequences of different lengths
+    packed along the first dim, with FA3's arguments and semantics; differentiable.
+
+    Sequence b is q's rows ``[cu_seqlens_q[b], cu_seqlens_q[b] + seqlen_q_b)`` and k's / v's rows
+    ``[cu_seqlens_k[b], cu_seqlens_k[b] + seqlen_k_b)``, where seqlen is the cu_seqlens difference or,
+    when given, ``seqused_q[b]`` / ``seqused_k[b]`` (the rest of the sequence's rows are unused);
+    each sequence is one attention with :func:`flash_attn_func`'s semantics (causal and window
+    masks bottom-right aligned per sequence, attention_chunk, softcap, learnable_sink, GQA).
+
+    How it runs (a stepping stone to a kernel that reads cu_seqlens itself): the offsets are read
+    on the host, a synchronisation when they are on the GPU (so a CUDA-graph capture needs them on
+    the CPU); then one :func:`flash_attn_func` call per sequence on views of q, k, v (no copy), and
+    the outputs are concatenated. Launch cost therefore grows with the batch.
+
+    Args:
+        q: ``(total_q, heads, head_dim)``; k: ``(total_k, heads_k, head_dim)``; v: ``(total_k,
+            heads_k, head_dim_v)``: the dtypes, head dims and heads of :func:`flash_attn_func`.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, 0 first, non-decreasing, the last at
+            most total_q / total_k; on q's GPU or on the CPU.
+        max_seqlen_q, max_seqlen_k: ints, at least the longest (used) sequence (FA3's grid sizes).
+        seqused_q, seqused_k: None or int32 ``(batch,)``: the rows used of each sequence.
+        q_descale, k_descale, v_descale: FP8 only: None or float32 ``(batch, heads_k)`` (FA3's).
+        softmax_scale, causal, window_size, attention_chunk, softcap, deterministic, pack_gqa,
+        learnable_sink: as :func:`flash_attn_func`. qv: not implemented (NotImplementedError).
+        num_splits, sm_margin: accepted and ignored.
+        return_attn_probs: also return lse.
+
+    Returns:
+        out ``(total_q, heads, head_dim_v)`` of q's dtype (bfloat16 for FP8), zero in the rows no
+        sequence uses; with return_attn_probs also lse, float32 ``(heads, total_q)`` (FA3's varlen
+        layout; -inf in unused rows).
+
+    Raises:
+        TypeError / ValueError naming the argument: q, k, v not 3-D tensors of matching heads and
+        dims; cu_seqlens / seqused not 1-D int32 tensors on q's device or the CPU, or not
+        consistent with each other and the totals (flashgen._validate.varlen_problems); max_seqlen
+        smaller than a sequence; FP8 descales not of shape (batch, heads_k). NotImplementedError:
+        qv; GPU cu_seqlens under CUDA-graph capture. Then whatever each call of
+        :func:`flash_attn_func` raises.
+    """
+    if qv is not None:
+        raise NotImplementedError("flashgen: qv (absorbed MLA) is not supported yet; pass qv=None")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashgen: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"flashgen: {name} must be 3-D (total, heads, head_dim) for flash_attn_varlen_func, "
+                             f"got {t.dim()}-D shape {tuple(t.shape)}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"flashgen: k and v must have the same total_k (dim 0), got {k.shape[0]} and {v.shape[0]}")
+    device = _device_of(q)[1]
+    cu_q, cu_k = _host_ints("cu_seqlens_q", cu_seqlens_q, device), _host_ints("cu_seqlens_k", cu_seqlens_k, device)
+    used_q = None if seqused_q is None else _host_ints("seqused_q", seqused_q, device)
+    used_k = None if seqused_k is None else _host_ints("seqused_k", seqused_k, device)
+    _v.raise_problems(_v.varlen_problems(q.shape[0], k.shape[0], cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                                         used_q, used_k))
+    batch = len(cu_q) - 1
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is not None and (not isinstance(d, torch.Tensor) or tuple(d.shape) != (batch, k.shape[1])):
+            raise ValueError(f"flashgen: {name} must be None or a float32 (batch, heads_k) = {(batch, k.shape[1])} "
+                             f"tensor for flash_attn_varlen_func, got "
+                             f"{tuple(d.shape) if isinstance(d, torch.Tensor) else type(d).__name__}")
+    lq = [b - a for a, b in zip(cu_q, cu_q[1:])] if used_q is None else used_q
+    lk = [b - a for a, b in zip(cu_k, cu_k[1:])] if used_k is None else used_k
+    # each sequence's used rows, and between them the unused ones, as one split of q (of k and v)
+    q_sizes, k_sizes = [], []
+    for b in range(batch):
+        q_sizes += [lq[b], cu_q[b + 1] - cu_q[b] - lq[b]]
+        k_sizes += [lk[b], cu_k[b + 1] - cu_k[b] - lk[b]]
+    q_sizes.append(q.shape[0] - cu_q[-1])
+    k_sizes.append(k.shape[0] - cu_k[-1])
+    qs, ks, vs = q.split(q_sizes), k.split(k_sizes), v.split(k_sizes)
+    outs, lses = [], []
+    for b in range(batch):
+        ds = tuple(None if d is None else d[b:b + 1] for d in (q_descale, k_descale, v_descale))
+        o, lse = flash_attn_func(qs[2 * b][None], ks[2 * b][None], vs[2 * b][None], softmax_scale, causal,
+                                 q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], window_size=window_size,
+                                 attention_chunk=attention_chunk, softcap=softcap, pack_gqa=pack_gqa,
+                                 deterministic=deterministic, return_attn_probs=True, learnable_sink=learnable_sink)
+        outs.append(o[0])
+        lses.append(lse[0])
+        unused = q_sizes[2 * b + 1]
+        if unused:
+            outs.append(o.new_zeros((unused,) + tuple(o.shape[2:])))
+            lses.append(lse.new_full((lse.shape[1], unused), -math.inf))
+    if q_sizes[-1] or not outs:  # rows past the last sequence (or no sequence at all)
+        dv = v.shape[2]
+        out_dtype = torch.bfloat16 if q.dtype in _FP8_TORCH_DTYPES else q.dtype
+        outs.append(q.new_zeros((q_sizes[-1], q.shape[1], dv), dtype=out_dtype))
+        lses.append(q.new_full((q.shape[1], q_sizes[-1]), -math.inf, dtype=torch.float32))
+    out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    if not return_attn_probs:
+        return out
+    return out, (torch.cat(lses, dim=1) if len(lses) > 1 else lses[0])
 
 
 MAX_SPLIT_HEAD_DIM_V = 2 * _v.MAX_HEAD_DIM  # FA3 serves head_dim_v up to 512 (16-bit, head_dim <= 64)

@@ -9,7 +9,9 @@ A call with attention_chunk C > 0 runs as at most three ordinary calls on slices
   on test_api_validation's emulated core (`fake_gpu`: each piece's launch computes attention
   through the memory its TensorArgs describe) and test_bwd_api's emulated backward (`gpu`);
 - FP8 descales per piece, and the argument's errors;
-- flash_attn_qkvpacked_func (FA3's packed entry, which passes attention_chunk on as the rest).
+- flash_attn_qkvpacked_func (FA3's packed entry, which passes attention_chunk on as the rest);
+- head_dim_v over 256 (two calls on v's column halves) and flash_attn_varlen_func (one call per
+  sequence), the other host-side FA3 entries built the same way.
 """
 
 from __future__ import annotations
@@ -363,5 +365,126 @@ def test_head_dim_v_over_256_errors(fake_gpu, dv, dtype, exc, fragment):
     q, k, v = (t.to(dtype) for t in qkv(d=64, dv=dv))
     with pytest.raises(exc) as info:
         flash_attn_func(q, k, v)
+    assert fragment in str(info.value)
+    assert fake_gpu.calls == []
+
+
+# --------------------------------------------------------------------------------------
+# flash_attn_varlen_func: one flash_attn_func call per sequence, on views
+# --------------------------------------------------------------------------------------
+
+def varlen_inputs(lens_q, lens_k, h=4, hk=2, d=64, dv=None, pad_q=0, pad_k=0, dtype=torch.float16, seed=0):
+    """Packed q, k, v of sequences of these lengths (plus pad_q / pad_k unused rows at the end)."""
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lens_q) + pad_q, sum(lens_k) + pad_k
+    q = torch.randn(tq, h, d, generator=g).to(dtype)
+    k = torch.randn(tk, hk, d, generator=g).to(dtype)
+    v = torch.randn(tk, hk, dv or d, generator=g).to(dtype)
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, used_q, used_k, causal, window=(-1, -1), chunk=0, sink=None, scale=None):
+    """Per-sequence reference attention, assembled as FA3 lays it out: out (total_q, h, dv) with zero
+    unused rows, lse (h, total_q) with -inf there."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+    for b in range(len(cu_q) - 1):
+        q0, k0 = int(cu_q[b]), int(cu_k[b])
+        qb, kb, vb = q[q0:q0 + used_q[b]], k[k0:k0 + used_k[b]], v[k0:k0 + used_k[b]]
+        o, l = attention_ref(qb[None], kb[None], vb[None], causal, scale, window_size=window, sink=sink,
+                             attention_chunk=chunk)
+        out[q0:q0 + used_q[b]] = o[0].float()
+        lse[:, q0:q0 + used_q[b]] = l[0]
+    return out, lse
+
+
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,chunk", [
+    ([5, 17, 1, 33], [7, 17, 40, 2], True, (-1, -1), 0),
+    ([5, 17, 1, 33], [7, 17, 40, 2], False, (3, 2), 0),
+    ([30, 12], [30, 50], True, (-1, -1), 8),
+    ([9, 0, 4], [0, 6, 11], False, (-1, -1), 0),   # an empty query sequence, a sequence with no key
+])
+def test_varlen_forward_matches_per_sequence_reference(fake_gpu, lens_q, lens_k, causal, window, chunk):
+    from flashgen import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, pad_q=3, pad_k=2)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                      window_size=window, attention_chunk=chunk, return_attn_probs=True)
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, lens_q, lens_k, causal, window, chunk)
+    assert out.shape == (q.shape[0], 4, 64) and lse.shape == (4, q.shape[0]) and out.dtype == q.dtype
+    assert (out.float() - ref).abs().max().item() <= 2e-3
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], ref_lse[finite], atol=1e-5)
+    if not chunk:  # one call per sequence with rows and keys, on views of q
+        assert [c["q"].shape[1] for c in fake_gpu.calls] == [n for n, m in zip(lens_q, lens_k) if n and m]
+        starts = [int(a) for a, n, m in zip(cu_q[:-1], lens_q, lens_k) if n and m]
+        assert [c["q"].ptr for c in fake_gpu.calls] == [q.data_ptr() + 2 * 4 * 64 * s for s in starts]
+
+
+def test_varlen_seqused_and_gradients(gpu):
+    from flashgen import flash_attn_varlen_func
+
+    lens_q, lens_k = [11, 20, 7], [13, 25, 30]
+    used_q, used_k = [9, 20, 3], [13, 10, 30]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, pad_q=2, seed=3)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 30, torch.tensor(used_q, dtype=torch.int32),
+                                 torch.tensor(used_k, dtype=torch.int32), causal=True, learnable_sink=sink)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).half()
+    (out.float() * w.float()).sum().backward()
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = varlen_reference(*leaves, cu_q, cu_k, used_q, used_k, True, sink=sink)
+    assert (out.float() - ref.detach()).abs().max().item() <= 2e-3
+    ref.backward(w.float())
+    for t, r in zip((q, k, v), leaves):
+        assert t.grad.shape == t.shape
+        assert_close(t.grad, r.grad)  # unused rows: zero gradients in both
+    assert not q.grad[cu_q[1] - 2:cu_q[1]].any() and not k.grad[int(cu_k[1]) + 10:int(cu_k[2])].any()
+
+
+def test_varlen_fp8_descales(fake_gpu):
+    from flashgen import flash_attn_varlen_func
+
+    lens = [17, 30]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, dtype=torch.float32)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    g = torch.Generator().manual_seed(7)
+    qd, kd, vd = (torch.rand(2, 2, generator=g) + 0.5 for _ in range(3))
+    out = flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, 30, 30, causal=True, q_descale=qd, k_descale=kd,
+                                 v_descale=vd)
+    assert out.dtype == torch.bfloat16
+    for b in range(2):
+        s = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        deq = [dequantize_fp8(x[s][None], d[b:b + 1]) for x, d in zip((q8, k8, v8), (qd, kd, vd))]
+        ref, _ = attention_ref(*deq, True, 64 ** -0.5)
+        assert bool(((out[s].float() - ref[0]).abs() <= 8e-3 * ref[0].abs().clamp(min=1.0)).all())
+
+
+@pytest.mark.parametrize("kw,exc,fragment", [
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 40], dtype=torch.int32)), ValueError, "cu_seqlens_q[-1] (40) is past"),
+    (dict(cu_seqlens_k=torch.tensor([1, 5, 9], dtype=torch.int32)), ValueError, "cu_seqlens_k[0] must be 0"),
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32)), ValueError, "cu_seqlens_q must be non-decreasing"),
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 9])), ValueError, "cu_seqlens_q must be a 1-D int32 tensor"),
+    (dict(cu_seqlens_q=[0, 5, 9]), TypeError, "cu_seqlens_q must be a torch.Tensor of int32, got list"),
+    (dict(cu_seqlens_k=torch.tensor([0, 9], dtype=torch.int32)), ValueError, "the same length (batch + 1)"),
+    (dict(max_seqlen_q=3), ValueError, "max_seqlen_q (3) is less than the longest sequence (5)"),
+    (dict(max_seqlen_k=None), TypeError, "max_seqlen_k must be an int, got NoneType"),
+    (dict(seqused_k=torch.tensor([5, 9], dtype=torch.int32)), ValueError, "seqused_k[1] = 9 must be between 0"),
+    (dict(q=torch.zeros(2, 9, 4, 64)), ValueError, "q must be 3-D (total, heads, head_dim)"),
+    (dict(qv=torch.zeros(9, 4, 64)), NotImplementedError, "qv (absorbed MLA)"),
+    (dict(q_descale=torch.ones(2, 4)), ValueError, "q_descale must be None or a float32 (batch, heads_k) = (2, 2)"),
+])
+def test_varlen_errors(fake_gpu, kw, exc, fragment):
+    from flashgen import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 4], [5, 4])
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=5)
+    args.update({n: (x.half() if n in "qkv" and isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+                 for n, x in kw.items()})
+    with pytest.raises(exc) as info:
+        flash_attn_varlen_func(**args)
     assert fragment in str(info.value)
     assert fake_gpu.calls == []

@@ -547,6 +547,62 @@ def test_attention_chunk_backward(c):
 
 
 # --------------------------------------------------------------------------------------
+# flash_attn_varlen_func (FA3's packed sequences; for now one flash_attn_func call per sequence)
+# --------------------------------------------------------------------------------------
+
+VARLEN_CASES = [  # (lens_q, lens_k, used_q or None, used_k or None, Case of the features; its sq / sk unused)
+    ([113, 1, 517, 64], [203, 300, 517, 1], None, None, Case(4, 0, 0, 6, 2, 128, BF16, causal=True)),
+    ([300, 17], [129, 1024], [250, 17], [100, 1000], Case(2, 0, 0, 4, 4, 64, FP16, window=(64, 16))),
+    ([239, 387], [387, 239], None, None, Case(2, 0, 0, 8, 2, 192, BF16, softcap=15.0, sink=True, dv=128)),
+    ([1023, 5], [1024, 700], None, None, Case(2, 0, 0, 4, 1, 256, BF16, causal=True, chunk=300)),
+]
+
+
+def _varlen_case(lens_q, lens_k, used_q, used_k, c: Case, seed: int):
+    """Packed inputs on the GPU: each sequence's rows, then 5 unused rows at the end of q and k."""
+    tq, tk = sum(lens_q) + 5, sum(lens_k) + 5
+    q = randn(tq, c.h, c.d, dtype=c.dtype, seed=seed)
+    k = randn(tk, c.hk, c.d, dtype=c.dtype, seed=seed + 1)
+    v = randn(tk, c.hk, c.head_dim_v, dtype=c.dtype, seed=seed + 2)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    used = lambda u: None if u is None else torch.tensor(u, dtype=torch.int32, device="cuda")
+    sink = make_sink(c.h, seed + 5) if c.sink else None
+    return q, k, v, cu(lens_q), cu(lens_k), used(used_q), used(used_k), sink
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda x: case_id(x[4]))
+def test_varlen_forward_and_backward(case):
+    """Each sequence's out, lse and gradients against the reference of that sequence alone (FA3's rules,
+    _ref.check_fwd / check_bwd); rows no sequence uses: out 0, lse -inf, zero gradients."""
+    lens_q, lens_k, used_q, used_k, c = case
+    uq, uk = used_q or lens_q, used_k or lens_k
+    for sq, sk in zip(uq, uk):
+        need(Case(1, sq, sk, c.h, c.hk, c.d, c.dtype, c.causal, c.window, c.softcap, c.sink, c.scale, c.dv, c.chunk),
+             backward=True)
+    q, k, v, cu_q, cu_k, sq_used, sk_used, sink = _varlen_case(lens_q, lens_k, used_q, used_k, c, seed=sum(lens_q))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    poison_cached_blocks(8 * q.numel())
+    out, lse = flashgen.flash_attn_varlen_func(
+        *leaves, cu_q, cu_k, max(uq), max(uk), sq_used, sk_used, causal=c.causal, window_size=c.window,
+        softcap=c.softcap, attention_chunk=c.chunk, learnable_sink=sink, return_attn_probs=True)
+    dout = randn(*out.shape, dtype=c.dtype, seed=7)
+    grads = torch.autograd.grad(out, leaves, dout)
+    torch.cuda.synchronize()
+    assert out.shape == (q.shape[0], c.h, c.head_dim_v) and lse.shape == (c.h, q.shape[0])
+    covered = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
+    for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
+        rq, rk = slice(q0, q0 + uq[b]), slice(k0, k0 + uk[b])
+        covered[rq] = True
+        qb, kb, vb = q[rq][None], k[rk][None], v[rk][None]
+        check_fwd(qb, kb, vb, c.causal, out[rq][None], lse[:, rq][None], c.softmax_scale, sink=sink, **c.feats)
+        if uq[b] and uk[b]:
+            check_bwd(qb, kb, vb, dout[rq][None], c.causal, tuple(g[r][None] for g, r in zip(grads, (rq, rk, rk))),
+                      c.softmax_scale, SOFTCAP_BWD_FACTOR if c.softcap > 0 else 2.0, sink=sink, **c.feats)
+    assert not out[~covered].any() and bool((lse[:, ~covered] == -math.inf).all())
+    assert not grads[0][~covered].any()
+
+
+# --------------------------------------------------------------------------------------
 # torch.compile
 # --------------------------------------------------------------------------------------
 
