@@ -856,8 +856,10 @@ def flash_attn_varlen_func(
 
     How it runs (a stepping stone to a kernel that reads cu_seqlens itself): the offsets are read
     on the host, a synchronisation when they are on the GPU (so a CUDA-graph capture needs them on
-    the CPU); then one :func:`flash_attn_func` call per sequence on views of q, k, v (no copy), and
-    the outputs are concatenated. Launch cost therefore grows with the batch.
+    the CPU); then one :func:`flash_attn_func` call per run of consecutive sequences of equal
+    lengths (the run as its batch), on views of q, k, v (no copy), and the outputs are
+    concatenated. Launch cost therefore grows with the number of distinct neighbouring lengths:
+    one call when every sequence has the same lengths.
 
     Args:
         q: ``(total_q, heads, head_dim)``; k: ``(total_k, heads_k, head_dim)``; v: ``(total_k,
@@ -909,24 +911,36 @@ def flash_attn_varlen_func(
                              f"{tuple(d.shape) if isinstance(d, torch.Tensor) else type(d).__name__}")
     lq = [b - a for a, b in zip(cu_q, cu_q[1:])] if used_q is None else used_q
     lk = [b - a for a, b in zip(cu_k, cu_k[1:])] if used_k is None else used_k
-    # each sequence's used rows, and between them the unused ones, as one split of q (of k and v)
-    q_sizes, k_sizes = [], []
+    unused_q = [cu_q[b + 1] - cu_q[b] - lq[b] for b in range(batch)]
+    unused_k = [cu_k[b + 1] - cu_k[b] - lk[b] for b in range(batch)]
+    # runs of consecutive sequences of equal lengths with no unused rows between them: one call each,
+    # the run's sequences as its batch (a view: the rows are consecutive)
+    runs = []
     for b in range(batch):
-        q_sizes += [lq[b], cu_q[b + 1] - cu_q[b] - lq[b]]
-        k_sizes += [lk[b], cu_k[b + 1] - cu_k[b] - lk[b]]
+        if runs and (lq[b], lk[b]) == (lq[runs[-1][0]], lk[runs[-1][0]]) and not unused_q[b - 1] \
+                and not unused_k[b - 1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    q_sizes, k_sizes = [], []  # each run's used rows, then the unused rows after it; then the rows past the last
+    for b0, m in runs:
+        last = b0 + m - 1
+        q_sizes += [m * lq[b0], unused_q[last]]
+        k_sizes += [m * lk[b0], unused_k[last]]
     q_sizes.append(q.shape[0] - cu_q[-1])
     k_sizes.append(k.shape[0] - cu_k[-1])
     qs, ks, vs = q.split(q_sizes), k.split(k_sizes), v.split(k_sizes)
     outs, lses = [], []
-    for b in range(batch):
-        ds = tuple(None if d is None else d[b:b + 1] for d in (q_descale, k_descale, v_descale))
-        o, lse = flash_attn_func(qs[2 * b][None], ks[2 * b][None], vs[2 * b][None], softmax_scale, causal,
+    for i, (b0, m) in enumerate(runs):
+        ds = tuple(None if d is None else d[b0:b0 + m] for d in (q_descale, k_descale, v_descale))
+        o, lse = flash_attn_func(qs[2 * i].reshape(m, lq[b0], *q.shape[1:]), ks[2 * i].reshape(m, lk[b0], *k.shape[1:]),
+                                 vs[2 * i].reshape(m, lk[b0], *v.shape[1:]), softmax_scale, causal,
                                  q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], window_size=window_size,
                                  attention_chunk=attention_chunk, softcap=softcap, pack_gqa=pack_gqa,
                                  deterministic=deterministic, return_attn_probs=True, learnable_sink=learnable_sink)
-        outs.append(o[0])
-        lses.append(lse[0])
-        unused = q_sizes[2 * b + 1]
+        outs.append(o.reshape(m * lq[b0], *o.shape[2:]))
+        lses.append(lse.transpose(0, 1).reshape(lse.shape[1], m * lq[b0]))
+        unused = q_sizes[2 * i + 1]
         if unused:
             outs.append(o.new_zeros((unused,) + tuple(o.shape[2:])))
             lses.append(lse.new_full((lse.shape[1], unused), -math.inf))

@@ -488,3 +488,19 @@ def test_varlen_errors(fake_gpu, kw, exc, fragment):
         flash_attn_varlen_func(**args)
     assert fragment in str(info.value)
     assert fake_gpu.calls == []
+
+
+def test_varlen_equal_neighbours_share_one_call(fake_gpu):
+    from flashgen import flash_attn_varlen_func
+
+    lens_q, lens_k = [16, 16, 16, 9, 9, 16], [20, 20, 20, 9, 9, 20]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, seed=4)
+    used_q = torch.tensor([16, 16, 16, 9, 8, 16], dtype=torch.int32)  # sequence 4 leaves a row unused
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 16, 20, used_q, causal=True, return_attn_probs=True)
+    calls = [(c["q"].shape[0], c["q"].shape[1], c["k"].shape[1]) for c in fake_gpu.calls]
+    assert calls == [(3, 16, 20), (1, 9, 9), (1, 8, 9), (1, 16, 20)]  # batch 3 as one call: views, no copy
+    assert fake_gpu.calls[0]["q"].ptr == q.data_ptr() and fake_gpu.calls[0]["q"].strides[0] == 16 * 4 * 64
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, used_q.tolist(), lens_k, True)
+    assert (out.float() - ref).abs().max().item() <= 2e-3
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], ref_lse[finite], atol=1e-5)
