@@ -3,7 +3,8 @@ built ahead of time as fatbins and launched through cuda-python (no C++ extensio
 
 Torch users: ``from flashgen import flash_attn_func`` (FA3's ``flash_attn_interface`` names;
 differentiable through torch autograd), ``flash_attn_qkvpacked_func`` for packed q, k, v, and
-``flash_attn_varlen_func`` for sequences of different lengths (one call per sequence for now).
+``flash_attn_varlen_func`` for sequences of different lengths and ``flash_attn_with_kvcache`` for
+decoding (both on the host side for now: lengths read on the host, flash_attn_func calls).
 Split-KV partials: ``flashgen.flash_attn_combine`` (torch, FA3's name).
 FP8 inputs: ``flashgen.quantize_fp8`` (torch) makes e4m3 q, k, v and their descales with FA3's
 block quantization and incoherent processing; ``flashgen.QUANT_BLOCK`` rows share a block scale.
@@ -24,6 +25,7 @@ _LAZY = {
     "flash_attn_func": ("interface", "flash_attn_func"),
     "flash_attn_qkvpacked_func": ("interface", "flash_attn_qkvpacked_func"),
     "flash_attn_varlen_func": ("interface", "flash_attn_varlen_func"),
+    "flash_attn_with_kvcache": ("kvcache", "flash_attn_with_kvcache"),
     "flash_attn_forward": ("dlpack_api", "flash_attn_forward"),
     "flash_attn_backward": ("dlpack_api", "flash_attn_backward"),
     "flash_attn_combine": ("interface", "flash_attn_combine"),

@@ -368,6 +368,70 @@ def dequantize_fp8(x8, descale, block: int = 64):
 
 
 # --------------------------------------------------------------------------------------
+# KV cache (flashgen.flash_attn_with_kvcache): FA3's test_flash_attn_kvcache reference
+# --------------------------------------------------------------------------------------
+
+def rotate_half(x, interleaved):
+    """FA3's rotary ``rotate_half``: (-x2, x1) over the two halves of the last dim, or over its even /
+    odd pairs when ``interleaved``."""
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotary_ref(x, cos, sin, pos, interleaved):
+    """x (s, h, d) at positions pos (s,): FA3's apply_rotary_emb_torch form, in float32."""
+    rd = 2 * cos.shape[1]
+    c, s_ = cos[pos].float(), sin[pos].float()
+    rep = (lambda t: t.repeat_interleave(2, dim=-1)) if interleaved else (lambda t: torch.cat((t, t), dim=-1))
+    c, s_ = rep(c)[:, None], rep(s_)[:, None]
+    xr = x[..., :rd].float()
+    return torch.cat(((xr * c + rotate_half(xr, interleaved) * s_).to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def logical_cache(kc, table, rows, batch):
+    """Each entry's cache rows as (batch, positions, heads_k, d): rows of kc, or the table's pages."""
+    if table is None:
+        return kc[rows]
+    return kc[table.long()].flatten(1, 2)
+
+
+def kvcache_reference(q, k, v, kc, vc, table, lens, leftpad, rows, causal, window, rope=None, interleaved=True,
+                      upcast=True):
+    """(out, lse, k cache after, v cache after) of FA3's flash_attn_with_kvcache semantics
+    (hopper/test_flash_attn.py::test_flash_attn_kvcache): entry b's cache is row ``rows[b]`` of kc / vc
+    (or the pages ``table[b]``); the new k / v (``(batch, seqlen_new, heads_k, d)`` or None) go to
+    positions ``[lens[b], lens[b] + seqlen_new)`` after the rotary embedding (``rope = (cos, sin)``);
+    q is rotated at ``lens[b] + i`` (causal / local) or ``lens[b]``; entry b attends to positions
+    ``[leftpad[b], lens[b] + seqlen_new)`` with bottom-right aligned masks (:func:`attention_ref`,
+    upcast or in the input dtype). out ``(batch, seqlen_q, heads, d)``, lse ``(batch, heads, seqlen_q)``."""
+    batch = q.shape[0]
+    kref, vref = logical_cache(kc, table, rows, batch).clone(), logical_cache(vc, table, rows, batch).clone()
+    new = 0 if k is None else k.shape[1]
+    outs, lses = [], []
+    local = any(x >= 0 for x in window)
+    for b in range(batch):
+        qb = q[b]
+        if rope is not None:
+            cos, sin = rope
+            qpos = torch.arange(lens[b], lens[b] + qb.shape[0]) if (causal or local) else torch.full((qb.shape[0],), lens[b])
+            qb = rotary_ref(qb, cos, sin, qpos, interleaved)
+        if new:
+            kb = k[b] if rope is None else rotary_ref(k[b], rope[0], rope[1], torch.arange(lens[b], lens[b] + new),
+                                                      interleaved)
+            kref[b, lens[b]:lens[b] + new] = kb
+            vref[b, lens[b]:lens[b] + new] = v[b]
+        lo, hi = leftpad[b], lens[b] + new
+        o, l = attention_ref(qb[None], kref[b:b + 1, lo:hi], vref[b:b + 1, lo:hi], causal, q.shape[-1] ** -0.5,
+                             upcast=upcast, window_size=window)
+        outs.append(o[0])
+        lses.append(l[0])
+    return torch.stack(outs), torch.stack(lses), kref, vref
+
+
+# --------------------------------------------------------------------------------------
 # FP8 quantization (flashgen.quantize_fp8): FA3 §3.3 block scales and incoherent processing
 # --------------------------------------------------------------------------------------
 

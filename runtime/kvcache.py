@@ -1,0 +1,292 @@
+"""FA3's ``flash_attn_with_kvcache`` (decoding with a KV cache), on the host side for now.
+
+The call appends the new keys / values to the cache in place (rotated by the rotary embedding
+when given), then runs each batch entry's attention over its cache rows with
+:func:`flashgen.flash_attn_func`. The per-entry lengths (``cache_seqlens``, ``cache_leftpad``,
+``cache_batch_idx``, ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens``) are read on the
+host, a synchronisation when they are GPU tensors. Neighbouring entries with the same lengths and
+consecutive cache rows share one call (a view of the cache); a paged cache is gathered into one
+contiguous copy per entry. A kernel that reads these lengths itself is the next step
+(docs/STATUS.md); this module fixes the API, its checks and its tests.
+
+Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_flash_attn_kvcache):
+
+* entry b reads cache row ``cache_batch_idx[b]`` (default b) of ``k_cache`` / ``v_cache``
+  ``(batch_cache, seqlen_cache, heads_k, d)``, or, with ``page_table`` ``(batch, pages)``, the pages
+  ``page_table[b]`` of ``(num_blocks, page_size, heads_k, d)`` caches in order;
+* new ``k`` / ``v`` (``(batch, seqlen_new, heads_k, d)``, or ``(total_new, heads_k, d)`` with
+  ``cu_seqlens_k_new``) are written at positions ``[cache_seqlens[b], cache_seqlens[b] + seqlen_new_b)``;
+* entry b attends to the cache positions ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new_b)``
+  (all of the cache when cache_seqlens is None), bottom-right aligned causal / window masks on them;
+* rotary (``rotary_cos`` / ``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)``, new k / v required):
+  the first rotary_dim dims of the new keys at positions ``r_b + i`` and of q at ``r_b + i``
+  (causal or local) or ``r_b`` (otherwise), ``r_b = rotary_seqlens[b]`` or ``cache_seqlens[b]``;
+  GPT-NeoX halves, or interleaved pairs with ``rotary_interleaved`` (FA3's default); computed in
+  float32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _validate as _v
+from .interface import _FP8_TORCH_DTYPES, _host_ints, _device_of, flash_attn_func
+
+__all__ = ["flash_attn_with_kvcache", "apply_rotary"]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """x ``(..., seqlen, heads, d)`` with its first ``rotary_dim = 2 * cos.shape[1]`` dims rotated at
+    ``positions`` (int64, x's seqlen shape, broadcast over heads): ``x_r cos + rotate(x_r) sin``
+    with ``rotate(a, b) = (-b, a)`` over the two halves of x_r (GPT-NeoX) or over its even / odd
+    pairs (``interleaved``), as FA3's ``apply_rotary_emb``; in float32, rounded to x's dtype once."""
+    rd = 2 * cos.shape[1]
+    c = cos.float()[positions].unsqueeze(-2)  # (..., seqlen, 1, rd / 2)
+    s = sin.float()[positions].unsqueeze(-2)
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _ints(name, t, batch: int, device, default=None) -> list:
+    """A per-entry int argument as a host list of ``batch`` ints: None -> ``default``; an int -> that
+    int for every entry; a 1-D int32 tensor (on q's GPU or the CPU) of ``batch`` entries."""
+    if t is None:
+        return None if default is None else [default] * batch
+    if _v._is_int(t):
+        return [int(t)] * batch
+    vals = _host_ints(name, t, device)
+    if len(vals) != batch:
+        raise ValueError(f"flashgen: {name} must have batch = {batch} entries, got {len(vals)}")
+    return vals
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    qv: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens=None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    page_table: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    rotary_seqlens: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    scheduler_metadata=None,
+    num_splits: int = 0,
+    pack_gqa: Optional[bool] = None,
+    sm_margin: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """FA3's ``flash_attn_with_kvcache``: append k / v to the KV cache in place (with the rotary
+    embedding), then attention of q over each entry's cache rows; forward only, as FA3's. The
+    semantics are FA3's (module docstring); how it runs is the module docstring's too (lengths read
+    on the host, then :func:`flashgen.flash_attn_func` calls).
+
+    Args:
+        q: ``(batch, seqlen_q, heads, head_dim)``, or ``(total_q, heads, head_dim)`` with
+            ``cu_seqlens_q`` (int32 ``(batch + 1,)``) and ``max_seqlen_q``.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, heads_k, head_dim[_v])``, or with
+            ``page_table`` (int32 ``(batch, pages)``) ``(num_blocks, page_size, heads_k, ...)``;
+            q's dtype (float16, bfloat16, float8_e4m3fn). Written in place when k, v are given.
+        k, v: None, or the new keys / values ``(batch, seqlen_new, heads_k, ...)`` or, with
+            ``cu_seqlens_k_new``, ``(total_new, heads_k, ...)``.
+        cache_seqlens: None (every cache row full), an int, or int32 ``(batch,)``: the cached
+            tokens of each entry before the append. cache_batch_idx: int32 ``(batch,)`` cache rows
+            (default 0..batch-1). cache_leftpad: int32 ``(batch,)``, the first cache position used.
+        rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``, rotary_dim a multiple of 16 up to
+            head_dim; need k and v. rotary_seqlens: int32 ``(batch,)`` positions instead of
+            cache_seqlens. rotary_interleaved: pairs (True, FA3's default) or halves.
+        q_descale, k_descale, v_descale: FP8: None or float32 ``(batch, heads_k)``.
+        softmax_scale, causal, window_size, attention_chunk, softcap, pack_gqa: as
+            :func:`flashgen.flash_attn_func`.
+        qv: not implemented (NotImplementedError). scheduler_metadata, num_splits, sm_margin:
+            accepted and ignored.
+        return_softmax_lse: also return lse, float32 ``(batch, heads, seqlen_q)`` (``(heads,
+            total_q)`` with cu_seqlens_q).
+
+    Returns:
+        out ``(batch, seqlen_q, heads, head_dim_v)`` (``(total_q, ...)`` with cu_seqlens_q), q's
+        dtype (bfloat16 for FP8), and lse with return_softmax_lse.
+
+    Raises:
+        TypeError / ValueError naming the argument (ranks, shapes, dtypes, the per-entry lengths
+        against the cache's capacity, rotary without new keys, ...); NotImplementedError for qv;
+        then whatever :func:`flashgen.flash_attn_func` raises.
+    """
+    if qv is not None:
+        raise NotImplementedError("flashgen: qv (absorbed MLA) is not supported yet; pass qv=None")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashgen: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if (k is None) != (v is None):
+        raise ValueError("flashgen: k and v (the new keys and values) must be given together")
+    if rotary_cos is not None and (k is None or rotary_sin is None):
+        raise ValueError("flashgen: rotary_cos / rotary_sin need each other and the new k / v to rotate")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"flashgen: k_cache and v_cache must be 4-D with the same first three dims, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    device = _device_of(q)[1]
+    varlen_q = cu_seqlens_q is not None
+    if q.dim() != (3 if varlen_q else 4):
+        raise ValueError(f"flashgen: q must be {'3-D (total_q, heads, head_dim) with cu_seqlens_q' if varlen_q else '4-D (batch, seqlen_q, heads, head_dim)'}"
+                         f", got {q.dim()}-D shape {tuple(q.shape)}")
+    if varlen_q:
+        cu_q = _host_ints("cu_seqlens_q", cu_seqlens_q, device)
+        batch = len(cu_q) - 1
+        _v.raise_problems(_v.varlen_problems(q.shape[0], q.shape[0], cu_q, cu_q, max_seqlen_q, max_seqlen_q))
+        q_rows = [(cu_q[b], cu_q[b + 1]) for b in range(batch)]
+    else:
+        batch = q.shape[0]
+        q_rows = [(0, q.shape[1])] * batch
+    paged = page_table is not None
+    if paged:
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != batch \
+                or page_table.dtype != torch.int32:
+            raise ValueError(f"flashgen: page_table must be an int32 (batch, pages) = ({batch}, pages) tensor")
+        if cache_batch_idx is not None:
+            raise ValueError("flashgen: cache_batch_idx with page_table: the page table already names each entry's pages")
+        capacity = page_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    lens = _ints("cache_seqlens", cache_seqlens, batch, device, default=capacity)
+    if k is not None and cache_seqlens is None:
+        raise ValueError("flashgen: cache_seqlens is needed to append k / v (where the new tokens go)")
+    leftpad = _ints("cache_leftpad", cache_leftpad, batch, device, default=0)
+    rows = _ints("cache_batch_idx", cache_batch_idx, batch, device) or list(range(batch))
+    if k is not None:
+        if cu_seqlens_k_new is not None:
+            cu_new = _host_ints("cu_seqlens_k_new", cu_seqlens_k_new, device)
+            if len(cu_new) != batch + 1 or k.dim() != 3 or v.dim() != 3:
+                raise ValueError(f"flashgen: with cu_seqlens_k_new ({batch + 1} offsets) k and v must be 3-D "
+                                 "(total_new, heads_k, head_dim)")
+            if cu_new[0] != 0 or any(y < x for x, y in zip(cu_new, cu_new[1:])) or cu_new[-1] > k.shape[0]:
+                raise ValueError(f"flashgen: cu_seqlens_k_new must start at 0, be non-decreasing and end within k's "
+                                 f"{k.shape[0]} rows, got {cu_new[:16]}")
+            new = [(cu_new[b], cu_new[b + 1]) for b in range(batch)]
+        else:
+            if k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or k.shape[:3] != v.shape[:3]:
+                raise ValueError(f"flashgen: k and v must be (batch = {batch}, seqlen_new, heads_k, ...) with the "
+                                 f"same first three dims, got {tuple(k.shape)} and {tuple(v.shape)}")
+            new = [(0, k.shape[1])] * batch
+    else:
+        new = [(0, 0)] * batch
+    total = [lens[b] + new[b][1] - new[b][0] for b in range(batch)]
+    for b in range(batch):
+        if not 0 <= lens[b] or total[b] > capacity:
+            raise ValueError(f"flashgen: entry {b}: cache_seqlens {lens[b]} + {total[b] - lens[b]} new tokens must fit "
+                             f"the cache's {capacity} positions")
+        if not 0 <= leftpad[b] <= total[b]:
+            raise ValueError(f"flashgen: cache_leftpad[{b}] = {leftpad[b]} must be between 0 and the entry's "
+                             f"{total[b]} tokens")
+        if not paged and not 0 <= rows[b] < k_cache.shape[0]:
+            raise ValueError(f"flashgen: cache_batch_idx[{b}] = {rows[b]} is not a row of k_cache "
+                             f"({k_cache.shape[0]} rows)")
+    rope = None
+    if rotary_cos is not None:
+        rd = 2 * rotary_cos.shape[-1]
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or rd % 16 or rd > q.shape[-1]:
+            raise ValueError(f"flashgen: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) alike, rotary_dim a "
+                             f"multiple of 16 up to head_dim {q.shape[-1]}; got {tuple(rotary_cos.shape)} and "
+                             f"{tuple(rotary_sin.shape)}")
+        starts = _ints("rotary_seqlens", rotary_seqlens, batch, device) or lens
+        rope = (rotary_cos, rotary_sin, starts)
+
+    def positions(b: int, n: int, each: bool) -> torch.Tensor:
+        start = rope[2][b]
+        pos = torch.arange(start, start + n) if each else torch.full((n,), start)
+        if n and int(pos.max()) >= rope[0].shape[0]:
+            raise ValueError(f"flashgen: entry {b}: rotary position {int(pos.max())} is past rotary_cos's "
+                             f"{rope[0].shape[0]} rows")
+        return pos.to(rope[0].device)
+
+    def cache_index(b: int, p0: int, p1: int):
+        """The cache rows of entry b's positions [p0, p1): (row, positions) or, paged, (pages, offsets)."""
+        if not paged:
+            return rows[b], slice(p0, p1)
+        ps = k_cache.shape[1]
+        pos = torch.arange(p0, p1, device=page_table.device)
+        return page_table[b].long()[pos // ps], pos % ps
+
+    if batch == 0:  # nothing to append or attend
+        out_dtype = torch.bfloat16 if q.dtype in _FP8_TORCH_DTYPES else q.dtype
+        out = q.new_zeros(q.shape[:-1] + (v_cache.shape[3],), dtype=out_dtype)
+        lse = q.new_full((q.shape[1], q.shape[0]) if varlen_q else (0, q.shape[2], q.shape[1]), -math.inf,
+                         dtype=torch.float32)
+        return (out, lse) if return_softmax_lse else out
+    # 1. the new keys / values into the cache (rotated first), in place
+    qs = []
+    for b in range(batch):
+        qb = q[q_rows[b][0]:q_rows[b][1]] if varlen_q else q[b]
+        if rope is not None:
+            each = causal or any(x is not None and x >= 0 for x in window_size)  # FA3: causal or local
+            qb = apply_rotary(qb, rope[0], rope[1], positions(b, qb.shape[0], each), rotary_interleaved)
+        qs.append(qb)
+        if k is None or new[b][1] == new[b][0]:
+            continue
+        kb = k[new[b][0]:new[b][1]] if cu_seqlens_k_new is not None else k[b]
+        vb = v[new[b][0]:new[b][1]] if cu_seqlens_k_new is not None else v[b]
+        if rope is not None:
+            kb = apply_rotary(kb, rope[0], rope[1], positions(b, kb.shape[0], True), rotary_interleaved)
+        idx = cache_index(b, lens[b], total[b])
+        k_cache[idx] = kb.to(k_cache.dtype)
+        v_cache[idx] = vb.to(v_cache.dtype)
+    # 2. attention: runs of neighbouring entries with equal lengths and consecutive cache rows share
+    # one call (unpaged); a paged entry's rows are gathered
+    out_parts, lse_parts = [], []
+    b = 0
+    while b < batch:
+        m = 1
+        if not paged and not varlen_q and rope is None:
+            while (b + m < batch and (leftpad[b + m], total[b + m]) == (leftpad[b], total[b])
+                   and rows[b + m] == rows[b] + m):
+                m += 1
+        if paged:
+            n_pages = -(-total[b] // k_cache.shape[1])
+            pages = page_table[b, :n_pages].long()
+            kc = k_cache[pages].flatten(0, 1)[leftpad[b]:total[b]][None]
+            vc = v_cache[pages].flatten(0, 1)[leftpad[b]:total[b]][None]
+        else:
+            kc = k_cache[rows[b]:rows[b] + m, leftpad[b]:total[b]]
+            vc = v_cache[rows[b]:rows[b] + m, leftpad[b]:total[b]]
+        qb = q[b:b + m] if not varlen_q and rope is None else qs[b][None]  # (runs only without either)
+        ds = tuple(None if d is None else d[b:b + m] for d in (q_descale, k_descale, v_descale))
+        o, lse = flash_attn_func(qb, kc, vc, softmax_scale, causal, q_descale=ds[0], k_descale=ds[1],
+                                 v_descale=ds[2], window_size=window_size, attention_chunk=attention_chunk,
+                                 softcap=softcap, pack_gqa=pack_gqa, return_attn_probs=True)
+        out_parts.append(o)
+        lse_parts.append(lse)
+        b += m
+    if varlen_q:
+        out = torch.cat([o[0] for o in out_parts], dim=0) if out_parts else q.new_zeros(
+            (0, q.shape[1], v_cache.shape[3]), dtype=torch.bfloat16 if q.dtype in _FP8_TORCH_DTYPES else q.dtype)
+        lse = torch.cat([l[0] for l in lse_parts], dim=1) if lse_parts else q.new_full((q.shape[1], 0), -math.inf,
+                                                                                          dtype=torch.float32)
+    else:
+        out = torch.cat(out_parts, dim=0) if len(out_parts) > 1 else out_parts[0]
+        lse = torch.cat(lse_parts, dim=0) if len(lse_parts) > 1 else lse_parts[0]
+    return (out, lse) if return_softmax_lse else out

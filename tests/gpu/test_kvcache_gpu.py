@@ -1,0 +1,77 @@
+"""GPU correctness of ``flashgen.flash_attn_with_kvcache`` (FA3's decoding entry; flashgen.kvcache
+runs it on the host side: lengths read on the host, then flash_attn_func calls), in the manner of
+FA3's hopper/test_flash_attn.py::test_flash_attn_kvcache: random cache lengths, left padding, paged
+caches of page size 1 / 4 / 128, rotary (interleaved or halves) on the appended keys and on q,
+causal / local / neither, MHA / GQA / MQA, varlen q. Rule (FA3's kvcache test):
+``max|out - ref| <= 2 max|out_pt - ref| + 1e-5`` and ``mean|out - ref| <= 1.5 mean|out_pt - ref|``,
+ref the float32 reference on upcast inputs (_ref.kvcache_reference), out_pt the same in the input
+dtype; the caches after the call equal the reference's (allclose 1e-3 where rotary rounded keys).
+Skipped without an sm_90 GPU (conftest.py) or when a variant is missing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from _ref import kvcache_reference, logical_cache, variant_missing  # noqa: E402  (tests/gpu on sys.path)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (1, 339), (3, 1024), (64, 800), (128, 128), (256, 512)])
+@pytest.mark.parametrize("page_size", [None, 1, 4, 128])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("mha_type", ["mha", "gqa", "mqa"])
+def test_kvcache_append_and_attend(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type):
+    d, batch, heads = 128, 5, 6
+    heads_k = {"mha": 6, "gqa": 3, "mqa": 1}[mha_type]
+    if page_size is not None and seqlen_k % page_size:
+        pytest.skip("FA3's test: seqlen_k a multiple of the page size")
+    why = variant_missing("fwd", {"dtype": "bf16", "head_dim": d, "head_dim_v": d, "causal": causal,
+                                  "local": local, "softcap": False}, round_up=("head_dim", "head_dim_v"))
+    if why:
+        pytest.skip(why)
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q * 1000 + seqlen_k)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+    seqlen_new = max(1, seqlen_q // 2)
+    q = r(batch, seqlen_q, heads, d)
+    k, v = r(batch, seqlen_new, heads_k, d), r(batch, seqlen_new, heads_k, d)
+    if page_size is None:
+        kc, vc, table = r(batch, seqlen_k, heads_k, d), r(batch, seqlen_k, heads_k, d), None
+    else:
+        pages = seqlen_k // page_size
+        blocks = pages * batch * 3
+        kc, vc = r(blocks, page_size, heads_k, d), r(blocks, page_size, heads_k, d)
+        table = torch.randperm(blocks, generator=g, device="cuda")[:batch * pages].reshape(batch, pages).int()
+    # FA3's bound: the appended keys (and, rotated per row, q's positions) stay inside the cache
+    high = seqlen_k - (seqlen_q if rotary and (causal or local) else seqlen_new) + 1
+    lens = torch.randint(0, high, (batch,), generator=g, device="cuda", dtype=torch.int32)
+    leftpad = torch.stack([torch.randint(0, max(int(n), 1), (1,), generator=g, device="cuda")[0] for n in lens]).int()
+    window = tuple(torch.randint(0, seqlen_k, (2,), generator=g, device="cuda").tolist()) if local else (-1, -1)
+    rope = None
+    if rotary:
+        angle = torch.rand(seqlen_k, 32, generator=g, device="cuda") * 2 * math.pi
+        rope = (torch.cos(angle).to(torch.bfloat16), torch.sin(angle).to(torch.bfloat16))
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flashgen.flash_attn_with_kvcache(
+        q, kc, vc, k, v, rotary_cos=rope and rope[0], rotary_sin=rope and rope[1], cache_seqlens=lens,
+        cache_leftpad=leftpad, page_table=table, causal=causal, window_size=window,
+        rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    torch.cuda.synchronize()
+    args = (q, k, v, kc0, vc0, table, lens.tolist(), leftpad.tolist(), list(range(batch)), causal, window, rope,
+            rotary == "interleaved")
+    ref, _, kref, vref = kvcache_reference(*args)
+    pt, _, _, _ = kvcache_reference(*args, upcast=False)
+    err, base = (out.float() - ref.float()).abs(), (pt.float() - ref.float()).abs()
+    assert err.max().item() <= 2 * base.max().item() + 1e-5, f"max error {err.max().item():.3e} vs {base.max().item():.3e}"
+    assert err.mean().item() <= 1.5 * base.mean().item(), f"mean error {err.mean().item():.3e} vs {base.mean().item():.3e}"
+    assert lse.shape == (batch, heads, seqlen_q) and not torch.isnan(out).any()
+    got_k, got_v = logical_cache(kc, table, list(range(batch)), batch), logical_cache(vc, table, list(range(batch)), batch)
+    assert torch.equal(got_v, vref)
+    assert torch.allclose(got_k.float(), kref.float(), rtol=1e-3, atol=1e-3) if rotary else torch.equal(got_k, kref)
