@@ -149,3 +149,55 @@ def test_runs_split_where_lengths_differ(fake_gpu):
     assert [(c["k"].shape[0], c["k"].shape[1]) for c in fake_gpu.calls] == [(1, 6), (2, 31), (1, 13)]
     ref, ref_lse, _, _ = kvcache_reference(q, k, v, kc0, vc0, None, lens, [0] * 4, [0, 1, 2, 3], True, (-1, -1))
     check(out, lse, ref, ref_lse)
+
+
+def test_varlen_new_keys_and_rotary_seqlens(fake_gpu):
+    """cu_seqlens_k_new: entries append different numbers of tokens; rotary_seqlens: the rotary
+    positions start there instead of at cache_seqlens (the cache positions stay cache_seqlens)."""
+    q, _, _, kc, vc, _ = make(batch=3, sq=2, new=0, seed=7)
+    g = torch.Generator().manual_seed(8)
+    new = [3, 0, 1]
+    k = torch.randn(sum(new), HK, D, generator=g).half()
+    v = torch.randn(sum(new), HK, D, generator=g).half()
+    cu_new = torch.tensor([0, 3, 3, 4], dtype=torch.int32)
+    lens, rstart = [7, 12, 30], [2, 0, 31]
+    angle = torch.rand(64, 16, generator=g) * 6.283
+    rope = (torch.cos(angle).half(), torch.sin(angle).half())
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=rope[0], rotary_sin=rope[1],
+                                       cache_seqlens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_k_new=cu_new,
+                                       rotary_seqlens=torch.tensor(rstart, dtype=torch.int32), causal=True,
+                                       return_softmax_lse=True)
+    for b in range(3):
+        kb, vb = k[int(cu_new[b]):int(cu_new[b + 1])], v[int(cu_new[b]):int(cu_new[b + 1])]
+        # the reference rotates at cache_seqlens: shift the table so that position lens[b] reads row rstart[b]
+        shift = lens[b] - rstart[b]
+        idx = (torch.arange(64 + abs(shift)) - shift).clamp(0, 63)
+        rb = (rope[0][idx], rope[1][idx])
+        ref, ref_lse, kref, vref = kvcache_reference(q[b:b + 1], kb[None] if new[b] else None, vb[None] if new[b] else None,
+                                                     kc0[b:b + 1], vc0[b:b + 1], None, [lens[b]], [0], [0], True,
+                                                     (-1, -1), rb, True)
+        check(out[b:b + 1], lse[b:b + 1], ref, ref_lse)
+        assert torch.allclose(kc[b:b + 1].float(), kref.float(), atol=1e-3, rtol=1e-3) and torch.equal(vc[b:b + 1], vref)
+
+
+def test_fp8_cache_with_descales(fake_gpu):
+    from _ref import dequantize_fp8
+
+    q, k, v, kc, vc, _ = make(batch=3, new=1, seed=9, dtype=torch.float32)
+    q8, k8, v8, kc8, vc8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v, kc, vc))
+    g = torch.Generator().manual_seed(10)
+    qd, kd, vd = (torch.rand(3, HK, generator=g) + 0.5 for _ in range(3))
+    lens = [4, 20, 4]
+    kc80 = kc8.clone()
+    out = flash_attn_with_kvcache(q8, kc8, vc8, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                  q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 3, H, D)
+    for b in range(3):
+        kb = kc80[b, :lens[b] + 1].clone()
+        kb[lens[b]] = k8[b, 0]
+        assert torch.equal(kc8[b, :lens[b] + 1].view(torch.uint8), kb.view(torch.uint8))  # appended in place
+        deq = [dequantize_fp8(x, d[b:b + 1]) for x, d in ((q8[b:b + 1], qd), (kc8[b:b + 1, :lens[b] + 1], kd),
+                                                          (vc8[b:b + 1, :lens[b] + 1], vd))]
+        ref, _ = attention_ref(*deq, True, D ** -0.5)
+        assert bool(((out[b:b + 1].float() - ref).abs() <= 8e-3 * ref.abs().clamp(min=1.0)).all())
