@@ -803,7 +803,12 @@ def flash_attn_func(
     return out
 
 
-def _host_ints(name: str, t, device: int, length: Optional[int] = None) -> list:
+def _out_dtype(q: torch.Tensor) -> torch.dtype:
+    """out's dtype for inputs of q's dtype: q's, bfloat16 for FP8 (FA3's)."""
+    return torch.bfloat16 if q.dtype in _FP8_TORCH_DTYPES else q.dtype
+
+
+def _host_ints(name: str, t, device: int) -> list:
     """A varlen index tensor (cu_seqlens_* / seqused_*) as a host list of ints: a 1-D int32 torch
     tensor on q's GPU (read with one synchronisation) or on the CPU (no synchronisation).
     TypeError / ValueError naming it."""
@@ -946,8 +951,7 @@ def flash_attn_varlen_func(
             lses.append(lse.new_full((lse.shape[1], unused), -math.inf))
     if q_sizes[-1] or not outs:  # rows past the last sequence (or no sequence at all)
         dv = v.shape[2]
-        out_dtype = torch.bfloat16 if q.dtype in _FP8_TORCH_DTYPES else q.dtype
-        outs.append(q.new_zeros((q_sizes[-1], q.shape[1], dv), dtype=out_dtype))
+        outs.append(q.new_zeros((q_sizes[-1], q.shape[1], dv), dtype=_out_dtype(q)))
         lses.append(q.new_full((q.shape[1], q_sizes[-1]), -math.inf, dtype=torch.float32))
     out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
     if not return_attn_probs:

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from . import _validate as _v
-from .interface import _FP8_TORCH_DTYPES, _host_ints, _device_of, flash_attn_func
+from .interface import _check_fwd, _device_of, _host_ints, _out_dtype, flash_attn_func
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
@@ -135,8 +135,10 @@ def flash_attn_with_kvcache(
 
     Raises:
         TypeError / ValueError naming the argument (ranks, shapes, dtypes, the per-entry lengths
-        against the cache's capacity, rotary without new keys, ...); NotImplementedError for qv;
-        then whatever :func:`flashgen.flash_attn_func` raises.
+        against the cache's capacity and rotary_cos's rows, rotary without new keys, what
+        :func:`flashgen.flash_attn_func` checks of q against the caches, ...); NotImplementedError
+        for qv: all before the cache is written. An error of the attention itself afterwards (a
+        missing variant) leaves the appended tokens in the cache.
     """
     if qv is not None:
         raise NotImplementedError("flashgen: qv (absorbed MLA) is not supported yet; pass qv=None")
@@ -153,8 +155,8 @@ def flash_attn_with_kvcache(
     device = _device_of(q)[1]
     varlen_q = cu_seqlens_q is not None
     if q.dim() != (3 if varlen_q else 4):
-        raise ValueError(f"flashgen: q must be {'3-D (total_q, heads, head_dim) with cu_seqlens_q' if varlen_q else '4-D (batch, seqlen_q, heads, head_dim)'}"
-                         f", got {q.dim()}-D shape {tuple(q.shape)}")
+        want = "3-D (total_q, heads, head_dim) with cu_seqlens_q" if varlen_q else "4-D (batch, seqlen_q, heads, head_dim)"
+        raise ValueError(f"flashgen: q must be {want}, got {q.dim()}-D shape {tuple(q.shape)}")
     if varlen_q:
         cu_q = _host_ints("cu_seqlens_q", cu_seqlens_q, device)
         batch = len(cu_q) - 1
@@ -216,12 +218,23 @@ def flash_attn_with_kvcache(
         starts = _ints("rotary_seqlens", rotary_seqlens, batch, device) or lens
         rope = (rotary_cos, rotary_sin, starts)
 
+    each = causal or any(x is not None and x >= 0 for x in window_size)  # FA3: q's rows rotated each at its position
+    if rope is not None:
+        for b in range(batch):
+            last = rope[2][b] + max(new[b][1] - new[b][0], q_rows[b][1] - q_rows[b][0] if each else 1) - 1
+            if rope[2][b] < 0 or last >= rope[0].shape[0]:
+                raise ValueError(f"flashgen: entry {b}: rotary positions up to {last} are past rotary_cos's "
+                                 f"{rope[0].shape[0]} rows")
+    if batch:  # q against the caches, the window, softcap and the descales, before the cache is written
+        first = slice(q_rows[0][0], q_rows[0][1]) if varlen_q else 0
+        cache0 = k_cache[:1, :0] if not paged else k_cache[:0].flatten(0, 1)[None]
+        vcache0 = v_cache[:1, :0] if not paged else v_cache[:0].flatten(0, 1)[None]
+        _check_fwd(q[first][None], cache0, vcache0, *_v.window_pair(window_size), float(softcap), None,
+                   *(None if d is None else d[:1] for d in (q_descale, k_descale, v_descale)))
+
     def positions(b: int, n: int, each: bool) -> torch.Tensor:
         start = rope[2][b]
         pos = torch.arange(start, start + n) if each else torch.full((n,), start)
-        if n and int(pos.max()) >= rope[0].shape[0]:
-            raise ValueError(f"flashgen: entry {b}: rotary position {int(pos.max())} is past rotary_cos's "
-                             f"{rope[0].shape[0]} rows")
         return pos.to(rope[0].device)
 
     def cache_index(b: int, p0: int, p1: int):
@@ -233,8 +246,7 @@ def flash_attn_with_kvcache(
         return page_table[b].long()[pos // ps], pos % ps
 
     if batch == 0:  # nothing to append or attend
-        out_dtype = torch.bfloat16 if q.dtype in _FP8_TORCH_DTYPES else q.dtype
-        out = q.new_zeros(q.shape[:-1] + (v_cache.shape[3],), dtype=out_dtype)
+        out = q.new_zeros(q.shape[:-1] + (v_cache.shape[3],), dtype=_out_dtype(q))
         lse = q.new_full((q.shape[1], q.shape[0]) if varlen_q else (0, q.shape[2], q.shape[1]), -math.inf,
                          dtype=torch.float32)
         return (out, lse) if return_softmax_lse else out
@@ -243,7 +255,6 @@ def flash_attn_with_kvcache(
     for b in range(batch):
         qb = q[q_rows[b][0]:q_rows[b][1]] if varlen_q else q[b]
         if rope is not None:
-            each = causal or any(x is not None and x >= 0 for x in window_size)  # FA3: causal or local
             qb = apply_rotary(qb, rope[0], rope[1], positions(b, qb.shape[0], each), rotary_interleaved)
         qs.append(qb)
         if k is None or new[b][1] == new[b][0]:
@@ -281,11 +292,9 @@ def flash_attn_with_kvcache(
         out_parts.append(o)
         lse_parts.append(lse)
         b += m
-    if varlen_q:
-        out = torch.cat([o[0] for o in out_parts], dim=0) if out_parts else q.new_zeros(
-            (0, q.shape[1], v_cache.shape[3]), dtype=torch.bfloat16 if q.dtype in _FP8_TORCH_DTYPES else q.dtype)
-        lse = torch.cat([l[0] for l in lse_parts], dim=1) if lse_parts else q.new_full((q.shape[1], 0), -math.inf,
-                                                                                          dtype=torch.float32)
+    if varlen_q:  # one part per entry (batch >= 1 here)
+        out = torch.cat([o[0] for o in out_parts], dim=0)
+        lse = torch.cat([part[0] for part in lse_parts], dim=1)
     else:
         out = torch.cat(out_parts, dim=0) if len(out_parts) > 1 else out_parts[0]
         lse = torch.cat(lse_parts, dim=0) if len(lse_parts) > 1 else lse_parts[0]

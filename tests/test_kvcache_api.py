@@ -201,3 +201,16 @@ def test_fp8_cache_with_descales(fake_gpu):
                                                           (vc8[b:b + 1, :lens[b] + 1], vd))]
         ref, _ = attention_ref(*deq, True, D ** -0.5)
         assert bool(((out[b:b + 1].float() - ref).abs() <= 8e-3 * ref.abs().clamp(min=1.0)).all())
+
+
+def test_errors_leave_the_cache_unwritten(fake_gpu):
+    q, k, v, kc, vc, _ = make(batch=2, new=2, seed=11)
+    kc0 = kc.clone()
+    lens = torch.tensor([3, 30], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k must have q's head_dim 32"):  # q against the cache, checked first
+        flash_attn_with_kvcache(q[..., :32].contiguous(), kc, vc, k, v, cache_seqlens=lens)
+    angle = torch.rand(31, 16)
+    with pytest.raises(ValueError, match="entry 1: rotary positions up to 31 are past rotary_cos's 31 rows"):
+        flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=angle.cos().half(), rotary_sin=angle.sin().half(),
+                                cache_seqlens=lens)
+    assert torch.equal(kc, kc0) and fake_gpu.calls == []
