@@ -864,7 +864,8 @@ def flash_attn_varlen_func(
     the CPU); then one :func:`flash_attn_func` call per run of consecutive sequences of equal
     lengths (the run as its batch), on views of q, k, v (no copy), and the outputs are
     concatenated. Launch cost therefore grows with the number of distinct neighbouring lengths:
-    one call when every sequence has the same lengths.
+    one call when every sequence has the same lengths. Under torch.compile the read of the
+    offsets is a graph break (``fullgraph=True`` refuses the call: its shapes depend on data).
 
     Args:
         q: ``(total_q, heads, head_dim)``; k: ``(total_k, heads_k, head_dim)``; v: ``(total_k,

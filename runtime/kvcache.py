@@ -6,7 +6,8 @@ when given), then runs each batch entry's attention over its cache rows with
 ``cache_batch_idx``, ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens``) are read on the
 host, a synchronisation when they are GPU tensors. Neighbouring entries with the same lengths and
 consecutive cache rows share one call (a view of the cache); a paged cache is gathered into one
-contiguous copy per entry. A kernel that reads these lengths itself is the next step
+contiguous copy per entry. Under torch.compile the read of the lengths is a graph break
+(``fullgraph=True`` refuses the call). A kernel that reads these lengths itself is the next step
 (docs/STATUS.md); this module fixes the API, its checks and its tests.
 
 Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_flash_attn_kvcache):

@@ -504,3 +504,17 @@ def test_varlen_equal_neighbours_share_one_call(fake_gpu):
     assert (out.float() - ref).abs().max().item() <= 2e-3
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], ref_lse[finite], atol=1e-5)
+
+
+def test_varlen_under_torch_compile_breaks_the_graph_at_the_offsets(fake_gpu):
+    """The offsets' read is data-dependent: torch.compile runs the call with a graph break (same result
+    as eager) and fullgraph=True refuses it, as the docstring says."""
+    from flashgen import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k = varlen_inputs([8, 12], [8, 12], seed=5)
+    f = lambda q, k, v, cu_q, cu_k: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, causal=True)  # noqa: E731
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, backend="aot_eager")(q, k, v, cu_q, cu_k), f(q, k, v, cu_q, cu_k))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="data-dependent"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, cu_q, cu_k)
