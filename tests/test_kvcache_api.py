@@ -214,3 +214,42 @@ def test_errors_leave_the_cache_unwritten(fake_gpu):
         flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=angle.cos().half(), rotary_sin=angle.sin().half(),
                                 cache_seqlens=lens)
     assert torch.equal(kc, kc0) and fake_gpu.calls == []
+
+
+def test_random_configurations_match_the_reference(fake_gpu):
+    """80 seeded random calls (batch, lengths, page sizes, rows, leftpad, masks, rotary) against the reference."""
+    import random
+
+    rng = random.Random(0)
+    for it in range(80):
+        batch, sq, new = rng.randint(1, 4), rng.randint(1, 6), rng.choice([0, 1, 3])
+        page = rng.choice([None, 1, 3, 8])
+        causal = rng.random() < 0.5
+        window = (rng.randint(0, 8), rng.randint(0, 8)) if not causal and rng.random() < 0.3 else (-1, -1)
+        rotary = rng.choice([None, "interleaved", "halves"]) if new else None
+        room = sq if rotary and (causal or window != (-1, -1)) else 0  # rotary rows of q past the cache
+        cache_len = rng.randint(new + room + 1, 30)
+        if page:
+            cache_len = -(-cache_len // page) * page
+        q, k, v, kc, vc, table = make(batch=batch, sq=sq, cache_len=cache_len, new=new, page=page, seed=100 + it)
+        rows = list(range(batch)) if page or rng.random() < 0.5 else rng.sample(range(batch + 2), batch)
+        lens = [rng.randint(0, cache_len - new - room) for _ in range(batch)]
+        leftpad = [rng.randint(0, n + new) if rng.random() < 0.4 else 0 for n in lens]
+        rope = None
+        if rotary:
+            angle = torch.rand(cache_len + sq, 16, generator=torch.Generator().manual_seed(it)) * 6.283
+            rope = (angle.cos().half(), angle.sin().half())
+        kc0, vc0 = kc.clone(), vc.clone()
+        kw = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), page_table=table, causal=causal,
+                  window_size=window, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32), return_softmax_lse=True)
+        if not page:
+            kw["cache_batch_idx"] = torch.tensor(rows, dtype=torch.int32)
+        if rope is not None:
+            kw.update(rotary_cos=rope[0], rotary_sin=rope[1], rotary_interleaved=rotary == "interleaved")
+        out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+        ref, ref_lse, kref, vref = kvcache_reference(q, k, v, kc0, vc0, table, lens, leftpad, rows, causal, window,
+                                                     rope, rotary == "interleaved")
+        check(out, lse, ref, ref_lse)
+        got_k = logical_cache(kc, table, rows, batch)
+        assert torch.equal(logical_cache(vc, table, rows, batch), vref)
+        assert torch.allclose(got_k.float(), kref.float(), atol=1e-3, rtol=1e-3) if rotary else torch.equal(got_k, kref)
