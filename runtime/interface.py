@@ -51,7 +51,8 @@ from . import _validate as _v
 from . import core as _core
 from . import launch as _launch
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "NO_TORCH", "quantize_fp8", "incoherent_signs", "QUANT_BLOCK"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "NO_TORCH", "quantize_fp8",
+           "incoherent_signs", "QUANT_BLOCK"]
 
 _Tensor = torch.Tensor
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

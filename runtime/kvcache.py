@@ -156,7 +156,8 @@ def flash_attn_with_kvcache(
     device = _device_of(q)[1]
     varlen_q = cu_seqlens_q is not None
     if q.dim() != (3 if varlen_q else 4):
-        want = "3-D (total_q, heads, head_dim) with cu_seqlens_q" if varlen_q else "4-D (batch, seqlen_q, heads, head_dim)"
+        want = ("3-D (total_q, heads, head_dim) with cu_seqlens_q" if varlen_q
+                else "4-D (batch, seqlen_q, heads, head_dim)")
         raise ValueError(f"flashgen: q must be {want}, got {q.dim()}-D shape {tuple(q.shape)}")
     if varlen_q:
         cu_q = _host_ints("cu_seqlens_q", cu_seqlens_q, device)
@@ -172,7 +173,8 @@ def flash_attn_with_kvcache(
                 or page_table.dtype != torch.int32:
             raise ValueError(f"flashgen: page_table must be an int32 (batch, pages) = ({batch}, pages) tensor")
         if cache_batch_idx is not None:
-            raise ValueError("flashgen: cache_batch_idx with page_table: the page table already names each entry's pages")
+            raise ValueError("flashgen: cache_batch_idx with page_table: the page table already names each "
+                             "entry's pages")
         capacity = page_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
@@ -213,9 +215,9 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None:
         rd = 2 * rotary_cos.shape[-1]
         if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or rd % 16 or rd > q.shape[-1]:
-            raise ValueError(f"flashgen: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) alike, rotary_dim a "
-                             f"multiple of 16 up to head_dim {q.shape[-1]}; got {tuple(rotary_cos.shape)} and "
-                             f"{tuple(rotary_sin.shape)}")
+            raise ValueError(f"flashgen: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) alike, "
+                             f"rotary_dim a multiple of 16 up to head_dim {q.shape[-1]}; got "
+                             f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
         starts = _ints("rotary_seqlens", rotary_seqlens, batch, device) or lens
         rope = (rotary_cos, rotary_sin, starts)
 
