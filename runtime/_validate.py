@@ -484,11 +484,11 @@ _LAYOUTS = {
 }
 
 
-def _head_dim_problem(what: str, name: str, d: int) -> list:
-    if HEAD_DIM_MULTIPLE <= d <= MAX_HEAD_DIM and d % HEAD_DIM_MULTIPLE == 0:
+def _head_dim_problem(what: str, name: str, d: int, limit: int = MAX_HEAD_DIM) -> list:
+    if HEAD_DIM_MULTIPLE <= d <= limit and d % HEAD_DIM_MULTIPLE == 0:
         return []
     return [(ValueError, f"{what} (dim 3 of {name}) must be a multiple of {HEAD_DIM_MULTIPLE} "
-                         f"between {HEAD_DIM_MULTIPLE} and {MAX_HEAD_DIM}, got {d}")]
+                         f"between {HEAD_DIM_MULTIPLE} and {limit}, got {d}")]
 
 
 _DTYPE_SPELLING = {"fp16": "float16", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
@@ -530,9 +530,10 @@ def _device_dtype_rank_problems(arrays: dict, dtypes=SUPPORTED_DTYPES) -> list:
 
 
 def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[ArrayInfo],
-                   dtypes: tuple = SUPPORTED_DTYPES) -> list:
+                   dtypes: tuple = SUPPORTED_DTYPES, max_head_dim_v: int = MAX_HEAD_DIM) -> list:
     """Everything wrong with q, k, v (see :func:`check_inputs`), as ``(exception class,
-    message)`` pairs (see :func:`raise_problems`); empty when they are valid.
+    message)`` pairs (see :func:`raise_problems`); empty when they are valid. ``max_head_dim_v``:
+    the largest head_dim_v the caller serves (flash_attn_func: 512 for 16-bit inputs, as two calls).
 
     None stands for an argument that is no array at all (the caller reports that): the
     checks of the others still run. A check that needs another to pass first is skipped
@@ -575,7 +576,7 @@ def input_problems(q: Optional[ArrayInfo], k: Optional[ArrayInfo], v: Optional[A
     if is_4d["q"]:
         P += _head_dim_problem("head_dim", "q", q.shape[3])
     if is_4d["v"]:
-        P += _head_dim_problem("head_dim_v", "v", v.shape[3])
+        P += _head_dim_problem("head_dim_v", "v", v.shape[3], max_head_dim_v)
     return P
 
 

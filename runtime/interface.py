@@ -758,7 +758,9 @@ def flash_attn_func(
     )
     if not_tensors or other:  # one error naming q, k and v's problems too (else the op checks them)
         infos = [_array_info(t) if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
-        _v.raise_problems(not_tensors + _v.input_problems(*infos) + other)
+        wide = MAX_SPLIT_HEAD_DIM_V if isinstance(q, torch.Tensor) and q.dtype in (torch.float16, torch.bfloat16) \
+            else _v.MAX_HEAD_DIM  # (head_dim_v over 256 runs as two calls: _split_head_dim_v)
+        _v.raise_problems(not_tensors + _v.input_problems(*infos, max_head_dim_v=wide) + other)
     head_dim = q.shape[-1] if q.dim() > 0 else 1
     scale = _v.check_softmax_scale(softmax_scale, head_dim)
     window_left, window_right = _v.window_pair(window_size)

@@ -546,3 +546,15 @@ def test_varlen_random_configurations_match_the_reference(fake_gpu):
         assert (out.float() - ref).abs().max().item() <= 2e-3
         finite = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], ref_lse[finite], atol=1e-5)
+
+
+def test_head_dim_v_512_is_not_reported_with_other_errors(fake_gpu):
+    """With several argument errors at once, a 16-bit head_dim_v of 512 (served as two calls) is not one of them."""
+    q, k, v = qkv(d=64, dv=512)
+    with pytest.raises(ValueError) as info:
+        flash_attn_func(q, k, v, softcap=-1.0, window_size=(1, 2, 3))
+    assert "head_dim_v" not in str(info.value) and "softcap" in str(info.value)
+    q, k, v = qkv(d=64, dv=520)
+    with pytest.raises(ValueError) as info:
+        flash_attn_func(q, k, v, softcap=-1.0)
+    assert "head_dim_v (dim 3 of v) must be a multiple of 8 between 8 and 512, got 520" in str(info.value)
