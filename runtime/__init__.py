@@ -26,6 +26,7 @@ _LAZY = {
     "flash_attn_qkvpacked_func": ("interface", "flash_attn_qkvpacked_func"),
     "flash_attn_varlen_func": ("interface", "flash_attn_varlen_func"),
     "flash_attn_with_kvcache": ("kvcache", "flash_attn_with_kvcache"),
+    "get_scheduler_metadata": ("kvcache", "get_scheduler_metadata"),
     "flash_attn_forward": ("dlpack_api", "flash_attn_forward"),
     "flash_attn_backward": ("dlpack_api", "flash_attn_backward"),
     "flash_attn_combine": ("interface", "flash_attn_combine"),

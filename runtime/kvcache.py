@@ -36,7 +36,7 @@ import torch
 from . import _validate as _v
 from .interface import _check_fwd, _device_of, _host_ints, _out_dtype, flash_attn_func
 
-__all__ = ["flash_attn_with_kvcache", "apply_rotary"]
+__all__ = ["flash_attn_with_kvcache", "get_scheduler_metadata", "apply_rotary"]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -302,3 +302,16 @@ def flash_attn_with_kvcache(
         out = torch.cat(out_parts, dim=0) if len(out_parts) > 1 else out_parts[0]
         lse = torch.cat(lse_parts, dim=0) if len(lse_parts) > 1 else lse_parts[0]
     return (out, lse) if return_softmax_lse else out
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens=None, qkv_dtype=None, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal=False, window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0,
+                           pack_gqa=None, sm_margin=0):
+    """FA3's ``get_scheduler_metadata``, with FA3's arguments: FA3 precomputes its decode scheduler
+    (split counts per entry) so that a captured CUDA graph can replay a kvcache call. flashgen's
+    :func:`flash_attn_with_kvcache` takes no precomputed schedule (it reads the lengths on the host),
+    so there is nothing to compute: returns None, which ``scheduler_metadata=`` accepts (as it
+    accepts any value and ignores it). Raises nothing."""
+    return None

@@ -253,3 +253,16 @@ def test_random_configurations_match_the_reference(fake_gpu):
         got_k = logical_cache(kc, table, rows, batch)
         assert torch.equal(logical_cache(vc, table, rows, batch), vref)
         assert torch.allclose(got_k.float(), kref.float(), atol=1e-3, rtol=1e-3) if rotary else torch.equal(got_k, kref)
+
+
+def test_scheduler_metadata_is_accepted(fake_gpu):
+    """FA3's precomputed decode schedule: flashgen has none to compute (None), and the kvcache entry takes it."""
+    from flashgen import get_scheduler_metadata
+
+    q, k, v, kc, vc, _ = make(batch=2, new=1, seed=12)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    meta = get_scheduler_metadata(2, 3, 40, H, HK, D, lens, torch.float16, causal=True, max_seqlen_k_new=1)
+    assert meta is None
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True, scheduler_metadata=meta)
+    assert torch.equal(out, flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=lens, causal=True))
