@@ -68,6 +68,7 @@ __all__ = [
     "feature_problems",
     "attention_chunk_problems",
     "varlen_problems",
+    "offset_problems",
     "window_size_problems",
     "window_pair",
     "softcap_problems",
@@ -323,6 +324,21 @@ def feature_problems(
     return P + attention_chunk_problems(attention_chunk)
 
 
+def offset_problems(name: str, cu, total: int, rows: str) -> list:
+    """The problems (see :func:`raise_problems`) of one list of varlen offsets ``cu`` (cu_seqlens_*):
+    batch + 1 >= 1 ints, 0 first, non-decreasing, the last at most ``total``, the rows of ``rows``
+    (e.g. "q"). ValueError naming ``name``; at most one problem."""
+    if len(cu) < 1:
+        return [(ValueError, f"{name} must hold batch + 1 >= 1 offsets, got none")]
+    if cu[0] != 0:
+        return [(ValueError, f"{name}[0] must be 0, got {cu[0]}")]
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        return [(ValueError, f"{name} must be non-decreasing, got {list(cu)[:16]}")]
+    if cu[-1] > total:
+        return [(ValueError, f"{name}[-1] ({cu[-1]}) is past the {total} rows of {rows}")]
+    return []
+
+
 def varlen_problems(total_q: int, total_k: int, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     seqused_q=None, seqused_k=None) -> list:
     """The problems (see :func:`raise_problems`) of FA3's varlen arguments, as host lists of ints
@@ -334,17 +350,11 @@ def varlen_problems(total_q: int, total_k: int, cu_seqlens_q, cu_seqlens_k, max_
     TypeError naming the argument."""
     P: list = []
     seqs = {}
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
-        if len(cu) < 1:
-            P.append((ValueError, f"{name} must hold batch + 1 >= 1 offsets, got none"))
-        elif cu[0] != 0:
-            P.append((ValueError, f"{name}[0] must be 0, got {cu[0]}"))
-        elif any(b < a for a, b in zip(cu, cu[1:])):
-            P.append((ValueError, f"{name} must be non-decreasing, got {list(cu)[:16]}"))
-        elif cu[-1] > total:
-            P.append((ValueError, f"{name}[-1] ({cu[-1]}) is past the {total} rows of "
-                                  f"{'q' if name.endswith('q') else 'k and v'}"))
-        else:
+    for name, cu, total, rows in (("cu_seqlens_q", cu_seqlens_q, total_q, "q"),
+                                  ("cu_seqlens_k", cu_seqlens_k, total_k, "k and v")):
+        found = offset_problems(name, cu, total, rows)
+        P += found
+        if not found:
             seqs[name[-1]] = [b - a for a, b in zip(cu, cu[1:])]
     if len(cu_seqlens_q) != len(cu_seqlens_k):
         P.append((ValueError, f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "

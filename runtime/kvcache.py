@@ -189,9 +189,7 @@ def flash_attn_with_kvcache(
             if len(cu_new) != batch + 1 or k.dim() != 3 or v.dim() != 3:
                 raise ValueError(f"flashgen: with cu_seqlens_k_new ({batch + 1} offsets) k and v must be 3-D "
                                  "(total_new, heads_k, head_dim)")
-            if cu_new[0] != 0 or any(y < x for x, y in zip(cu_new, cu_new[1:])) or cu_new[-1] > k.shape[0]:
-                raise ValueError(f"flashgen: cu_seqlens_k_new must start at 0, be non-decreasing and end within k's "
-                                 f"{k.shape[0]} rows, got {cu_new[:16]}")
+            _v.raise_problems(_v.offset_problems("cu_seqlens_k_new", cu_new, k.shape[0], "the new k and v"))
             new = [(cu_new[b], cu_new[b + 1]) for b in range(batch)]
         else:
             if k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or k.shape[:3] != v.shape[:3]:

@@ -266,3 +266,16 @@ def test_scheduler_metadata_is_accepted(fake_gpu):
     kc2, vc2 = kc.clone(), vc.clone()
     out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True, scheduler_metadata=meta)
     assert torch.equal(out, flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=lens, causal=True))
+
+
+def test_new_key_offsets_are_checked_as_varlen_offsets(fake_gpu):
+    q, _, _, kc, vc, _ = make(batch=2, new=0, seed=13)
+    k = torch.zeros(5, HK, D).half()
+    for cu, fragment in (([1, 2, 5], "cu_seqlens_k_new[0] must be 0, got 1"),
+                         ([0, 3, 2], "cu_seqlens_k_new must be non-decreasing"),
+                         ([0, 3, 6], "cu_seqlens_k_new[-1] (6) is past the 5 rows of the new k and v")):
+        with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            flash_attn_with_kvcache(q, kc, vc, k, k.clone(), cache_seqlens=3,
+                                    cu_seqlens_k_new=torch.tensor(cu, dtype=torch.int32))
+    assert fake_gpu.calls == []
