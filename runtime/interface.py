@@ -806,6 +806,18 @@ def flash_attn_func(
     return out
 
 
+def _attend(q, k, v, scale, causal: bool, window_size, softcap, sink, descales: tuple, pack_gqa, deterministic,
+            want_lse: bool, attention_chunk=0) -> tuple:
+    """One :func:`flash_attn_func` call of an entry composed of several (attention_chunk's pieces,
+    head_dim_v's halves, varlen's runs, kvcache's entries), with the caller's arguments;
+    ``(out, lse)``, lse None unless ``want_lse``."""
+    res = flash_attn_func(q, k, v, scale, causal, q_descale=descales[0], k_descale=descales[1],
+                          v_descale=descales[2], window_size=window_size, attention_chunk=attention_chunk,
+                          softcap=softcap, pack_gqa=pack_gqa, deterministic=deterministic,
+                          return_attn_probs=want_lse, learnable_sink=sink)
+    return res if want_lse else (res, None)
+
+
 def _out_dtype(q: torch.Tensor) -> torch.dtype:
     """out's dtype for inputs of q's dtype: q's, bfloat16 for FP8 (FA3's)."""
     return torch.bfloat16 if q.dtype in _FP8_TORCH_DTYPES else q.dtype
@@ -942,11 +954,9 @@ def flash_attn_varlen_func(
     outs, lses = [], []
     for i, (b0, m) in enumerate(runs):
         ds = tuple(None if d is None else d[b0:b0 + m] for d in (q_descale, k_descale, v_descale))
-        o, lse = flash_attn_func(qs[2 * i].reshape(m, lq[b0], *q.shape[1:]), ks[2 * i].reshape(m, lk[b0], *k.shape[1:]),
-                                 vs[2 * i].reshape(m, lk[b0], *v.shape[1:]), softmax_scale, causal,
-                                 q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], window_size=window_size,
-                                 attention_chunk=attention_chunk, softcap=softcap, pack_gqa=pack_gqa,
-                                 deterministic=deterministic, return_attn_probs=True, learnable_sink=learnable_sink)
+        o, lse = _attend(qs[2 * i].reshape(m, lq[b0], *q.shape[1:]), ks[2 * i].reshape(m, lk[b0], *k.shape[1:]),
+                         vs[2 * i].reshape(m, lk[b0], *v.shape[1:]), softmax_scale, causal, window_size, softcap,
+                         learnable_sink, ds, pack_gqa, deterministic, True, attention_chunk)
         outs.append(o.reshape(m * lq[b0], *o.shape[2:]))
         lses.append(lse.transpose(0, 1).reshape(lse.shape[1], m * lq[b0]))
         unused = q_sizes[2 * i + 1]
@@ -985,14 +995,10 @@ def _split_head_dim_v(q, k, v, scale: float, causal: bool, window_size, attentio
         raise NotImplementedError(f"flashgen: head_dim_v ({dv}) over {_v.MAX_HEAD_DIM} is served for float16 / "
                                   "bfloat16 inputs only (as in FA3)")
     half = -(-dv // (2 * _v.HEAD_DIM_MULTIPLE)) * _v.HEAD_DIM_MULTIPLE
-    res = [flash_attn_func(q, k, part, scale, causal, q_descale=descales[0], k_descale=descales[1],
-                           v_descale=descales[2], window_size=window_size, attention_chunk=attention_chunk,
-                           softcap=softcap, pack_gqa=pack_gqa, deterministic=deterministic,
-                           return_attn_probs=want_lse, learnable_sink=sink)
-           for part in (v[..., :half], v[..., half:])]
-    if not want_lse:
-        return torch.cat(res, dim=-1)
-    return torch.cat([o for o, _ in res], dim=-1), res[0][1]
+    res = [_attend(q, k, part, scale, causal, window_size, softcap, sink, descales, pack_gqa, deterministic, want_lse,
+                   attention_chunk) for part in (v[..., :half], v[..., half:])]
+    out = torch.cat([o for o, _ in res], dim=-1)
+    return (out, res[0][1]) if want_lse else out
 
 
 def _chunk_descale(t: Optional[torch.Tensor], name: str, begin: int, end: int, chunks: int, batch: int):
@@ -1049,10 +1055,7 @@ def _attention_chunks(q, k, v, attention_chunk: int, scale: float, causal: bool,
         calls.append((n, qs, ks, vs, ds))
     outs, lses = [], []
     for n, qs, ks, vs, ds in calls:
-        res = flash_attn_func(qs, ks, vs, scale, causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
-                              window_size=window, softcap=softcap, pack_gqa=pack_gqa, deterministic=deterministic,
-                              return_attn_probs=want_lse, learnable_sink=sink)
-        o, lse = res if want_lse else (res, None)
+        o, lse = _attend(qs, ks, vs, scale, causal, window, softcap, sink, ds, pack_gqa, deterministic, want_lse)
         if n > 1:
             o = o.reshape(batch, -1, heads, head_dim_v)
             if lse is not None:

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from . import _validate as _v
-from .interface import _check_fwd, _device_of, _host_ints, _out_dtype, flash_attn_func
+from .interface import _attend, _check_fwd, _device_of, _host_ints, _out_dtype
 
 __all__ = ["flash_attn_with_kvcache", "get_scheduler_metadata", "apply_rotary"]
 
@@ -287,9 +287,8 @@ def flash_attn_with_kvcache(
             vc = v_cache[rows[b]:rows[b] + m, leftpad[b]:total[b]]
         qb = q[b:b + m] if not varlen_q and rope is None else qs[b][None]  # (runs only without either)
         ds = tuple(None if d is None else d[b:b + m] for d in (q_descale, k_descale, v_descale))
-        o, lse = flash_attn_func(qb, kc, vc, softmax_scale, causal, q_descale=ds[0], k_descale=ds[1],
-                                 v_descale=ds[2], window_size=window_size, attention_chunk=attention_chunk,
-                                 softcap=softcap, pack_gqa=pack_gqa, return_attn_probs=True)
+        o, lse = _attend(qb, kc, vc, softmax_scale, causal, window_size, softcap, None, ds, pack_gqa, False, True,
+                         attention_chunk)
         out_parts.append(o)
         lse_parts.append(lse)
         b += m
