@@ -7,6 +7,7 @@ FlashAttention-3 forward (arXiv 2407.08608, §3, Algorithms 1 and 2).
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 from . import launch, tuning
@@ -20,7 +21,7 @@ from .generator.families.fwd import (dynamic_schedule, operand_row_bytes, pad_op
 from .generator.families.bwd import (FAMILY as _BWD_FAMILY, DQ_SWAP_BLOCK_M as _BWD_SWAP_BLOCK_M,  # noqa: E402
                                      pre_rows_per_cta)  # pre grid, dQ path, block_m 80
 
-__all__ = ["TensorArg", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
+__all__ = ["TensorArg", "Varlen", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
            "launch_forward", "PreparedForward", "attention_backward",
            "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec", "softmax_constants",
            "ChunkPiece", "chunk_pieces"]
@@ -42,6 +43,43 @@ def _check_tma(name: str, t: TensorArg) -> None:
     problem = tma_layout_problem(t.shape, t.strides, ELEMENT_SIZE[t.dtype], t.ptr)
     if problem is not None:
         raise ValueError(f"flashgen: TMA cannot address {name}: {problem}")
+
+
+class Varlen(NamedTuple):
+    """FA3's varlen arguments of a forward call, for the kernels that read them (fwd.py ``varlen``;
+    fwd.cu.j2 kVarlen, mask.cuh SeqRange): batch entry b is a sequence of its own lengths.
+
+    The ``cu_seqlens_*`` / ``seqused_*`` fields are device addresses of int32 arrays, 0 where absent:
+    ``cu_seqlens_q`` (batch + 1,) token offsets of the sequences packed along q's (and out's) first
+    dim, q then ``(total_q, heads, head_dim)``; without it q is a padded batch ``(batch, seqlen, heads,
+    head_dim)``; the same for ``cu_seqlens_k`` and k / v. ``seqused_q`` / ``seqused_k`` (batch,): the
+    rows used of each sequence (else the offsets' difference, else the padded length).
+    ``batch``: the number of sequences; ``max_seqlen_q`` / ``max_seqlen_k``: at least every
+    sequence's length (the grid, and the unbounded sides of a window). Nothing here is checked
+    against the arrays' contents: the caller validated them (flashgen._validate.varlen_problems)."""
+
+    cu_seqlens_q: int
+    cu_seqlens_k: int
+    seqused_q: int
+    seqused_k: int
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    def meta(self) -> tuple:
+        """What a prepared launch depends on: which arrays are given, and the sizes."""
+        return (bool(self.cu_seqlens_q), bool(self.cu_seqlens_k), bool(self.seqused_q), bool(self.seqused_k),
+                self.batch, self.max_seqlen_q, self.max_seqlen_k)
+
+    def addresses(self) -> tuple:
+        """The per-call params fields (``_VARLEN_PER_CALL``' order)."""
+        return (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k)
+
+
+# The varlen kernels in the calls of flash_attn_varlen_func and flash_attn_with_kvcache: off until they
+# have passed their GPU tests (tests/gpu/test_features_gpu.py test_varlen_kernel_*); FLASHGEN_VARLEN_KERNEL=1
+# turns them on. Off, those entries run as one flash_attn_func call per run of equal lengths.
+VARLEN_KERNEL = os.environ.get("FLASHGEN_VARLEN_KERNEL", "0") == "1"
 
 
 class MaskSpec(NamedTuple):
@@ -191,7 +229,8 @@ class _Plan(NamedTuple):
 _plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent calls may share them
 
 
-def _check_named_variant(var: Variant, dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool) -> None:
+def _check_named_variant(var: Variant, dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool,
+                         varlen: bool = False) -> None:
     """ValueError unless a forward variant named by the caller computes this call: its dtype, head
     dims at least the call's (zero padded), softcap compiled in exactly when the call has one, and a
     mask kernel that serves the call's mask (a local kernel serves every mask through its runtime
@@ -204,6 +243,8 @@ def _check_named_variant(var: Variant, dtype: str, d: int, dv: int, mask: MaskSp
         bad.append(f"head dims {p.get('head_dim')}/{p.get('head_dim_v', p.get('head_dim'))} (the call: {d}/{dv})")
     if var.family != "fwd":
         bad.append(f"family {var.family!r} (the call: 'fwd')")
+    if bool(p.get("varlen")) != varlen:
+        bad.append(f"varlen {bool(p.get('varlen'))} (the call: {varlen})")
     if not p.get("local") and (bool(p.get("causal")) != mask.causal or mask.local):
         bad.append(f"mask {'causal' if p.get('causal') else 'none'} (the call: "
                    f"{'local' if mask.local else 'causal' if mask.causal else 'none'})")
@@ -212,23 +253,24 @@ def _check_named_variant(var: Variant, dtype: str, d: int, dv: int, mask: MaskSp
 
 
 def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
-          bucket: int = 0, pack_gqa: bool = False) -> _Plan:
+          bucket: int = 0, pack_gqa: bool = False, varlen: bool = False) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
 
     ``bucket``: the call's seqlen_k bucket (``tuning.seqlen_bucket``); the GPU's tune table
     (flashgen/tuning.py) may name another built tile than the default for it. ``pack_gqa``: a
-    PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``).
+    PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``); ``varlen``: a varlen variant (fwd.py's
+    varlen; ignored with ``variant``).
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
     key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device,
-           pack_gqa, bucket)
+           pack_gqa, bucket, varlen)
     plan = _plans.get(key)
     if plan is None:
         if variant is not None:
-            _check_named_variant(variant, dtype, d, dv, mask, softcap)
+            _check_named_variant(variant, dtype, d, dv, mask, softcap, varlen)
         var = variant if variant is not None else select_variant(
             "fwd", {"dtype": _VARIANT_DTYPE.get(dtype, dtype), "head_dim": d, "head_dim_v": dv, "causal": mask.causal, "local": mask.local,
-                    "softcap": softcap, "pack_gqa": pack_gqa}, round_up=_ROUND_UP)
+                    "softcap": softcap, "pack_gqa": pack_gqa, "varlen": varlen}, round_up=_ROUND_UP)
         if variant is None:
             var = tuning.tuned_variant(var, bucket, device, load_manifest())
         p = var.params
@@ -351,49 +393,85 @@ class PreparedForward(NamedTuple):
 #: The params fields each forward call fills itself, in launch.launch_prepared's order.
 _FWD_PER_CALL = ("lse", "o", "sink", "q_descale", "k_descale", "v_descale", "scale_log2", "softmax_scale",
                  "softcap_scale")
+#: A varlen launch's per-call fields after _FWD_PER_CALL (:meth:`Varlen.addresses`).
+_VARLEN_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
 _prepared_forwards: dict = {}  # metadata key (_fwd_key) -> PreparedForward (immutable: shared by concurrent calls)
 _PREPARED_CACHE_MAX = 1024  # bounded: cleared when full (dropping entries is safe)
 
 
 def _fwd_key(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, causal, window_size, softcap,
-             q_descale, k_descale, v_descale, variant, pack_gqa=None) -> tuple:
+             q_descale, k_descale, v_descale, variant, pack_gqa=None, varlen: Varlen | None = None) -> tuple:
     """Everything a PreparedForward depends on: all but the addresses and the softmax scale."""
     return (q[1:], k[1:], v[1:], out[1:], bool(causal),
             window_size if type(window_size) is tuple else tuple(window_size), softcap > 0,
             None if q_descale is None else q_descale[1:], None if k_descale is None else k_descale[1:],
-            None if v_descale is None else v_descale[1:], None if variant is None else variant.name, pack_gqa)
+            None if v_descale is None else v_descale[1:], None if variant is None else variant.name, pack_gqa,
+            None if varlen is None else varlen.meta())
 
 
 def prepare_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, causal: bool,
                     variant: Variant | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
                     softmax_scale: float | None = None, q_descale: TensorArg | None = None,
                     k_descale: TensorArg | None = None, v_descale: TensorArg | None = None,
-                    pack_gqa: bool | None = None) -> PreparedForward:
+                    pack_gqa: bool | None = None, varlen: Varlen | None = None) -> PreparedForward:
     """The :class:`PreparedForward` of a forward call (see :func:`attention_forward` for the
     arguments), resolved once per metadata key and cached (bounded).
 
     Only metadata makes the key: shapes, strides, dtypes and devices of q, k, v, out and the
-    descales, ``causal``, ``window_size``, whether ``softcap`` > 0, ``variant``, ``pack_gqa``. The ``ptr`` fields
+    descales, ``causal``, ``window_size``, whether ``softcap`` > 0, ``variant``, ``pack_gqa``, ``varlen``'s
+    :meth:`Varlen.meta` (its addresses come with each launch). The ``ptr`` fields
     may be 0 (the addresses come with each :func:`launch_forward`, which checks them and the scale
     on every call). On a new key the checks of :func:`attention_forward` run in its order, with
     the non-zero addresses and ``softmax_scale`` when given, and raise what it raises (ValueError
     for heads, layouts, addresses, descale shapes, scale, softcap; MissingVariantError); a key
     that raised is not cached."""
-    key = _fwd_key(q, k, v, out, causal, window_size, softcap, q_descale, k_descale, v_descale, variant, pack_gqa)
+    key = _fwd_key(q, k, v, out, causal, window_size, softcap, q_descale, k_descale, v_descale, variant, pack_gqa,
+                   varlen)
     prep = _prepared_forwards.get(key)
     if prep is None:
         prep = _prepare_forward(q, k, v, out, causal, variant, window_size, softcap,
                                 1.0 if softmax_scale is None else softmax_scale, q_descale, k_descale, v_descale,
-                                pack_gqa)
+                                pack_gqa, varlen)
         launch.cache_put(_prepared_forwards, key, prep, _PREPARED_CACHE_MAX)
     return prep
 
 
+def _batch_of_one(name: str, t: TensorArg) -> TensorArg:
+    """A varlen side packed along its token dim, ``(total, heads, dim)``, as a batch of one
+    ``(1, total, heads, dim)`` (the kernel loads it at its sequences' offsets through a map of batch 1)."""
+    if len(t.shape) != 3:
+        raise ValueError(f"flashgen: {name} must be 3-D (total, heads, dim) with its cu_seqlens, got shape {t.shape}")
+    return t._replace(shape=(1, *t.shape), strides=(t.shape[0] * t.strides[0], *t.strides))
+
+
+def _varlen_operands(q, k, v, out, varlen: Varlen, descales: tuple, pack_gqa) -> tuple:
+    """q, k, v, out of a varlen call as 4-D TensorArgs (a packed side as a batch of one); ValueError for what the
+    varlen kernels do not serve (FP8 descales, PackGQA asked for) or a padded side not of ``varlen.batch``."""
+    if any(t is not None for t in descales) or q.dtype == "fp8_e4m3":
+        raise ValueError("flashgen: the varlen forward serves fp16 / bf16 without descales")
+    if pack_gqa:
+        raise ValueError("flashgen: the varlen forward has no PackGQA; pass pack_gqa None or False")
+    if varlen.cu_seqlens_q:
+        q, out = _batch_of_one("q", q), _batch_of_one("out", out)
+    if varlen.cu_seqlens_k:
+        k, v = _batch_of_one("k", k), _batch_of_one("v", v)
+    for name, t, packed in (("q", q, varlen.cu_seqlens_q), ("k", k, varlen.cu_seqlens_k)):
+        if len(t.shape) != 4 or (not packed and t.shape[0] != varlen.batch):
+            raise ValueError(f"flashgen: {name} must be (batch = {varlen.batch}, seqlen, heads, dim) without its "
+                             f"cu_seqlens, got shape {t.shape}")
+    return q, k, v, out
+
+
 def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softmax_scale, q_descale, k_descale,
-                     v_descale, pack_gqa=None) -> PreparedForward:
+                     v_descale, pack_gqa=None, varlen: Varlen | None = None) -> PreparedForward:
     """Check a forward call (attention_forward's checks, in its order) and resolve its PreparedForward."""
+    q_rows = q.shape[-3]  # rows of q's sequence dim: the lse's layout without cu_seqlens_q
+    if varlen is not None:
+        q, k, v, out = _varlen_operands(q, k, v, out, varlen, (q_descale, k_descale, v_descale), pack_gqa)
     b, sq, h, d = q.shape
     _, sk, hk, dv = v.shape
+    if varlen is not None:  # the grid's sequences and lengths (each sequence reads its own in the kernel)
+        b, sq, sk = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
     if h % hk:
         raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -410,7 +488,10 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     softmax_constants(softmax_scale, softcap)  # the checks only: the constants are per call
     bucket = (sk - 1).bit_length()  # tuning.seqlen_bucket
     group = h // hk
-    if variant is not None or pack_gqa:  # a named variant, or PackGQA asked for (MissingVariantError if none)
+    if varlen is not None:  # (MissingVariantError where no varlen variant serves the call)
+        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, varlen=True)
+        packed = False
+    elif variant is not None or pack_gqa:  # a named variant, or PackGQA asked for (MissingVariantError if none)
         plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, pack_gqa=bool(pack_gqa))
         packed = bool(plan.variant.params.get("pack_gqa"))
     else:
@@ -434,7 +515,14 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               "head_dim_v": dv, "v": 0, "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1],
               "v_stride_head": v.strides[2], "vt": 0, "vt_seqlen": vt_seqlen(sk),
               **_descale_params("q", q_descale, h, hk, True),
-              **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False)}
+              **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False),
+              **dict.fromkeys(_VARLEN_PER_CALL, 0), "lse_stride_batch": 0, "lse_stride_head": 0}
+    per_call = _FWD_PER_CALL
+    if varlen is not None:  # out's batch stride 0 when packed (its rows at the sequences' offsets); lse likewise
+        packed_q = bool(varlen.cu_seqlens_q)
+        params.update(o_stride_batch=0 if packed_q else out.strides[0],
+                      lse_stride_batch=0 if packed_q else h * q_rows, lse_stride_head=q_rows)
+        per_call = _FWD_PER_CALL + _VARLEN_PER_CALL
     geometry = launch.map_geometry
     vp = plan.variant.params  # the tiles' shared-memory rows (64 or 128 bytes), which the maps' boxes match
     qk_rows = operand_row_bytes(vp["head_dim"], vp["dtype"])
@@ -462,16 +550,17 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     # is host time (an allocation, a memset, a free: about 17 us per call on an H100 host) on calls
     # whose kernels run longer than that.
     counter = "tile_counter" if dynamic_schedule(plan.variant.params) and num_tiles > grid else None
-    return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, _FWD_PER_CALL,
+    return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, per_call,
                                                              counter), vt_launch, vt_bytes)
 
 
 def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
                    softmax_scale: float, softcap: float, stream: int, sink: int = 0, q_descale: int = 0,
-                   k_descale: int = 0, v_descale: int = 0) -> Variant:
+                   k_descale: int = 0, v_descale: int = 0, varlen: tuple = ()) -> Variant:
     """Launch a :class:`PreparedForward` on arrays with its metadata at these device addresses
     (q, k, v, out, lse; lse 0: no LSE is written; the sink's and the descales' where
-    :func:`prepare_forward` was given them, else 0) on ``stream``; returns the variant. The
+    :func:`prepare_forward` was given them, else 0; ``varlen``: a varlen call's
+    :meth:`Varlen.addresses`, as its prepare_forward was given a Varlen) on ``stream``; returns the variant. The
     per-call work of :func:`attention_forward`:
     ValueError for an address TMA cannot use (not 16-byte aligned) or a bad softmax_scale /
     softcap, then the TMA maps (cached by address) and the launch (CudaError if it fails). A
@@ -486,7 +575,7 @@ def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, ou
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
     tensor_map_at = launch.tensor_map_at
     mq, mk, mv, mo = prep.maps
-    values = (lse_ptr, out_ptr, int(sink), q_descale, k_descale, v_descale, scale_log2, scale, softcap_scale)
+    values = (lse_ptr, out_ptr, int(sink), q_descale, k_descale, v_descale, scale_log2, scale, softcap_scale, *varlen)
     if prep.vt_launch is not None:  # vt_global: V^T into this call's scratch, then the main kernel reads it
         with launch.scratch(prep.plan.kernel.device, prep.vt_bytes, stream) as vt_ptr:
             launch.launch_prepared(prep.vt_launch, (), (v_ptr, vt_ptr), stream)
@@ -503,7 +592,8 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
                       softmax_scale: float, causal: bool, stream: int, variant: Variant | None = None, *,
                       window_size=(-1, -1), softcap: float = 0.0, sink: int = 0,
                       q_descale: TensorArg | None = None, k_descale: TensorArg | None = None,
-                      v_descale: TensorArg | None = None, pack_gqa: bool | None = None) -> Variant:
+                      v_descale: TensorArg | None = None, pack_gqa: bool | None = None,
+                      varlen: Varlen | None = None) -> Variant:
     """Launch the FA3 forward: out = softmax(logits [+ mask]) v, lse = logsumexp of each row.
 
     logits = softmax_scale * q k^T, or with ``softcap`` c > 0 c * tanh(softmax_scale * q k^T / c).
@@ -524,6 +614,13 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     when no PackGQA variant is built), True = packed (MissingVariantError if no PackGQA variant
     serves the call; ValueError if heads / heads_k > block_m), False = unpacked; the output is the
     same either way (up to fp32 rounding order).
+    ``varlen`` (:class:`Varlen`; FA3's varlen): every batch entry is a sequence of its own lengths,
+    read by the kernel; with ``cu_seqlens_q`` q and out are ``(total_q, heads, dim)`` and lse
+    ``(heads, total_q)`` (FA3's varlen layout), and with ``cu_seqlens_k`` k and v are ``(total_k,
+    heads_k, dim)``; a side without them is a padded batch of ``varlen.batch``. Each sequence is one
+    attention with the call's mask, bottom-right aligned to its own lengths; out and lse rows no
+    sequence uses are not written. fp16 / bf16 only, unpacked (ValueError for descales or
+    pack_gqa=True); MissingVariantError where no varlen variant serves the key.
     Head dims with no variant of their own run on the smallest built larger one. Launches on
     `stream` (CUstream as int); returns the variant used. Raises MissingVariantError when no built
     variant serves the call, ValueError for layouts TMA cannot address or a bad softmax_scale /
@@ -535,11 +632,11 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     """
     prep = prepare_forward(q, k, v, out, causal, variant, window_size=window_size, softcap=softcap,
                            softmax_scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                           pack_gqa=pack_gqa)
+                           pack_gqa=pack_gqa, varlen=varlen)
     return launch_forward(prep, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr, softmax_scale, softcap,
                           stream, sink,
                           0 if q_descale is None else q_descale.ptr, 0 if k_descale is None else k_descale.ptr,
-                          0 if v_descale is None else v_descale.ptr)
+                          0 if v_descale is None else v_descale.ptr, () if varlen is None else varlen.addresses())
 
 
 # ------------------------------------------------------------------------------------- backward

@@ -839,6 +839,78 @@ def _host_ints(name: str, t, device: int) -> list:
     return t.tolist()
 
 
+def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, max_seqlen_q: int,
+                          max_seqlen_k: int) -> bool:
+    """Whether a varlen or kvcache call may run on the varlen kernel (core.Varlen) instead of one
+    flash_attn_func call per run of equal lengths: the kernel is switched on (core.VARLEN_KERNEL), no
+    gradient is wanted (the varlen kernels have no backward yet), fp16 / bf16 without descales, no
+    attention_chunk, head dims within one call's, something to compute, and no CUDA-graph capture (the
+    host lists of lengths would be copied to the GPU). Whether a variant is built is the core's to say
+    (MissingVariantError, :func:`_varlen_kernel`)."""
+    return (_core.VARLEN_KERNEL and not attention_chunk and q.dtype in (torch.float16, torch.bfloat16)
+            and _no_descales(descales) and max_seqlen_q > 0 and max_seqlen_k > 0
+            and q.shape[-1] <= _v.MAX_HEAD_DIM and v.shape[-1] <= _v.MAX_HEAD_DIM
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)))
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _int32_like(t, like: torch.Tensor) -> torch.Tensor:
+    """Lengths or offsets (a host list, or an int32 tensor on ``like``'s device or the CPU) as a
+    contiguous int32 tensor on ``like``'s device (a tensor already there as it is, when contiguous)."""
+    if isinstance(t, torch.Tensor):
+        return t.to(device=like.device, dtype=torch.int32).contiguous()
+    return torch.tensor(t, dtype=torch.int32, device=like.device)
+
+
+def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_seqlen_k: int, softmax_scale,
+                   causal: bool, window_size, softcap: float, sink, fill: bool):
+    """One launch of the varlen kernel (``core.attention_forward(varlen=...)``, FA3's varlen) for the
+    arguments of :func:`flash_attn_varlen_func` or :func:`flash_attn_with_kvcache`, already checked
+    against each other; ``(out, lse)``, or None where no varlen variant is built for the call's key
+    (the caller then composes it of flash_attn_func calls).
+
+    ``seqlens``: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), each None or int32 (a tensor on q's
+    device or the CPU, or a host list). With cu_seqlens_q q is ``(total_q, heads, head_dim)``, out
+    ``(total_q, heads, head_dim_v)`` and lse ``(heads, total_q)``; without, q is ``(batch, seqlen_q, heads,
+    head_dim)``, out alike and lse ``(batch, heads, seqlen_q)``; k and v the same with cu_seqlens_k.
+    ``fill``: some out / lse rows belong to no sequence (or are past a seqused): they are set to 0 / -inf
+    first, as the kernel writes only the sequences' rows. Raises what :func:`_check_fwd` raises."""
+    packed_q, packed_k = seqlens[0] is not None, seqlens[1] is not None
+    # (for the checks of dtypes, heads, head dims, devices: a packed side as a batch of one, and then a padded
+    # side's first entry, so that the batches agree)
+    views = [t[None] if packed else t[:1] if packed_q or packed_k else t
+             for t, packed in ((q, packed_q), (k, packed_k), (v, packed_k))]
+    _v.raise_problems(_v.window_size_problems(window_size))
+    window = _v.window_pair(window_size)
+    p = _check_fwd(*views, *window, float(softcap), sink)
+    dev = p.device
+    _check_device_capability(dev)
+    es = _v.ELEMENT_SIZE[p.dtype]
+    qc, qa = _input_arg(q, _input_layout(q, es), p.dtype, dev)
+    kc, ka = _input_arg(k, _input_layout(k, es), p.dtype, dev)
+    vc, va = _input_arg(v, _input_layout(v, es), p.dtype, dev)
+    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    lse_shape = (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1])
+    out = q.new_zeros(out_shape) if fill else q.new_empty(out_shape)
+    lse = (q.new_full(lse_shape, -math.inf, dtype=torch.float32) if fill
+           else q.new_empty(lse_shape, dtype=torch.float32))
+    arrays = [None if t is None else _int32_like(t, q) for t in seqlens]  # referenced until the launch is enqueued
+    sink_t = None if sink is None else sink.contiguous()
+    scale = p.head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    try:
+        _core.attention_forward(
+            qa, ka, va, _core.TensorArg(out.data_ptr(), out_shape, tuple(out.stride()), p.dtype, dev),
+            _core.TensorArg(lse.data_ptr(), lse_shape, tuple(lse.stride()), "fp32", dev), scale, bool(causal),
+            _current_stream(dev), window_size=window, softcap=float(softcap),
+            sink=0 if sink_t is None else sink_t.data_ptr(),
+            varlen=_core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays), batch, int(max_seqlen_q),
+                                int(max_seqlen_k)))
+    except _core.MissingVariantError:
+        return None
+    del qc, kc, vc, arrays, sink_t  # released only after the launch is enqueued (stream-ordered)
+    return out, lse
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -874,13 +946,15 @@ def flash_attn_varlen_func(
     each sequence is one attention with :func:`flash_attn_func`'s semantics (causal and window
     masks bottom-right aligned per sequence, attention_chunk, softcap, learnable_sink, GQA).
 
-    How it runs (a stepping stone to a kernel that reads cu_seqlens itself): the offsets are read
-    on the host, a synchronisation when they are on the GPU (so a CUDA-graph capture needs them on
-    the CPU); then one :func:`flash_attn_func` call per run of consecutive sequences of equal
-    lengths (the run as its batch), on views of q, k, v (no copy), and the outputs are
-    concatenated. Launch cost therefore grows with the number of distinct neighbouring lengths:
-    one call when every sequence has the same lengths. Under torch.compile the read of the
-    offsets is a graph break (``fullgraph=True`` refuses the call: its shapes depend on data).
+    How it runs: the offsets are read on the host and checked, a synchronisation when they are on
+    the GPU (so a CUDA-graph capture needs them on the CPU). With the varlen kernel switched on
+    (``FLASHGEN_VARLEN_KERNEL=1``, core.VARLEN_KERNEL; off until its GPU tests have passed) a call that
+    wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
+    reads the offsets itself (:func:`_varlen_kernel`). Otherwise: one :func:`flash_attn_func` call per
+    run of consecutive sequences of equal lengths (the run as its batch), on views of q, k, v (no
+    copy), and the outputs are concatenated; launch cost then grows with the number of distinct
+    neighbouring lengths. Under torch.compile the read of the offsets is a graph break
+    (``fullgraph=True`` refuses the call: its shapes depend on data).
 
     Args:
         q: ``(total_q, heads, head_dim)``; k: ``(total_k, heads_k, head_dim)``; v: ``(total_k,
@@ -934,6 +1008,13 @@ def flash_attn_varlen_func(
     lk = [b - a for a, b in zip(cu_k, cu_k[1:])] if used_k is None else used_k
     unused_q = [cu_q[b + 1] - cu_q[b] - lq[b] for b in range(batch)]
     unused_k = [cu_k[b + 1] - cu_k[b] - lk[b] for b in range(batch)]
+    if batch and _varlen_kernel_serves(q, k, v, learnable_sink, (q_descale, k_descale, v_descale), attention_chunk,
+                                       max(lq), max(lk)):
+        res = _varlen_kernel(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), batch, max(lq), max(lk),
+                             softmax_scale, causal, window_size, softcap, learnable_sink,
+                             fill=any(unused_q) or cu_q[-1] < q.shape[0])
+        if res is not None:
+            return res if return_attn_probs else res[0]
     # runs of consecutive sequences of equal lengths with no unused rows between them: one call each,
     # the run's sequences as its batch (a view: the rows are consecutive)
     runs = []

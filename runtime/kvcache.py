@@ -1,4 +1,4 @@
-"""FA3's ``flash_attn_with_kvcache`` (decoding with a KV cache), on the host side for now.
+"""FA3's ``flash_attn_with_kvcache`` (decoding with a KV cache): the append and the checks on the host.
 
 The call appends the new keys / values to the cache in place (rotated by the rotary embedding
 when given), then runs each batch entry's attention over its cache rows with
@@ -7,8 +7,11 @@ when given), then runs each batch entry's attention over its cache rows with
 host, a synchronisation when they are GPU tensors. Neighbouring entries with the same lengths and
 consecutive cache rows share one call (a view of the cache); a paged cache is gathered into one
 contiguous copy per entry. Under torch.compile the read of the lengths is a graph break
-(``fullgraph=True`` refuses the call). A kernel that reads these lengths itself is the next step
-(docs/STATUS.md); this module fixes the API, its checks and its tests.
+(``fullgraph=True`` refuses the call). With the varlen kernel switched on (``FLASHGEN_VARLEN_KERNEL=1``:
+flashgen.core.VARLEN_KERNEL, off until its GPU tests have passed), an unpaged cache without
+cache_leftpad or cache_batch_idx, fp16 / bf16, is one launch instead, which reads each entry's total
+length itself (``seqused_k``: interface._varlen_kernel). Paged caches, leftpad and batch_idx in the
+kernel are the next step (docs/STATUS.md).
 
 Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_flash_attn_kvcache):
 
@@ -34,7 +37,8 @@ from typing import Optional
 import torch
 
 from . import _validate as _v
-from .interface import _attend, _check_fwd, _device_of, _host_ints, _out_dtype
+from .interface import (_attend, _check_fwd, _device_of, _host_ints, _out_dtype, _varlen_kernel,
+                        _varlen_kernel_serves)
 
 __all__ = ["flash_attn_with_kvcache", "get_scheduler_metadata", "apply_rotary"]
 
@@ -267,8 +271,21 @@ def flash_attn_with_kvcache(
         idx = cache_index(b, lens[b], total[b])
         k_cache[idx] = kb.to(k_cache.dtype)
         v_cache[idx] = vb.to(v_cache.dtype)
-    # 2. attention: runs of neighbouring entries with equal lengths and consecutive cache rows share
-    # one call (unpaged); a paged entry's rows are gathered
+    # 2. attention. With the varlen kernel (interface._varlen_kernel_serves), an unpaged cache without
+    # leftpad or batch_idx is one launch: entry b reads cache row b up to its total length (seqused_k).
+    q_len = [r1 - r0 for r0, r1 in q_rows]
+    if (not paged and not any(leftpad) and cache_batch_idx is None
+            and _varlen_kernel_serves(q, k_cache, v_cache, None, (q_descale, k_descale, v_descale), attention_chunk,
+                                      max(q_len), max(total))):
+        qq = q if rope is None else torch.cat(qs) if varlen_q else torch.stack(qs)
+        res = _varlen_kernel(qq, k_cache[:batch], v_cache[:batch],
+                             (cu_seqlens_q if varlen_q else None, None, None, total), batch, max(q_len), max(total),
+                             softmax_scale, causal, window_size, softcap, None,
+                             fill=varlen_q and q_rows[-1][1] < q.shape[0])
+        if res is not None:
+            return res if return_softmax_lse else res[0]
+    # Else runs of neighbouring entries with equal lengths and consecutive cache rows share one call
+    # (unpaged); a paged entry's rows are gathered.
     out_parts, lse_parts = [], []
     b = 0
     while b < batch:
@@ -292,9 +309,14 @@ def flash_attn_with_kvcache(
         out_parts.append(o)
         lse_parts.append(lse)
         b += m
-    if varlen_q:  # one part per entry (batch >= 1 here)
-        out = torch.cat([o[0] for o in out_parts], dim=0)
-        lse = torch.cat([part[0] for part in lse_parts], dim=1)
+    if varlen_q:  # one part per entry (batch >= 1 here), then q's rows past the last entry: out 0, lse -inf
+        outs, lses = [o[0] for o in out_parts], [part[0] for part in lse_parts]
+        rest = q.shape[0] - q_rows[-1][1]
+        if rest:
+            outs.append(outs[0].new_zeros((rest,) + tuple(outs[0].shape[1:])))
+            lses.append(lses[0].new_full((lses[0].shape[0], rest), -math.inf))
+        out = torch.cat(outs, dim=0)
+        lse = torch.cat(lses, dim=1)
     else:
         out = torch.cat(out_parts, dim=0) if len(out_parts) > 1 else out_parts[0]
         lse = torch.cat(lse_parts, dim=0) if len(lse_parts) > 1 else lse_parts[0]

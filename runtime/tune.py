@@ -36,6 +36,7 @@ from pathlib import Path
 import click
 
 from . import tuning
+from .dispatch import full_key
 
 FAMILIES = ("fwd",)  # what `flashgen tune` can time (the FA3 protocol's forward)
 TOTAL_TOKENS = 16384
@@ -67,9 +68,9 @@ class KeyPlan:
 
 def keys(dtypes, head_dims, causals) -> list[dict]:
     """The fwd dispatch keys tuned: dtype x head_dim x causal, head_dim_v = head_dim, no window,
-    softcap or PackGQA."""
+    softcap, PackGQA or varlen."""
     return [{"dtype": t, "head_dim": d, "head_dim_v": d, "causal": c, "local": False, "softcap": False,
-             "pack_gqa": False}
+             "pack_gqa": False, "varlen": False}
             for t in dtypes for d in head_dims for c in causals]
 
 
@@ -77,8 +78,10 @@ def plan(variants, family: str, wanted: list[dict]) -> tuple[list[KeyPlan], list
     """(a KeyPlan per key with at least one variant, the keys with none). The default is what
     dispatch picks without a table (the ``default`` variant, else the first by name)."""
     plans, missing = [], []
-    for key in wanted:
-        vs = sorted((v for v in variants if v.family == family and v.dispatch == key), key=lambda v: v.name)
+    for key in wanted:  # (keys compared with their defaults filled in: a key written before an axis existed matches)
+        want = full_key(family, key)
+        vs = sorted((v for v in variants if v.family == family and full_key(family, v.dispatch) == want),
+                    key=lambda v: v.name)
         if not vs:
             missing.append(key)
             continue

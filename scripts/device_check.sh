@@ -23,6 +23,8 @@
 #                                          (BUILD_ALL=0, any mode: the default build set only, without the tune
 #                                          candidates; over all 310 variants the suite ran past 450 s on an H200,
 #                                          session 2026-12-04, against 114-164 s in earlier sessions' calls)
+#   bash scripts/device_check.sh varlen    the varlen kernel's GPU tests (TESTS_K, default varlen_kernel), then
+#                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA)
 #   bash scripts/device_check.sh compare   this tree against .base/ in one session: the e4m3 forward (fp8_bench.py, 16k) and
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
 #                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward; TESTS: GPU
@@ -324,6 +326,11 @@ sanity)
 tests)
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"
   timeout 510 python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+  ;;
+varlen)
+  # the varlen kernel (core.Varlen, off by default until this passes): its GPU tests, then varlen_bench.py twice
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short -k "${TESTS_K:-varlen_kernel}" tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|Error|assert|passed|failed" | tail -25
+  for r in 1 2; do echo "== varlen_bench run $r"; python3 scripts/varlen_bench.py 2>&1 | tee "$out/varlen_bench_$r.md" | tail -8; done
   ;;
 compare)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }

@@ -116,7 +116,9 @@ class FakeCore:
 
     def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None, *,
                           window_size=(-1, -1), softcap=0.0, sink=0, q_descale=None, k_descale=None,
-                          v_descale=None, pack_gqa=None):
+                          v_descale=None, pack_gqa=None, varlen=None):
+        if varlen is not None:
+            return self._varlen_forward(q, k, v, out, lse, softmax_scale, causal, window_size, softcap, sink, varlen)
         if variant is None:  # as the real core: select (MissingVariantError) before any launch
             m = core.mask_spec(causal, window_size, q.shape[1], k.shape[1])
             variant = core.select_variant(
@@ -143,6 +145,44 @@ class FakeCore:
         _view(out).copy_(o)
         if lse is not None:  # (the prepared launch's null lse: none written)
             _view(lse).copy_(l)
+        return variant
+
+    def _varlen_forward(self, q, k, v, out, lse, scale, causal, window_size, softcap, sink, varlen):
+        """The varlen kernel (core.Varlen, mask.cuh SeqRange) emulated: each sequence's rows of q and
+        k / v (at their cu_seqlens offsets, or row b of a padded batch; seqused_* rows of them) attend
+        as one call, written to the same rows of out and lse; rows of no sequence are left as they were."""
+        m = core.mask_spec(causal, window_size, varlen.max_seqlen_q, varlen.max_seqlen_k)
+        variant = core.select_variant(
+            "fwd", {"dtype": q.dtype, "head_dim": q.shape[-1], "head_dim_v": v.shape[-1], "causal": m.causal,
+                    "local": m.local, "softcap": softcap > 0, "varlen": True})
+        assert (len(q.shape) == 3) == bool(varlen.cu_seqlens_q) and (len(k.shape) == 3) == bool(varlen.cu_seqlens_k)
+        assert len(out.shape) == len(q.shape) and lse is not None and V.is_c_contiguous(lse.shape, lse.strides)
+        self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, scale=scale, causal=causal, variant=variant,
+                               window_size=window_size, softcap=softcap, sink=sink, varlen=varlen))
+
+        def ints(ptr, n):
+            return list((ctypes.c_int32 * n).from_address(ptr)) if ptr else None
+
+        n = varlen.batch
+        cu_q, cu_k = ints(varlen.cu_seqlens_q, n + 1), ints(varlen.cu_seqlens_k, n + 1)
+        used_q, used_k = ints(varlen.seqused_q, n), ints(varlen.seqused_k, n)
+        qv, kv, vv, ov, lv = _view(q), _view(k), _view(v), _view(out), _view(lse)
+        heads = q.shape[-2]
+        sink_t = None if sink == 0 else _view(core.TensorArg(sink, (heads,), (1,), "fp32", q.device)).clone()
+        for b in range(n):
+            oq, ok = (cu_q[b] if cu_q else 0), (cu_k[b] if cu_k else 0)
+            lq = used_q[b] if used_q else cu_q[b + 1] - cu_q[b] if cu_q else q.shape[1]
+            lk = used_k[b] if used_k else cu_k[b + 1] - cu_k[b] if cu_k else k.shape[1]
+            assert lq <= varlen.max_seqlen_q and lk <= varlen.max_seqlen_k  # the kernel's grid and window bounds
+            qb = qv[oq:oq + lq] if cu_q else qv[b, :lq]
+            kb, vb = (kv[ok:ok + lk], vv[ok:ok + lk]) if cu_k else (kv[b, :lk], vv[b, :lk])
+            o, l = reference(qb[None], kb[None], vb[None], scale, causal, window_size, softcap, sink_t)
+            if cu_q:
+                ov[oq:oq + lq] = o[0]
+                lv[:, oq:oq + lq] = l[0]
+            else:
+                ov[b, :lq] = o[0]
+                lv[b, :, :lq] = l[0]
         return variant
 
     def prepare_forward(self, q, k, v, out, causal, variant=None, *, window_size=(-1, -1), softcap=0.0,

@@ -24,7 +24,7 @@ from flashgen.generator.toolchain import find_nvcc  # noqa: E402
 BASE = dict(family="fwd", dtype="bf16", head_dim=128, head_dim_v=128, causal=True, block_m=128, block_n=128,
             stages=2, q_stages=1, consumer_wgs=2, pingpong=True, overlap=True, persistent=True, late_pv_wait=True,
             exp_turns=False, rowsum_mma=False, vt_global=False)
-NAME_RE = re.compile(r"^fwd_(bf16|fp16|e4m3)_hd\d+(v\d+)?_(causal|noncausal|local)_(softcap_)?(packgqa_)?m\d+n\d+_s\d_(q2_)?wg\d_(no)?pp_(no)?ov_(no)?ps_(ew_)?(xt_)?(rsm_)?(vtg_)?[0-9a-f]{8}$")
+NAME_RE = re.compile(r"^fwd_(bf16|fp16|e4m3)_hd\d+(v\d+)?_(causal|noncausal|local)_(softcap_)?(packgqa_)?(varlen_)?m\d+n\d+_s\d_(q2_)?wg\d_(no)?pp_(no)?ov_(no)?ps_(ew_)?(xt_)?(rsm_)?(vtg_)?[0-9a-f]{8}$")
 COMBINE_NAME_RE = re.compile(r"^combine_(fp32|bf16|fp16)_m\d+_t\d+_[0-9a-f]{8}$")
 BWD_NAME_RE = re.compile(r"^bwd_(bf16|fp16)_hd\d+_(causal|noncausal|local)_(softcap_)?m\d+n\d+_sl\d+_s\d_(nosteps_)?[0-9a-f]{8}$")
 QUANT_NAME_RE = re.compile(r"^quant_(bf16|fp16)_b\d_[0-9a-f]{8}$")
@@ -57,7 +57,7 @@ def test_name_canonical_and_hash_covers_every_key():
     for k, v in changes.items():
         hashes.add(params_hash({**BASE, k: v}))
     assert len(hashes) == len(changes) + 1  # every key changes the hash
-    assert set(canonical_params({**BASE, "extra": 1})) == set(BASE) | {"softcap", "local", "pack_gqa"}  # axis defaults fill in
+    assert set(canonical_params({**BASE, "extra": 1})) == set(BASE) | {"softcap", "local", "pack_gqa", "varlen"}  # axis defaults fill in
     assert canonical_params(BASE)["softcap"] is False and params_hash(BASE) == params_hash({**BASE, "softcap": False})
 
 
@@ -216,7 +216,7 @@ def test_manifest_contents(tmp_path, monkeypatch):
         v = next(v for v in vs if v.name == e["name"])
         assert e["params"] == v.params and e["family"] == "fwd" and e["default"] is True
         assert e["dispatch"] == {k: v.params[k] for k in ("dtype", "head_dim", "head_dim_v", "causal", "local", "softcap",
-                                                          "pack_gqa")}
+                                                          "pack_gqa", "varlen")}
         assert e["fatbin"] == f"fatbin/{v.name}.fatbin"
         (k,) = e["kernels"]
         assert set(k) == want_kernel

@@ -254,7 +254,7 @@ FWD_OFFSETS = {n: off for n, _, off in FWD_LAYOUT["fields"]}
 def record(key: dict, cluster=(1, 1, 1)) -> dict:
     bm = 128 if key["head_dim"] == 128 else 192
     name = "fwd_{dtype}_hd{head_dim}_c{causal:d}_l{local:d}_s{softcap:d}".format(**key) + \
-        ("_packgqa" if key.get("pack_gqa") else "")
+        ("_packgqa" if key.get("pack_gqa") else "") + ("_varlen" if key.get("varlen") else "")
     return {"name": name, "key": "0" * 64, "family": "fwd",
             "params": {"family": "fwd", **key, "block_m": bm, "block_n": 128, "stages": 2, "consumer_wgs": 2,
                        "pingpong": True, "overlap": True, "persistent": key["causal"]},
@@ -524,7 +524,9 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             "tile_counter": tile_counter, "v": 0, "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1],
             "v_stride_head": v.strides[2], "vt": 0, "vt_seqlen": -(-sk // 16) * 16,
             **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
-            **core._descale_params("v", descales[2], h, hk, False)}
+            **core._descale_params("v", descales[2], h, hk, False),
+            "cu_seqlens_q": 0, "cu_seqlens_k": 0, "seqused_q": 0, "seqused_k": 0, "lse_stride_batch": 0,
+            "lse_stride_head": 0}
 
 
 def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap=0.0, sink=0, stream=7,
@@ -838,6 +840,70 @@ def test_pack_gqa_rule():
     assert not core.pack_gqa_rule(1, 512, 1, 128)  # group 512 > block_m: a tile cannot hold one position
     # group 7 at block_m 128: 18 positions (126 rows) per tile; 300 rows unpacked fill 300/384, packed 2100/2176
     assert core.pack_gqa_rule(300, 28, 4, 128)
+
+
+VARLEN_KEYS = KEYS + [dict(dtype="bf16", head_dim=128, head_dim_v=128, causal=c, local=False, softcap=False,
+                           varlen=True) for c in (False, True)]
+
+
+def _params_of(rec) -> dict:
+    return {n: struct.unpack_from({"i32": "<i", "ptr": "<Q", "f32": "<f", "i64": "<q"}[t], rec["params"], off)[0]
+            for n, t, off in FWD_LAYOUT["fields"]}
+
+
+def test_varlen_launch_maps_params_and_grid(tmp_path, monkeypatch):
+    """core.attention_forward(varlen=...): the varlen variant of the key, a packed side as a map of batch 1 over
+    its tokens, the grid of the sequences and the longest lengths, out's and lse's strides for rows at the
+    sequences' offsets (batch stride 0 when packed), and the arrays' addresses per call; a padded side keeps its
+    batch (kvcache: seqused_k alone)."""
+    d = _fake_driver(tmp_path, monkeypatch, VARLEN_KEYS)
+    try:
+        tq, tk, h, hk, n = 300, 700, 8, 2, 5
+        q, out = targ((tq, h, 128), ptr=1 << 24), targ((tq, h, 128), ptr=4 << 24)
+        k, v = targ((tk, hk, 128), ptr=2 << 24), targ((tk, hk, 128), ptr=3 << 24)
+        lse = targ((h, tq), "fp32", 5 << 24)
+        vl = core.Varlen(6 << 24, 7 << 24, 0, 8 << 24, n, 100, 250)
+        used = core.attention_forward(q, k, v, out, lse, 0.1, True, 5, varlen=vl)
+        assert used.params["varlen"] and "c1" in d.launches[-1]["symbol"]
+        rec = d.launches[-1]
+        got = _params_of(rec)
+        num_m = -(-100 // 128)
+        assert (got["batch"], got["seqlen_q"], got["seqlen_k"], got["num_m_blocks"], got["num_tiles"]) == \
+            (n, 100, 250, num_m, num_m * h * n)
+        assert (got["cu_seqlens_q"], got["cu_seqlens_k"], got["seqused_q"], got["seqused_k"]) == \
+            (6 << 24, 7 << 24, 0, 8 << 24)
+        assert (got["o"], got["o_stride_batch"], got["o_stride_seq"], got["o_stride_head"]) == (4 << 24, 0, h * 128, 128)
+        assert (got["lse"], got["lse_stride_batch"], got["lse_stride_head"]) == (5 << 24, 0, tq)
+        assert (got["window_left"], got["window_right"]) == (250, 0)
+        qm, km = rec["maps"][0], rec["maps"][1]
+        assert qm.dims == (128, tq, h, 1) and km.dims == (128, tk, hk, 1)
+        # the addresses are per call, on the same prepared launch
+        core.attention_forward(q, k, v, out, lse, 0.1, True, 5, varlen=vl._replace(cu_seqlens_q=9 << 24, seqused_k=0))
+        got = _params_of(d.launches[-1])
+        assert (got["cu_seqlens_q"], got["seqused_k"]) == (9 << 24, 0)
+        # a padded q and cache (kvcache): batch entries, seqused_k, lse (batch, heads, seqlen_q)
+        b, sq, sc = 3, 4, 512
+        q4, o4 = targ((b, sq, h, 128), ptr=10 << 24), targ((b, sq, h, 128), ptr=11 << 24)
+        kc, vc = targ((b, sc, hk, 128), ptr=12 << 24), targ((b, sc, hk, 128), ptr=13 << 24)
+        core.attention_forward(q4, kc, vc, o4, targ((b, h, sq), "fp32", 14 << 24), 0.1, False, 5,
+                               varlen=core.Varlen(0, 0, 0, 15 << 24, b, sq, 300))
+        rec = d.launches[-1]
+        got = _params_of(rec)
+        assert "c0" in rec["symbol"] and (got["batch"], got["seqlen_q"], got["seqlen_k"]) == (b, sq, 300)
+        assert (got["o_stride_batch"], got["lse_stride_batch"], got["lse_stride_head"]) == (sq * h * 128, h * sq, sq)
+        assert rec["maps"][0].dims == (128, sq, h, b) and rec["maps"][1].dims == (128, sc, hk, b)
+        # what the varlen kernels do not serve
+        with pytest.raises(ValueError, match="3-D"):
+            core.attention_forward(q4, kc, vc, o4, lse, 0.1, False, 5, varlen=vl)
+        with pytest.raises(ValueError, match="batch = 4"):
+            core.attention_forward(q4, kc, vc, o4, lse, 0.1, False, 5, varlen=core.Varlen(0, 0, 0, 1 << 20, 4, sq, 9))
+        with pytest.raises(ValueError, match="PackGQA"):
+            core.attention_forward(q, k, v, out, lse, 0.1, True, 5, varlen=vl, pack_gqa=True)
+        with pytest.raises(core.MissingVariantError):  # no fp16 varlen variant in this manifest
+            core.attention_forward(q._replace(dtype="fp16"), k._replace(dtype="fp16"), v._replace(dtype="fp16"),
+                                   out._replace(dtype="fp16"), lse, 0.1, True, 5, varlen=vl)
+    finally:
+        tuning.reset()
 
 
 def test_packed_launch_maps_params_and_grid(tmp_path, monkeypatch):

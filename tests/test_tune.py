@@ -33,7 +33,7 @@ DEFAULT = {"block_m": 128, "block_n": 128, "stages": 2, "consumer_wgs": 2, **KNO
 CAND = {"block_m": 128, "block_n": 176, "stages": 2, "consumer_wgs": 2, **KNOBS}
 CAND2 = {"block_m": 128, "block_n": 112, "stages": 2, "consumer_wgs": 2, **KNOBS}
 KEY = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": False, "local": False, "softcap": False,
-       "pack_gqa": False}
+       "pack_gqa": False, "varlen": False}
 
 
 # ------------------------------------------------------------------------------------ helpers

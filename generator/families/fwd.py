@@ -19,6 +19,12 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   position x group + head in group), so K and V are read once per group; Q comes through a 5-D TMA
   map, O and LSE are stored from registers row by row. 16-bit only. The runtime chooses it per call
   (flashgen.core.pack_gqa_rule); a tile holds block_m // group query positions.
+- ``varlen`` (FA3's varlen, fwd.cu.j2 kVarlen): per-sequence lengths read by the kernel from the
+  call's ``cu_seqlens_q`` / ``cu_seqlens_k`` (sequences packed along one token dim) and / or
+  ``seqused_q`` / ``seqused_k`` (the rows used of each sequence of a padded batch, e.g. a KV cache's
+  lengths), mask.cuh SeqRange. Tiles past a sequence's rows are skipped; masks are bottom-right
+  aligned per sequence; O and LSE are stored from registers with row bounds (a TMA store of a tile
+  would cross into the next sequence). 16-bit, not PackGQA.
 - block_n a multiple of 16 in [16, 256]: the N of the S = Q K^T WGMMA (N <= 256) and the PV GEMM
   steps k16 over it. e4m3: a multiple of 32 (k32 steps); S's K-descale groups are 64 columns, or 32
   where block_n is not a multiple of 64 (FA3's 128 x 224), so none straddles two 64-key blocks.
@@ -74,6 +80,7 @@ ALIGN_SLACK_BYTES = 1024
 REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
 # e4m3: the producer warpgroup also transposes V (warps 1-3), which spilled at 24 registers.
 # pack_gqa: the producer's 5-D Q load and packed tile bounds spilled 8 bytes at 24 (causal, 2 WGs).
+# varlen: the producer's per-sequence offsets and bounds spilled 32-48 bytes at 24 (hd192 / hd256 causal).
 # A split must fit the registers the CTA is launched with (65536 / threads, rounded down to 8, per
 # thread; tests/test_families.py checks every variant): setmaxnreg.inc waits for registers that the
 # other warpgroups have released, so 32 / 240 with 2 consumer warpgroups (128 x 32 + 256 x 240 =
@@ -96,7 +103,7 @@ def register_split(params):
     wgs = int(params["consumer_wgs"])
     fp8 = params["dtype"] == "e4m3"
     transposer = fp8 and not params.get("vt_global")  # vt_global: the producer issues TMA loads only
-    split = (REG_SPLIT_FP8 if transposer or params.get("pack_gqa") else REG_SPLIT).get(wgs, (24, 240))
+    split = (REG_SPLIT_FP8 if transposer or params.get("pack_gqa") or params.get("varlen") else REG_SPLIT).get(wgs, (24, 240))
     if fp8 and wgs == 2 and isinstance(params.get("block_n"), int):
         need = _acc_regs(params["block_n"], pad_operand(params["head_dim_v"], "e4m3"), True,
                          params.get("overlap", True))
@@ -143,6 +150,15 @@ PARAMS = params_struct(
     ("v_stride_batch", "i64"), ("v_stride_seq", "i64"), ("v_stride_head", "i64"),
     ("vt", "ptr", "void*"),
     ("vt_seqlen", "i32"),  # seqlen_k rounded up to VT_KEY_ALIGN (the zero keys past seqlen_k are written)
+    # varlen variants only (mask.cuh SeqRange; null: that side has the batch's uniform layout and lengths).
+    # cu_seqlens_*: int32 (batch + 1,) token offsets of sequences packed along one dim (q / k / v / out
+    # then have batch 1 in their maps); seqused_*: int32 (batch,) rows used of each sequence.
+    # seqlen_q / seqlen_k above are then the calls' maxima (the grid and the unbounded window sides).
+    ("cu_seqlens_q", "ptr", "const int*"), ("cu_seqlens_k", "ptr", "const int*"),
+    ("seqused_q", "ptr", "const int*"), ("seqused_k", "ptr", "const int*"),
+    # varlen variants: lse of (batch b, head h, row i of its sequence) at b * stride_batch + h * stride_head +
+    # offset_q + i (FA3's varlen lse is (heads, total_q): stride_batch 0, stride_head total_q)
+    ("lse_stride_batch", "i64"), ("lse_stride_head", "i64"),
 )
 
 VT_KEY_ALIGN = 16  # V^T rows: whole 16-key groups (P's k order permutes within 16; TMA strides: 16 bytes)
@@ -217,7 +233,7 @@ def smem_layout(params: dict) -> dict:
             sizes["v"] = 0
         sizes["vt"] = st * pv * _pad_chunk(bn, dt)
         sizes["o"] = bm * pv * DTYPE_BYTES[OUT_DTYPE[dt]]
-    elif params.get("pack_gqa"):  # O is stored from registers
+    elif params.get("pack_gqa") or params.get("varlen"):  # O is stored from registers
         sizes["o"] = 0
     else:
         sizes["o"] = bm * pv * DTYPE_BYTES[OUT_DTYPE.get(dt, dt)]
@@ -284,8 +300,10 @@ def half_first_gemm(params: dict) -> bool:
     or exponential turns on a 2-stage ring, block_n <= 160, S and O accumulators (block_n / 2 +
     head_dim_v / 2 registers) under 168. Outside it ptxas serialized every WGMMA (C7511/C7515; the build
     refuses those) on some tiles: hd128 128x176, hd256 128x80, hd64 128x128 s2 with exp_turns, the softcap
-    and the e4m3 tiles (whose P V takes V^T K-major; not written)."""
+    and the e4m3 tiles (whose P V takes V^T K-major; not written), and the varlen hd128 causal tile (C7511 with
+    the per-tile SeqRange live; so not with varlen)."""
     return (half_first(params) and params["dtype"] in ("bf16", "fp16") and not params.get("softcap")
+            and not params.get("varlen")
             and not (params.get("exp_turns") and params.get("stages", 2) == 2)
             and int(params["block_n"]) <= 160
             and (int(params["block_n"]) + int(params.get("head_dim_v", params["head_dim"]))) // 2 < 168)
@@ -345,6 +363,7 @@ class FwdFamily(Family):
             half_first_gemm=half_first_gemm(params),
             first_block_skip=first_block_skip(params),
             vt_global=bool(params.get("vt_global")),
+            varlen=bool(params.get("varlen")),
             vt_threads=VT_THREADS,
             vt_tile=VT_TILE,
             vt_tile_bytes=vt_tile_bytes(pad_operand(params["head_dim_v"], params["dtype"])),
@@ -366,8 +385,13 @@ class FwdFamily(Family):
                 out.append(("pack_gqa", True, "false with dtype e4m3 (the FP8 forward has no PackGQA yet)"))
             if hd != hdv:
                 out.append(("head_dim_v", hdv, f"equal to head_dim ({hd}) with dtype e4m3"))
+            if params.get("varlen"):
+                out.append(("varlen", True, "false with dtype e4m3 (the FP8 forward reads uniform lengths; "
+                                            "flash_attn_varlen_func runs FP8 as one call per run of equal lengths)"))
         elif params.get("vt_global"):
             out.append(("vt_global", True, "false unless dtype is e4m3 (16-bit V is read MN-major in place)"))
+        if params.get("varlen") and params.get("pack_gqa"):
+            out.append(("varlen", True, "false with pack_gqa (PackGQA's 5-D Q map has a batch dim per sequence)"))
         if params.get("rowsum_mma") and params["dtype"] != "e4m3":
             out.append(("rowsum_mma", True, "false unless dtype is e4m3 (16-bit tiles ran 1-13 % slower with it, H200: configs/fwd_tune.yaml)"))
         if params.get("rowsum_mma") and params.get("exp_turns"):
@@ -417,7 +441,7 @@ class FwdFamily(Family):
     def name_parts(self, p):
         hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")
         return [p["dtype"], hd, "causal" if p["causal"] else "local" if p["local"] else "noncausal", *(["softcap"] if p["softcap"] else []),
-                *(["packgqa"] if p.get("pack_gqa") else []),
+                *(["packgqa"] if p.get("pack_gqa") else []), *(["varlen"] if p.get("varlen") else []),
                 f"m{p['block_m']}n{p['block_n']}",
                 f"s{p['stages']}", *(["q2"] if p.get("q_stages", 1) == 2 else []), f"wg{p['consumer_wgs']}", "pp" if p["pingpong"] else "nopp",
                 "ov" if p["overlap"] else "noov", "ps" if p["persistent"] else "nops",
@@ -455,6 +479,9 @@ FAMILY = FwdFamily(
         Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
         Key("pack_gqa", bool, "axis", default=False,
             doc="FA3's PackGQA: the query heads of a K/V head packed into one tile (K/V read once per group)"),
+        Key("varlen", bool, "axis", default=False,
+            doc="FA3's varlen: per-sequence lengths and offsets read by the kernel (cu_seqlens_q / cu_seqlens_k, "
+                "seqused_q / seqused_k); O and LSE stored with row bounds"),
         Key("block_m", int, "tile", allowed=(128, 192), doc="query rows per CTA tile (64 x consumer_wgs)"),
         Key("block_n", int, "tile", check=_block_n, doc="key rows per K/V stage"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="K/V ring depth"),
@@ -481,7 +508,7 @@ FAMILY = FwdFamily(
             doc="e4m3: V^T written to per-call scratch by a preprocess kernel and TMA-loaded (no in-kernel "
                 "V transpose; fwd.cu.j2 kVtGlobal)"),
     ),
-    tile_match=("head_dim", "dtype", "causal", "local", "softcap", "pack_gqa"),
+    tile_match=("head_dim", "dtype", "causal", "local", "softcap", "pack_gqa", "varlen"),
     tile_required=("head_dim", "block_m", "block_n", "consumer_wgs"),
-    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal", "local", "softcap", "pack_gqa"),
+    dispatch_keys=("dtype", "head_dim", "head_dim_v", "causal", "local", "softcap", "pack_gqa", "varlen"),
 )

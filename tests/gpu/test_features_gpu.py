@@ -558,9 +558,9 @@ VARLEN_CASES = [  # (lens_q, lens_k, used_q or None, used_k or None, Case of the
 ]
 
 
-def _varlen_case(lens_q, lens_k, used_q, used_k, c: Case, seed: int):
-    """Packed inputs on the GPU: each sequence's rows, then 5 unused rows at the end of q and k."""
-    tq, tk = sum(lens_q) + 5, sum(lens_k) + 5
+def _varlen_case(lens_q, lens_k, used_q, used_k, c: Case, seed: int, pad: int = 5):
+    """Packed inputs on the GPU: each sequence's rows, then ``pad`` unused rows at the end of q and k."""
+    tq, tk = sum(lens_q) + pad, sum(lens_k) + pad
     q = randn(tq, c.h, c.d, dtype=c.dtype, seed=seed)
     k = randn(tk, c.hk, c.d, dtype=c.dtype, seed=seed + 1)
     v = randn(tk, c.hk, c.head_dim_v, dtype=c.dtype, seed=seed + 2)
@@ -600,6 +600,103 @@ def test_varlen_forward_and_backward(case):
                       c.softmax_scale, SOFTCAP_BWD_FACTOR if c.softcap > 0 else 2.0, sink=sink, **c.feats)
     assert not out[~covered].any() and bool((lse[:, ~covered] == -math.inf).all())
     assert not grads[0][~covered].any()
+
+
+# The varlen kernel (flashgen.core.Varlen; fwd.py varlen): one launch that reads cu_seqlens / seqused itself.
+# Off by default (core.VARLEN_KERNEL) until these pass; the cases switch it on.
+VARLEN_KERNEL_CASES = [  # (lens_q, lens_k, used_q or None, used_k or None, Case of the features, pad rows)
+    ([113, 1, 517, 64], [203, 300, 517, 1], None, None, Case(4, 0, 0, 6, 2, 128, BF16, causal=True), 0),
+    ([300, 17], [129, 1024], [250, 17], [100, 1000], Case(2, 0, 0, 4, 4, 64, FP16, window=(64, 16)), 5),
+    ([239, 387, 0, 45], [387, 239, 17, 0], None, None, Case(4, 0, 0, 8, 2, 192, BF16, sink=True), 0),
+    ([1023, 5, 700], [1024, 700, 9], None, None, Case(3, 0, 0, 4, 1, 256, BF16, causal=True), 3),
+    ([77, 301], [77, 301], None, None, Case(2, 0, 0, 4, 2, 96, FP16), 0),
+    ([129, 64, 1], [1, 64, 129], None, None, Case(3, 0, 0, 16, 2, 64, BF16, causal=True), 0),
+    ([2048, 333], [2048, 4000], None, None, Case(2, 0, 0, 8, 8, 128, FP16, window=(256, 0)), 0),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_KERNEL_CASES, ids=lambda x: case_id(x[4]))
+def test_varlen_kernel_forward(case, monkeypatch):
+    """flash_attn_varlen_func on the varlen kernel: one launch; each sequence's out and lse against the
+    reference of that sequence alone (_ref.check_fwd, FA3's rule); rows no sequence uses: out 0, lse -inf.
+    Without unused rows nothing is zeroed first, so a row the kernel leaves unwritten is NaN (poisoned)."""
+    lens_q, lens_k, used_q, used_k, c, pad = case
+    uq, uk = used_q or lens_q, used_k or lens_k
+    key = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "head_dim_v": c.head_dim_v, "softcap": c.softcap > 0,
+           "varlen": True}
+    m = mask_spec(c.causal, c.window, max(uq), max(uk))
+    why = variant_missing("fwd", {**key, "causal": m.causal, "local": m.local}, round_up=("head_dim", "head_dim_v"))
+    if why:
+        pytest.skip(why)
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    launches = []
+    real = flashgen.core.attention_forward
+    monkeypatch.setattr(flashgen.core, "attention_forward",
+                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    q, k, v, cu_q, cu_k, sq_used, sk_used, sink = _varlen_case(lens_q, lens_k, used_q, used_k, c, seed=sum(lens_q),
+                                                               pad=pad)
+    poison_cached_blocks(8 * q.numel())
+    with torch.no_grad():
+        out, lse = flashgen.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max(uq), max(uk), sq_used, sk_used, causal=c.causal, window_size=c.window,
+            softcap=c.softcap, learnable_sink=sink, return_attn_probs=True)
+    torch.cuda.synchronize()
+    assert len(launches) == 1 and launches[0] is not None
+    covered = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
+    for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
+        rq, rk = slice(q0, q0 + uq[b]), slice(k0, k0 + uk[b])
+        covered[rq] = True
+        if uq[b]:
+            check_fwd(q[rq][None], k[rk][None], v[rk][None], c.causal, out[rq][None], lse[:, rq][None],
+                      c.softmax_scale, sink=sink, **c.feats)
+    assert not out[~covered].any() and bool((lse[:, ~covered] == -math.inf).all())
+
+
+def test_varlen_kernel_writes_only_the_sequences_rows():
+    """core.attention_forward(varlen=...) on NaN-filled out and lse: the sequences' used rows come back
+    right, every other row (past seqused, between and after the sequences) is still NaN: the kernel's
+    bounded stores write nothing else. A padded q with seqused_q too (kvcache's layout)."""
+    c = Case(3, 0, 0, 4, 2, 128, BF16, causal=True)
+    key = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
+           "varlen": True}
+    why = variant_missing("fwd", key)
+    if why:
+        pytest.skip(why)
+    core = flashgen.core
+    lens, used = [200, 129, 64], [150, 129, 1]
+    q, k, v, cu_q, cu_k, sq_used, _, _ = _varlen_case(lens, lens, used, None, c, seed=3)
+    dev = torch.cuda.current_device()
+
+    def arg(t, dtype="bf16"):
+        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, dev)
+
+    for packed in (True, False):
+        if packed:
+            qq, kk, vv = q, k, v
+            arrays = (cu_q, cu_k, sq_used, None)
+        else:  # padded: (batch, 200, heads, d), each sequence's rows at row 0 of its entry
+            pad = lambda t, cu: torch.stack([torch.nn.functional.pad(t[a:b], (0, 0, 0, 0, 0, 200 - (b - a)))
+                                             for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])])
+            qq, kk, vv = pad(q, cu_q), pad(k, cu_k), pad(v, cu_k)
+            arrays = (None, None, sq_used, torch.tensor(lens, dtype=torch.int32, device="cuda"))
+        out = torch.full(qq.shape, float("nan"), dtype=qq.dtype, device="cuda")
+        lse_shape = (c.h, qq.shape[0]) if packed else (3, c.h, 200)
+        lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device="cuda")
+        vl = core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays), 3, max(used), max(lens))
+        core.attention_forward(arg(qq), arg(kk), arg(vv), arg(out), arg(lse, "fp32"), c.softmax_scale, True,
+                               torch.cuda.current_stream().cuda_stream, varlen=vl)
+        torch.cuda.synchronize()
+        written = torch.zeros(out.shape[:-2], dtype=torch.bool, device="cuda")
+        for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
+            rows = (slice(q0, q0 + used[b]),) if packed else (b, slice(0, used[b]))
+            krows = (slice(k0, k0 + lens[b]),) if packed else (b, slice(0, lens[b]))
+            written[rows] = True
+            lse_b = lse[:, rows[0]] if packed else lse[b, :, :used[b]]
+            check_fwd(qq[rows][None], kk[krows][None], vv[krows][None], True, out[rows][None], lse_b[None],
+                      c.softmax_scale)
+        assert bool(out[~written].isnan().all()), "the kernel wrote out rows of no sequence"
+        unwritten_lse = lse[:, ~written] if packed else lse.permute(0, 2, 1)[~written]
+        assert bool(unwritten_lse.isnan().all()), "the kernel wrote lse rows of no sequence"
 
 
 # --------------------------------------------------------------------------------------

@@ -29,12 +29,34 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("mha_type", ["mha", "gqa", "mqa"])
 def test_kvcache_append_and_attend(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type):
+    check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (1, 339), (3, 1024), (64, 800), (128, 128), (256, 512)])
+@pytest.mark.parametrize("rotary", [None, "interleaved"])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("mha_type", ["mha", "gqa", "mqa"])
+def test_kvcache_varlen_kernel(seqlen_q, seqlen_k, rotary, causal, local, mha_type, monkeypatch):
+    """The same with the varlen kernel switched on (flashgen.core.VARLEN_KERNEL): an unpaged cache without
+    leftpad is one launch whose seqused_k is each entry's length after the append."""
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    launches = []
+    real = flashgen.core.attention_forward
+    monkeypatch.setattr(flashgen.core, "attention_forward", lambda *a, **kw: launches.append(kw.get("varlen")) or
+                        real(*a, **kw))
+    check_kvcache(seqlen_q, seqlen_k, None, rotary, causal, local, mha_type, leftpad_on=False, varlen=True)
+    assert len(launches) == 1 and launches[0] is not None and launches[0].seqused_k
+
+
+def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type, leftpad_on=True, varlen=False):
+    """One call of FA3's kvcache test against the reference (the module docstring's rule); ``leftpad_on`` False:
+    no left padding; ``varlen``: the key is the varlen kernels' (the skip names them)."""
     d, batch, heads = 128, 5, 6
     heads_k = {"mha": 6, "gqa": 3, "mqa": 1}[mha_type]
     if page_size is not None and seqlen_k % page_size:
         pytest.skip("FA3's test: seqlen_k a multiple of the page size")
-    why = variant_missing("fwd", {"dtype": "bf16", "head_dim": d, "head_dim_v": d, "causal": causal,
-                                  "local": local, "softcap": False}, round_up=("head_dim", "head_dim_v"))
+    key = {"dtype": "bf16", "head_dim": d, "head_dim_v": d, "causal": causal, "local": local, "softcap": False}
+    why = variant_missing("fwd", {**key, "varlen": True} if varlen else key, round_up=("head_dim", "head_dim_v"))
     if why:
         pytest.skip(why)
     g = torch.Generator(device="cuda").manual_seed(seqlen_q * 1000 + seqlen_k)
@@ -53,6 +75,8 @@ def test_kvcache_append_and_attend(seqlen_q, seqlen_k, page_size, rotary, causal
     high = seqlen_k - (seqlen_q if rotary and (causal or local) else seqlen_new) + 1
     lens = torch.randint(0, high, (batch,), generator=g, device="cuda", dtype=torch.int32)
     leftpad = torch.stack([torch.randint(0, max(int(n), 1), (1,), generator=g, device="cuda")[0] for n in lens]).int()
+    if not leftpad_on:
+        leftpad.zero_()
     window = tuple(torch.randint(0, seqlen_k, (2,), generator=g, device="cuda").tolist()) if local else (-1, -1)
     rope = None
     if rotary:

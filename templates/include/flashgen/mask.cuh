@@ -54,6 +54,28 @@ struct Band {
   }
 };
 
+// One sequence of a varlen call (FA3's SeqlenInfo): its first row in the token dim of Q / O and of
+// K / V, and its lengths. Sequences packed along one dim (cu_seqlens: batch + 1 offsets) start at
+// their offsets; a padded batch (no cu_seqlens) starts each sequence at row 0 of its batch entry.
+// The length is seqused[b] when given (the rows used of the sequence), else the offsets' difference,
+// else the call's uniform length.
+struct SeqRange {
+  int offset_q;
+  int seqlen_q;
+  int offset_k;
+  int seqlen_k;
+};
+
+__device__ __forceinline__ int seq_offset(const int* cu_seqlens, int b) { return cu_seqlens ? cu_seqlens[b] : 0; }
+__device__ __forceinline__ int seq_length(const int* cu_seqlens, const int* seqused, int b, int uniform) {
+  return seqused ? seqused[b] : cu_seqlens ? cu_seqlens[b + 1] - cu_seqlens[b] : uniform;
+}
+template <typename Params>
+__device__ __forceinline__ SeqRange seq_range(const Params& p, int b) {
+  return {seq_offset(p.cu_seqlens_q, b), seq_length(p.cu_seqlens_q, p.seqused_q, b, p.seqlen_q),
+          seq_offset(p.cu_seqlens_k, b), seq_length(p.cu_seqlens_k, p.seqused_k, b, p.seqlen_k)};
+}
+
 // The forward's view: S (rows queries, columns keys) of query block m and key block n.
 // PackGqa (FA3's PackGQA): a tile holds the query heads of one K/V head, `group` of them; its row r
 // is query position m * q_per_tile + r / group of head r % group of the group, q_per_tile =

@@ -1,0 +1,232 @@
+"""CPU tests of the varlen kernel path (core.Varlen; fwd.py ``varlen``, fwd.cu.j2 kVarlen) of
+flash_attn_varlen_func and flash_attn_with_kvcache: when a call takes it (the switch core.VARLEN_KERNEL,
+no gradient wanted, fp16 / bf16, no descales or attention_chunk, a built variant), that it is one launch
+with the right arrays, and that its result is each sequence's attention.
+
+No GPU: test_api_validation's emulated core (``fake_gpu``) runs the varlen launch as the kernel should
+(each sequence's rows at its offsets, seqused rows of them, through the addresses it is given), so a wrong
+array, offset or layout handed to the core gives a wrong result here. Whether the kernel itself does so is
+tests/gpu/test_features_gpu.py's test_varlen_kernel_*.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen.core as core
+from flashgen import flash_attn_varlen_func, flash_attn_with_kvcache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ref import kvcache_reference, logical_cache  # noqa: E402  (torch only: runs on the CPU)
+from test_api_validation import fake_gpu  # noqa: E402,F401  (a fixture)
+from test_chunk_api import varlen_inputs, varlen_reference  # noqa: E402
+from test_kvcache_api import check, make  # noqa: E402
+
+
+@pytest.fixture
+def kernel_on(fake_gpu, monkeypatch):
+    monkeypatch.setattr(core, "VARLEN_KERNEL", True)
+    return fake_gpu
+
+
+def varlen_calls(fc) -> list:
+    return [c for c in fc.calls if c.get("varlen") is not None]
+
+
+def check_varlen(out, lse, ref, ref_lse):
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape
+    assert (out.float() - ref).abs().max().item() <= 2e-3
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], ref_lse[finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("lens_q,lens_k,used,causal,window,pad_q", [
+    ([5, 17, 1, 33], [7, 17, 40, 2], False, True, (-1, -1), 3),
+    ([5, 17, 1, 33], [7, 17, 40, 2], False, False, (3, 2), 0),
+    ([9, 0, 4], [0, 6, 11], False, False, (-1, -1), 2),  # an empty query sequence, a sequence with no key
+    ([11, 20, 7], [13, 25, 30], True, True, (-1, -1), 1),  # seqused_q / seqused_k
+    ([64, 64, 64], [64, 64, 64], False, True, (-1, -1), 0),  # equal lengths: one launch either way
+])
+def test_varlen_kernel_is_one_launch_of_each_sequences_attention(kernel_on, lens_q, lens_k, used, causal, window,
+                                                                  pad_q):
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, pad_q=pad_q, pad_k=2, seed=4)
+    used_q = [max(0, n - 2) for n in lens_q] if used else list(lens_q)
+    used_k = [max(0, n - 3) for n in lens_k] if used else list(lens_k)
+    kw = dict(seqused_q=torch.tensor(used_q, dtype=torch.int32), seqused_k=torch.tensor(used_k, dtype=torch.int32)) \
+        if used else {}
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(2))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q) + 5, max(lens_k), causal=causal,
+                                      window_size=window, learnable_sink=sink, return_attn_probs=True, **kw)
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, used_q, used_k, causal, window, sink=sink)
+    check_varlen(out, lse, ref, ref_lse)
+    (call,) = kernel_on.calls
+    vl = call["varlen"]
+    assert call["variant"].dispatch["varlen"] is True
+    # the sequences' longest used lengths size the grid (not the caller's max_seqlen_q)
+    assert (vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (len(lens_q), max(used_q), max(used_k))
+    assert bool(vl.seqused_q) == used and bool(vl.seqused_k) == used
+    assert call["q"].ptr == q.data_ptr() and call["q"].shape == tuple(q.shape)  # packed q read in place
+    assert call["out"].ptr == out.data_ptr() and call["lse"].shape == (4, q.shape[0])
+    # the composed path (the switch off) gives the same out and lse
+    core.VARLEN_KERNEL = False
+    out2, lse2 = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q) + 5, max(lens_k), causal=causal,
+                                        window_size=window, learnable_sink=sink, return_attn_probs=True, **kw)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_unused_rows_are_zero_and_minus_inf(kernel_on):
+    """Rows no sequence uses (past seqused, past the last offset) are 0 in out and -inf in lse, as in FA3."""
+    q, k, v, cu_q, cu_k = varlen_inputs([6, 9], [8, 8], pad_q=4, seed=1)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 8, seqused_q=torch.tensor([2, 9], dtype=torch.int32),
+                                      return_attn_probs=True)
+    assert len(varlen_calls(kernel_on)) == 1
+    for rows in (slice(2, 6), slice(15, 19)):
+        assert not out[rows].any() and torch.isneginf(lse[:, rows]).all()
+    assert out[:2].abs().sum() > 0 and torch.isfinite(lse[:, 6:15]).all()
+
+
+def test_calls_the_varlen_kernel_does_not_take(kernel_on, monkeypatch):
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 17, 3], [7, 17, 40], seed=5)
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, [5, 17, 3], [7, 17, 40], True)
+
+    def run(**kw):
+        kernel_on.calls.clear()
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 40, causal=True, return_attn_probs=True, **kw)
+        check_varlen(out.detach(), lse.detach(), ref, ref_lse)
+        return varlen_calls(kernel_on)
+
+    assert len(run()) == 1
+    with torch.no_grad():  # no gradient wanted, even from leaves that require one
+        q.requires_grad_(True)
+        assert len(run()) == 1
+    assert run() == [] and len(kernel_on.calls) == 3  # a gradient wanted: per-sequence calls
+    q.requires_grad_(False)
+    # attention_chunk larger than every sequence (the result is unchanged): still composed
+    assert run(attention_chunk=64) == []
+    # no varlen variant built for the key: the composed path serves it
+    select = kernel_on.select_variant
+
+    def no_varlen(family, key, manifest=None):
+        if key.get("varlen"):
+            raise core.MissingVariantError("no varlen variant")
+        return select(family, key, manifest)
+
+    monkeypatch.setattr(core, "select_variant", no_varlen)
+    assert run() == [] and len(kernel_on.calls) == 3
+
+
+def test_fp8_varlen_is_composed(kernel_on):
+    q, k, v, cu_q, cu_k = varlen_inputs([17, 30], [17, 30], dtype=torch.float32)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, 30, 30, causal=True)
+    assert varlen_calls(kernel_on) == [] and len(kernel_on.calls) == 2
+
+
+def test_bad_window_is_refused_before_any_launch(kernel_on):
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 7], [5, 7])
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 7, window_size=(-2, 0))
+    assert kernel_on.calls == []
+
+
+def test_random_varlen_calls_match_the_reference(kernel_on):
+    """60 seeded random varlen calls (lengths 0-70, seqused, padding, GQA, masks, sink) on the kernel path."""
+    rng = random.Random(11)
+    for it in range(60):
+        n = rng.randint(1, 5)
+        lens_q = [rng.randint(0, 70) for _ in range(n)]
+        lens_k = [rng.randint(0, 70) for _ in range(n)]
+        used_q = [rng.randint(0, x) for x in lens_q] if rng.random() < 0.3 else list(lens_q)
+        used_k = [rng.randint(0, x) for x in lens_k] if rng.random() < 0.3 else list(lens_k)
+        h, hk = rng.choice([(4, 2), (4, 4), (6, 1)])
+        causal = rng.random() < 0.5
+        window = (rng.randint(0, 20), rng.randint(0, 20)) if not causal and rng.random() < 0.4 else (-1, -1)
+        q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, h=h, hk=hk, pad_q=rng.randint(0, 3), seed=200 + it)
+        sink = torch.randn(h, generator=torch.Generator().manual_seed(it)) if rng.random() < 0.3 else None
+        kernel_on.calls.clear()
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                          torch.tensor(used_q, dtype=torch.int32),
+                                          torch.tensor(used_k, dtype=torch.int32), causal=causal, window_size=window,
+                                          learnable_sink=sink, return_attn_probs=True)
+        ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, used_q, used_k, causal, window, sink=sink)
+        check_varlen(out, lse, ref, ref_lse)
+        if max(used_q) and max(used_k):  # (else nothing to compute: the composed path, which launches nothing)
+            assert len(varlen_calls(kernel_on)) == 1 and len(kernel_on.calls) == 1
+
+
+# ------------------------------------------------------------------------------------------------ kvcache
+@pytest.mark.parametrize("varlen_q", [False, True])
+@pytest.mark.parametrize("rotary", [None, "interleaved"])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (7, 3))])
+def test_kvcache_is_one_launch_over_each_entrys_length(kernel_on, varlen_q, rotary, causal, window):
+    """An unpaged cache without leftpad or batch_idx: after the append, one launch over cache rows 0..batch-1,
+    each entry's length (cache_seqlens + its new tokens) as seqused_k."""
+    q, k, v, kc, vc, _ = make(batch=4, sq=3, cache_len=40, new=2, seed=3)
+    lens = [5, 0, 37, 17]
+    rope = None
+    kw = {}
+    if rotary:
+        angle = torch.rand(64, 16, generator=torch.Generator().manual_seed(9)) * 6.283
+        rope = (torch.cos(angle).half(), torch.sin(angle).half())
+        kw.update(rotary_cos=rope[0], rotary_sin=rope[1], rotary_interleaved=True)
+    kc0, vc0 = kc.clone(), vc.clone()
+    qin = q
+    if varlen_q:
+        qin = q.flatten(0, 1)
+        kw.update(cu_seqlens_q=torch.tensor([0, 3, 6, 9, 12], dtype=torch.int32), max_seqlen_q=3)
+    out, lse = flash_attn_with_kvcache(qin, kc, vc, k, v, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                       causal=causal, window_size=window, return_softmax_lse=True, **kw)
+    ref, ref_lse, kref, vref = kvcache_reference(q, k, v, kc0, vc0, None, lens, [0] * 4, list(range(4)), causal,
+                                                 window, rope, True)
+    if varlen_q:  # FA3's varlen layouts
+        ref, ref_lse = ref.flatten(0, 1), ref_lse.transpose(0, 1).flatten(1, 2)
+    check(out, lse, ref, ref_lse)
+    (call,) = kernel_on.calls
+    vl = call["varlen"]
+    assert (vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (4, 3, 39)
+    assert vl.cu_seqlens_k == 0 and vl.seqused_q == 0 and bool(vl.cu_seqlens_q) == varlen_q and vl.seqused_k
+    assert call["k"].ptr == kc.data_ptr() and call["k"].shape == (4, 40, 2, 64)  # the cache's first 4 rows in place
+    assert torch.equal(logical_cache(vc, None, list(range(4)), 4), vref)
+    got_k = logical_cache(kc, None, list(range(4)), 4)
+    assert torch.allclose(got_k.float(), kref.float(), atol=1e-3) if rotary else torch.equal(got_k, kref)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_kvcache_varlen_q_rows_past_the_last_entry(fake_gpu, monkeypatch, kernel):
+    """q's rows past cu_seqlens_q[-1] belong to no entry: out 0 and lse -inf there, out of q's shape, on either
+    path (the composed one used to return only the entries' rows)."""
+    monkeypatch.setattr(core, "VARLEN_KERNEL", kernel)
+    q, k, v, kc, vc, _ = make(batch=2, sq=3, cache_len=20, new=1, seed=8)
+    lens = [4, 11]
+    qp = torch.cat([q.flatten(0, 1), torch.randn(2, *q.shape[2:]).half()])  # 6 rows of the entries + 2 past them
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(qp, kc, vc, k, v, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                       cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32), max_seqlen_q=3,
+                                       causal=True, return_softmax_lse=True)
+    ref, ref_lse, _, _ = kvcache_reference(q, k, v, kc0, vc0, None, lens, [0, 0], [0, 1], True, (-1, -1), None, True)
+    assert out.shape == (8, *q.shape[2:]) and lse.shape == (q.shape[2], 8)
+    check(out[:6], lse[:, :6], ref.flatten(0, 1), ref_lse.transpose(0, 1).flatten(1, 2))
+    assert not out[6:].any() and torch.isneginf(lse[:, 6:]).all()
+    assert len(varlen_calls(fake_gpu)) == (1 if kernel else 0)
+
+
+@pytest.mark.parametrize("kw", [dict(page=4), dict(leftpad=True), dict(rows=True)])
+def test_kvcache_paged_leftpad_or_batch_idx_is_composed(kernel_on, kw):
+    q, k, v, kc, vc, table = make(batch=3, sq=2, cache_len=24, new=1, page=kw.get("page"), seed=6)
+    lens = [3, 10, 20]
+    leftpad = [1, 0, 4] if kw.get("leftpad") else [0, 0, 0]
+    rows = [4, 0, 2] if kw.get("rows") else [0, 1, 2]
+    kc0, vc0 = kc.clone(), vc.clone()
+    args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), page_table=table, causal=True,
+                return_softmax_lse=True, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32))
+    if kw.get("rows"):
+        args["cache_batch_idx"] = torch.tensor(rows, dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, **args)
+    ref, ref_lse, _, _ = kvcache_reference(q, k, v, kc0, vc0, table, lens, leftpad, rows, True, (-1, -1), None, True)
+    check(out, lse, ref, ref_lse)
+    assert varlen_calls(kernel_on) == [] and len(kernel_on.calls) == 3
