@@ -277,7 +277,8 @@ def flash_attn_with_kvcache(
     if (not paged and not any(leftpad) and cache_batch_idx is None
             and _varlen_kernel_serves(q, k_cache, v_cache, None, (q_descale, k_descale, v_descale), attention_chunk,
                                       max(q_len), max(total))):
-        qq = q if rope is None else torch.cat(qs) if varlen_q else torch.stack(qs)
+        # (rotated: the entries' rows, then q's rows past the last entry as they are)
+        qq = q if rope is None else torch.cat(qs + [q[q_rows[-1][1]:]]) if varlen_q else torch.stack(qs)
         res = _varlen_kernel(qq, k_cache[:batch], v_cache[:batch],
                              (cu_seqlens_q if varlen_q else None, None, None, total), batch, max(q_len), max(total),
                              softmax_scale, causal, window_size, softcap, None,

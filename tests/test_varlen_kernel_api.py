@@ -196,8 +196,9 @@ def test_kvcache_is_one_launch_over_each_entrys_length(kernel_on, varlen_q, rota
     assert torch.allclose(got_k.float(), kref.float(), atol=1e-3) if rotary else torch.equal(got_k, kref)
 
 
+@pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("kernel", [False, True])
-def test_kvcache_varlen_q_rows_past_the_last_entry(fake_gpu, monkeypatch, kernel):
+def test_kvcache_varlen_q_rows_past_the_last_entry(fake_gpu, monkeypatch, kernel, rotary):
     """q's rows past cu_seqlens_q[-1] belong to no entry: out 0 and lse -inf there, out of q's shape, on either
     path (the composed one used to return only the entries' rows)."""
     monkeypatch.setattr(core, "VARLEN_KERNEL", kernel)
@@ -205,10 +206,15 @@ def test_kvcache_varlen_q_rows_past_the_last_entry(fake_gpu, monkeypatch, kernel
     lens = [4, 11]
     qp = torch.cat([q.flatten(0, 1), torch.randn(2, *q.shape[2:]).half()])  # 6 rows of the entries + 2 past them
     kc0, vc0 = kc.clone(), vc.clone()
+    rope, kw = None, {}
+    if rotary:
+        angle = torch.rand(32, 16, generator=torch.Generator().manual_seed(4)) * 6.283
+        rope = (torch.cos(angle).half(), torch.sin(angle).half())
+        kw = dict(rotary_cos=rope[0], rotary_sin=rope[1])
     out, lse = flash_attn_with_kvcache(qp, kc, vc, k, v, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
                                        cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32), max_seqlen_q=3,
-                                       causal=True, return_softmax_lse=True)
-    ref, ref_lse, _, _ = kvcache_reference(q, k, v, kc0, vc0, None, lens, [0, 0], [0, 1], True, (-1, -1), None, True)
+                                       causal=True, return_softmax_lse=True, **kw)
+    ref, ref_lse, _, _ = kvcache_reference(q, k, v, kc0, vc0, None, lens, [0, 0], [0, 1], True, (-1, -1), rope, True)
     assert out.shape == (8, *q.shape[2:]) and lse.shape == (q.shape[2], 8)
     check(out[:6], lse[:, :6], ref.flatten(0, 1), ref_lse.transpose(0, 1).flatten(1, 2))
     assert not out[6:].any() and torch.isneginf(lse[:, 6:]).all()
