@@ -1,0 +1,110 @@
+"""The GPU tests' own logic, run on the CPU: selected functions of tests/gpu (those written in sessions that had
+no GPU, whose code has not run on one yet) executed against test_api_validation's emulated core
+(``fake_gpu``) and test_bwd_api's emulated backward, so that a GPU session spends no device time on a broken
+test and CI sees the host-side paths those tests drive.
+
+How: the test module's source is executed with its device strings turned to the CPU ("cuda" -> "cpu",
+``torch.cuda.synchronize()`` -> nothing, the current stream and device -> constants) and its helpers that need a
+GPU (poisoning, variant lookups) replaced by no-ops. What this checks is the test code and the host paths
+(argument plumbing, layouts, the composed calls, the varlen launch's arrays), against the emulator's attention;
+the kernels themselves are only checked on a GPU. A test here fails when its GPU twin would fail for a reason
+that is not the kernel's.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen.core as core
+import flashgen.interface as interface
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "gpu"))
+sys.path.insert(0, str(HERE))
+import _ref  # noqa: E402
+from test_api_validation import fake_gpu  # noqa: E402,F401  (a fixture)
+from test_bwd_api import FakeBwd  # noqa: E402
+
+_REPLACE = (('"cuda"', '"cpu"'), ("device=\"cuda\"", "device=\"cpu\""), ("torch.cuda.synchronize()", "pass"),
+            ("torch.cuda.current_stream().cuda_stream", "1234"), ("torch.cuda.current_device()", "0"),
+            ("pytestmark = pytest.mark.gpu", ""))
+
+
+def _module(name: str) -> dict:
+    """tests/gpu/<name>.py executed on the CPU (see the module docstring)."""
+    src = (HERE / "gpu" / f"{name}.py").read_text()
+    for a, b in _REPLACE:
+        src = src.replace(a, b)
+    mod = types.ModuleType(f"cpu_{name}")
+    sys.modules[mod.__name__] = mod  # (dataclasses look their module up)
+    ns = mod.__dict__
+    exec(compile(src, f"tests/gpu/{name}.py (on the CPU)", "exec"), ns)
+    cpu = {"device": "cpu"}
+    ns.update(poison_cached_blocks=lambda *a, **k: None, variant_missing=lambda *a, **k: None,
+              randn=lambda *s, **k: _ref.randn(*s, **{**k, **cpu}))
+    if "make_qkv" in ns:
+        ns["make_qkv"] = lambda *a, **k: _ref.make_qkv(*a, **{**k, **cpu})
+    return ns
+
+
+@pytest.fixture(scope="module")
+def features():
+    return _module("test_features_gpu")
+
+
+@pytest.fixture(scope="module")
+def kvcache():
+    return _module("test_kvcache_gpu")
+
+
+@pytest.fixture
+def emulated(fake_gpu, monkeypatch):
+    """fake_gpu plus the emulated backward (test_bwd_api's ``gpu`` fixture, for the composed paths' autograd)."""
+    bwd = FakeBwd(fake_gpu)
+    monkeypatch.setattr(core, "backward_workspace_bytes", bwd.backward_workspace_bytes, raising=False)
+    monkeypatch.setattr(core, "attention_backward", bwd.attention_backward, raising=False)
+    monkeypatch.setattr(interface, "_workspace", bwd.record_workspace(
+        interface._workspace, lambda t: (t.data_ptr(), t.numel() * t.element_size())))
+    return fake_gpu
+
+
+def test_varlen_kernel_forward(features, emulated, monkeypatch):
+    for case in features["VARLEN_KERNEL_CASES"]:
+        with monkeypatch.context() as m:
+            features["test_varlen_kernel_forward"](case, m)
+
+
+def test_varlen_kernel_writes_only_the_sequences_rows(features, emulated):
+    features["test_varlen_kernel_writes_only_the_sequences_rows"]()
+
+
+def test_varlen_forward_and_backward(features, emulated):
+    for case in features["VARLEN_CASES"]:
+        features["test_varlen_forward_and_backward"](case)
+
+
+def test_attention_chunk_forward_and_backward(features, emulated):
+    for c in features["CHUNK_CASES"]:
+        features["test_attention_chunk_forward"](c)
+    for c in [c for c in features["CHUNK_CASES"] if c.sq * c.sk <= 256 * 1024]:
+        features["test_attention_chunk_backward"](c)
+
+
+def test_head_dim_v_256_512(features, emulated):
+    for c in features["WIDE_V_CASES"]:
+        features["test_head_dim_v_256_512_forward"](c)
+    features["test_head_dim_v_256_512_backward"](features["WIDE_V_CASES"][0])
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (3, 1024), (64, 800)])
+def test_kvcache(kvcache, emulated, monkeypatch, seqlen_q, seqlen_k):
+    for rotary in (None, "interleaved"):
+        for causal, local in ((False, False), (True, False), (False, True)):
+            with monkeypatch.context() as m:
+                kvcache["test_kvcache_varlen_kernel"](seqlen_q, seqlen_k, rotary, causal, local, "gqa", m)
+            kvcache["test_kvcache_append_and_attend"](seqlen_q, seqlen_k, 4 if seqlen_q > 1 else None, rotary, causal,
+                                                      local, "mqa")
