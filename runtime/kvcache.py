@@ -4,9 +4,10 @@ The call appends the new keys / values to the cache in place (rotated by the rot
 when given), then runs each batch entry's attention over its cache rows with
 :func:`flashgen.flash_attn_func`. The per-entry lengths (``cache_seqlens``, ``cache_leftpad``,
 ``cache_batch_idx``, ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens``) are read on the
-host, a synchronisation when they are GPU tensors. Neighbouring entries with the same lengths and
-consecutive cache rows share one call (a view of the cache); a paged cache is gathered into one
-contiguous copy per entry. Under torch.compile the read of the lengths is a graph break
+host, a synchronisation when they are GPU tensors. The rotary embedding of q and the append of every
+entry's new tokens are one op each over all entries (an index_put into the cache). Neighbouring entries
+with the same lengths and consecutive cache rows share one call (a view of the cache); a paged cache is
+gathered into one contiguous copy per entry. Under torch.compile the read of the lengths is a graph break
 (``fullgraph=True`` refuses the call). With the varlen kernel switched on (``FLASHGEN_VARLEN_KERNEL=1``:
 flashgen.core.VARLEN_KERNEL, off until its GPU tests have passed), an unpaged cache without
 cache_leftpad or cache_batch_idx, fp16 / bf16, is one launch instead, which reads each entry's total
@@ -141,7 +142,8 @@ def flash_attn_with_kvcache(
     Raises:
         TypeError / ValueError naming the argument (ranks, shapes, dtypes, the per-entry lengths
         against the cache's capacity and rotary_cos's rows, rotary without new keys, what
-        :func:`flashgen.flash_attn_func` checks of q against the caches, ...); NotImplementedError
+        :func:`flashgen.flash_attn_func` checks of q against the caches, cache_batch_idx naming a row twice
+        when k / v are appended, ...); NotImplementedError
         for qv: all before the cache is written. An error of the attention itself afterwards (a
         missing variant) leaves the appended tokens in the cache.
     """
@@ -237,49 +239,55 @@ def flash_attn_with_kvcache(
         _check_fwd(q[first][None], cache0, vcache0, *_v.window_pair(window_size), float(softcap), None,
                    *(None if d is None else d[:1] for d in (q_descale, k_descale, v_descale)))
 
-    def positions(b: int, n: int, each: bool) -> torch.Tensor:
-        start = rope[2][b]
-        pos = torch.arange(start, start + n) if each else torch.full((n,), start)
-        return pos.to(rope[0].device)
+    if k is not None and not paged and len(set(rows)) < batch:
+        raise ValueError("flashgen: cache_batch_idx must name distinct cache rows when k / v are appended "
+                         f"(got {rows[:16]})")
 
-    def cache_index(b: int, p0: int, p1: int):
-        """The cache rows of entry b's positions [p0, p1): (row, positions) or, paged, (pages, offsets)."""
-        if not paged:
-            return rows[b], slice(p0, p1)
-        ps = k_cache.shape[1]
-        pos = torch.arange(p0, p1, device=page_table.device)
-        return page_table[b].long()[pos // ps], pos % ps
+    def ints_on(values: list, device) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
     if batch == 0:  # nothing to append or attend
         out = q.new_zeros(q.shape[:-1] + (v_cache.shape[3],), dtype=_out_dtype(q))
         lse = q.new_full((q.shape[1], q.shape[0]) if varlen_q else (0, q.shape[2], q.shape[1]), -math.inf,
                          dtype=torch.float32)
         return (out, lse) if return_softmax_lse else out
-    # 1. the new keys / values into the cache (rotated first), in place
-    qs = []
-    for b in range(batch):
-        qb = q[q_rows[b][0]:q_rows[b][1]] if varlen_q else q[b]
+    # 1. q rotated (each row at its position, or at the entry's start), in one op over all entries; q's rows
+    # past the last entry (varlen) as they are
+    if rope is not None:
+        start, n_q = rope[2], [r1 - r0 for r0, r1 in q_rows]
+        pos = ints_on([start[b] + (i if each else 0) for b in range(batch) for i in range(n_q[b])], rope[0].device)
+        end = q_rows[-1][1]
+        if varlen_q:
+            q = torch.cat([apply_rotary(q[:end], rope[0], rope[1], pos, rotary_interleaved), q[end:]])
+        else:
+            q = apply_rotary(q, rope[0], rope[1], pos.view(batch, -1), rotary_interleaved)
+    # 2. the new keys / values into the cache (rotated first), in place: one scatter for every entry's tokens
+    # (k's rows in entry order: (batch, seqlen_new) flattened, or cu_seqlens_k_new's from 0)
+    n_new = [r1 - r0 for r0, r1 in new]
+    if k is not None and any(n_new):
+        ent = [b for b in range(batch) for _ in range(n_new[b])]
+        at = [lens[b] + i for b in range(batch) for i in range(n_new[b])]
+        kk = k.flatten(0, 1) if cu_seqlens_k_new is None else k[:len(ent)]
+        vv = v.flatten(0, 1) if cu_seqlens_k_new is None else v[:len(ent)]
         if rope is not None:
-            qb = apply_rotary(qb, rope[0], rope[1], positions(b, qb.shape[0], each), rotary_interleaved)
-        qs.append(qb)
-        if k is None or new[b][1] == new[b][0]:
-            continue
-        kb = k[new[b][0]:new[b][1]] if cu_seqlens_k_new is not None else k[b]
-        vb = v[new[b][0]:new[b][1]] if cu_seqlens_k_new is not None else v[b]
-        if rope is not None:
-            kb = apply_rotary(kb, rope[0], rope[1], positions(b, kb.shape[0], True), rotary_interleaved)
-        idx = cache_index(b, lens[b], total[b])
-        k_cache[idx] = kb.to(k_cache.dtype)
-        v_cache[idx] = vb.to(v_cache.dtype)
-    # 2. attention. With the varlen kernel (interface._varlen_kernel_serves), an unpaged cache without
+            kk = apply_rotary(kk, rope[0], rope[1],
+                              ints_on([rope[2][b] + i for b in range(batch) for i in range(n_new[b])], rope[0].device),
+                              rotary_interleaved)
+        if paged:
+            ps = k_cache.shape[1]
+            pages = page_table.long()[ints_on(ent, page_table.device), ints_on([p // ps for p in at], page_table.device)]
+            idx = (pages.to(k_cache.device), ints_on([p % ps for p in at], k_cache.device))
+        else:
+            idx = (ints_on([rows[b] for b in ent], k_cache.device), ints_on(at, k_cache.device))
+        k_cache[idx] = kk.to(k_cache.dtype)
+        v_cache[idx] = vv.to(v_cache.dtype)
+    # 3. attention. With the varlen kernel (interface._varlen_kernel_serves), an unpaged cache without
     # leftpad or batch_idx is one launch: entry b reads cache row b up to its total length (seqused_k).
     q_len = [r1 - r0 for r0, r1 in q_rows]
     if (not paged and not any(leftpad) and cache_batch_idx is None
             and _varlen_kernel_serves(q, k_cache, v_cache, None, (q_descale, k_descale, v_descale), attention_chunk,
                                       max(q_len), max(total))):
-        # (rotated: the entries' rows, then q's rows past the last entry as they are)
-        qq = q if rope is None else torch.cat(qs + [q[q_rows[-1][1]:]]) if varlen_q else torch.stack(qs)
-        res = _varlen_kernel(qq, k_cache[:batch], v_cache[:batch],
+        res = _varlen_kernel(q, k_cache[:batch], v_cache[:batch],
                              (cu_seqlens_q if varlen_q else None, None, None, total), batch, max(q_len), max(total),
                              softmax_scale, causal, window_size, softcap, None,
                              fill=varlen_q and q_rows[-1][1] < q.shape[0])
@@ -291,7 +299,7 @@ def flash_attn_with_kvcache(
     b = 0
     while b < batch:
         m = 1
-        if not paged and not varlen_q and rope is None:
+        if not paged and not varlen_q:
             while (b + m < batch and (leftpad[b + m], total[b + m]) == (leftpad[b], total[b])
                    and rows[b + m] == rows[b] + m):
                 m += 1
@@ -303,7 +311,7 @@ def flash_attn_with_kvcache(
         else:
             kc = k_cache[rows[b]:rows[b] + m, leftpad[b]:total[b]]
             vc = v_cache[rows[b]:rows[b] + m, leftpad[b]:total[b]]
-        qb = q[b:b + m] if not varlen_q and rope is None else qs[b][None]  # (runs only without either)
+        qb = q[q_rows[b][0]:q_rows[b][1]][None] if varlen_q else q[b:b + m]  # (runs only with a padded q)
         ds = tuple(None if d is None else d[b:b + m] for d in (q_descale, k_descale, v_descale))
         o, lse = _attend(qb, kc, vc, softmax_scale, causal, window_size, softcap, None, ds, pack_gqa, False, True,
                          attention_chunk)

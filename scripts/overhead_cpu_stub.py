@@ -48,8 +48,12 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
                         "params": fwd_params_layout()}]}
     # the same kernel record as an e4m3 variant: FP8 calls with descales take the same launch path
     fp8 = json.loads(json.dumps(rec).replace("bf16", "e4m3"))
+    # and as a varlen variant (core.Varlen: flash_attn_with_kvcache / flash_attn_varlen_func in one launch)
+    varlen = json.loads(json.dumps(rec).replace("hd128_stub", "hd128_varlen_stub"))
+    varlen["params"]["varlen"] = varlen["dispatch"]["varlen"] = True
     with open(os.path.join(folder, "manifest.json"), "w") as f:
-        json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"}, "variants": [rec, fp8]}, f)
+        json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"},
+                   "variants": [rec, fp8, varlen]}, f)
 
 
 class _Handle:
@@ -185,6 +189,22 @@ def main(argv=None) -> int:
                "flash_attn_func e4m3 + descales": lambda: interface.flash_attn_func(q8, q8, q8, q_descale=ds,
                                                                                     k_descale=ds, v_descale=ds),
                "core.attention_forward": lambda: core.attention_forward(*args, 0.088, False, 7)}
+        from flashgen import flash_attn_with_kvcache
+
+        # decode: 64 caches of distinct lengths, one query and one new key each (GQA 32 / 8): the varlen kernel's one launch
+        # against the composed path's one flash_attn_func call per entry (core.VARLEN_KERNEL on / off)
+        qd = torch.randn(64, 1, 32, 128, dtype=torch.bfloat16)
+        kc, vc = (torch.randn(64, 1024, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+        lens = torch.arange(300, 364, dtype=torch.int32)
+
+        kn, vn = (torch.randn(64, 1, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+
+        def decode(on: bool):  # one new token per entry appended (the same positions every call), then attention
+            core.VARLEN_KERNEL = on
+            return flash_attn_with_kvcache(qd, kc, vc, kn, vn, cache_seqlens=lens, causal=True)
+
+        fns["flash_attn_with_kvcache, 64 entries, varlen kernel"] = lambda: decode(True)
+        fns["flash_attn_with_kvcache, 64 entries, composed"] = lambda: decode(False)
         if a.profile:
             import cProfile
             import pstats
@@ -204,7 +224,7 @@ def main(argv=None) -> int:
               f"python {sys.version.split()[0]}; CUDA driver stubbed (CPU-stub numbers)")
         for name, fn in fns.items():
             before = drv.calls["launch"]
-            us = timeit(fn, a.n)
+            us = timeit(fn, a.n if "64 entries" not in name else max(a.n // 100, 20))
             assert drv.calls["launch"] > before, "no launch reached the (fake) driver"
             print(f"CPU-stub host time per call, {name}: {us:.2f} us")
         empty = torch.empty((1, 128, 1, 128), dtype=torch.bfloat16)

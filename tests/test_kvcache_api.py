@@ -130,6 +130,9 @@ def test_varlen_q_and_new_keys(fake_gpu):
      "cache_batch_idx[3] = 9 is not a row of k_cache"),
     (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int32)), ValueError, "cache_seqlens must have batch = 4"),
     (dict(k=torch.zeros(4, 2, HK, D), v=torch.zeros(4, 2, HK, D)), ValueError, "cache_seqlens is needed to append"),
+    (dict(k=torch.zeros(4, 2, HK, D), v=torch.zeros(4, 2, HK, D), cache_seqlens=3,
+          cache_batch_idx=torch.tensor([0, 1, 1, 2], dtype=torch.int32)), ValueError,
+     "cache_batch_idx must name distinct cache rows when k / v are appended"),
 ])
 def test_kvcache_errors(fake_gpu, kw, exc, fragment):
     q, _, _, kc, vc, _ = make(new=0)
