@@ -342,11 +342,11 @@ def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, wi
 
 
 def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
-                 group: int) -> _Plan | None:
-    """The PackGQA plan of a call key when a PackGQA variant is built for it and ``group`` query
-    heads fit its tile (group <= block_m); else None (the unpacked kernel serves)."""
+                 group: int, varlen: bool = False) -> _Plan | None:
+    """The PackGQA plan of a call key (``varlen``: of the varlen variants) when a PackGQA variant is built
+    for it and ``group`` query heads fit its tile (group <= block_m); else None (the unpacked kernel serves)."""
     try:
-        plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True)
+        plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen)
     except MissingVariantError:
         return None
     return plan if group <= plan.block_m else None
@@ -446,11 +446,13 @@ def _batch_of_one(name: str, t: TensorArg) -> TensorArg:
 
 def _varlen_operands(q, k, v, out, varlen: Varlen, descales: tuple, pack_gqa) -> tuple:
     """q, k, v, out of a varlen call as 4-D TensorArgs (a packed side as a batch of one); ValueError for what the
-    varlen kernels do not serve (FP8 descales, PackGQA asked for) or a padded side not of ``varlen.batch``."""
+    varlen kernels do not serve (FP8 descales, PackGQA asked for with a packed q) or a padded side not of
+    ``varlen.batch``."""
     if any(t is not None for t in descales) or q.dtype == "fp8_e4m3":
         raise ValueError("flashgen: the varlen forward serves fp16 / bf16 without descales")
-    if pack_gqa:
-        raise ValueError("flashgen: the varlen forward has no PackGQA; pass pack_gqa None or False")
+    if pack_gqa and varlen.cu_seqlens_q:
+        raise ValueError("flashgen: the varlen forward has no PackGQA with cu_seqlens_q (a packed q); pass pack_gqa "
+                         "None or False")
     if varlen.cu_seqlens_q:
         q, out = _batch_of_one("q", q), _batch_of_one("out", out)
     if varlen.cu_seqlens_k:
@@ -488,16 +490,16 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     softmax_constants(softmax_scale, softcap)  # the checks only: the constants are per call
     bucket = (sk - 1).bit_length()  # tuning.seqlen_bucket
     group = h // hk
-    if varlen is not None:  # (MissingVariantError where no varlen variant serves the call)
-        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, varlen=True)
-        packed = False
-    elif variant is not None or pack_gqa:  # a named variant, or PackGQA asked for (MissingVariantError if none)
-        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, pack_gqa=bool(pack_gqa))
+    vl = varlen is not None  # a varlen call: the varlen variants (MissingVariantError where none serves it)
+    may_pack = not (vl and varlen.cu_seqlens_q)  # (PackGQA's 5-D Q map needs a padded q)
+    if variant is not None or pack_gqa:  # a named variant, or PackGQA asked for (MissingVariantError if none)
+        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, pack_gqa=bool(pack_gqa),
+                     varlen=vl)
         packed = bool(plan.variant.params.get("pack_gqa"))
     else:
-        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket)
-        pp = (_packed_plan(q.dtype, d, dv, mask, softcap > 0, q.device, bucket, group)
-              if pack_gqa is None and pack_gqa_rule(sq, h, hk, plan.block_m) else None)
+        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, varlen=vl)
+        pp = (_packed_plan(q.dtype, d, dv, mask, softcap > 0, q.device, bucket, group, varlen=vl)
+              if pack_gqa is None and may_pack and pack_gqa_rule(sq, h, hk, plan.block_m) else None)
         packed = pp is not None
         plan = pp or plan
     bm, bn = plan.block_m, plan.block_n
@@ -619,8 +621,9 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     ``(heads, total_q)`` (FA3's varlen layout), and with ``cu_seqlens_k`` k and v are ``(total_k,
     heads_k, dim)``; a side without them is a padded batch of ``varlen.batch``. Each sequence is one
     attention with the call's mask, bottom-right aligned to its own lengths; out and lse rows no
-    sequence uses are not written. fp16 / bf16 only, unpacked (ValueError for descales or
-    pack_gqa=True); MissingVariantError where no varlen variant serves the key.
+    sequence uses are not written. fp16 / bf16 only (ValueError for descales); PackGQA as above
+    with a padded q only (ValueError for pack_gqa=True with cu_seqlens_q; the rule never packs
+    one); MissingVariantError where no varlen variant serves the key.
     Head dims with no variant of their own run on the smallest built larger one. Launches on
     `stream` (CUstream as int); returns the variant used. Raises MissingVariantError when no built
     variant serves the call, ValueError for layouts TMA cannot address or a bad softmax_scale /

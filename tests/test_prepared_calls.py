@@ -843,7 +843,7 @@ def test_pack_gqa_rule():
 
 
 VARLEN_KEYS = KEYS + [dict(dtype="bf16", head_dim=128, head_dim_v=128, causal=c, local=False, softcap=False,
-                           varlen=True) for c in (False, True)]
+                           varlen=True, pack_gqa=pk) for c in (False, True) for pk in (False, True)]
 
 
 def _params_of(rec) -> dict:
@@ -885,13 +885,31 @@ def test_varlen_launch_maps_params_and_grid(tmp_path, monkeypatch):
         b, sq, sc = 3, 4, 512
         q4, o4 = targ((b, sq, h, 128), ptr=10 << 24), targ((b, sq, h, 128), ptr=11 << 24)
         kc, vc = targ((b, sc, hk, 128), ptr=12 << 24), targ((b, sc, hk, 128), ptr=13 << 24)
-        core.attention_forward(q4, kc, vc, o4, targ((b, h, sq), "fp32", 14 << 24), 0.1, False, 5,
+        core.attention_forward(q4, kc, vc, o4, targ((b, h, sq), "fp32", 14 << 24), 0.1, False, 5, pack_gqa=False,
                                varlen=core.Varlen(0, 0, 0, 15 << 24, b, sq, 300))
         rec = d.launches[-1]
         got = _params_of(rec)
         assert "c0" in rec["symbol"] and (got["batch"], got["seqlen_q"], got["seqlen_k"]) == (b, sq, 300)
         assert (got["o_stride_batch"], got["lse_stride_batch"], got["lse_stride_head"]) == (sq * h * 128, h * sq, sq)
         assert rec["maps"][0].dims == (128, sq, h, b) and rec["maps"][1].dims == (128, sc, hk, b)
+        # decode-like GQA on a padded q (kvcache): PackGQA's varlen variant by the rule, its 5-D Q map, lse strides
+        qd, od = targ((b, 1, h, 128), ptr=16 << 24), targ((b, 1, h, 128), ptr=17 << 24)
+        used = core.attention_forward(qd, kc, vc, od, targ((b, h, 1), "fp32", 18 << 24), 0.1, True, 5,
+                                      varlen=core.Varlen(0, 0, 0, 15 << 24, b, 1, 300))
+        rec = d.launches[-1]
+        got = _params_of(rec)
+        assert used.params["pack_gqa"] and used.params["varlen"] and "_packgqa_varlen" in rec["symbol"]
+        assert (got["group"], got["tile_queries"], got["num_tiles"]) == (4, 32, hk * b)
+        assert (got["lse_stride_batch"], got["lse_stride_head"], got["seqused_k"]) == (h, 1, 15 << 24)
+        assert rec["maps"][0].dims == (128, 4, 1, hk, b)
+        core.attention_forward(qd, kc, vc, od, targ((b, h, 1), "fp32", 18 << 24), 0.1, True, 5, pack_gqa=False,
+                               varlen=core.Varlen(0, 0, 0, 15 << 24, b, 1, 300))
+        assert "_packgqa" not in d.launches[-1]["symbol"] and "_varlen" in d.launches[-1]["symbol"]
+        # a packed q is never packed by the rule (PackGQA's Q map has a batch dim)
+        q1, o1 = targ((5, h, 128), ptr=19 << 24), targ((5, h, 128), ptr=20 << 24)
+        core.attention_forward(q1, k, v, o1, targ((h, 5), "fp32", 21 << 24), 0.1, False, 5,
+                               varlen=core.Varlen(6 << 24, 7 << 24, 0, 0, 5, 1, 250))
+        assert "_packgqa" not in d.launches[-1]["symbol"] and "_varlen" in d.launches[-1]["symbol"]
         # what the varlen kernels do not serve
         with pytest.raises(ValueError, match="3-D"):
             core.attention_forward(q4, kc, vc, o4, lse, 0.1, False, 5, varlen=vl)

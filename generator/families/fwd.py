@@ -24,7 +24,8 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   ``seqused_q`` / ``seqused_k`` (the rows used of each sequence of a padded batch, e.g. a KV cache's
   lengths), mask.cuh SeqRange. Tiles past a sequence's rows are skipped; masks are bottom-right
   aligned per sequence; O and LSE are stored from registers with row bounds (a TMA store of a tile
-  would cross into the next sequence). 16-bit, not PackGQA.
+  would cross into the next sequence). 16-bit. With ``pack_gqa``: a padded q only (PackGQA's 5-D Q map
+  has a batch dim; the runtime packs no call with cu_seqlens_q), as in decoding with a KV cache.
 - block_n a multiple of 16 in [16, 256]: the N of the S = Q K^T WGMMA (N <= 256) and the PV GEMM
   steps k16 over it. e4m3: a multiple of 32 (k32 steps); S's K-descale groups are 64 columns, or 32
   where block_n is not a multiple of 64 (FA3's 128 x 224), so none straddles two 64-key blocks.
@@ -390,8 +391,6 @@ class FwdFamily(Family):
                                             "flash_attn_varlen_func runs FP8 as one call per run of equal lengths)"))
         elif params.get("vt_global"):
             out.append(("vt_global", True, "false unless dtype is e4m3 (16-bit V is read MN-major in place)"))
-        if params.get("varlen") and params.get("pack_gqa"):
-            out.append(("varlen", True, "false with pack_gqa (PackGQA's 5-D Q map has a batch dim per sequence)"))
         if params.get("rowsum_mma") and params["dtype"] != "e4m3":
             out.append(("rowsum_mma", True, "false unless dtype is e4m3 (16-bit tiles ran 1-13 % slower with it, H200: configs/fwd_tune.yaml)"))
         if params.get("rowsum_mma") and params.get("exp_turns"):
