@@ -260,7 +260,7 @@ def flash_attn_with_kvcache(
         if varlen_q:
             q = torch.cat([apply_rotary(q[:end], rope[0], rope[1], pos, rotary_interleaved), q[end:]])
         else:
-            q = apply_rotary(q, rope[0], rope[1], pos.view(batch, -1), rotary_interleaved)
+            q = apply_rotary(q, rope[0], rope[1], pos.view(batch, q.shape[1]), rotary_interleaved)
     # 2. the new keys / values into the cache (rotated first), in place: one scatter for every entry's tokens
     # (k's rows in entry order: (batch, seqlen_new) flattened, or cu_seqlens_k_new's from 0)
     n_new = [r1 - r0 for r0, r1 in new]
