@@ -17,17 +17,13 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
-
-import flashgen.core as core
-import flashgen.interface as interface
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "gpu"))
 sys.path.insert(0, str(HERE))
 import _ref  # noqa: E402
 from test_api_validation import fake_gpu  # noqa: E402,F401  (a fixture)
-from test_bwd_api import FakeBwd  # noqa: E402
+from test_bwd_api import gpu  # noqa: E402,F401  (a fixture)
 
 _REPLACE = (('"cuda"', '"cpu"'), ("device=\"cuda\"", "device=\"cpu\""), ("torch.cuda.synchronize()", "pass"),
             ("torch.cuda.current_stream().cuda_stream", "1234"), ("torch.cuda.current_device()", "0"),
@@ -62,13 +58,8 @@ def kvcache():
 
 
 @pytest.fixture
-def emulated(fake_gpu, monkeypatch):
-    """fake_gpu plus the emulated backward (test_bwd_api's ``gpu`` fixture, for the composed paths' autograd)."""
-    bwd = FakeBwd(fake_gpu)
-    monkeypatch.setattr(core, "backward_workspace_bytes", bwd.backward_workspace_bytes, raising=False)
-    monkeypatch.setattr(core, "attention_backward", bwd.attention_backward, raising=False)
-    monkeypatch.setattr(interface, "_workspace", bwd.record_workspace(
-        interface._workspace, lambda t: (t.data_ptr(), t.numel() * t.element_size())))
+def emulated(gpu, fake_gpu):
+    """fake_gpu plus the emulated backward (test_bwd_api's ``gpu``, for the composed paths' autograd)."""
     return fake_gpu
 
 
