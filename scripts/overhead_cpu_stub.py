@@ -51,9 +51,12 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
     # and as a varlen variant (core.Varlen: flash_attn_with_kvcache / flash_attn_varlen_func in one launch)
     varlen = json.loads(json.dumps(rec).replace("hd128_stub", "hd128_varlen_stub"))
     varlen["params"]["varlen"] = varlen["dispatch"]["varlen"] = True
+    # and its PackGQA twin (decode with GQA on a padded q picks it, as in the default build)
+    packed = json.loads(json.dumps(varlen).replace("hd128_varlen_stub", "hd128_packgqa_varlen_stub"))
+    packed["params"]["pack_gqa"] = packed["dispatch"]["pack_gqa"] = True
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"},
-                   "variants": [rec, fp8, varlen]}, f)
+                   "variants": [rec, fp8, varlen, packed]}, f)
 
 
 class _Handle:

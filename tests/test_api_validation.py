@@ -118,7 +118,8 @@ class FakeCore:
                           window_size=(-1, -1), softcap=0.0, sink=0, q_descale=None, k_descale=None,
                           v_descale=None, pack_gqa=None, varlen=None):
         if varlen is not None:
-            return self._varlen_forward(q, k, v, out, lse, softmax_scale, causal, window_size, softcap, sink, varlen)
+            return self._varlen_forward(q, k, v, out, lse, softmax_scale, causal, window_size, softcap, sink, varlen,
+                                        pack_gqa)
         if variant is None:  # as the real core: select (MissingVariantError) before any launch
             m = core.mask_spec(causal, window_size, q.shape[1], k.shape[1])
             variant = core.select_variant(
@@ -147,14 +148,17 @@ class FakeCore:
             _view(lse).copy_(l)
         return variant
 
-    def _varlen_forward(self, q, k, v, out, lse, scale, causal, window_size, softcap, sink, varlen):
+    def _varlen_forward(self, q, k, v, out, lse, scale, causal, window_size, softcap, sink, varlen, pack_gqa=None):
         """The varlen kernel (core.Varlen, mask.cuh SeqRange) emulated: each sequence's rows of q and
         k / v (at their cu_seqlens offsets, or row b of a padded batch; seqused_* rows of them) attend
         as one call, written to the same rows of out and lse; rows of no sequence are left as they were."""
         m = core.mask_spec(causal, window_size, varlen.max_seqlen_q, varlen.max_seqlen_k)
+        # the core's PackGQA choice (a padded q, by the rule at block_m 128), which changes the variant only
+        pack = (pack_gqa is not False and not varlen.cu_seqlens_q
+                and (pack_gqa or core.pack_gqa_rule(varlen.max_seqlen_q, q.shape[-2], k.shape[-2], 128)))
         variant = core.select_variant(
             "fwd", {"dtype": q.dtype, "head_dim": q.shape[-1], "head_dim_v": v.shape[-1], "causal": m.causal,
-                    "local": m.local, "softcap": softcap > 0, "varlen": True})
+                    "local": m.local, "softcap": softcap > 0, "pack_gqa": pack, "varlen": True})
         assert (len(q.shape) == 3) == bool(varlen.cu_seqlens_q) and (len(k.shape) == 3) == bool(varlen.cu_seqlens_k)
         assert len(out.shape) == len(q.shape) and lse is not None and V.is_c_contiguous(lse.shape, lse.strides)
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, scale=scale, causal=causal, variant=variant,

@@ -655,48 +655,53 @@ def test_varlen_kernel_forward(case, monkeypatch):
 def test_varlen_kernel_writes_only_the_sequences_rows():
     """core.attention_forward(varlen=...) on NaN-filled out and lse: the sequences' used rows come back
     right, every other row (past seqused, between and after the sequences) is still NaN: the kernel's
-    bounded stores write nothing else. A padded q with seqused_q too (kvcache's layout)."""
+    bounded stores write nothing else. Three layouts: packed (cu_seqlens), padded with seqused_q / seqused_k
+    (kvcache's; unpacked by pack_gqa=False), and a padded decode-like q of a few rows, which the PackGQA rule
+    packs (group 2)."""
     c = Case(3, 0, 0, 4, 2, 128, BF16, causal=True)
     key = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
            "varlen": True}
-    why = variant_missing("fwd", key)
+    why = variant_missing("fwd", key) or variant_missing("fwd", {**key, "pack_gqa": True})
     if why:
         pytest.skip(why)
     core = flashgen.core
     lens, used = [200, 129, 64], [150, 129, 1]
     q, k, v, cu_q, cu_k, sq_used, _, _ = _varlen_case(lens, lens, used, None, c, seed=3)
     dev = torch.cuda.current_device()
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")
 
     def arg(t, dtype="bf16"):
         return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, dev)
 
-    for packed in (True, False):
-        if packed:
-            qq, kk, vv = q, k, v
-            arrays = (cu_q, cu_k, sq_used, None)
-        else:  # padded: (batch, 200, heads, d), each sequence's rows at row 0 of its entry
-            pad = lambda t, cu: torch.stack([torch.nn.functional.pad(t[a:b], (0, 0, 0, 0, 0, 200 - (b - a)))
-                                             for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])])
-            qq, kk, vv = pad(q, cu_q), pad(k, cu_k), pad(v, cu_k)
-            arrays = (None, None, sq_used, torch.tensor(lens, dtype=torch.int32, device="cuda"))
+    # padded: (batch, 200, heads, d), each sequence's rows at row 0 of its entry
+    pad = lambda t, cu: torch.stack([torch.nn.functional.pad(t[a:b], (0, 0, 0, 0, 0, 200 - (b - a)))
+                                     for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])])
+    layouts = {"packed": (q, k, v, (cu_q, cu_k, sq_used, None), used),
+               "padded": (pad(q, cu_q), pad(k, cu_k), pad(v, cu_k), (None, None, sq_used, i32(lens)), used),
+               "decode": (pad(q, cu_q)[:, :4].contiguous(), pad(k, cu_k), pad(v, cu_k),
+                          (None, None, i32([3, 1, 2]), i32(lens)), [3, 1, 2])}
+    for layout, (qq, kk, vv, arrays, used_l) in layouts.items():
+        packed = layout == "packed"
         out = torch.full(qq.shape, float("nan"), dtype=qq.dtype, device="cuda")
-        lse_shape = (c.h, qq.shape[0]) if packed else (3, c.h, 200)
+        lse_shape = (c.h, qq.shape[0]) if packed else (3, c.h, qq.shape[1])
         lse = torch.full(lse_shape, float("nan"), dtype=torch.float32, device="cuda")
-        vl = core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays), 3, max(used), max(lens))
-        core.attention_forward(arg(qq), arg(kk), arg(vv), arg(out), arg(lse, "fp32"), c.softmax_scale, True,
-                               torch.cuda.current_stream().cuda_stream, varlen=vl)
+        vl = core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays), 3, max(used_l), max(lens))
+        var = core.attention_forward(arg(qq), arg(kk), arg(vv), arg(out), arg(lse, "fp32"), c.softmax_scale, True,
+                                     torch.cuda.current_stream().cuda_stream, varlen=vl,
+                                     pack_gqa=False if layout == "padded" else None)
         torch.cuda.synchronize()
+        assert var.dispatch["varlen"] and var.dispatch["pack_gqa"] == (layout == "decode"), (layout, var.name)
         written = torch.zeros(out.shape[:-2], dtype=torch.bool, device="cuda")
         for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
-            rows = (slice(q0, q0 + used[b]),) if packed else (b, slice(0, used[b]))
+            rows = (slice(q0, q0 + used_l[b]),) if packed else (b, slice(0, used_l[b]))
             krows = (slice(k0, k0 + lens[b]),) if packed else (b, slice(0, lens[b]))
             written[rows] = True
-            lse_b = lse[:, rows[0]] if packed else lse[b, :, :used[b]]
+            lse_b = lse[:, rows[0]] if packed else lse[b, :, :used_l[b]]
             check_fwd(qq[rows][None], kk[krows][None], vv[krows][None], True, out[rows][None], lse_b[None],
                       c.softmax_scale)
-        assert bool(out[~written].isnan().all()), "the kernel wrote out rows of no sequence"
+        assert bool(out[~written].isnan().all()), f"{layout}: the kernel wrote out rows of no sequence"
         unwritten_lse = lse[:, ~written] if packed else lse.permute(0, 2, 1)[~written]
-        assert bool(unwritten_lse.isnan().all()), "the kernel wrote lse rows of no sequence"
+        assert bool(unwritten_lse.isnan().all()), f"{layout}: the kernel wrote lse rows of no sequence"
 
 
 # --------------------------------------------------------------------------------------
