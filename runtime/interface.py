@@ -840,18 +840,18 @@ def _host_ints(name: str, t, device: int) -> list:
 
 
 def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, max_seqlen_q: int,
-                          max_seqlen_k: int) -> bool:
+                          max_seqlen_k: int, on_device: bool = False) -> bool:
     """Whether a varlen or kvcache call may run on the varlen kernel (core.Varlen) instead of one
     flash_attn_func call per run of equal lengths: the kernel is switched on (core.VARLEN_KERNEL), no
     gradient is wanted (the varlen kernels have no backward yet), fp16 / bf16 without descales, no
     attention_chunk, head dims within one call's, something to compute, and no CUDA-graph capture (the
-    host lists of lengths would be copied to the GPU). Whether a variant is built is the core's to say
-    (MissingVariantError, :func:`_varlen_kernel`)."""
+    host lists of lengths would be copied to the GPU) unless ``on_device`` (every length array is already
+    a GPU tensor). Whether a variant is built is the core's to say (MissingVariantError, :func:`_varlen_kernel`)."""
     return (_core.VARLEN_KERNEL and not attention_chunk and q.dtype in (torch.float16, torch.bfloat16)
             and _no_descales(descales) and max_seqlen_q > 0 and max_seqlen_k > 0
             and q.shape[-1] <= _v.MAX_HEAD_DIM and v.shape[-1] <= _v.MAX_HEAD_DIM
             and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)))
-            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+            and (on_device or not (q.is_cuda and torch.cuda.is_current_stream_capturing())))
 
 
 def _int32_like(t, like: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,10 @@ gathered into one contiguous copy per entry. Under torch.compile the read of the
 (``fullgraph=True`` refuses the call). With the varlen kernel switched on (``FLASHGEN_VARLEN_KERNEL=1``:
 flashgen.core.VARLEN_KERNEL, off until its GPU tests have passed), an unpaged cache without
 cache_leftpad or cache_batch_idx, fp16 / bf16, is one launch instead, which reads each entry's total
-length itself (``seqused_k``: interface._varlen_kernel). Paged caches, leftpad and batch_idx in the
-kernel are the next step (docs/STATUS.md).
+length itself (``seqused_k``: interface._varlen_kernel). Under CUDA-graph capture such a call (a padded
+q, new k / v of (batch, seqlen_new, ...)) reads no length on the host at all (:func:`_step_on_device`), so
+a decode step can be captured and replayed for new cache_seqlens. Paged caches, leftpad and batch_idx in
+the kernel are the next step (docs/STATUS.md).
 
 Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_flash_attn_kvcache):
 
@@ -159,6 +161,12 @@ def flash_attn_with_kvcache(
     if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"flashgen: k_cache and v_cache must be 4-D with the same first three dims, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (q.is_cuda and torch.cuda.is_current_stream_capturing() and cu_seqlens_q is None and page_table is None
+            and cache_leftpad is None and cache_batch_idx is None and cu_seqlens_k_new is None):
+        out, lse = _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
+                                   (q_descale, k_descale, v_descale), softmax_scale, causal, window_size,
+                                   attention_chunk, softcap, rotary_interleaved)
+        return (out, lse) if return_softmax_lse else out
     device = _device_of(q)[1]
     varlen_q = cu_seqlens_q is not None
     if q.dim() != (3 if varlen_q else 4):
@@ -330,6 +338,75 @@ def flash_attn_with_kvcache(
         out = torch.cat(out_parts, dim=0) if len(out_parts) > 1 else out_parts[0]
         lse = torch.cat(lse_parts, dim=0) if len(lse_parts) > 1 else lse_parts[0]
     return (out, lse) if return_softmax_lse else out
+
+
+def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,
+                    softmax_scale, causal: bool, window_size, attention_chunk: int, softcap: float,
+                    rotary_interleaved: bool) -> tuple:
+    """:func:`flash_attn_with_kvcache` without reading a length on the host, for CUDA-graph capture (where the
+    host path cannot read GPU tensors): a padded q ``(batch, seqlen_q, heads, d)``, an unpaged cache without
+    leftpad or batch_idx, new k / v ``(batch, seqlen_new, heads_k, d)`` or None; ``cache_seqlens`` /
+    ``rotary_seqlens`` int32 ``(batch,)`` tensors on q's device (or an int, or None: the cache full).
+
+    q's rotary and the append are tensor ops on the GPU (positions ``cache_seqlens[b] + i``); then one launch of
+    the varlen kernel with ``seqused_k = cache_seqlens + seqlen_new`` and the cache's capacity as max_seqlen_k.
+    Shapes are checked; the lengths' values cannot be (a position past the cache is torch's index error in the
+    append; one below 0 wraps around, as in any torch index). NotImplementedError where the varlen kernel does
+    not serve the call (switched off, FP8, attention_chunk, no variant built). Returns ``(out, lse)``."""
+    batch, sq = q.shape[0], q.shape[1]
+    capacity, n = k_cache.shape[1], (0 if k is None else k.shape[1])
+    if k_cache.shape[0] < batch:
+        raise ValueError(f"flashgen: k_cache has {k_cache.shape[0]} rows, fewer than q's batch {batch}")
+    if k is not None and (k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or k.shape[:3] != v.shape[:3]):
+        raise ValueError(f"flashgen: k and v must be (batch = {batch}, seqlen_new, heads_k, ...) with the same first "
+                         f"three dims, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k is not None and cache_seqlens is None:
+        raise ValueError("flashgen: cache_seqlens is needed to append k / v (where the new tokens go)")
+
+    def lengths(name, t, default):
+        if t is None:
+            return torch.full((batch,), default, dtype=torch.int32, device=q.device)
+        if _v._is_int(t):
+            return torch.full((batch,), int(t), dtype=torch.int32, device=q.device)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,) \
+                or t.device != q.device:
+            raise ValueError(f"flashgen: {name} must be an int32 ({batch},) tensor on q's device under CUDA-graph "
+                             f"capture, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        return t
+
+    lens = lengths("cache_seqlens", cache_seqlens, capacity)
+    _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
+               *(None if d is None else d[:1] for d in descales))
+    if not _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True):
+        raise NotImplementedError("flashgen: flash_attn_with_kvcache under CUDA-graph capture runs on the varlen "
+                                  "kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / bf16 without descales or "
+                                  "attention_chunk); otherwise it reads the lengths on the host, outside a capture")
+    if rotary_cos is not None:
+        rd = 2 * rotary_cos.shape[-1]
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or rd % 16 or rd > q.shape[-1]:
+            raise ValueError(f"flashgen: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) alike, rotary_dim "
+                             f"a multiple of 16 up to head_dim {q.shape[-1]}; got {tuple(rotary_cos.shape)} and "
+                             f"{tuple(rotary_sin.shape)}")
+        start = lengths("rotary_seqlens", rotary_seqlens, 0) if rotary_seqlens is not None else lens
+        start = start.long().to(rotary_cos.device)[:, None]
+        each = causal or any(x is not None and x >= 0 for x in window_size)
+        steps = torch.arange(sq, device=rotary_cos.device) if each else torch.zeros(sq, dtype=torch.long,
+                                                                                      device=rotary_cos.device)
+        q = apply_rotary(q, rotary_cos, rotary_sin, start + steps, rotary_interleaved)
+        if n:
+            k = apply_rotary(k, rotary_cos, rotary_sin, start + torch.arange(n, device=rotary_cos.device),
+                             rotary_interleaved)
+    if n:
+        pos = lens.long()[:, None] + torch.arange(n, device=k_cache.device)
+        rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n)
+        k_cache[rows, pos] = k.to(k_cache.dtype)
+        v_cache[rows, pos] = v.to(v_cache.dtype)
+    res = _varlen_kernel(q, k_cache[:batch], v_cache[:batch], (None, None, None, (lens + n).to(torch.int32)), batch,
+                         sq, capacity, softmax_scale, causal, window_size, softcap, None, fill=False)
+    if res is None:
+        raise NotImplementedError("flashgen: no varlen variant serves this flash_attn_with_kvcache call, which a "
+                                  "CUDA-graph capture needs (the composed path reads the lengths on the host)")
+    return res
 
 
 def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,

@@ -236,3 +236,54 @@ def test_kvcache_paged_leftpad_or_batch_idx_is_composed(kernel_on, kw):
     ref, ref_lse, _, _ = kvcache_reference(q, k, v, kc0, vc0, table, lens, leftpad, rows, True, (-1, -1), None, True)
     check(out, lse, ref, ref_lse)
     assert varlen_calls(kernel_on) == [] and len(kernel_on.calls) == 3
+
+
+# ------------------------------------------------------------------------- kvcache under CUDA-graph capture
+@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (7, 3))])
+def test_kvcache_step_on_device_reads_no_length_on_the_host(kernel_on, monkeypatch, rotary, causal, window):
+    """kvcache._step_on_device (flash_attn_with_kvcache under CUDA-graph capture): the lengths stay tensors (a
+    read of one on the host fails here), the append and q's rotary are tensor ops, then one varlen launch with
+    seqused_k = cache_seqlens + new and the cache's capacity as max_seqlen_k; the result is FA3's."""
+    from flashgen import kvcache
+
+    q, k, v, kc, vc, _ = make(batch=4, sq=3, cache_len=40, new=2, seed=11)
+    lens = [5, 0, 30, 17]
+    rope, kw = None, {}
+    if rotary:
+        angle = torch.rand(64, 16, generator=torch.Generator().manual_seed(3)) * 6.283
+        rope = (torch.cos(angle).half(), torch.sin(angle).half())
+        kw = dict(rotary_cos=rope[0], rotary_sin=rope[1])
+    kc0, vc0 = kc.clone(), vc.clone()
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a length read on the host"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a length read on the host"))
+    out, lse = kvcache._step_on_device(q, kc, vc, k, v, kw.get("rotary_cos"), kw.get("rotary_sin"), lens_t, None,
+                                       (None, None, None), None, causal, window, 0, 0.0, rotary == "interleaved")
+    monkeypatch.undo()
+    ref, ref_lse, kref, vref = kvcache_reference(q, k, v, kc0, vc0, None, lens, [0] * 4, list(range(4)), causal, window,
+                                                 rope, rotary == "interleaved")
+    check(out, lse, ref, ref_lse)
+    (call,) = kernel_on.calls
+    vl = call["varlen"]
+    assert (vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (4, 3, 40) and vl.seqused_k and not vl.cu_seqlens_k
+    got_k, got_v = logical_cache(kc, None, list(range(4)), 4), logical_cache(vc, None, list(range(4)), 4)
+    assert torch.equal(got_v, vref)
+    assert torch.allclose(got_k.float(), kref.float(), atol=1e-3) if rotary else torch.equal(got_k, kref)
+    assert torch.equal(kc[4:], kc0[4:])  # rows past the batch untouched
+
+
+def test_kvcache_step_on_device_needs_the_varlen_kernel(fake_gpu, monkeypatch):
+    from flashgen import kvcache
+
+    monkeypatch.setattr(core, "VARLEN_KERNEL", False)
+
+    q, k, v, kc, vc, _ = make(batch=2, sq=1, cache_len=16, new=1, seed=2)
+    kc0 = kc.clone()
+    with pytest.raises(NotImplementedError, match="varlen kernel"):
+        kvcache._step_on_device(q, kc, vc, k, v, None, None, torch.tensor([3, 4], dtype=torch.int32), None,
+                                (None, None, None), None, True, (-1, -1), 0, 0.0, True)
+    assert torch.equal(kc, kc0) and fake_gpu.calls == []  # refused before the append
+    with pytest.raises(ValueError, match="cache_seqlens must be an int32 \\(2,\\) tensor"):
+        kvcache._step_on_device(q, kc, vc, k, v, None, None, torch.tensor([3, 4]), None, (None, None, None), None,
+                                True, (-1, -1), 0, 0.0, True)

@@ -99,3 +99,56 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     got_k, got_v = logical_cache(kc, table, list(range(batch)), batch), logical_cache(vc, table, list(range(batch)), batch)
     assert torch.equal(got_v, vref)
     assert torch.allclose(got_k.float(), kref.float(), rtol=1e-3, atol=1e-3) if rotary else torch.equal(got_k, kref)
+
+
+@pytest.mark.parametrize("rotary", [None, "interleaved"])
+@pytest.mark.parametrize("mha_type", ["gqa", "mqa"])
+def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, monkeypatch):
+    """A decode step (one query, one new key per entry, causal) captured in a CUDA graph with the varlen kernel
+    switched on (kvcache._step_on_device: no length read on the host), then replayed for other cache_seqlens
+    written into the same tensor: each replay's out and caches against the reference of those lengths."""
+    d, batch, heads, cache = 128, 5, 8, 512
+    heads_k = {"gqa": 2, "mqa": 1}[mha_type]
+    key = {"dtype": "bf16", "head_dim": d, "head_dim_v": d, "causal": False, "local": False, "softcap": False,
+           "varlen": True}
+    why = variant_missing("fwd", key) or variant_missing("fwd", {**key, "pack_gqa": True})
+    if why:
+        pytest.skip(why)
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+    q, k, v = r(batch, 1, heads, d), r(batch, 1, heads_k, d), r(batch, 1, heads_k, d)
+    kc, vc = r(batch, cache, heads_k, d), r(batch, cache, heads_k, d)
+    kc0, vc0 = kc.clone(), vc.clone()
+    lens = torch.tensor([3, 100, 0, 511, 257], dtype=torch.int32, device="cuda")
+    rope = None
+    if rotary:
+        angle = torch.rand(cache, 32, generator=g, device="cuda") * 2 * math.pi
+        rope = (torch.cos(angle).to(torch.bfloat16), torch.sin(angle).to(torch.bfloat16))
+    kw = dict(rotary_cos=rope and rope[0], rotary_sin=rope and rope[1], cache_seqlens=lens, causal=True,
+              rotary_interleaved=True, return_softmax_lse=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (kernels loaded, prepared launches cached)
+        flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    for new_lens in ([3, 100, 0, 511, 257], [0, 1, 2, 300, 17]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+        graph.replay()
+        torch.cuda.synchronize()
+        args = (q, k, v, kc0, vc0, None, new_lens, [0] * batch, list(range(batch)), True, (-1, -1), rope, True)
+        ref, ref_lse, kref, vref = kvcache_reference(*args)
+        pt, _, _, _ = kvcache_reference(*args, upcast=False)
+        err, base = (out.float() - ref.float()).abs(), (pt.float() - ref.float()).abs()
+        assert err.max().item() <= 2 * base.max().item() + 1e-5, (new_lens, err.max().item(), base.max().item())
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        assert torch.allclose(lse[finite], ref_lse[finite].to(lse.device), atol=2e-3)
+        got_k = logical_cache(kc, None, list(range(batch)), batch)
+        assert torch.equal(logical_cache(vc, None, list(range(batch)), batch), vref)
+        assert torch.allclose(got_k.float(), kref.float(), rtol=1e-3, atol=1e-3) if rotary else torch.equal(got_k, kref)
