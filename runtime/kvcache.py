@@ -65,6 +65,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
+def _check_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    """ValueError unless rotary_cos / rotary_sin are ``(seqlen_ro, rotary_dim / 2)`` alike, rotary_dim a multiple of
+    16 up to ``head_dim``."""
+    rd = 2 * cos.shape[-1]
+    if cos.shape != sin.shape or cos.dim() != 2 or rd % 16 or rd > head_dim:
+        raise ValueError(f"flashgen: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) alike, rotary_dim a "
+                         f"multiple of 16 up to head_dim {head_dim}; got {tuple(cos.shape)} and {tuple(sin.shape)}")
+
+
 def _ints(name, t, batch: int, device, default=None) -> list:
     """A per-entry int argument as a host list of ``batch`` ints: None -> ``default``; an int -> that
     int for every entry; a 1-D int32 tensor (on q's GPU or the CPU) of ``batch`` entries."""
@@ -225,11 +234,7 @@ def flash_attn_with_kvcache(
                              f"({k_cache.shape[0]} rows)")
     rope = None
     if rotary_cos is not None:
-        rd = 2 * rotary_cos.shape[-1]
-        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or rd % 16 or rd > q.shape[-1]:
-            raise ValueError(f"flashgen: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) alike, "
-                             f"rotary_dim a multiple of 16 up to head_dim {q.shape[-1]}; got "
-                             f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
         starts = _ints("rotary_seqlens", rotary_seqlens, batch, device) or lens
         rope = (rotary_cos, rotary_sin, starts)
 
@@ -382,11 +387,7 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                                   "kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / bf16 without descales or "
                                   "attention_chunk); otherwise it reads the lengths on the host, outside a capture")
     if rotary_cos is not None:
-        rd = 2 * rotary_cos.shape[-1]
-        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 or rd % 16 or rd > q.shape[-1]:
-            raise ValueError(f"flashgen: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) alike, rotary_dim "
-                             f"a multiple of 16 up to head_dim {q.shape[-1]}; got {tuple(rotary_cos.shape)} and "
-                             f"{tuple(rotary_sin.shape)}")
+        _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
         start = lengths("rotary_seqlens", rotary_seqlens, 0) if rotary_seqlens is not None else lens
         start = start.long().to(rotary_cos.device)[:, None]
         each = causal or any(x is not None and x >= 0 for x in window_size)
