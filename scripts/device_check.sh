@@ -23,7 +23,7 @@
 #                                          (BUILD_ALL=0, any mode: the default build set only, without the tune
 #                                          candidates; over all 310 variants the suite ran past 450 s on an H200,
 #                                          session 2026-12-04, against 114-164 s in earlier sessions' calls)
-#   bash scripts/device_check.sh varlen    the varlen kernel's GPU tests (TESTS_K, default varlen_kernel), then
+#   bash scripts/device_check.sh varlen    the varlen kernel's GPU tests (TESTS_K, default "varlen_kernel or cuda_graph"), then
 #                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA)
 #   bash scripts/device_check.sh compare   this tree against .base/ in one session: the e4m3 forward (fp8_bench.py, 16k) and
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
@@ -329,7 +329,7 @@ tests)
   ;;
 varlen)
   # the varlen kernel (core.Varlen, off by default until this passes): its GPU tests, then varlen_bench.py twice
-  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short -k "${TESTS_K:-varlen_kernel}" tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|Error|assert|passed|failed" | tail -25
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short -k "${TESTS_K:-varlen_kernel or cuda_graph}" tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|Error|assert|passed|failed" | tail -25
   for r in 1 2; do echo "== varlen_bench run $r"; python3 scripts/varlen_bench.py 2>&1 | tee "$out/varlen_bench_$r.md" | tail -8; done
   ;;
 compare)
