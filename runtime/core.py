@@ -53,7 +53,8 @@ class Varlen(NamedTuple):
     ``cu_seqlens_q`` (batch + 1,) token offsets of the sequences packed along q's (and out's) first
     dim, q then ``(total_q, heads, head_dim)``; without it q is a padded batch ``(batch, seqlen, heads,
     head_dim)``; the same for ``cu_seqlens_k`` and k / v. ``seqused_q`` / ``seqused_k`` (batch,): the
-    rows used of each sequence (else the offsets' difference, else the padded length).
+    rows used of each sequence (else the offsets' difference, else max_seqlen_q / max_seqlen_k: a padded
+    side without seqused is used up to that length, which should then be its padded length).
     ``batch``: the number of sequences; ``max_seqlen_q`` / ``max_seqlen_k``: at least every
     sequence's length (the grid, and the unbounded sides of a window). Nothing here is checked
     against the arrays' contents: the caller validated them (flashgen._validate.varlen_problems)."""
