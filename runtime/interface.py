@@ -863,7 +863,7 @@ def _int32_like(t, like: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_seqlen_k: int, softmax_scale,
-                   causal: bool, window_size, softcap: float, sink, fill: bool):
+                   causal: bool, window_size, softcap: float, sink, fill: bool, problem: _v.Problem | None = None):
     """One launch of the varlen kernel (``core.attention_forward(varlen=...)``, FA3's varlen) for the
     arguments of :func:`flash_attn_varlen_func` or :func:`flash_attn_with_kvcache`, already checked
     against each other; ``(out, lse)``, or None where no varlen variant is built for the call's key
@@ -874,15 +874,19 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     ``(total_q, heads, head_dim_v)`` and lse ``(heads, total_q)``; without, q is ``(batch, seqlen_q, heads,
     head_dim)``, out alike and lse ``(batch, heads, seqlen_q)``; k and v the same with cu_seqlens_k.
     ``fill``: some out / lse rows belong to no sequence (or are past a seqused): they are set to 0 / -inf
-    first, as the kernel writes only the sequences' rows. Raises what :func:`_check_fwd` raises."""
+    first, as the kernel writes only the sequences' rows. ``problem``: what :func:`_check_fwd` returned for
+    these q, k, v, window and softcap where the caller has run it (kvcache), else they are checked here.
+    Raises what :func:`_check_fwd` raises."""
     packed_q, packed_k = seqlens[0] is not None, seqlens[1] is not None
-    # (for the checks of dtypes, heads, head dims, devices: a packed side as a batch of one, and then a padded
-    # side's first entry, so that the batches agree)
-    views = [t[None] if packed else t[:1] if packed_q or packed_k else t
-             for t, packed in ((q, packed_q), (k, packed_k), (v, packed_k))]
-    _v.raise_problems(_v.window_size_problems(window_size))
+    p = problem
+    if p is None:
+        # (for the checks of dtypes, heads, head dims, devices: a packed side as a batch of one, and then a
+        # padded side's first entry, so that the batches agree)
+        views = [t[None] if packed else t[:1] if packed_q or packed_k else t
+                 for t, packed in ((q, packed_q), (k, packed_k), (v, packed_k))]
+        _v.raise_problems(_v.window_size_problems(window_size))
+        p = _check_fwd(*views, *_v.window_pair(window_size), float(softcap), sink)
     window = _v.window_pair(window_size)
-    p = _check_fwd(*views, *window, float(softcap), sink)
     dev = p.device
     _check_device_capability(dev)
     es = _v.ELEMENT_SIZE[p.dtype]

@@ -65,6 +65,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
+def _check_new_kv(k, v, batch: int, cache_seqlens) -> None:
+    """ValueError unless new k / v (None, or padded ``(batch, seqlen_new, heads_k, ...)`` alike) come with the
+    cache_seqlens that place them."""
+    if k is None:
+        return
+    if k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"flashgen: k and v must be (batch = {batch}, seqlen_new, heads_k, ...) with the same first "
+                         f"three dims, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if cache_seqlens is None:
+        raise ValueError("flashgen: cache_seqlens is needed to append k / v (where the new tokens go)")
+
+
 def _check_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
     """ValueError unless rotary_cos / rotary_sin are ``(seqlen_ro, rotary_dim / 2)`` alike, rotary_dim a multiple of
     16 up to ``head_dim``."""
@@ -202,7 +214,9 @@ def flash_attn_with_kvcache(
     else:
         capacity = k_cache.shape[1]
     lens = _ints("cache_seqlens", cache_seqlens, batch, device, default=capacity)
-    if k is not None and cache_seqlens is None:
+    if cu_seqlens_k_new is None:
+        _check_new_kv(k, v, batch, cache_seqlens)
+    elif k is not None and cache_seqlens is None:
         raise ValueError("flashgen: cache_seqlens is needed to append k / v (where the new tokens go)")
     leftpad = _ints("cache_leftpad", cache_leftpad, batch, device, default=0)
     rows = _ints("cache_batch_idx", cache_batch_idx, batch, device) or list(range(batch))
@@ -215,9 +229,6 @@ def flash_attn_with_kvcache(
             _v.raise_problems(_v.offset_problems("cu_seqlens_k_new", cu_new, k.shape[0], "the new k and v"))
             new = [(cu_new[b], cu_new[b + 1]) for b in range(batch)]
         else:
-            if k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or k.shape[:3] != v.shape[:3]:
-                raise ValueError(f"flashgen: k and v must be (batch = {batch}, seqlen_new, heads_k, ...) with the "
-                                 f"same first three dims, got {tuple(k.shape)} and {tuple(v.shape)}")
             new = [(0, k.shape[1])] * batch
     else:
         new = [(0, 0)] * batch
@@ -249,8 +260,8 @@ def flash_attn_with_kvcache(
         first = slice(q_rows[0][0], q_rows[0][1]) if varlen_q else 0
         cache0 = k_cache[:1, :0] if not paged else k_cache[:0].flatten(0, 1)[None]
         vcache0 = v_cache[:1, :0] if not paged else v_cache[:0].flatten(0, 1)[None]
-        _check_fwd(q[first][None], cache0, vcache0, *_v.window_pair(window_size), float(softcap), None,
-                   *(None if d is None else d[:1] for d in (q_descale, k_descale, v_descale)))
+        problem = _check_fwd(q[first][None], cache0, vcache0, *_v.window_pair(window_size), float(softcap), None,
+                             *(None if d is None else d[:1] for d in (q_descale, k_descale, v_descale)))
 
     if k is not None and not paged and len(set(rows)) < batch:
         raise ValueError("flashgen: cache_batch_idx must name distinct cache rows when k / v are appended "
@@ -266,9 +277,10 @@ def flash_attn_with_kvcache(
         return (out, lse) if return_softmax_lse else out
     # 1. q rotated (each row at its position, or at the entry's start), in one op over all entries; q's rows
     # past the last entry (varlen) as they are
+    q_len = [r1 - r0 for r0, r1 in q_rows]
     if rope is not None:
-        start, n_q = rope[2], [r1 - r0 for r0, r1 in q_rows]
-        pos = ints_on([start[b] + (i if each else 0) for b in range(batch) for i in range(n_q[b])], rope[0].device)
+        start = rope[2]
+        pos = ints_on([start[b] + (i if each else 0) for b in range(batch) for i in range(q_len[b])], rope[0].device)
         end = q_rows[-1][1]
         if varlen_q:
             q = torch.cat([apply_rotary(q[:end], rope[0], rope[1], pos, rotary_interleaved), q[end:]])
@@ -296,14 +308,13 @@ def flash_attn_with_kvcache(
         v_cache[idx] = vv.to(v_cache.dtype)
     # 3. attention. With the varlen kernel (interface._varlen_kernel_serves), an unpaged cache without
     # leftpad or batch_idx is one launch: entry b reads cache row b up to its total length (seqused_k).
-    q_len = [r1 - r0 for r0, r1 in q_rows]
     if (not paged and not any(leftpad) and cache_batch_idx is None
             and _varlen_kernel_serves(q, k_cache, v_cache, None, (q_descale, k_descale, v_descale), attention_chunk,
                                       max(q_len), max(total))):
         res = _varlen_kernel(q, k_cache[:batch], v_cache[:batch],
                              (cu_seqlens_q if varlen_q else None, None, None, total), batch, max(q_len), max(total),
                              softmax_scale, causal, window_size, softcap, None,
-                             fill=varlen_q and q_rows[-1][1] < q.shape[0])
+                             fill=varlen_q and q_rows[-1][1] < q.shape[0], problem=problem)
         if res is not None:
             return res if return_softmax_lse else res[0]
     # Else runs of neighbouring entries with equal lengths and consecutive cache rows share one call
@@ -355,18 +366,14 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
 
     q's rotary and the append are tensor ops on the GPU (positions ``cache_seqlens[b] + i``); then one launch of
     the varlen kernel with ``seqused_k = cache_seqlens + seqlen_new`` and the cache's capacity as max_seqlen_k.
-    Shapes are checked; the lengths' values cannot be (a position past the cache is torch's index error in the
-    append; one below 0 wraps around, as in any torch index). NotImplementedError where the varlen kernel does
+    Shapes are checked on the host; the lengths' values on the GPU (``torch._assert_async``: a length below 0 or
+    past the cache is an error of the stream, not a write to other rows). NotImplementedError where the varlen kernel does
     not serve the call (switched off, FP8, attention_chunk, no variant built). Returns ``(out, lse)``."""
     batch, sq = q.shape[0], q.shape[1]
     capacity, n = k_cache.shape[1], (0 if k is None else k.shape[1])
     if k_cache.shape[0] < batch:
         raise ValueError(f"flashgen: k_cache has {k_cache.shape[0]} rows, fewer than q's batch {batch}")
-    if k is not None and (k.dim() != 4 or v.dim() != 4 or k.shape[0] != batch or k.shape[:3] != v.shape[:3]):
-        raise ValueError(f"flashgen: k and v must be (batch = {batch}, seqlen_new, heads_k, ...) with the same first "
-                         f"three dims, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k is not None and cache_seqlens is None:
-        raise ValueError("flashgen: cache_seqlens is needed to append k / v (where the new tokens go)")
+    _check_new_kv(k, v, batch, cache_seqlens)
 
     def lengths(name, t, default):
         if t is None:
@@ -380,8 +387,8 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         return t
 
     lens = lengths("cache_seqlens", cache_seqlens, capacity)
-    _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
-               *(None if d is None else d[:1] for d in descales))
+    problem = _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
+                         *(None if d is None else d[:1] for d in descales))
     if not _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True):
         raise NotImplementedError("flashgen: flash_attn_with_kvcache under CUDA-graph capture runs on the varlen "
                                   "kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / bf16 without descales or "
@@ -397,13 +404,17 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         if n:
             k = apply_rotary(k, rotary_cos, rotary_sin, start + torch.arange(n, device=rotary_cos.device),
                              rotary_interleaved)
+    # The lengths cannot be read here, so they are checked on the GPU: an error of the stream (a device-side
+    # assert), not a write to the wrong rows (a negative position would wrap around in the append).
+    torch._assert_async(((lens >= 0) & (lens + n <= capacity)).all(),
+                        f"flashgen: cache_seqlens + {n} new tokens must lie in [0, {capacity}] (the cache's positions)")
     if n:
         pos = lens.long()[:, None] + torch.arange(n, device=k_cache.device)
         rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n)
         k_cache[rows, pos] = k.to(k_cache.dtype)
         v_cache[rows, pos] = v.to(v_cache.dtype)
     res = _varlen_kernel(q, k_cache[:batch], v_cache[:batch], (None, None, None, (lens + n).to(torch.int32)), batch,
-                         sq, capacity, softmax_scale, causal, window_size, softcap, None, fill=False)
+                         sq, capacity, softmax_scale, causal, window_size, softcap, None, fill=False, problem=problem)
     if res is None:
         raise NotImplementedError("flashgen: no varlen variant serves this flash_attn_with_kvcache call, which a "
                                   "CUDA-graph capture needs (the composed path reads the lengths on the host)")

@@ -287,3 +287,17 @@ def test_kvcache_step_on_device_needs_the_varlen_kernel(fake_gpu, monkeypatch):
     with pytest.raises(ValueError, match="cache_seqlens must be an int32 \\(2,\\) tensor"):
         kvcache._step_on_device(q, kc, vc, k, v, None, None, torch.tensor([3, 4]), None, (None, None, None), None,
                                 True, (-1, -1), 0, 0.0, True)
+
+
+@pytest.mark.parametrize("lens", [[3, -1], [3, 16]])
+def test_kvcache_step_on_device_checks_the_lengths_on_the_device(kernel_on, lens):
+    """Lengths below 0 or past the cache (with the new token) are an error of the stream (torch._assert_async, raised at
+    once on the CPU), before anything is written: not a write to other rows of the cache."""
+    from flashgen import kvcache
+
+    q, k, v, kc, vc, _ = make(batch=2, sq=1, cache_len=16, new=1, seed=2)
+    kc0 = kc.clone()
+    with pytest.raises(RuntimeError, match="cache_seqlens \\+ 1 new tokens must lie in \\[0, 16\\]"):
+        kvcache._step_on_device(q, kc, vc, k, v, None, None, torch.tensor(lens, dtype=torch.int32), None,
+                                (None, None, None), None, True, (-1, -1), 0, 0.0, True)
+    assert torch.equal(kc, kc0) and kernel_on.calls == []
