@@ -656,7 +656,7 @@ def test_varlen_kernel_writes_only_the_sequences_rows():
     """core.attention_forward(varlen=...) on NaN-filled out and lse: the sequences' used rows come back
     right, every other row (past seqused, between and after the sequences) is still NaN: the kernel's
     bounded stores write nothing else. Three layouts: packed (cu_seqlens), padded with seqused_q / seqused_k
-    (kvcache's; unpacked by pack_gqa=False), and a padded decode-like q of a few rows, which the PackGQA rule
+    and NaN in every row past a sequence (kvcache's; unpacked by pack_gqa=False: out stays NaN-free), and a padded decode-like q of a few rows, which the PackGQA rule
     packs (group 2)."""
     c = Case(3, 0, 0, 4, 2, 128, BF16, causal=True)
     key = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
@@ -673,8 +673,9 @@ def test_varlen_kernel_writes_only_the_sequences_rows():
     def arg(t, dtype="bf16"):
         return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, dev)
 
-    # padded: (batch, 200, heads, d), each sequence's rows at row 0 of its entry
-    pad = lambda t, cu: torch.stack([torch.nn.functional.pad(t[a:b], (0, 0, 0, 0, 0, 200 - (b - a)))
+    # padded: (batch, 200, heads, d), each sequence's rows at row 0 of its entry, NaN after them (a cache's unused
+    # rows may hold any bits: the kernel zeroes V's rows past a sequence's keys, fwd.cu.j2 issue_pv)
+    pad = lambda t, cu: torch.stack([torch.nn.functional.pad(t[a:b], (0, 0, 0, 0, 0, 200 - (b - a)), value=float("nan"))
                                      for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])])
     layouts = {"packed": (q, k, v, (cu_q, cu_k, sq_used, None), used),
                "padded": (pad(q, cu_q), pad(k, cu_k), pad(v, cu_k), (None, None, sq_used, i32(lens)), used),

@@ -48,6 +48,27 @@ def test_kvcache_varlen_kernel(seqlen_q, seqlen_k, rotary, causal, local, mha_ty
     assert len(launches) == 1 and launches[0] is not None and launches[0].seqused_k
 
 
+def poison_unused(kc, vc, table, ends, starts=None) -> None:
+    """NaN at every cache position that entry b does not attend to: past ``ends[b]`` (its tokens after the
+    append) and before ``starts[b]`` (its left padding), in row b of kc / vc or in the pages ``table[b]``.
+    Attention over the used positions must not see them (P is 0 there, but 0 x NaN is NaN: FA3 lets them
+    through, flash-attention issues 1745 and 2374)."""
+    for b, end in enumerate(ends):
+        lo = 0 if starts is None else starts[b]
+        if table is None:
+            for c in (kc, vc):
+                c[b, end:] = float("nan")
+                c[b, :lo] = float("nan")
+            continue
+        ps = kc.shape[1]
+        for j, page in enumerate(table[b].tolist()):  # positions [j * ps, (j + 1) * ps)
+            used_to = min(max(end - j * ps, 0), ps)  # the page's rows below end: [0, used_to)
+            pad_to = min(max(lo - j * ps, 0), ps)    # its rows below the left padding's end: [0, pad_to)
+            for c in (kc, vc):
+                c[page, used_to:] = float("nan")
+                c[page, :pad_to] = float("nan")
+
+
 def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type, leftpad_on=True, varlen=False):
     """One call of FA3's kvcache test against the reference (the module docstring's rule); ``leftpad_on`` False:
     no left padding; ``varlen``: the key is the varlen kernels' (the skip names them)."""
@@ -77,6 +98,7 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     leftpad = torch.stack([torch.randint(0, max(int(n), 1), (1,), generator=g, device="cuda")[0] for n in lens]).int()
     if not leftpad_on:
         leftpad.zero_()
+    poison_unused(kc, vc, table, (lens + seqlen_new).tolist(), leftpad.tolist())
     window = tuple(torch.randint(0, seqlen_k, (2,), generator=g, device="cuda").tolist()) if local else (-1, -1)
     rope = None
     if rotary:
@@ -97,8 +119,18 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     assert err.mean().item() <= 1.5 * base.mean().item(), f"mean error {err.mean().item():.3e} vs {base.mean().item():.3e}"
     assert lse.shape == (batch, heads, seqlen_q) and not torch.isnan(out).any()
     got_k, got_v = logical_cache(kc, table, list(range(batch)), batch), logical_cache(vc, table, list(range(batch)), batch)
-    assert torch.equal(got_v, vref)
-    assert torch.allclose(got_k.float(), kref.float(), rtol=1e-3, atol=1e-3) if rotary else torch.equal(got_k, kref)
+    assert_same_cache(got_k, got_v, kref, vref, rotary)
+
+
+def assert_same_cache(got_k, got_v, kref, vref, rotary) -> None:
+    """The caches after the call against the reference's: V's bits, K's bits (allclose 1e-3 where rotary rounded
+    the new keys), NaN where the reference has NaN (poison_unused's positions, untouched)."""
+    assert torch.equal(got_v.isnan(), vref.isnan()) and torch.equal(got_v.nan_to_num(), vref.nan_to_num())
+    assert torch.equal(got_k.isnan(), kref.isnan())
+    if rotary:
+        assert torch.allclose(got_k.float(), kref.float(), rtol=1e-3, atol=1e-3, equal_nan=True)
+    else:
+        assert torch.equal(got_k.nan_to_num(), kref.nan_to_num())
 
 
 @pytest.mark.parametrize("rotary", [None, "interleaved"])
@@ -137,11 +169,13 @@ def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, monkeypatch):
         out, lse = flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
     for new_lens in ([3, 100, 0, 511, 257], [0, 1, 2, 300, 17]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        kc.copy_(kc0)
-        vc.copy_(vc0)
+        kp, vp = kc0.clone(), vc0.clone()  # NaN past each entry's tokens after the append
+        poison_unused(kp, vp, None, [n + 1 for n in new_lens])
+        kc.copy_(kp)
+        vc.copy_(vp)
         graph.replay()
         torch.cuda.synchronize()
-        args = (q, k, v, kc0, vc0, None, new_lens, [0] * batch, list(range(batch)), True, (-1, -1), rope, True)
+        args = (q, k, v, kp, vp, None, new_lens, [0] * batch, list(range(batch)), True, (-1, -1), rope, True)
         ref, ref_lse, kref, vref = kvcache_reference(*args)
         pt, _, _, _ = kvcache_reference(*args, upcast=False)
         err, base = (out.float() - ref.float()).abs(), (pt.float() - ref.float()).abs()
@@ -149,6 +183,6 @@ def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, monkeypatch):
         finite = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), finite)
         assert torch.allclose(lse[finite], ref_lse[finite].to(lse.device), atol=2e-3)
-        got_k = logical_cache(kc, None, list(range(batch)), batch)
-        assert torch.equal(logical_cache(vc, None, list(range(batch)), batch), vref)
-        assert torch.allclose(got_k.float(), kref.float(), rtol=1e-3, atol=1e-3) if rotary else torch.equal(got_k, kref)
+        assert not out.isnan().any()
+        assert_same_cache(logical_cache(kc, None, list(range(batch)), batch),
+                          logical_cache(vc, None, list(range(batch)), batch), kref, vref, rotary)

@@ -91,6 +91,19 @@ struct SmemTileSW {
                           kDescMode);
   }
 
+  // Rows [row, Rows) of every chunk set to 0 by threads t of n, 16 bytes a store. Under each swizzle a
+  // row's RowBytes-byte line holds that row alone, so the rows are contiguous lines whatever the phase.
+  // The caller orders the stores before the async proxy's reads (fence_proxy_async_smem, then a barrier of
+  // the readers).
+  __device__ __forceinline__ void zero_rows_from(int row, int t, int n) const {
+    const int units = (Rows - row) * kRowBytes / 16;  // 16-byte units of one chunk's rows from `row` on
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch)
+#pragma unroll 1
+      for (int u = t; u < units; u += n)  // (a loop: once per tile, off the main loop's path)
+        *reinterpret_cast<uint4*>(ptr() + ch * kChunkBytes + row * kRowBytes + u * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
+
   // TMA: load rows [row, row + Rows) and columns [col0, col0 + Cols) of a 4-D (dim, seq, head, batch)
   // tensor map whose box is one chunk, completing on `bar`. One thread.
   __device__ __forceinline__ void tma_load(const CUtensorMap* map, int row, int head, int batch, uint64_t* bar,
