@@ -342,6 +342,20 @@ def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, wi
                         group) is not None
 
 
+def varlen_variant_built(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window_size, max_seqlen_q: int,
+                         max_seqlen_k: int, softcap: float) -> bool:
+    """Whether a varlen forward call with this metadata (``attention_forward(varlen=...)``) has a built variant,
+    so that it raises no MissingVariantError: a caller that must not fall back to the composed path (a CUDA-graph
+    capture) asks before it writes anything. dtype: the core's name (fp16, bf16). Reads the manifest."""
+    mask = mask_spec(causal, window_size, max_seqlen_q, max_seqlen_k)
+    try:
+        select_variant("fwd", {"dtype": dtype, "head_dim": head_dim, "head_dim_v": head_dim_v, "causal": mask.causal,
+                               "local": mask.local, "softcap": softcap > 0, "varlen": True}, round_up=_ROUND_UP)
+    except MissingVariantError:
+        return False
+    return True
+
+
 def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
                  group: int, varlen: bool = False) -> _Plan | None:
     """The PackGQA plan of a call key (``varlen``: of the varlen variants) when a PackGQA variant is built
@@ -447,8 +461,8 @@ def _batch_of_one(name: str, t: TensorArg) -> TensorArg:
 
 def _varlen_operands(q, k, v, out, varlen: Varlen, descales: tuple, pack_gqa) -> tuple:
     """q, k, v, out of a varlen call as 4-D TensorArgs (a packed side as a batch of one); ValueError for what the
-    varlen kernels do not serve (FP8 descales, PackGQA asked for with a packed q) or a padded side not of
-    ``varlen.batch``."""
+    varlen kernels do not serve (FP8 descales, PackGQA asked for with a packed q), a padded side not of
+    ``varlen.batch`` or with fewer rows than its max_seqlen."""
     if any(t is not None for t in descales) or q.dtype == "fp8_e4m3":
         raise ValueError("flashgen: the varlen forward serves fp16 / bf16 without descales")
     if pack_gqa and varlen.cu_seqlens_q:
@@ -458,10 +472,15 @@ def _varlen_operands(q, k, v, out, varlen: Varlen, descales: tuple, pack_gqa) ->
         q, out = _batch_of_one("q", q), _batch_of_one("out", out)
     if varlen.cu_seqlens_k:
         k, v = _batch_of_one("k", k), _batch_of_one("v", v)
-    for name, t, packed in (("q", q, varlen.cu_seqlens_q), ("k", k, varlen.cu_seqlens_k)):
+    for name, t, packed, most in (("q", q, varlen.cu_seqlens_q, varlen.max_seqlen_q),
+                                  ("k", k, varlen.cu_seqlens_k, varlen.max_seqlen_k)):
         if len(t.shape) != 4 or (not packed and t.shape[0] != varlen.batch):
             raise ValueError(f"flashgen: {name} must be (batch = {varlen.batch}, seqlen, heads, dim) without its "
                              f"cu_seqlens, got shape {t.shape}")
+        # a padded side's rows: the kernel reads (and, for q, writes out's) rows below max_seqlen
+        if not packed and most > t.shape[1]:
+            raise ValueError(f"flashgen: max_seqlen_{name} = {most} is past {name}'s {t.shape[1]} rows (padded, "
+                             f"(batch, seqlen, heads, dim))")
     return q, k, v, out
 
 

@@ -13,7 +13,9 @@ flashgen.core.VARLEN_KERNEL, off until its GPU tests have passed), an unpaged ca
 cache_leftpad or cache_batch_idx, fp16 / bf16, is one launch instead, which reads each entry's total
 length itself (``seqused_k``: interface._varlen_kernel). Under CUDA-graph capture such a call (a padded
 q, new k / v of (batch, seqlen_new, ...)) reads no length on the host at all (:func:`_step_on_device`), so
-a decode step can be captured and replayed for new cache_seqlens. Paged caches, leftpad and batch_idx in
+a decode step can be captured and replayed for new cache_seqlens; with cache_seqlens an int or None (one
+length for all entries) it is one flash_attn_func call on the cache's first rows, with or without the varlen
+kernel. Paged caches, leftpad and batch_idx in
 the kernel are the next step (docs/STATUS.md).
 
 Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_flash_attn_kvcache):
@@ -40,6 +42,7 @@ from typing import Optional
 import torch
 
 from . import _validate as _v
+from . import core as _core
 from .interface import (_attend, _check_fwd, _device_of, _host_ints, _out_dtype, _varlen_kernel,
                         _varlen_kernel_serves)
 
@@ -186,7 +189,7 @@ def flash_attn_with_kvcache(
             and cache_leftpad is None and cache_batch_idx is None and cu_seqlens_k_new is None):
         out, lse = _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
                                    (q_descale, k_descale, v_descale), softmax_scale, causal, window_size,
-                                   attention_chunk, softcap, rotary_interleaved)
+                                   attention_chunk, softcap, rotary_interleaved, pack_gqa)
         return (out, lse) if return_softmax_lse else out
     device = _device_of(q)[1]
     varlen_q = cu_seqlens_q is not None
@@ -358,17 +361,21 @@ def flash_attn_with_kvcache(
 
 def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,
                     softmax_scale, causal: bool, window_size, attention_chunk: int, softcap: float,
-                    rotary_interleaved: bool) -> tuple:
+                    rotary_interleaved: bool, pack_gqa=None) -> tuple:
     """:func:`flash_attn_with_kvcache` without reading a length on the host, for CUDA-graph capture (where the
     host path cannot read GPU tensors): a padded q ``(batch, seqlen_q, heads, d)``, an unpaged cache without
-    leftpad or batch_idx, new k / v ``(batch, seqlen_new, heads_k, d)`` or None; ``cache_seqlens`` /
-    ``rotary_seqlens`` int32 ``(batch,)`` tensors on q's device (or an int, or None: the cache full).
+    leftpad or batch_idx, new k / v ``(batch, seqlen_new, heads_k, d)`` or None; ``cache_seqlens`` an int or None
+    (every entry at that length, or the cache full) or an int32 ``(batch,)`` tensor on q's device, and
+    ``rotary_seqlens`` likewise.
 
-    q's rotary and the append are tensor ops on the GPU (positions ``cache_seqlens[b] + i``); then one launch of
-    the varlen kernel with ``seqused_k = cache_seqlens + seqlen_new`` and the cache's capacity as max_seqlen_k.
-    Shapes are checked on the host; the lengths' values on the GPU (``torch._assert_async``: a length below 0 or
-    past the cache is an error of the stream, not a write to other rows). NotImplementedError where the varlen kernel does
-    not serve the call (switched off, FP8, attention_chunk, no variant built). Returns ``(out, lse)``."""
+    q's rotary and the append are tensor ops on the GPU (positions ``cache_seqlens[b] + i``). Then, with one
+    length for every entry, one :func:`flashgen.flash_attn_func` call on the cache's first rows (any dtype and
+    variant that call serves); with a tensor of lengths, one launch of the varlen kernel with ``seqused_k =
+    cache_seqlens + seqlen_new`` and the cache's capacity as max_seqlen_k. Shapes and host-known lengths are
+    checked on the host, a tensor's lengths on the GPU (``torch._assert_async``: a length below 0 or past the
+    cache is an error of the stream, not a write to other rows). NotImplementedError, before anything is
+    written, for a tensor of lengths that the varlen kernel does not serve (switched off, FP8, attention_chunk,
+    no variant built). Returns ``(out, lse)``."""
     batch, sq = q.shape[0], q.shape[1]
     capacity, n = k_cache.shape[1], (0 if k is None else k.shape[1])
     if k_cache.shape[0] < batch:
@@ -386,13 +393,23 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                              f"capture, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
         return t
 
+    uniform = cache_seqlens is None or _v._is_int(cache_seqlens)  # one length, known on the host
+    if uniform:
+        length = capacity if cache_seqlens is None else int(cache_seqlens)
+        if not 0 <= length <= capacity - n:
+            raise ValueError(f"flashgen: cache_seqlens {length} + {n} new tokens must fit the cache's {capacity} "
+                             "positions")
     lens = lengths("cache_seqlens", cache_seqlens, capacity)
     problem = _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
                          *(None if d is None else d[:1] for d in descales))
-    if not _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True):
-        raise NotImplementedError("flashgen: flash_attn_with_kvcache under CUDA-graph capture runs on the varlen "
-                                  "kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / bf16 without descales or "
-                                  "attention_chunk); otherwise it reads the lengths on the host, outside a capture")
+    if not uniform and not (
+            _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True)
+            and _core.varlen_variant_built(problem.dtype, q.shape[-1], v_cache.shape[-1], causal, window_size, sq,
+                                           capacity, float(softcap))):
+        raise NotImplementedError("flashgen: flash_attn_with_kvcache under CUDA-graph capture with a tensor of "
+                                  "cache_seqlens runs on the varlen kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / "
+                                  "bf16 without descales, attention_chunk or softcap, a varlen variant built); "
+                                  "otherwise it reads the lengths on the host, outside a capture")
     if rotary_cos is not None:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
         start = lengths("rotary_seqlens", rotary_seqlens, 0) if rotary_seqlens is not None else lens
@@ -404,6 +421,12 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         if n:
             k = apply_rotary(k, rotary_cos, rotary_sin, start + torch.arange(n, device=rotary_cos.device),
                              rotary_interleaved)
+    if uniform:  # the append a slice, the attention one call on the cache's first length + n rows
+        if n:
+            k_cache[:batch, length:length + n] = k.to(k_cache.dtype)
+            v_cache[:batch, length:length + n] = v.to(v_cache.dtype)
+        return _attend(q, k_cache[:batch, :length + n], v_cache[:batch, :length + n], softmax_scale, causal,
+                       window_size, softcap, None, descales, pack_gqa, False, True, attention_chunk)
     # The lengths cannot be read here, so they are checked on the GPU: an error of the stream (a device-side
     # assert), not a write to the wrong rows (a negative position would wrap around in the append).
     torch._assert_async(((lens >= 0) & (lens + n <= capacity)).all(),
@@ -415,7 +438,7 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         v_cache[rows, pos] = v.to(v_cache.dtype)
     res = _varlen_kernel(q, k_cache[:batch], v_cache[:batch], (None, None, None, (lens + n).to(torch.int32)), batch,
                          sq, capacity, softmax_scale, causal, window_size, softcap, None, fill=False, problem=problem)
-    if res is None:
+    if res is None:  # (varlen_variant_built said yes: a manifest changed between the two reads)
         raise NotImplementedError("flashgen: no varlen variant serves this flash_attn_with_kvcache call, which a "
                                   "CUDA-graph capture needs (the composed path reads the lengths on the host)")
     return res

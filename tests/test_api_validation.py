@@ -109,7 +109,7 @@ class FakeCore:
         self.served.append((dtype, heads, heads_k, softcap))
         return heads > heads_k and dtype != "fp8_e4m3" and not softcap > 0
 
-    def select_variant(self, family, key, manifest=None):
+    def select_variant(self, family, key, manifest=None, round_up=()):
         self.selected.append((family, dict(key)))
         return Variant(name=f"fake_{key['dtype']}_{key['head_dim']}", family=family, params={"dtype": key["dtype"]},
                        dispatch=dict(key), kernels=())

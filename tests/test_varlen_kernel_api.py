@@ -289,6 +289,76 @@ def test_kvcache_step_on_device_needs_the_varlen_kernel(fake_gpu, monkeypatch):
                                 True, (-1, -1), 0, 0.0, True)
 
 
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("length", [None, 0, 21])
+@pytest.mark.parametrize("rotary", [None, "interleaved"])
+def test_kvcache_step_on_device_with_one_length_is_a_flash_attn_func_call(fake_gpu, monkeypatch, kernel, length,
+                                                                           rotary):
+    """Under capture, cache_seqlens as an int or None (one length for every entry, known on the host): the append is a
+    slice and the attention one flash_attn_func call on the cache's first rows, with or without the varlen kernel
+    (so a capture that worked before the varlen kernel still does); no length read from a tensor."""
+    from flashgen import kvcache
+
+    monkeypatch.setattr(core, "VARLEN_KERNEL", kernel)
+    new = 0 if length is None else 2  # (the cache full: nothing to append)
+    q, k, v, kc, vc, _ = make(batch=3, sq=2, cache_len=40, new=new, seed=5)
+    rope = None
+    if rotary:
+        angle = torch.rand(64, 16, generator=torch.Generator().manual_seed(3)) * 6.283
+        rope = (torch.cos(angle).half(), torch.sin(angle).half())
+    kc0, vc0 = kc.clone(), vc.clone()
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a length read on the host"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a length read on the host"))
+    out, lse = kvcache._step_on_device(q, kc, vc, k, v, rope and rope[0], rope and rope[1], length, None,
+                                       (None, None, None), None, True, (-1, -1), 0, 0.0, True)
+    monkeypatch.undo()
+    lens = [40 if length is None else length] * 3
+    ref, ref_lse, kref, vref = kvcache_reference(q, k, v, kc0, vc0, None, lens, [0] * 3, list(range(3)), True, (-1, -1),
+                                                 rope, True)
+    check(out, lse, ref, ref_lse)
+    assert varlen_calls(fake_gpu) == [] and len(fake_gpu.calls) == 1
+    got_k, got_v = logical_cache(kc, None, list(range(3)), 3), logical_cache(vc, None, list(range(3)), 3)
+    assert torch.equal(got_v, vref)
+    assert torch.allclose(got_k.float(), kref.float(), atol=1e-3) if rotary else torch.equal(got_k, kref)
+    assert torch.equal(kc[3:], kc0[3:])
+    with pytest.raises(ValueError, match="cache_seqlens 39 \\+ 2 new tokens must fit"):
+        kvcache._step_on_device(q, kc, vc, *make(batch=3, sq=2, new=2)[1:3], None, None, 39, None, (None, None, None),
+                                None, True, (-1, -1), 0, 0.0, True)
+
+
+def test_kvcache_step_on_device_refuses_before_the_append_without_a_variant(kernel_on, monkeypatch):
+    """A tensor of lengths whose call no varlen variant serves (softcap: none is built) is refused before the cache is
+    written: a capture cannot fall back to the composed path."""
+    from flashgen import kvcache
+
+    real = core.select_variant
+
+    def no_softcap(family, key, *a, **kw):
+        if key.get("varlen") and key.get("softcap"):
+            raise core.MissingVariantError("no varlen softcap variant")
+        return real(family, key, *a, **kw)
+
+    monkeypatch.setattr(core, "select_variant", no_softcap)
+    q, k, v, kc, vc, _ = make(batch=2, sq=1, cache_len=16, new=1, seed=2)
+    kc0 = kc.clone()
+    with pytest.raises(NotImplementedError, match="varlen variant built"):
+        kvcache._step_on_device(q, kc, vc, k, v, None, None, torch.tensor([3, 4], dtype=torch.int32), None,
+                                (None, None, None), None, True, (-1, -1), 0, 5.0, True)
+    assert torch.equal(kc, kc0) and kernel_on.calls == []
+
+
+def test_varlen_forward_refuses_a_padded_side_shorter_than_its_max_seqlen(kernel_on):
+    """core.attention_forward(varlen=...) with a padded q (or k) of fewer rows than max_seqlen_q (max_seqlen_k): the
+    kernel would read and write rows past each entry's: ValueError naming it (the real core, not the emulator)."""
+    q, _, _, kc, vc, _ = make(batch=2, sq=8, cache_len=16, new=0, seed=2)
+    arg = lambda t: core.TensorArg(0x10000, tuple(t.shape), tuple(t.stride()), "fp16", 0)
+    operands = (arg(q), arg(kc[:2]), arg(vc[:2]), arg(q))
+    core._varlen_operands(*operands, core.Varlen(0, 0, 0, 0, 2, 8, 16), (None, None, None), None)  # (fits)
+    for max_q, max_k, name in ((9, 16, "max_seqlen_q = 9 is past q's 8 rows"), (8, 17, "max_seqlen_k = 17")):
+        with pytest.raises(ValueError, match=name):
+            core._varlen_operands(*operands, core.Varlen(0, 0, 0, 0, 2, max_q, max_k), (None, None, None), None)
+
+
 @pytest.mark.parametrize("lens", [[3, -1], [3, 16]])
 def test_kvcache_step_on_device_checks_the_lengths_on_the_device(kernel_on, lens):
     """Lengths below 0 or past the cache (with the new token) are an error of the stream (torch._assert_async, raised at
