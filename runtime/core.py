@@ -56,8 +56,18 @@ class Varlen(NamedTuple):
     rows used of each sequence (else the offsets' difference, else max_seqlen_q / max_seqlen_k: a padded
     side without seqused is used up to that length, which should then be its padded length).
     ``batch``: the number of sequences; ``max_seqlen_q`` / ``max_seqlen_k``: at least every
-    sequence's length (the grid, and the unbounded sides of a window). Nothing here is checked
-    against the arrays' contents: the caller validated them (flashgen._validate.varlen_problems)."""
+    sequence's length (the grid, and the unbounded sides of a window).
+
+    A padded k / v may be a KV cache (flash_attn_with_kvcache's arguments; int32 arrays, 0 where absent):
+    ``kv_batch_idx`` (batch,): the cache row of each sequence (cache_batch_idx; k / v then have any number of
+    rows); ``leftpad_k`` (batch,): its first key (cache_leftpad: sequence b has ``seqused_k[b] - leftpad_k[b]``
+    keys); ``page_table`` (batch, ``page_table_stride``): its pages, k / v being ``(num_pages, page_size,
+    heads_k, dim)``, a sequence's key j in row ``j % page_size`` of page ``page_table[b, j // page_size]``. With a
+    page table: page_size a multiple of 8, and neither kv_batch_idx nor leftpad_k (a TMA box of gcd(page_size,
+    block_n) rows must not cross a page).
+
+    Nothing here is checked against the arrays' contents: the caller validated them
+    (flashgen._validate.varlen_problems, kvcache's checks)."""
 
     cu_seqlens_q: int
     cu_seqlens_k: int
@@ -66,15 +76,22 @@ class Varlen(NamedTuple):
     batch: int
     max_seqlen_q: int
     max_seqlen_k: int
+    kv_batch_idx: int = 0
+    leftpad_k: int = 0
+    page_table: int = 0
+    page_table_stride: int = 0
+    page_size: int = 0
 
     def meta(self) -> tuple:
         """What a prepared launch depends on: which arrays are given, and the sizes."""
         return (bool(self.cu_seqlens_q), bool(self.cu_seqlens_k), bool(self.seqused_q), bool(self.seqused_k),
-                self.batch, self.max_seqlen_q, self.max_seqlen_k)
+                self.batch, self.max_seqlen_q, self.max_seqlen_k, bool(self.kv_batch_idx), bool(self.leftpad_k),
+                bool(self.page_table), self.page_table_stride, self.page_size)
 
     def addresses(self) -> tuple:
         """The per-call params fields (``_VARLEN_PER_CALL``' order)."""
-        return (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k)
+        return (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k, self.kv_batch_idx,
+                self.leftpad_k, self.page_table)
 
 
 # The varlen kernels in the calls of flash_attn_varlen_func and flash_attn_with_kvcache: off until they
@@ -409,7 +426,8 @@ class PreparedForward(NamedTuple):
 _FWD_PER_CALL = ("lse", "o", "sink", "q_descale", "k_descale", "v_descale", "scale_log2", "softmax_scale",
                  "softcap_scale")
 #: A varlen launch's per-call fields after _FWD_PER_CALL (:meth:`Varlen.addresses`).
-_VARLEN_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+_VARLEN_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "kv_batch_idx", "leftpad_k",
+                    "page_table")
 _prepared_forwards: dict = {}  # metadata key (_fwd_key) -> PreparedForward (immutable: shared by concurrent calls)
 _PREPARED_CACHE_MAX = 1024  # bounded: cleared when full (dropping entries is safe)
 
@@ -472,13 +490,22 @@ def _varlen_operands(q, k, v, out, varlen: Varlen, descales: tuple, pack_gqa) ->
         q, out = _batch_of_one("q", q), _batch_of_one("out", out)
     if varlen.cu_seqlens_k:
         k, v = _batch_of_one("k", k), _batch_of_one("v", v)
+    cache = varlen.kv_batch_idx or varlen.leftpad_k or varlen.page_table
+    if cache and varlen.cu_seqlens_k:
+        raise ValueError("flashgen: kv_batch_idx, leftpad_k and page_table are a padded k's (no cu_seqlens_k)")
+    if varlen.page_table and (varlen.kv_batch_idx or varlen.leftpad_k or varlen.page_size % 8
+                              or varlen.page_size != k.shape[1] or varlen.page_table_stride < 1):
+        raise ValueError(f"flashgen: a page table needs k / v of (num_pages, page_size, heads_k, dim) with page_size "
+                         f"(k's dim 1: {k.shape[1]}) = {varlen.page_size} a multiple of 8, page_table_stride >= 1, "
+                         "and neither kv_batch_idx nor leftpad_k")
     for name, t, packed, most in (("q", q, varlen.cu_seqlens_q, varlen.max_seqlen_q),
                                   ("k", k, varlen.cu_seqlens_k, varlen.max_seqlen_k)):
-        if len(t.shape) != 4 or (not packed and t.shape[0] != varlen.batch):
+        rows = name == "k" and (varlen.kv_batch_idx or varlen.page_table)  # k's batch dim: cache rows or pages
+        if len(t.shape) != 4 or (not packed and not rows and t.shape[0] != varlen.batch):
             raise ValueError(f"flashgen: {name} must be (batch = {varlen.batch}, seqlen, heads, dim) without its "
                              f"cu_seqlens, got shape {t.shape}")
         # a padded side's rows: the kernel reads (and, for q, writes out's) rows below max_seqlen
-        if not packed and most > t.shape[1]:
+        if not packed and most > t.shape[1] and not (name == "k" and varlen.page_table):
             raise ValueError(f"flashgen: max_seqlen_{name} = {most} is past {name}'s {t.shape[1]} rows (padded, "
                              f"(batch, seqlen, heads, dim))")
     return q, k, v, out
@@ -538,13 +565,18 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               "v_stride_head": v.strides[2], "vt": 0, "vt_seqlen": vt_seqlen(sk),
               **_descale_params("q", q_descale, h, hk, True),
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False),
-              **dict.fromkeys(_VARLEN_PER_CALL, 0), "lse_stride_batch": 0, "lse_stride_head": 0}
+              **dict.fromkeys(_VARLEN_PER_CALL, 0), "lse_stride_batch": 0, "lse_stride_head": 0,
+              "page_table_stride": 0, "page_size": 0, "page_box": 0}
     per_call = _FWD_PER_CALL
     if varlen is not None:  # out's batch stride 0 when packed (its rows at the sequences' offsets); lse likewise
         packed_q = bool(varlen.cu_seqlens_q)
         params.update(o_stride_batch=0 if packed_q else out.strides[0],
                       lse_stride_batch=0 if packed_q else h * q_rows, lse_stride_head=q_rows)
         per_call = _FWD_PER_CALL + _VARLEN_PER_CALL
+    kv_box = bn  # K / V rows per TMA box: the block, or (paged) the part of it in one page
+    if varlen is not None and varlen.page_table:
+        kv_box = math.gcd(varlen.page_size, bn)
+        params.update(page_table_stride=varlen.page_table_stride, page_size=varlen.page_size, page_box=kv_box)
     geometry = launch.map_geometry
     vp = plan.variant.params  # the tiles' shared-memory rows (64 or 128 bytes), which the maps' boxes match
     qk_rows = operand_row_bytes(vp["head_dim"], vp["dtype"])
@@ -563,8 +595,8 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
         vt_launch = launch.prepare_launch(plan.vt, grid_vt,
                                           {**params, **dict.fromkeys(_FWD_PER_CALL, 0)}, ("v", "vt"))
     else:
-        v_map = _bshd_map_spec(v, bn, v_rows)
-    maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, bn, qk_rows)), geometry(*v_map),
+        v_map = _bshd_map_spec(v, kv_box, v_rows)
+    maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, kv_box, qk_rows)), geometry(*v_map),
             geometry(*_bshd_map_spec(out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     # Causal persistent variants claim tiles from a zeroed int32 of each launch's own, when there are

@@ -863,7 +863,8 @@ def _int32_like(t, like: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_seqlen_k: int, softmax_scale,
-                   causal: bool, window_size, softcap: float, sink, fill: bool, problem: _v.Problem | None = None):
+                   causal: bool, window_size, softcap: float, sink, fill: bool, problem: _v.Problem | None = None,
+                   cache: tuple = (None, None, None)):
     """One launch of the varlen kernel (``core.attention_forward(varlen=...)``, FA3's varlen) for the
     arguments of :func:`flash_attn_varlen_func` or :func:`flash_attn_with_kvcache`, already checked
     against each other; ``(out, lse)``, or None where no varlen variant is built for the call's key
@@ -876,6 +877,10 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     ``fill``: some out / lse rows belong to no sequence (or are past a seqused): they are set to 0 / -inf
     first, as the kernel writes only the sequences' rows. ``problem``: what :func:`_check_fwd` returned for
     these q, k, v, window and softcap where the caller has run it (kvcache), else they are checked here.
+    ``cache``: a padded k / v as a KV cache (kvcache's checked arguments, each None or int32 as ``seqlens``):
+    (cache_batch_idx (batch,), cache_leftpad (batch,), page_table (batch, pages)); with a page table k / v
+    are ``(num_pages, page_size, heads_k, dim)`` (core.Varlen: page_size a multiple of 8, no batch_idx or
+    leftpad with it).
     Raises what :func:`_check_fwd` raises."""
     packed_q, packed_k = seqlens[0] is not None, seqlens[1] is not None
     p = problem
@@ -898,7 +903,9 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     out = q.new_zeros(out_shape) if fill else q.new_empty(out_shape)
     lse = (q.new_full(lse_shape, -math.inf, dtype=torch.float32) if fill
            else q.new_empty(lse_shape, dtype=torch.float32))
-    arrays = [None if t is None else _int32_like(t, q) for t in seqlens]  # referenced until the launch is enqueued
+    arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued
+    table = arrays[-1]
+    paging = (0, 0) if table is None else (table.shape[1], k.shape[1])  # (page_table_stride, page_size)
     sink_t = None if sink is None else sink.contiguous()
     scale = p.head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     try:
@@ -907,8 +914,9 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
             _core.TensorArg(lse.data_ptr(), lse_shape, tuple(lse.stride()), "fp32", dev), scale, bool(causal),
             _current_stream(dev), window_size=window, softcap=float(softcap),
             sink=0 if sink_t is None else sink_t.data_ptr(),
-            varlen=_core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays), batch, int(max_seqlen_q),
-                                int(max_seqlen_k)))
+            varlen=_core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays[:4]), batch, int(max_seqlen_q),
+                                int(max_seqlen_k), *(0 if a is None else a.data_ptr() for a in arrays[4:]),
+                                *paging))
     except _core.MissingVariantError:
         return None
     del qc, kc, vc, arrays, sink_t  # released only after the launch is enqueued (stream-ordered)

@@ -185,11 +185,12 @@ def flash_attn_with_kvcache(
     if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"flashgen: k_cache and v_cache must be 4-D with the same first three dims, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if (q.is_cuda and torch.cuda.is_current_stream_capturing() and cu_seqlens_q is None and page_table is None
-            and cache_leftpad is None and cache_batch_idx is None and cu_seqlens_k_new is None):
+    if (q.is_cuda and torch.cuda.is_current_stream_capturing() and cu_seqlens_q is None
+            and cu_seqlens_k_new is None):
         out, lse = _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
                                    (q_descale, k_descale, v_descale), softmax_scale, causal, window_size,
-                                   attention_chunk, softcap, rotary_interleaved, pack_gqa)
+                                   attention_chunk, softcap, rotary_interleaved, pack_gqa, cache_batch_idx,
+                                   cache_leftpad, page_table)
         return (out, lse) if return_softmax_lse else out
     device = _device_of(q)[1]
     varlen_q = cu_seqlens_q is not None
@@ -309,15 +310,19 @@ def flash_attn_with_kvcache(
             idx = (ints_on([rows[b] for b in ent], k_cache.device), ints_on(at, k_cache.device))
         k_cache[idx] = kk.to(k_cache.dtype)
         v_cache[idx] = vv.to(v_cache.dtype)
-    # 3. attention. With the varlen kernel (interface._varlen_kernel_serves), an unpaged cache without
-    # leftpad or batch_idx is one launch: entry b reads cache row b up to its total length (seqused_k).
-    if (not paged and not any(leftpad) and cache_batch_idx is None
+    # 3. attention. With the varlen kernel (interface._varlen_kernel_serves) it is one launch: entry b reads its
+    # cache row (cache_batch_idx's, or b) or its pages from its left padding up to its total length (seqused_k).
+    # The kernel's page boxes need pages of a multiple of 8 rows and no left padding (core.Varlen).
+    max_k = max(t - p for t, p in zip(total, leftpad))
+    if ((not paged or (k_cache.shape[1] % 8 == 0 and not any(leftpad)))
             and _varlen_kernel_serves(q, k_cache, v_cache, None, (q_descale, k_descale, v_descale), attention_chunk,
-                                      max(q_len), max(total))):
-        res = _varlen_kernel(q, k_cache[:batch], v_cache[:batch],
-                             (cu_seqlens_q if varlen_q else None, None, None, total), batch, max(q_len), max(total),
-                             softmax_scale, causal, window_size, softcap, None,
-                             fill=varlen_q and q_rows[-1][1] < q.shape[0], problem=problem)
+                                      max(q_len), max_k)):
+        whole = paged or cache_batch_idx is not None  # k / v's batch dim: pages or cache rows, not the entries
+        res = _varlen_kernel(q, k_cache if whole else k_cache[:batch], v_cache if whole else v_cache[:batch],
+                             (cu_seqlens_q if varlen_q else None, None, None, total), batch, max(q_len), max_k,
+                             softmax_scale, causal, window_size, softcap, None, fill=varlen_q and q_rows[-1][1] < q.shape[0], problem=problem,
+                             cache=(None if cache_batch_idx is None else rows, leftpad if any(leftpad) else None,
+                                    page_table if paged else None))
         if res is not None:
             return res if return_softmax_lse else res[0]
     # Else runs of neighbouring entries with equal lengths and consecutive cache rows share one call
@@ -361,25 +366,40 @@ def flash_attn_with_kvcache(
 
 def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,
                     softmax_scale, causal: bool, window_size, attention_chunk: int, softcap: float,
-                    rotary_interleaved: bool, pack_gqa=None) -> tuple:
+                    rotary_interleaved: bool, pack_gqa=None, cache_batch_idx=None, cache_leftpad=None,
+                    page_table=None) -> tuple:
     """:func:`flash_attn_with_kvcache` without reading a length on the host, for CUDA-graph capture (where the
-    host path cannot read GPU tensors): a padded q ``(batch, seqlen_q, heads, d)``, an unpaged cache without
-    leftpad or batch_idx, new k / v ``(batch, seqlen_new, heads_k, d)`` or None; ``cache_seqlens`` an int or None
-    (every entry at that length, or the cache full) or an int32 ``(batch,)`` tensor on q's device, and
-    ``rotary_seqlens`` likewise.
+    host path cannot read GPU tensors): a padded q ``(batch, seqlen_q, heads, d)``, new k / v ``(batch, seqlen_new,
+    heads_k, d)`` or None; ``cache_seqlens`` an int or None (every entry at that length, or the cache full) or an
+    int32 ``(batch,)`` tensor on q's device, and ``rotary_seqlens``, ``cache_batch_idx``, ``cache_leftpad`` likewise
+    (tensors); ``page_table`` None or int32 ``(batch, pages)`` on q's device.
 
-    q's rotary and the append are tensor ops on the GPU (positions ``cache_seqlens[b] + i``). Then, with one
-    length for every entry, one :func:`flashgen.flash_attn_func` call on the cache's first rows (any dtype and
-    variant that call serves); with a tensor of lengths, one launch of the varlen kernel with ``seqused_k =
-    cache_seqlens + seqlen_new`` and the cache's capacity as max_seqlen_k. Shapes and host-known lengths are
-    checked on the host, a tensor's lengths on the GPU (``torch._assert_async``: a length below 0 or past the
-    cache is an error of the stream, not a write to other rows). NotImplementedError, before anything is
-    written, for a tensor of lengths that the varlen kernel does not serve (switched off, FP8, attention_chunk,
-    no variant built). Returns ``(out, lse)``."""
+    q's rotary and the append are tensor ops on the GPU (positions ``cache_seqlens[b] + i``, in entry b's cache
+    row or pages). Then, with one length for every entry and a plain cache (no batch_idx, leftpad or page
+    table), one :func:`flashgen.flash_attn_func` call on the cache's first rows (any dtype and variant that call
+    serves); otherwise one launch of the varlen kernel with ``seqused_k = cache_seqlens + seqlen_new``, the
+    cache's capacity as max_seqlen_k and the cache arguments as they are. Shapes and host-known lengths are
+    checked on the host, tensors' values on the GPU (``torch._assert_async``: lengths, cache rows, left padding
+    and the used pages' numbers out of range, or a cache row named twice by an append, are an error of the
+    stream, not a write to other rows). NotImplementedError, before anything is written, where the varlen
+    kernel is needed and does not serve the call (switched off, FP8, attention_chunk, softcap, no variant built,
+    pages of a size not a multiple of 8 or with cache_leftpad). Returns ``(out, lse)``."""
     batch, sq = q.shape[0], q.shape[1]
-    capacity, n = k_cache.shape[1], (0 if k is None else k.shape[1])
-    if k_cache.shape[0] < batch:
-        raise ValueError(f"flashgen: k_cache has {k_cache.shape[0]} rows, fewer than q's batch {batch}")
+    n = 0 if k is None else k.shape[1]
+    paged = page_table is not None
+    if paged:
+        if (not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != batch
+                or page_table.dtype != torch.int32 or page_table.device != q.device):
+            raise ValueError(f"flashgen: page_table must be an int32 (batch, pages) = ({batch}, pages) tensor on q's "
+                             "device")
+        if cache_batch_idx is not None:
+            raise ValueError("flashgen: cache_batch_idx with page_table: the page table already names each "
+                             "entry's pages")
+        capacity = page_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] < batch:
+            raise ValueError(f"flashgen: k_cache has {k_cache.shape[0]} rows, fewer than q's batch {batch}")
     _check_new_kv(k, v, batch, cache_seqlens)
 
     def lengths(name, t, default):
@@ -393,23 +413,29 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                              f"capture, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
         return t
 
-    uniform = cache_seqlens is None or _v._is_int(cache_seqlens)  # one length, known on the host
+    plain = cache_batch_idx is None and cache_leftpad is None and not paged
+    uniform = plain and (cache_seqlens is None or _v._is_int(cache_seqlens))  # one length, known on the host
     if uniform:
         length = capacity if cache_seqlens is None else int(cache_seqlens)
         if not 0 <= length <= capacity - n:
             raise ValueError(f"flashgen: cache_seqlens {length} + {n} new tokens must fit the cache's {capacity} "
                              "positions")
     lens = lengths("cache_seqlens", cache_seqlens, capacity)
+    rows = None if cache_batch_idx is None else lengths("cache_batch_idx", cache_batch_idx, 0)
+    pads = None if cache_leftpad is None else lengths("cache_leftpad", cache_leftpad, 0)
     problem = _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
                          *(None if d is None else d[:1] for d in descales))
     if not uniform and not (
-            _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True)
+            (not paged or (k_cache.shape[1] % 8 == 0 and pads is None))
+            and _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True)
             and _core.varlen_variant_built(problem.dtype, q.shape[-1], v_cache.shape[-1], causal, window_size, sq,
                                            capacity, float(softcap))):
         raise NotImplementedError("flashgen: flash_attn_with_kvcache under CUDA-graph capture with a tensor of "
-                                  "cache_seqlens runs on the varlen kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / "
-                                  "bf16 without descales, attention_chunk or softcap, a varlen variant built); "
-                                  "otherwise it reads the lengths on the host, outside a capture")
+                                  "cache_seqlens, cache_batch_idx, cache_leftpad or a page table runs on the varlen "
+                                  "kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / bf16 without descales, "
+                                  "attention_chunk or softcap, a varlen variant built; pages of a multiple of 8 rows, "
+                                  "without cache_leftpad); otherwise it reads the lengths on the host, outside a "
+                                  "capture")
     if rotary_cos is not None:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
         start = lengths("rotary_seqlens", rotary_seqlens, 0) if rotary_seqlens is not None else lens
@@ -427,17 +453,40 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             v_cache[:batch, length:length + n] = v.to(v_cache.dtype)
         return _attend(q, k_cache[:batch, :length + n], v_cache[:batch, :length + n], softmax_scale, causal,
                        window_size, softcap, None, descales, pack_gqa, False, True, attention_chunk)
-    # The lengths cannot be read here, so they are checked on the GPU: an error of the stream (a device-side
+    # The values cannot be read here, so they are checked on the GPU: an error of the stream (a device-side
     # assert), not a write to the wrong rows (a negative position would wrap around in the append).
-    torch._assert_async(((lens >= 0) & (lens + n <= capacity)).all(),
+    total = lens + n
+    torch._assert_async(((lens >= 0) & (total <= capacity)).all(),
                         f"flashgen: cache_seqlens + {n} new tokens must lie in [0, {capacity}] (the cache's positions)")
+    if rows is not None:
+        ok = ((rows >= 0) & (rows < k_cache.shape[0])).all()
+        if n:  # an append names each cache row once
+            ordered = rows.sort().values
+            ok = ok & (ordered[1:] != ordered[:-1]).all()
+        torch._assert_async(ok, f"flashgen: cache_batch_idx must name distinct rows of k_cache's {k_cache.shape[0]}")
+    if pads is not None:
+        torch._assert_async(((pads >= 0) & (pads <= total)).all(),
+                            "flashgen: cache_leftpad must lie between 0 and each entry's tokens")
+    if paged:  # the pages an entry uses (up to its last token's) name blocks of the caches
+        used = torch.arange(page_table.shape[1], device=q.device)[None] * k_cache.shape[1] < total[:, None]
+        named = torch.where(used, page_table, 0)
+        torch._assert_async(((named >= 0) & (named < k_cache.shape[0])).all(),
+                            f"flashgen: page_table's used entries must name blocks of k_cache's {k_cache.shape[0]}")
     if n:
         pos = lens.long()[:, None] + torch.arange(n, device=k_cache.device)
-        rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n)
-        k_cache[rows, pos] = k.to(k_cache.dtype)
-        v_cache[rows, pos] = v.to(v_cache.dtype)
-    res = _varlen_kernel(q, k_cache[:batch], v_cache[:batch], (None, None, None, (lens + n).to(torch.int32)), batch,
-                         sq, capacity, softmax_scale, causal, window_size, softcap, None, fill=False, problem=problem)
+        if paged:
+            ps = k_cache.shape[1]
+            entry = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n)
+            idx = (page_table.long()[entry, pos // ps], pos % ps)
+        else:
+            entry = torch.arange(batch, device=k_cache.device) if rows is None else rows.long()
+            idx = (entry[:, None].expand(batch, n), pos)
+        k_cache[idx] = k.to(k_cache.dtype)
+        v_cache[idx] = v.to(v_cache.dtype)
+    whole = paged or rows is not None  # k / v's batch dim: pages or cache rows, not the entries
+    res = _varlen_kernel(q, k_cache if whole else k_cache[:batch], v_cache if whole else v_cache[:batch],
+                         (None, None, None, total.to(torch.int32)), batch, sq, capacity, softmax_scale, causal,
+                         window_size, softcap, None, fill=False, problem=problem, cache=(rows, pads, page_table))
     if res is None:  # (varlen_variant_built said yes: a manifest changed between the two reads)
         raise NotImplementedError("flashgen: no varlen variant serves this flash_attn_with_kvcache call, which a "
                                   "CUDA-graph capture needs (the composed path reads the lengths on the host)")

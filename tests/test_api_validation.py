@@ -161,6 +161,7 @@ class FakeCore:
                     "local": m.local, "softcap": softcap > 0, "pack_gqa": pack, "varlen": True})
         assert (len(q.shape) == 3) == bool(varlen.cu_seqlens_q) and (len(k.shape) == 3) == bool(varlen.cu_seqlens_k)
         assert len(out.shape) == len(q.shape) and lse is not None and V.is_c_contiguous(lse.shape, lse.strides)
+        core._varlen_operands(q, k, v, out, varlen, (None, None, None), pack_gqa)  # the real core's checks
         self.calls.append(dict(q=q, k=k, v=v, out=out, lse=lse, scale=scale, causal=causal, variant=variant,
                                window_size=window_size, softcap=softcap, sink=sink, varlen=varlen))
 
@@ -170,6 +171,8 @@ class FakeCore:
         n = varlen.batch
         cu_q, cu_k = ints(varlen.cu_seqlens_q, n + 1), ints(varlen.cu_seqlens_k, n + 1)
         used_q, used_k = ints(varlen.seqused_q, n), ints(varlen.seqused_k, n)
+        rows, pads = ints(varlen.kv_batch_idx, n), ints(varlen.leftpad_k, n)  # a KV cache's
+        table = ints(varlen.page_table, n * varlen.page_table_stride)
         qv, kv, vv, ov, lv = _view(q), _view(k), _view(v), _view(out), _view(lse)
         heads = q.shape[-2]
         sink_t = None if sink == 0 else _view(core.TensorArg(sink, (heads,), (1,), "fp32", q.device)).clone()
@@ -177,9 +180,18 @@ class FakeCore:
             oq, ok = (cu_q[b] if cu_q else 0), (cu_k[b] if cu_k else 0)
             lq = used_q[b] if used_q else cu_q[b + 1] - cu_q[b] if cu_q else q.shape[1]
             lk = used_k[b] if used_k else cu_k[b + 1] - cu_k[b] if cu_k else k.shape[1]
-            assert lq <= varlen.max_seqlen_q and lk <= varlen.max_seqlen_k  # the kernel's grid and window bounds
+            pad = pads[b] if pads else 0  # (seqused_k counts the left padding's rows too)
+            assert lq <= varlen.max_seqlen_q and lk - pad <= varlen.max_seqlen_k  # the grid and window bounds
             qb = qv[oq:oq + lq] if cu_q else qv[b, :lq]
-            kb, vb = (kv[ok:ok + lk], vv[ok:ok + lk]) if cu_k else (kv[b, :lk], vv[b, :lk])
+            if table:  # entry b's pages, in order, as one padded row
+                stride = varlen.page_table_stride
+                pages = torch.tensor(table[b * stride:(b + 1) * stride][:-(-lk // varlen.page_size)])
+                kb, vb = kv[pages].flatten(0, 1)[:lk], vv[pages].flatten(0, 1)[:lk]
+            elif cu_k:
+                kb, vb = kv[ok:ok + lk], vv[ok:ok + lk]
+            else:
+                r = rows[b] if rows else b
+                kb, vb = kv[r, pad:lk], vv[r, pad:lk]
             o, l = reference(qb[None], kb[None], vb[None], scale, causal, window_size, softcap, sink_t)
             if cu_q:
                 ov[oq:oq + lq] = o[0]

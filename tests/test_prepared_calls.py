@@ -526,7 +526,8 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
             **core._descale_params("v", descales[2], h, hk, False),
             "cu_seqlens_q": 0, "cu_seqlens_k": 0, "seqused_q": 0, "seqused_k": 0, "lse_stride_batch": 0,
-            "lse_stride_head": 0}
+            "lse_stride_head": 0, "kv_batch_idx": 0, "leftpad_k": 0, "page_table": 0, "page_table_stride": 0,
+            "page_size": 0, "page_box": 0}
 
 
 def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap=0.0, sink=0, stream=7,

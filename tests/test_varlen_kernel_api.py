@@ -221,21 +221,44 @@ def test_kvcache_varlen_q_rows_past_the_last_entry(fake_gpu, monkeypatch, kernel
     assert len(varlen_calls(fake_gpu)) == (1 if kernel else 0)
 
 
-@pytest.mark.parametrize("kw", [dict(page=4), dict(leftpad=True), dict(rows=True)])
-def test_kvcache_paged_leftpad_or_batch_idx_is_composed(kernel_on, kw):
+@pytest.mark.parametrize("kw,kernel", [
+    (dict(page=8), True), (dict(page=16), True), (dict(leftpad=True), True), (dict(rows=True), True),
+    (dict(leftpad=True, rows=True), True),
+    (dict(page=4), False),  # pages of fewer than 8 rows: no TMA box of whole pages
+    (dict(page=8, leftpad=True), False),  # a box would cross a page
+])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (5, 2))])
+def test_kvcache_paged_leftpad_batch_idx(kernel_on, kw, kernel, causal, window):
+    """A paged cache (pages of a multiple of 8 rows), cache_leftpad and cache_batch_idx run on the varlen kernel,
+    one launch whose Varlen carries them (k / v whole: pages or cache rows); pages of 4 rows, or pages with left
+    padding, are composed. FA3's result and caches either way."""
     q, k, v, kc, vc, table = make(batch=3, sq=2, cache_len=24, new=1, page=kw.get("page"), seed=6)
     lens = [3, 10, 20]
     leftpad = [1, 0, 4] if kw.get("leftpad") else [0, 0, 0]
     rows = [4, 0, 2] if kw.get("rows") else [0, 1, 2]
     kc0, vc0 = kc.clone(), vc.clone()
-    args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), page_table=table, causal=True,
-                return_softmax_lse=True, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32))
+    args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), page_table=table, causal=causal,
+                window_size=window, return_softmax_lse=True, cache_leftpad=torch.tensor(leftpad, dtype=torch.int32))
     if kw.get("rows"):
         args["cache_batch_idx"] = torch.tensor(rows, dtype=torch.int32)
     out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, **args)
-    ref, ref_lse, _, _ = kvcache_reference(q, k, v, kc0, vc0, table, lens, leftpad, rows, True, (-1, -1), None, True)
+    ref, ref_lse, kref, vref = kvcache_reference(q, k, v, kc0, vc0, table, lens, leftpad, rows, causal, window, None,
+                                                 True)
     check(out, lse, ref, ref_lse)
-    assert varlen_calls(kernel_on) == [] and len(kernel_on.calls) == 3
+    assert torch.equal(logical_cache(kc, table, rows, 3), kref) and torch.equal(logical_cache(vc, table, rows, 3), vref)
+    calls = varlen_calls(kernel_on)
+    if not kernel:
+        assert calls == [] and len(kernel_on.calls) == 3
+        return
+    (call,) = kernel_on.calls
+    vl = call["varlen"]
+    assert bool(vl.page_table) == ("page" in kw) and bool(vl.leftpad_k) == bool(kw.get("leftpad"))
+    assert bool(vl.kv_batch_idx) == bool(kw.get("rows")) and vl.seqused_k and not vl.cu_seqlens_k
+    whole = "page" in kw or kw.get("rows")  # the whole cache (its pages or rows), else its entries' rows
+    assert call["k"].shape[0] == (kc.shape[0] if whole else 3)
+    if "page" in kw:
+        assert (vl.page_size, vl.page_table_stride) == (kw["page"], table.shape[1])
+    assert vl.max_seqlen_k == max(n + 1 - p for n, p in zip(lens, leftpad))
 
 
 # ------------------------------------------------------------------------- kvcache under CUDA-graph capture
@@ -271,6 +294,63 @@ def test_kvcache_step_on_device_reads_no_length_on_the_host(kernel_on, monkeypat
     assert torch.equal(got_v, vref)
     assert torch.allclose(got_k.float(), kref.float(), atol=1e-3) if rotary else torch.equal(got_k, kref)
     assert torch.equal(kc[4:], kc0[4:])  # rows past the batch untouched
+
+
+@pytest.mark.parametrize("cache", ["page8", "rows", "leftpad", "rows+leftpad"])
+def test_kvcache_step_on_device_with_a_cache_layout(kernel_on, monkeypatch, cache):
+    """Under capture, a paged cache, cache_batch_idx and cache_leftpad (tensors on q's device) are one varlen launch
+    with no length read on the host: the append goes to each entry's row or pages, the result is FA3's."""
+    from flashgen import kvcache
+
+    page = 8 if cache == "page8" else None
+    q, k, v, kc, vc, table = make(batch=3, sq=2, cache_len=40, new=2, page=page, seed=13)
+    lens = [5, 0, 30]
+    rows = [4, 0, 2] if "rows" in cache else [0, 1, 2]
+    leftpad = [2, 0, 29] if "leftpad" in cache else [0, 0, 0]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    kc0, vc0 = kc.clone(), vc.clone()
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a length read on the host"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a length read on the host"))
+    out, lse = kvcache._step_on_device(q, kc, vc, k, v, None, None, i32(lens), None, (None, None, None), None, True,
+                                       (-1, -1), 0, 0.0, True, None, i32(rows) if "rows" in cache else None,
+                                       i32(leftpad) if "leftpad" in cache else None, table)
+    monkeypatch.undo()
+    ref, ref_lse, kref, vref = kvcache_reference(q, k, v, kc0, vc0, table, lens, leftpad, rows, True, (-1, -1))
+    check(out, lse, ref, ref_lse)
+    assert torch.equal(logical_cache(kc, table, rows, 3), kref) and torch.equal(logical_cache(vc, table, rows, 3), vref)
+    (call,) = kernel_on.calls
+    assert bool(call["varlen"].page_table) == (page is not None) and call["varlen"].max_seqlen_k == 40
+
+
+def test_kvcache_step_on_device_refuses_what_the_kernel_does_not_serve_and_checks_on_the_device(kernel_on):
+    """Pages of 4 rows are refused before the append (NotImplementedError); a cache row named twice by an append and
+    a used page out of range are errors of the stream (torch._assert_async, at once on the CPU), before any write."""
+    from flashgen import kvcache
+
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    q, k, v, kc, vc, table = make(batch=2, sq=1, cache_len=16, new=1, page=4, seed=2)
+    kc0 = kc.clone()
+    with pytest.raises(NotImplementedError, match="pages of a multiple of 8 rows"):
+        kvcache._step_on_device(q, kc, vc, k, v, None, None, i32([3, 4]), None, (None, None, None), None, True,
+                                (-1, -1), 0, 0.0, True, None, None, None, table)
+    assert torch.equal(kc, kc0) and kernel_on.calls == []
+    q, k, v, kc, vc, _ = make(batch=2, sq=1, cache_len=16, new=1, seed=2)
+    kc0 = kc.clone()
+    with pytest.raises(RuntimeError, match="cache_batch_idx must name distinct rows"):
+        kvcache._step_on_device(q, kc, vc, k, v, None, None, i32([3, 4]), None, (None, None, None), None, True,
+                                (-1, -1), 0, 0.0, True, None, i32([1, 1]))
+    q, k, v, kc, vc, table = make(batch=2, sq=1, cache_len=16, new=1, page=8, seed=2)
+    kc0 = kc.clone()
+    bad = table.clone()
+    bad[1, 0] = kc.shape[0]  # entry 1's first page, which its 5 tokens use
+    with pytest.raises(RuntimeError, match="page_table's used entries"):
+        kvcache._step_on_device(q, kc, vc, k, v, None, None, i32([3, 4]), None, (None, None, None), None, True,
+                                (-1, -1), 0, 0.0, True, None, None, None, bad)
+    bad = table.clone()
+    bad[1, 1] = -7  # a page past entry 1's tokens: never read, not checked
+    kvcache._step_on_device(q, kc, vc, k, v, None, None, i32([3, 4]), None, (None, None, None), None, True,
+                            (-1, -1), 0, 0.0, True, None, None, None, bad)
+    assert len(kernel_on.calls) == 1
 
 
 def test_kvcache_step_on_device_needs_the_varlen_kernel(fake_gpu, monkeypatch):

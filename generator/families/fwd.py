@@ -160,6 +160,14 @@ PARAMS = params_struct(
     # varlen variants: lse of (batch b, head h, row i of its sequence) at b * stride_batch + h * stride_head +
     # offset_q + i (FA3's varlen lse is (heads, total_q): stride_batch 0, stride_head total_q)
     ("lse_stride_batch", "i64"), ("lse_stride_head", "i64"),
+    # varlen variants over a K / V cache (flash_attn_with_kvcache; null / 0: unused). kv_batch_idx int32 (batch,):
+    # sequence b's batch entry of a padded K / V (cache_batch_idx). leftpad_k int32 (batch,): its first key
+    # (cache_leftpad; seqused_k counts from row 0, so it has seqused_k - leftpad_k keys). page_table int32
+    # (batch, page_table_stride): its pages, entries of K / V's batch dim of page_size rows each, whose maps then
+    # have boxes of page_box = gcd(page_size, block_n) rows (a box never crosses a page).
+    ("kv_batch_idx", "ptr", "const int*"), ("leftpad_k", "ptr", "const int*"),
+    ("page_table", "ptr", "const int*"), ("page_table_stride", "i32"),
+    ("page_size", "i32"), ("page_box", "i32"),
 )
 
 VT_KEY_ALIGN = 16  # V^T rows: whole 16-key groups (P's k order permutes within 16; TMA strides: 16 bytes)

@@ -37,28 +37,54 @@ def test_kvcache_append_and_attend(seqlen_q, seqlen_k, page_size, rotary, causal
 @pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("mha_type", ["mha", "gqa", "mqa"])
 def test_kvcache_varlen_kernel(seqlen_q, seqlen_k, rotary, causal, local, mha_type, monkeypatch):
-    """The same with the varlen kernel switched on (flashgen.core.VARLEN_KERNEL): an unpaged cache without
-    leftpad is one launch whose seqused_k is each entry's length after the append."""
+    """The same with the varlen kernel switched on (flashgen.core.VARLEN_KERNEL): an unpaged cache with left
+    padding is one launch whose seqused_k is each entry's length after the append and whose leftpad_k is
+    cache_leftpad."""
+    launches = count_launches(monkeypatch)
+    check_kvcache(seqlen_q, seqlen_k, None, rotary, causal, local, mha_type, varlen=True)
+    assert len(launches) == 1 and launches[0] is not None and launches[0].seqused_k and launches[0].leftpad_k
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (1, 512), (3, 1024), (64, 768), (128, 128), (256, 512)])
+@pytest.mark.parametrize("layout", ["batch_idx", "page16", "page128"])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+def test_kvcache_varlen_kernel_cache_layouts(seqlen_q, seqlen_k, layout, causal, local, monkeypatch):
+    """The varlen kernel over cache_batch_idx's rows (a cache of more rows than entries) and over paged caches
+    (pages of 16 and 128 rows, read box by box: fwd.cu.j2 load_kv), GQA: one launch each."""
+    launches = count_launches(monkeypatch)
+    page = {"page16": 16, "page128": 128}.get(layout)
+    check_kvcache(seqlen_q, seqlen_k, page, "interleaved", causal, local, "gqa", leftpad_on=page is None,
+                  varlen=True, batch_idx=layout == "batch_idx")
+    assert len(launches) == 1 and launches[0] is not None
+    assert bool(launches[0].page_table) == (page is not None) and bool(launches[0].kv_batch_idx) == (page is None)
+
+
+def count_launches(monkeypatch) -> list:
+    """The varlen kernel switched on; the Varlen of each core.attention_forward call (None: not varlen) collected."""
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
     launches = []
     real = flashgen.core.attention_forward
     monkeypatch.setattr(flashgen.core, "attention_forward", lambda *a, **kw: launches.append(kw.get("varlen")) or
                         real(*a, **kw))
-    check_kvcache(seqlen_q, seqlen_k, None, rotary, causal, local, mha_type, leftpad_on=False, varlen=True)
-    assert len(launches) == 1 and launches[0] is not None and launches[0].seqused_k
+    return launches
 
 
-def poison_unused(kc, vc, table, ends, starts=None) -> None:
+def poison_unused(kc, vc, table, ends, starts=None, rows=None) -> None:
     """NaN at every cache position that entry b does not attend to: past ``ends[b]`` (its tokens after the
-    append) and before ``starts[b]`` (its left padding), in row b of kc / vc or in the pages ``table[b]``.
-    Attention over the used positions must not see them (P is 0 there, but 0 x NaN is NaN: FA3 lets them
-    through, flash-attention issues 1745 and 2374)."""
+    append) and before ``starts[b]`` (its left padding), in row ``rows[b]`` (default b) of kc / vc or in the
+    pages ``table[b]``; every row of an unpaged cache that no entry names is NaN throughout. Attention over the
+    used positions must not see them (P is 0 there, but 0 x NaN is NaN: FA3 lets them through, flash-attention
+    issues 1745 and 2374)."""
+    rows = list(range(len(ends))) if rows is None else rows
+    if table is None:
+        for r in set(range(kc.shape[0])) - set(rows):
+            kc[r], vc[r] = float("nan"), float("nan")
     for b, end in enumerate(ends):
         lo = 0 if starts is None else starts[b]
         if table is None:
             for c in (kc, vc):
-                c[b, end:] = float("nan")
-                c[b, :lo] = float("nan")
+                c[rows[b], end:] = float("nan")
+                c[rows[b], :lo] = float("nan")
             continue
         ps = kc.shape[1]
         for j, page in enumerate(table[b].tolist()):  # positions [j * ps, (j + 1) * ps)
@@ -69,9 +95,11 @@ def poison_unused(kc, vc, table, ends, starts=None) -> None:
                 c[page, :pad_to] = float("nan")
 
 
-def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type, leftpad_on=True, varlen=False):
+def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type, leftpad_on=True, varlen=False,
+                  batch_idx=False):
     """One call of FA3's kvcache test against the reference (the module docstring's rule); ``leftpad_on`` False:
-    no left padding; ``varlen``: the key is the varlen kernels' (the skip names them)."""
+    no left padding; ``varlen``: the key is the varlen kernels' (the skip names them); ``batch_idx``: an unpaged
+    cache of more rows than entries, read through cache_batch_idx (FA3's has_batch_idx)."""
     d, batch, heads = 128, 5, 6
     heads_k = {"mha": 6, "gqa": 3, "mqa": 1}[mha_type]
     if page_size is not None and seqlen_k % page_size:
@@ -85,8 +113,12 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     seqlen_new = max(1, seqlen_q // 2)
     q = r(batch, seqlen_q, heads, d)
     k, v = r(batch, seqlen_new, heads_k, d), r(batch, seqlen_new, heads_k, d)
+    rows = list(range(batch))
     if page_size is None:
-        kc, vc, table = r(batch, seqlen_k, heads_k, d), r(batch, seqlen_k, heads_k, d), None
+        rows_cache = 2 * batch + 1 if batch_idx else batch
+        kc, vc, table = r(rows_cache, seqlen_k, heads_k, d), r(rows_cache, seqlen_k, heads_k, d), None
+        if batch_idx:
+            rows = torch.randperm(rows_cache, generator=g, device="cuda")[:batch].tolist()
     else:
         pages = seqlen_k // page_size
         blocks = pages * batch * 3
@@ -98,7 +130,7 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     leftpad = torch.stack([torch.randint(0, max(int(n), 1), (1,), generator=g, device="cuda")[0] for n in lens]).int()
     if not leftpad_on:
         leftpad.zero_()
-    poison_unused(kc, vc, table, (lens + seqlen_new).tolist(), leftpad.tolist())
+    poison_unused(kc, vc, table, (lens + seqlen_new).tolist(), leftpad.tolist(), rows)
     window = tuple(torch.randint(0, seqlen_k, (2,), generator=g, device="cuda").tolist()) if local else (-1, -1)
     rope = None
     if rotary:
@@ -108,9 +140,10 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     out, lse = flashgen.flash_attn_with_kvcache(
         q, kc, vc, k, v, rotary_cos=rope and rope[0], rotary_sin=rope and rope[1], cache_seqlens=lens,
         cache_leftpad=leftpad, page_table=table, causal=causal, window_size=window,
+        cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device="cuda") if batch_idx else None,
         rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
     torch.cuda.synchronize()
-    args = (q, k, v, kc0, vc0, table, lens.tolist(), leftpad.tolist(), list(range(batch)), causal, window, rope,
+    args = (q, k, v, kc0, vc0, table, lens.tolist(), leftpad.tolist(), rows, causal, window, rope,
             rotary == "interleaved")
     ref, _, kref, vref = kvcache_reference(*args)
     pt, _, _, _ = kvcache_reference(*args, upcast=False)
@@ -118,7 +151,7 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     assert err.max().item() <= 2 * base.max().item() + 1e-5, f"max error {err.max().item():.3e} vs {base.max().item():.3e}"
     assert err.mean().item() <= 1.5 * base.mean().item(), f"mean error {err.mean().item():.3e} vs {base.mean().item():.3e}"
     assert lse.shape == (batch, heads, seqlen_q) and not torch.isnan(out).any()
-    got_k, got_v = logical_cache(kc, table, list(range(batch)), batch), logical_cache(vc, table, list(range(batch)), batch)
+    got_k, got_v = logical_cache(kc, table, rows, batch), logical_cache(vc, table, rows, batch)
     assert_same_cache(got_k, got_v, kref, vref, rotary)
 
 

@@ -70,10 +70,13 @@ __device__ __forceinline__ int seq_offset(const int* cu_seqlens, int b) { return
 __device__ __forceinline__ int seq_length(const int* cu_seqlens, const int* seqused, int b, int uniform) {
   return seqused ? seqused[b] : cu_seqlens ? cu_seqlens[b + 1] - cu_seqlens[b] : uniform;
 }
+// leftpad_k (a KV cache's cache_leftpad): sequence b's keys start at row leftpad_k[b] of its entry, and its
+// seqused_k counts them from row 0 (FA3's).
 template <typename Params>
 __device__ __forceinline__ SeqRange seq_range(const Params& p, int b) {
+  const int pad = p.leftpad_k ? p.leftpad_k[b] : 0;
   return {seq_offset(p.cu_seqlens_q, b), seq_length(p.cu_seqlens_q, p.seqused_q, b, p.seqlen_q),
-          seq_offset(p.cu_seqlens_k, b), seq_length(p.cu_seqlens_k, p.seqused_k, b, p.seqlen_k)};
+          seq_offset(p.cu_seqlens_k, b) + pad, seq_length(p.cu_seqlens_k, p.seqused_k, b, p.seqlen_k) - pad};
 }
 
 // The forward's view: S (rows queries, columns keys) of query block m and key block n.

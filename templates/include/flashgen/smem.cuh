@@ -113,6 +113,15 @@ struct SmemTileSW {
       tma_load_4d(ptr() + ch * kChunkBytes, map, col0 + ch * kChunkCols, row, head, batch, bar);
   }
 
+  // TMA: tile rows [tile_row, tile_row + box rows) from rows [row, ...) of a 4-D map whose box is one chunk
+  // of fewer rows than the tile (a paged K / V: one box per page's part), completing on `bar`. One thread.
+  __device__ __forceinline__ void tma_load_rows(const CUtensorMap* map, int tile_row, int row, int head, int batch,
+                                                uint64_t* bar) const {
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch)
+      tma_load_4d(ptr() + ch * kChunkBytes + tile_row * kRowBytes, map, ch * kChunkCols, row, head, batch, bar);
+  }
+
   // TMA: the same from a 5-D (dim, c1, c2, c3, c4) map whose box is one chunk of up to Rows rows
   // (PackGQA's Q: c1 the head in the group, c2 the query position; the box's rows land in order).
   __device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, int c1, int c2, int c3, int c4,
