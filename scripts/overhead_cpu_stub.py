@@ -208,6 +208,16 @@ def main(argv=None) -> int:
 
         fns["flash_attn_with_kvcache, 64 entries, varlen kernel"] = lambda: decode(True)
         fns["flash_attn_with_kvcache, 64 entries, composed"] = lambda: decode(False)
+        # the same caches as pages of 16 rows (kernel only: the composed path's per-entry gathers are real copies on
+        # the CPU, which a GPU would only queue, so its time here would not be host time)
+        kp, vp = (c.view(64 * 64, 16, 8, 128) for c in (kc, vc))
+        table = torch.randperm(64 * 64, generator=torch.Generator().manual_seed(0)).view(64, 64).to(torch.int32)
+
+        def decode_paged():
+            core.VARLEN_KERNEL = True
+            return flash_attn_with_kvcache(qd, kp, vp, kn, vn, cache_seqlens=lens, page_table=table, causal=True)
+
+        fns["flash_attn_with_kvcache, 64 entries, paged (16 rows), varlen kernel"] = decode_paged
         if a.profile:
             import cProfile
             import pstats

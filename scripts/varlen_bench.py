@@ -5,7 +5,8 @@ Two workloads, bf16, head_dim 128, forward without gradient:
   packed:  N documents of random lengths packed into TOKENS tokens (training with document masking; causal),
            flash_attn_varlen_func, heads 16 / 16;
   decode:  B caches of random lengths up to CACHE, one new query each (serving; GQA 32 / 8),
-           flash_attn_with_kvcache without appending.
+           flash_attn_with_kvcache without appending; also as paged caches (pages of 16 and 256 rows, shuffled),
+           whose composed path gathers each entry's pages.
 PyTorch SDPA in the same process as the peer: nested (jagged) tensors for the packed documents (one SDPA call per
 document where SDPA refuses causal nested tensors), the padded caches with a key mask for decode. Each is timed with flashgen.bench._time_ms (triton do_bench style: L2 flushed before every repetition, median),
 kernel on then off, ROUNDS times, alternated. Before timing, the two paths' outputs are compared (same inputs),
@@ -52,22 +53,31 @@ def packed_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
     return run, sdpa, flops, f"packed {n_docs} docs / {tokens} tokens (max {max(lens)})"
 
 
-def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 128):
+def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 128, page: int | None = None):
     lens = [rng.randint(1, cache) for _ in range(batch)]
     q = torch.randn(batch, 1, h, d, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(batch, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     flops = sum(2 * 2 * h * d * n for n in lens)
+    table, kp, vp = None, kc, vc
+    if page:  # the same caches as pages of `page` rows in a shuffled pool (SDPA below reads the padded ones)
+        per = cache // page
+        order = torch.randperm(batch * per, generator=torch.Generator().manual_seed(rng.randint(0, 1 << 30)))
+        table = order.view(batch, per).to(device="cuda", dtype=torch.int32)
+        kp, vp = (torch.empty(batch * per, page, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kp[table.long().flatten()] = kc.view(batch * per, page, hk, d)
+        vp[table.long().flatten()] = vc.view(batch * per, page, hk, d)
 
     def run():
-        return flashgen.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True)
+        return flashgen.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=table, causal=True)
 
     mask = (torch.arange(cache, device="cuda")[None, :] < seqlens[:, None])[:, None, None, :]
 
     def sdpa():  # the padded caches with a key mask (SDPA has no per-entry lengths)
         return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2),
                                                                 vc.transpose(1, 2), attn_mask=mask, enable_gqa=True)
-    return run, sdpa, flops, f"decode {batch} caches up to {cache} (mean {sum(lens) // batch})"
+    paged = f", pages of {page}" if page else ""
+    return run, sdpa, flops, f"decode {batch} caches up to {cache} (mean {sum(lens) // batch}){paged}"
 
 
 def main() -> None:
@@ -77,7 +87,8 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     cases = [packed_case(rng, 16, 8192), packed_case(rng, 64, 16384), packed_case(rng, 4, 4096),
-             decode_case(rng, 64, 8192), decode_case(rng, 8, 32768), decode_case(rng, 256, 2048)]
+             decode_case(rng, 64, 8192), decode_case(rng, 8, 32768), decode_case(rng, 256, 2048),
+             decode_case(rng, 64, 8192, page=16), decode_case(rng, 64, 8192, page=256)]
     rows = []
     with torch.no_grad():
         for run, sdpa, flops, name in cases:

@@ -906,6 +906,30 @@ def test_varlen_launch_maps_params_and_grid(tmp_path, monkeypatch):
         core.attention_forward(qd, kc, vc, od, targ((b, h, 1), "fp32", 18 << 24), 0.1, True, 5, pack_gqa=False,
                                varlen=core.Varlen(0, 0, 0, 15 << 24, b, 1, 300))
         assert "_packgqa" not in d.launches[-1]["symbol"] and "_varlen" in d.launches[-1]["symbol"]
+        # a KV cache: cache rows through kv_batch_idx, left padding, and a paged cache (pages of 48 rows: boxes of
+        # gcd(48, block_n 128) = 16 rows, in the K and V maps over (num_pages, 48, heads_k, dim))
+        kr, vr = targ((7, sc, hk, 128), ptr=22 << 24), targ((7, sc, hk, 128), ptr=23 << 24)
+        core.attention_forward(q4, kr, vr, o4, targ((b, h, sq), "fp32", 14 << 24), 0.1, False, 5, pack_gqa=False,
+                               varlen=core.Varlen(0, 0, 0, 15 << 24, b, sq, 300, kv_batch_idx=24 << 24,
+                                                  leftpad_k=25 << 24))
+        rec = d.launches[-1]
+        got = _params_of(rec)
+        assert (got["kv_batch_idx"], got["leftpad_k"], got["page_table"], got["page_box"]) == (24 << 24, 25 << 24, 0, 0)
+        assert rec["maps"][1].dims == (128, sc, hk, 7) and rec["maps"][1].box[1] == 128
+        kp, vp = targ((40, 48, hk, 128), ptr=26 << 24), targ((40, 48, hk, 128), ptr=27 << 24)
+        paged = core.Varlen(0, 0, 0, 15 << 24, b, sq, 300, page_table=28 << 24, page_table_stride=9, page_size=48)
+        core.attention_forward(q4, kp, vp, o4, targ((b, h, sq), "fp32", 14 << 24), 0.1, False, 5, pack_gqa=False,
+                               varlen=paged)
+        rec = d.launches[-1]
+        got = _params_of(rec)
+        assert (got["page_table"], got["page_table_stride"], got["page_size"], got["page_box"]) == (28 << 24, 9, 48, 16)
+        assert got["kv_batch_idx"] == 0 and got["seqlen_k"] == 300
+        assert [(m.dims, m.box[1]) for m in rec["maps"][1:3]] == [((128, 48, hk, 40), 16)] * 2
+        for bad, what in ((paged._replace(page_size=44), "multiple of 8"), (paged._replace(leftpad_k=1), "leftpad_k"),
+                          (paged._replace(page_size=16), "page_size")):
+            with pytest.raises(ValueError, match=what):
+                core.attention_forward(q4, kp, vp, o4, targ((b, h, sq), "fp32", 14 << 24), 0.1, False, 5,
+                                       pack_gqa=False, varlen=bad)
         # a packed q is never packed by the rule (PackGQA's Q map has a batch dim)
         q1, o1 = targ((5, h, 128), ptr=19 << 24), targ((5, h, 128), ptr=20 << 24)
         core.attention_forward(q1, k, v, o1, targ((h, 5), "fp32", 21 << 24), 0.1, False, 5,
