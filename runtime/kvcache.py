@@ -89,6 +89,20 @@ def _check_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
                          f"multiple of 16 up to head_dim {head_dim}; got {tuple(cos.shape)} and {tuple(sin.shape)}")
 
 
+def _capacity(k_cache, page_table, cache_batch_idx, batch: int, on=None) -> int:
+    """Each entry's cache positions: k_cache's rows, or with ``page_table`` its pages' rows. ValueError unless the
+    page table is an int32 ``(batch, pages)`` tensor (on device ``on`` where given) without cache_batch_idx."""
+    if page_table is None:
+        return k_cache.shape[1]
+    if (not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != batch
+            or page_table.dtype != torch.int32 or (on is not None and page_table.device != on)):
+        where = "" if on is None else " on q's device"
+        raise ValueError(f"flashgen: page_table must be an int32 (batch, pages) = ({batch}, pages) tensor{where}")
+    if cache_batch_idx is not None:
+        raise ValueError("flashgen: cache_batch_idx with page_table: the page table already names each entry's pages")
+    return page_table.shape[1] * k_cache.shape[1]
+
+
 def _ints(name, t, batch: int, device, default=None) -> list:
     """A per-entry int argument as a host list of ``batch`` ints: None -> ``default``; an int -> that
     int for every entry; a 1-D int32 tensor (on q's GPU or the CPU) of ``batch`` entries."""
@@ -207,16 +221,7 @@ def flash_attn_with_kvcache(
         batch = q.shape[0]
         q_rows = [(0, q.shape[1])] * batch
     paged = page_table is not None
-    if paged:
-        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != batch \
-                or page_table.dtype != torch.int32:
-            raise ValueError(f"flashgen: page_table must be an int32 (batch, pages) = ({batch}, pages) tensor")
-        if cache_batch_idx is not None:
-            raise ValueError("flashgen: cache_batch_idx with page_table: the page table already names each "
-                             "entry's pages")
-        capacity = page_table.shape[1] * k_cache.shape[1]
-    else:
-        capacity = k_cache.shape[1]
+    capacity = _capacity(k_cache, page_table, cache_batch_idx, batch)
     lens = _ints("cache_seqlens", cache_seqlens, batch, device, default=capacity)
     if cu_seqlens_k_new is None:
         _check_new_kv(k, v, batch, cache_seqlens)
@@ -387,19 +392,9 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     batch, sq = q.shape[0], q.shape[1]
     n = 0 if k is None else k.shape[1]
     paged = page_table is not None
-    if paged:
-        if (not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != batch
-                or page_table.dtype != torch.int32 or page_table.device != q.device):
-            raise ValueError(f"flashgen: page_table must be an int32 (batch, pages) = ({batch}, pages) tensor on q's "
-                             "device")
-        if cache_batch_idx is not None:
-            raise ValueError("flashgen: cache_batch_idx with page_table: the page table already names each "
-                             "entry's pages")
-        capacity = page_table.shape[1] * k_cache.shape[1]
-    else:
-        capacity = k_cache.shape[1]
-        if cache_batch_idx is None and k_cache.shape[0] < batch:
-            raise ValueError(f"flashgen: k_cache has {k_cache.shape[0]} rows, fewer than q's batch {batch}")
+    capacity = _capacity(k_cache, page_table, cache_batch_idx, batch, on=q.device)
+    if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(f"flashgen: k_cache has {k_cache.shape[0]} rows, fewer than q's batch {batch}")
     _check_new_kv(k, v, batch, cache_seqlens)
 
     def lengths(name, t, default):

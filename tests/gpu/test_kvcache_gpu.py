@@ -219,3 +219,40 @@ def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, monkeypatch):
         assert not out.isnan().any()
         assert_same_cache(logical_cache(kc, None, list(range(batch)), batch),
                           logical_cache(vc, None, list(range(batch)), batch), kref, vref, rotary)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_kvcache_one_length_in_a_cuda_graph(kernel, monkeypatch):
+    """A decode step with cache_seqlens an int (every entry at one length) captured in a CUDA graph, with the varlen
+    kernel off or on: a slice append and one flash_attn_func call (kvcache._step_on_device), no varlen kernel needed.
+    The replay's out and caches against the reference."""
+    d, batch, heads, heads_k, cache, length = 128, 3, 8, 2, 256, 77
+    key = {"dtype": "bf16", "head_dim": d, "head_dim_v": d, "causal": True, "local": False, "softcap": False}
+    why = variant_missing("fwd", key)
+    if why:
+        pytest.skip(why)
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", kernel)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+    q, k, v = r(batch, 1, heads, d), r(batch, 1, heads_k, d), r(batch, 1, heads_k, d)
+    kc, vc = r(batch, cache, heads_k, d), r(batch, cache, heads_k, d)
+    poison_unused(kc, vc, None, [length + 1] * batch)
+    kc0, vc0 = kc.clone(), vc.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=length, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=length, causal=True)
+    kc.copy_(kc0)
+    vc.copy_(vc0)
+    graph.replay()
+    torch.cuda.synchronize()
+    args = (q, k, v, kc0, vc0, None, [length] * batch, [0] * batch, list(range(batch)), True, (-1, -1))
+    ref, _, kref, vref = kvcache_reference(*args)
+    pt, _, _, _ = kvcache_reference(*args, upcast=False)
+    err, base = (out.float() - ref.float()).abs(), (pt.float() - ref.float()).abs()
+    assert err.max().item() <= 2 * base.max().item() + 1e-5 and not out.isnan().any()
+    assert_same_cache(kc, vc, kref, vref, None)
