@@ -22,6 +22,12 @@ Cases (only those whose variant is built run; a family with no runnable case fai
            full, 256 full and causal (the V transposer threads and their stop index; hd256: the
            24-register producer), batch 2, seqlen_q 300, seqlen_k 517, heads 4 over heads_k 2;
            FA3's FP8 rule (tests/gpu/test_fp8_gpu.py: _check).
+  fwd varlen  the varlen kernel (core.VARLEN_KERNEL switched on for the case), bf16 d128 causal, heads 8 over 2:
+           flash_attn_varlen_func on packed sequences (one without queries, lengths past block edges); and
+           flash_attn_with_kvcache (no append, q of 3 rows: PackGQA) over a padded cache, a cache of more rows
+           read through cache_batch_idx with cache_leftpad, and pages of 16 rows in a shuffled pool. The cache
+           rows past each entry's tokens are never written (whatever is there, NaN included, must not reach
+           out: the kernel zeroes V's rows past the keys in shared memory).
   quant    quantize_fp8, bf16 and fp16, head dims 128 / 96 / 192 (head_dim_v 128), all four scale
            modes over the cases, batch 2, seqlen_q 113, seqlen_k 239, heads 4 over heads_k 2; k and
            v are KV-cache prefixes of a longer cache (the rows past seqlen_k are never written).
@@ -181,6 +187,73 @@ def fwd_fp8_cases():
                 lambda d=d, causal=causal, i=i: fwd_fp8_case(d, causal, seed=200 + i)
 
 
+def fwd_varlen_case(layout: str, seed: int) -> None:
+    import flashgen.core as core
+
+    d, h, hk, dtype = 128, 8, 2, torch.bfloat16
+    core.VARLEN_KERNEL = True
+    try:
+        if layout == "packed":
+            lens_q, lens_k = [37, 0, 129, 5], [100, 17, 129, 260]
+            cu_q = torch.tensor([0] + [sum(lens_q[:i + 1]) for i in range(4)], dtype=torch.int32)
+            cu_k = torch.tensor([0] + [sum(lens_k[:i + 1]) for i in range(4)], dtype=torch.int32)
+            q = randn(sum(lens_q), h, d, seed=seed, dtype=dtype)
+            k, v = randn(sum(lens_k), hk, d, seed=seed + 1, dtype=dtype), randn(sum(lens_k), hk, d, seed=seed + 2,
+                                                                                   dtype=dtype)
+            out, lse = flashgen.flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(),
+                                                       max(lens_q), max(lens_k), causal=True, return_attn_probs=True)
+            out, lse = out.cpu(), lse.cpu()
+            for b in range(4):
+                if lens_q[b]:
+                    a, e, ka, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+                    check_fwd(q[a:e][None], k[ka:ke][None], v[ka:ke][None], True, out[a:e][None], lse[:, a:e][None])
+            return
+        batch, sq, cap, page = 5, 3, 320, 16
+        lens = [1, 77, 129, 320, 200]  # tokens per entry (cache_seqlens; no append)
+        pads = [0, 5, 0, 31, 128] if layout == "rows" else [0] * batch
+        rows = [6, 0, 3, 7, 1] if layout == "rows" else list(range(batch))
+        q = randn(batch, sq, h, d, seed=seed, dtype=dtype)
+        kl = [randn(n, hk, d, seed=seed + 10 + b, dtype=dtype) for b, n in enumerate(lens)]
+        vl = [randn(n, hk, d, seed=seed + 20 + b, dtype=dtype) for b, n in enumerate(lens)]
+        table = None
+        if layout == "paged":
+            per = cap // page
+            order = torch.randperm(batch * per, generator=torch.Generator().manual_seed(seed))
+            table = order.view(batch, per).to(torch.int32)
+            kc = torch.empty(batch * per, page, hk, d, dtype=dtype, device="cuda")  # the pages' unused rows never written
+            vc = torch.empty(batch * per, page, hk, d, dtype=dtype, device="cuda")
+            for b, n in enumerate(lens):
+                for j in range(-(-n // page)):
+                    rows_j = min(page, n - j * page)
+                    put(kc[table[b, j], :rows_j], kl[b][j * page:j * page + rows_j])
+                    put(vc[table[b, j], :rows_j], vl[b][j * page:j * page + rows_j])
+            table = table.cuda()
+        else:
+            kc = torch.empty(8 if layout == "rows" else batch, cap, hk, d, dtype=dtype, device="cuda")
+            vc = torch.empty_like(kc)
+            for b, n in enumerate(lens):  # rows [pads[b], n) of entry b's cache row; the others never written
+                put(kc[rows[b], pads[b]:n], kl[b][pads[b]:])
+                put(vc[rows[b], pads[b]:n], vl[b][pads[b]:])
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")
+        out, lse = flashgen.flash_attn_with_kvcache(
+            q.cuda(), kc, vc, cache_seqlens=i32(lens), page_table=table, causal=True, return_softmax_lse=True,
+            cache_batch_idx=i32(rows) if layout == "rows" else None,
+            cache_leftpad=i32(pads) if layout == "rows" else None)
+        out, lse = out.cpu(), lse.cpu()
+        for b in range(batch):
+            check_fwd(q[b:b + 1], kl[b][pads[b]:][None], vl[b][pads[b]:][None], True, out[b:b + 1], lse[b:b + 1])
+    finally:
+        core.VARLEN_KERNEL = False
+
+
+def fwd_varlen_cases():
+    """The varlen kernel: packed sequences, and KV caches whose unused rows were never written."""
+    if built("fwd", {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "varlen": True}):
+        for i, layout in enumerate(("packed", "cache", "rows", "paged")):
+            yield f"fwd varlen {layout} bf16 d128 causal h8/2", \
+                lambda layout=layout, i=i: fwd_varlen_case(layout, seed=400 + 10 * i)
+
+
 def fwd_fp8_case(d: int, causal: bool, seed: int) -> None:
     import test_fp8_gpu as t  # its inputs, descales and FA3's FP8 rule
 
@@ -226,7 +299,8 @@ def quant_cases():
 
 
 #: family -> generator of (name, case); every family in the manifest needs an entry.
-CASES = {"fwd": lambda: (*fwd_cases(), *fwd_packed_cases(), *fwd_fp8_cases()), "bwd": bwd_cases, "combine": combine_cases,
+CASES = {"fwd": lambda: (*fwd_cases(), *fwd_packed_cases(), *fwd_fp8_cases(), *fwd_varlen_cases()), "bwd": bwd_cases,
+         "combine": combine_cases,
          "quant": quant_cases}
 
 
