@@ -965,8 +965,13 @@ def flash_attn_varlen_func(
     reads the offsets itself (:func:`_varlen_kernel`). Otherwise: one :func:`flash_attn_func` call per
     run of consecutive sequences of equal lengths (the run as its batch), on views of q, k, v (no
     copy), and the outputs are concatenated; launch cost then grows with the number of distinct
-    neighbouring lengths. Under torch.compile the read of the offsets is a graph break
-    (``fullgraph=True`` refuses the call: its shapes depend on data).
+    neighbouring lengths. Where padding a sequence at its end is invisible to it (causal, or a window
+    whose right side is 0, as many query rows as keys, no attention_chunk: the packed documents of
+    training), sequences of similar lengths share one call on a zero-padded copy instead
+    (:func:`_varlen_groups`: while the padding adds less work than a call costs, VARLEN_CALL_WORK), when
+    that makes fewer calls; the padded rows' gradients are 0, so dq, dk, dv are exact. Under
+    torch.compile the read of the offsets is a graph break (``fullgraph=True`` refuses the call: its
+    shapes depend on data).
 
     Args:
         q: ``(total_q, heads, head_dim)``; k: ``(total_k, heads_k, head_dim)``; v: ``(total_k,
@@ -1029,13 +1034,17 @@ def flash_attn_varlen_func(
             return res if return_attn_probs else res[0]
     # runs of consecutive sequences of equal lengths with no unused rows between them: one call each,
     # the run's sequences as its batch (a view: the rows are consecutive)
-    runs = []
-    for b in range(batch):
-        if runs and (lq[b], lk[b]) == (lq[runs[-1][0]], lk[runs[-1][0]]) and not unused_q[b - 1] \
-                and not unused_k[b - 1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([b, 1])
+    runs = _varlen_runs(lq, lk, unused_q, unused_k, range(batch))
+    # Where padding at a sequence's end is invisible to its rows (the mask's right side at the diagonal, as many
+    # query rows as keys), sequences of similar lengths run as one padded call instead (fewer calls, some padding).
+    closed = (causal or (window_size[1] is not None and window_size[1] == 0)) and not attention_chunk
+    members = [b for b in range(batch) if closed and lq[b] == lk[b] > 0]
+    groups = _varlen_groups(lq, members, q.shape[1] * q.shape[2])
+    others = _varlen_runs(lq, lk, unused_q, unused_k, [b for b in range(batch) if b not in set(members)])
+    if len(groups) + len(others) < len(runs):
+        return _varlen_padded(q, k, v, cu_q, cu_k, lq, lk, groups, others, softmax_scale, causal, window_size, softcap,
+                              learnable_sink, (q_descale, k_descale, v_descale), pack_gqa, deterministic,
+                              return_attn_probs)
     q_sizes, k_sizes = [], []  # each run's used rows, then the unused rows after it; then the rows past the last
     for b0, m in runs:
         last = b0 + m - 1
@@ -1064,6 +1073,83 @@ def flash_attn_varlen_func(
     if not return_attn_probs:
         return out
     return out, (torch.cat(lses, dim=1) if len(lses) > 1 else lses[0])
+
+
+def _varlen_runs(lq: list, lk: list, unused_q: list, unused_k: list, seqs) -> list:
+    """``[first, count]`` runs of the sequences ``seqs`` (ascending indices): neighbours (b - 1, b both in seqs)
+    of equal lengths with no unused rows between them share a run, which is one call on views."""
+    runs, prev = [], None
+    for b in seqs:
+        if runs and prev == b - 1 and (lq[b], lk[b]) == (lq[runs[-1][0]], lk[runs[-1][0]]) and not unused_q[b - 1] \
+                and not unused_k[b - 1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+        prev = b
+    return runs
+
+
+#: flash_attn_varlen_func's padded groups: the padded work worth one call's fixed cost, in heads x head_dim x
+#: token^2 (a call pays its launches and its tiles' ramp whatever its size). An estimate, not a measurement:
+#: about 60 us per forward + backward call at 400 TFLOP/s, whose work is 7 heads head_dim L^2 FLOP per
+#: sequence of L tokens (causal). scripts/varlen_bench.py times the groups against one call per run; 0: no groups.
+VARLEN_CALL_WORK = 3.4e9
+
+
+def _varlen_groups(lens: list, seqs: list, width: int) -> list:
+    """The sequences ``seqs`` (lengths ``lens[b]``) as groups of one padded call each: longest first, a group
+    takes the next sequence (length l) while padding it to the group's longest L adds less work than the call
+    it saves, ``(L^2 - l^2) width <= VARLEN_CALL_WORK`` (``width`` = heads x head_dim): short sequences share calls,
+    long ones of other lengths keep their own."""
+    groups = []
+    for b in sorted(seqs, key=lambda x: -lens[x]):
+        if groups and (lens[groups[-1][0]] ** 2 - lens[b] ** 2) * width <= VARLEN_CALL_WORK:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
+
+
+def _varlen_padded(q, k, v, cu_q: list, cu_k: list, lq: list, lk: list, groups: list, runs: list, softmax_scale,
+                   causal, window_size, softcap, sink, descales: tuple, pack_gqa, deterministic, want_lse: bool):
+    """flash_attn_varlen_func's composed path with padded groups (:func:`_varlen_groups`): each group's sequences
+    (as many query rows as keys, ``lq[b] == lk[b]``; a mask whose right side is the diagonal) copied into a zero-padded
+    batch ``(count, longest, heads, dim)``, one :func:`_attend` call, their rows gathered back; each of ``runs``
+    (``[first, count]``, the other sequences; used rows ``lq`` / ``lk``) one call on views as before. A padded row or key sits after every
+    row and key of its sequence, so no row of the sequence sees a padded key, and the padded rows' outputs are
+    dropped: their gradient is 0, so they add nothing to dk, dv (dS = P (dP - dPsum) = 0 there). Returns what
+    flash_attn_varlen_func returns; out rows of no sequence 0, their lse -inf."""
+    heads, dv = q.shape[1], v.shape[2]
+    out = q.new_zeros((q.shape[0], heads, dv), dtype=_out_dtype(q))
+    lse = q.new_full((heads, q.shape[0]), -math.inf, dtype=torch.float32) if want_lse else None
+    on = lambda values: torch.tensor(values, dtype=torch.long, device=q.device)  # noqa: E731
+    for g in groups:
+        longest = lq[g[0]]
+        entry = on([j for j, b in enumerate(g) for _ in range(lq[b])])
+        pos = on([i for b in g for i in range(lq[b])])
+        q_rows = on([cu_q[b] + i for b in g for i in range(lq[b])])
+        k_rows = on([cu_k[b] + i for b in g for i in range(lq[b])])
+
+        def padded(t, rows):
+            return t.new_zeros((len(g), longest) + tuple(t.shape[1:])).index_put((entry, pos), t[rows])
+
+        ds = tuple(None if d is None else d[on(g)] for d in descales)
+        o, l = _attend(padded(q, q_rows), padded(k, k_rows), padded(v, k_rows), softmax_scale, causal, window_size,
+                       softcap, sink, ds, pack_gqa, deterministic, want_lse)
+        out.index_put_((q_rows,), o[entry, pos])
+        if want_lse:
+            lse[:, q_rows] = l[entry, :, pos].transpose(0, 1)
+    for b0, m in runs:
+        rows = slice(cu_q[b0], cu_q[b0] + m * lq[b0])
+        keys = slice(cu_k[b0], cu_k[b0] + m * lk[b0])
+        ds = tuple(None if d is None else d[b0:b0 + m] for d in descales)
+        o, l = _attend(q[rows].reshape(m, lq[b0], *q.shape[1:]), k[keys].reshape(m, lk[b0], *k.shape[1:]),
+                       v[keys].reshape(m, lk[b0], *v.shape[1:]), softmax_scale, causal, window_size, softcap, sink,
+                       ds, pack_gqa, deterministic, want_lse)
+        out[rows] = o.reshape(m * lq[b0], heads, dv)
+        if want_lse:
+            lse[:, rows] = l.transpose(0, 1).reshape(heads, m * lq[b0])
+    return (out, lse) if want_lse else out
 
 
 MAX_SPLIT_HEAD_DIM_V = 2 * _v.MAX_HEAD_DIM  # FA3 serves head_dim_v up to 512 (16-bit, head_dim <= 64)

@@ -1,12 +1,14 @@
 """Time the varlen kernel (flashgen.core.Varlen: one launch that reads cu_seqlens / seqused) against the
 composed path it replaces (one flash_attn_func call per run of equal lengths), in one process, on a GPU.
 
-Two workloads, bf16, head_dim 128, forward without gradient:
+Three workloads, bf16, head_dim 128; the first two forward without gradient:
   packed:  N documents of random lengths packed into TOKENS tokens (training with document masking; causal),
            flash_attn_varlen_func, heads 16 / 16;
   decode:  B caches of random lengths up to CACHE, one new query each (serving; GQA 32 / 8),
            flash_attn_with_kvcache without appending; also as paged caches (pages of 16 and 256 rows, shuffled),
-           whose composed path gathers each entry's pages.
+           whose composed path gathers each entry's pages;
+  train:   causal packed documents, forward + backward (the varlen kernel has no backward): the composed path's
+           padded groups of similar lengths against one call per run of equal neighbours (its way before).
 PyTorch SDPA in the same process as the peer: nested (jagged) tensors for the packed documents (one SDPA call per
 document where SDPA refuses causal nested tensors), the padded caches with a key mask for decode. Each is timed with flashgen.bench._time_ms (triton do_bench style: L2 flushed before every repetition, median),
 kernel on then off, ROUNDS times, alternated. Before timing, the two paths' outputs are compared (same inputs),
@@ -80,6 +82,28 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
     return run, sdpa, flops, f"decode {batch} caches up to {cache} (mean {sum(lens) // batch}){paged}"
 
 
+def train_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
+    """Forward + backward of causal packed documents (training): the composed path's padded groups
+    (interface._varlen_padded) against one call per run of equal neighbours (VARLEN_CALL_WORK 0), same process."""
+    from flashgen import interface
+
+    cuts = sorted(rng.sample(range(1, tokens), n_docs - 1))
+    lens = [b - a for a, b in zip([0] + cuts, cuts + [tokens])]
+    cu = torch.tensor([0] + cuts + [tokens], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(tokens, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(tokens, h, d, device="cuda", dtype=torch.bfloat16)
+    flops = 3.5 * sum(2 * 2 * h * d * n * (n + 1) // 2 for n in lens)  # forward + backward (2.5x)
+
+    def step(work):
+        def run():
+            interface.VARLEN_CALL_WORK = work
+            out = flashgen.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+            out.backward(dout)
+            return out
+        return run
+    return step(3.4e9), step(0.0), flops, f"train {n_docs} docs / {tokens} tokens (max {max(lens)})", (q, k, v)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -110,6 +134,30 @@ def main() -> None:
                 t_sdpa = float("nan")
             rows.append((name, err, times[True], times[False], flops / t_on / 1e9, flops / t_off / 1e9, t_off / t_on,
                          t_sdpa))
+    # training (forward + backward, the varlen kernel has no backward): padded groups against one call per run
+    core.VARLEN_KERNEL = False
+    train_rows = []
+    for n_docs, tokens in ((16, 8192), (64, 16384), (256, 16384)):
+        grouped, per_run, flops, name, leaves = train_case(rng, n_docs, tokens)
+        a = grouped().detach().clone()
+        grads_a = [t.grad.clone() for t in leaves]
+        for t in leaves:
+            t.grad = None
+        b = per_run().detach()
+        err = max([(a.float() - b.float()).abs().max().item()] +
+                  [(ga.float() - t.grad.float()).abs().max().item() for ga, t in zip(grads_a, leaves)])
+        times = {1: [], 0: []}
+        for _ in range(args.rounds):
+            for which, fn in ((1, grouped), (0, per_run)):
+                times[which].append(_time_ms(fn))
+        train_rows.append((name, err, times[1], times[0], flops / min(times[1]) / 1e9, min(times[0]) / min(times[1])))
+    print("| training workload | max abs diff (out, dq, dk, dv) | padded groups ms | one call per run ms | groups TFLOP/s | "
+          "per-run ms / groups ms |")
+    print("|---|---|---|---|---|---|")
+    for name, err, g, r, f, sp in train_rows:
+        print(f"| {name} | {err:.2e} | {' / '.join(f'{x:.3f}' for x in g)} | {' / '.join(f'{x:.3f}' for x in r)} | "
+              f"{f:.0f} | {sp:.2f}x |")
+    print()
     print("| workload | max abs(kernel - composed) | kernel ms (rounds) | composed ms (rounds) | SDPA ms | kernel TFLOP/s | "
           "composed TFLOP/s | composed ms / kernel ms | SDPA ms / kernel ms |")
     print("|---|---|---|---|---|---|---|---|---|")

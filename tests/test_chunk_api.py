@@ -548,6 +548,82 @@ def test_varlen_random_configurations_match_the_reference(fake_gpu):
         assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], ref_lse[finite], atol=1e-5)
 
 
+def test_varlen_groups_pad_less_than_a_call_costs(monkeypatch):
+    from flashgen import interface
+
+    monkeypatch.setattr(interface, "VARLEN_CALL_WORK", 1000 ** 2 * 2048)  # a call's cost: padding 0 to 1000 tokens
+    lens = [4000, 3900, 1000, 600, 400, 10, 1, 5000]
+    groups = interface._varlen_groups(lens, list(range(8)), 16 * 128)
+    assert sorted(b for g in groups for b in g) == list(range(8))
+    for g in groups:
+        longest = lens[g[0]]
+        assert all(lens[b] <= longest and (longest ** 2 - lens[b] ** 2) * 2048 <= 1000 ** 2 * 2048 for b in g)
+    assert groups == [[7], [0, 1], [2, 3, 4, 5, 6]]
+    monkeypatch.setattr(interface, "VARLEN_CALL_WORK", 0)  # no groups (but of equal lengths)
+    assert interface._varlen_groups([5, 5, 3], [0, 1, 2], 64) == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("causal,window,used", [(True, (-1, -1), False), (False, (6, 0), False), (True, (-1, -1), True)])
+def test_varlen_padded_groups_forward_and_backward(gpu, fake_gpu, monkeypatch, causal, window, used):
+    """Causal (or a window closed at the diagonal) with as many rows as keys per sequence: sequences of similar lengths
+    run as one zero-padded call each (fewer calls than one per run of equal neighbours), FA3's result and gradients
+    (unused rows and the rows past the last sequence: 0), GQA, a learnable sink."""
+    from flashgen import flash_attn_varlen_func, interface
+
+    monkeypatch.setattr(interface, "VARLEN_CALL_WORK", 900 * 4 * 64)  # groups of up to 900 padded token^2: several
+
+    lens = [40, 37, 3, 5, 24, 22, 7, 1, 48, 13]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, pad_q=3, pad_k=2, seed=8)
+    used_l = [n - 2 if used and n > 4 else n for n in lens]
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    kw = dict(seqused_q=torch.tensor(used_l, dtype=torch.int32), seqused_k=torch.tensor(used_l, dtype=torch.int32)) \
+        if used else {}
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 48, 48, causal=causal, window_size=window,
+                                      learnable_sink=sink, return_attn_probs=True, **kw)
+    calls = fake_gpu.calls
+    assert 1 < len(calls) < len(lens) and all(c["q"].shape[1] == c["k"].shape[1] for c in calls)
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref, ref_lse = varlen_reference(*leaves, cu_q, cu_k, used_l, used_l, causal, window, sink=sink)
+    assert (out.float() - ref.detach()).abs().max().item() <= 2e-3
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], ref_lse[finite].detach(), atol=1e-5)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).half()
+    (out.float() * w.float()).sum().backward()
+    ref.backward(w.float())
+    for t, r in zip((q, k, v), leaves):
+        assert_close(t.grad, r.grad)
+    assert not q.grad[-3:].any() and not k.grad[-2:].any()
+
+
+def test_varlen_padded_groups_only_where_padding_is_invisible(fake_gpu, monkeypatch):
+    """Not causal, a window open past the diagonal, rows != keys, or attention_chunk: no padded group (a padded key
+    would be seen); FP8's descales follow their sequences into the groups."""
+    from flashgen import flash_attn_varlen_func, interface
+
+    lens = [40, 37, 3, 5, 24, 22, 7, 1]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, seed=9)
+    real = interface._varlen_padded
+    with monkeypatch.context() as m:
+        m.setattr(interface, "_varlen_padded", lambda *a, **kw: pytest.fail("a padded group"))
+        for kw in (dict(causal=False), dict(causal=False, window_size=(5, 1)), dict(causal=True, attention_chunk=16)):
+            flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 40, **kw)
+        q2, k2, v2, cu_q2, cu_k2 = varlen_inputs(lens, [n + 1 for n in lens], seed=9)  # one key more than rows
+        flash_attn_varlen_func(q2, k2, v2, cu_q2, cu_k2, 40, 41, causal=True)
+    assert interface._varlen_padded is real
+    q8, k8, v8 = (t.float().to(torch.float8_e4m3fn) for t in (q, k, v))
+    g = torch.Generator().manual_seed(7)
+    qd, kd, vd = (torch.rand(len(lens), 2, generator=g) + 0.5 for _ in range(3))
+    fake_gpu.calls.clear()
+    out = flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, 40, 40, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert len(fake_gpu.calls) < len(lens)
+    for b in range(len(lens)):
+        s = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        ref, _ = attention_ref(*(dequantize_fp8(t[s][None], d[b:b + 1]) for t, d in ((q8, qd), (k8, kd), (v8, vd))),
+                               True, 64 ** -0.5)
+        assert (out[s].float() - ref[0]).abs().max().item() <= 2e-2
+
+
 def test_head_dim_v_512_is_not_reported_with_other_errors(fake_gpu):
     """With several argument errors at once, a 16-bit head_dim_v of 512 (served as two calls) is not one of them."""
     q, k, v = qkv(d=64, dv=512)

@@ -555,6 +555,9 @@ VARLEN_CASES = [  # (lens_q, lens_k, used_q or None, used_k or None, Case of the
     ([300, 17], [129, 1024], [250, 17], [100, 1000], Case(2, 0, 0, 4, 4, 64, FP16, window=(64, 16))),
     ([239, 387], [387, 239], None, None, Case(2, 0, 0, 8, 2, 192, BF16, softcap=15.0, sink=True, dv=128)),
     ([1023, 5], [1024, 700], None, None, Case(2, 0, 0, 4, 1, 256, BF16, causal=True, chunk=300)),
+    # causal self-attention of packed documents: the padded groups (interface._varlen_padded)
+    ([300, 287, 17, 5, 129, 120, 64, 1000], [300, 287, 17, 5, 129, 120, 64, 1000], None, None,
+     Case(8, 0, 0, 4, 2, 128, BF16, causal=True)),
 ]
 
 
