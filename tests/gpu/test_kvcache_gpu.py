@@ -180,10 +180,7 @@ def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, monkeypatch):
     if why:
         pytest.skip(why)
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
-    q, k, v = r(batch, 1, heads, d), r(batch, 1, heads_k, d), r(batch, 1, heads_k, d)
-    kc, vc = r(batch, cache, heads_k, d), r(batch, cache, heads_k, d)
+    g, (q, k, v, kc, vc) = decode_inputs(batch, heads, heads_k, d, cache, seed=7)
     kc0, vc0 = kc.clone(), vc.clone()
     lens = torch.tensor([3, 100, 0, 511, 257], dtype=torch.int32, device="cuda")
     rope = None
@@ -192,14 +189,7 @@ def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, monkeypatch):
         rope = (torch.cos(angle).to(torch.bfloat16), torch.sin(angle).to(torch.bfloat16))
     kw = dict(rotary_cos=rope and rope[0], rotary_sin=rope and rope[1], cache_seqlens=lens, causal=True,
               rotary_interleaved=True, return_softmax_lse=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture (kernels loaded, prepared launches cached)
-        flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    graph, (out, lse) = captured(lambda: flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, **kw))
     for new_lens in ([3, 100, 0, 511, 257], [0, 1, 2, 300, 17]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         kp, vp = kc0.clone(), vc0.clone()  # NaN past each entry's tokens after the append
@@ -232,20 +222,10 @@ def test_kvcache_one_length_in_a_cuda_graph(kernel, monkeypatch):
     if why:
         pytest.skip(why)
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", kernel)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
-    q, k, v = r(batch, 1, heads, d), r(batch, 1, heads_k, d), r(batch, 1, heads_k, d)
-    kc, vc = r(batch, cache, heads_k, d), r(batch, cache, heads_k, d)
+    _, (q, k, v, kc, vc) = decode_inputs(batch, heads, heads_k, d, cache, seed=9)
     poison_unused(kc, vc, None, [length + 1] * batch)
     kc0, vc0 = kc.clone(), vc.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=length, causal=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=length, causal=True)
+    graph, out = captured(lambda: flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=length, causal=True))
     kc.copy_(kc0)
     vc.copy_(vc0)
     graph.replay()
@@ -256,3 +236,26 @@ def test_kvcache_one_length_in_a_cuda_graph(kernel, monkeypatch):
     err, base = (out.float() - ref.float()).abs(), (pt.float() - ref.float()).abs()
     assert err.max().item() <= 2 * base.max().item() + 1e-5 and not out.isnan().any()
     assert_same_cache(kc, vc, kref, vref, None)
+
+
+def captured(call):
+    """``call()`` run once on a side stream (kernels loaded, prepared launches cached), then captured in a CUDA graph:
+    ``(graph, what the captured call returned)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = call()
+    return graph, res
+
+
+def decode_inputs(batch, heads, heads_k, d, cache, seed):
+    """A decode step's bf16 inputs on the GPU: ``(generator, (q, k, v, k_cache, v_cache))``, one query and one new
+    key per entry, caches of ``cache`` positions (random throughout)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    return g, (r(batch, 1, heads, d), r(batch, 1, heads_k, d), r(batch, 1, heads_k, d), r(batch, cache, heads_k, d),
+               r(batch, cache, heads_k, d))
