@@ -1131,6 +1131,8 @@ def _varlen_padded(q, k, v, cu_q: list, cu_k: list, lq: list, lk: list, groups: 
         k_rows = on([cu_k[b] + i for b in g for i in range(lq[b])])
 
         def padded(t, rows):
+            if t.dtype in _FP8_TORCH_DTYPES:  # copied as bytes (e4m3 0x00 is +0; no gradient to keep)
+                return padded(t.view(torch.uint8), rows).view(t.dtype)
             return t.new_zeros((len(g), longest) + tuple(t.shape[1:])).index_put((entry, pos), t[rows])
 
         ds = tuple(None if d is None else d[on(g)] for d in descales)
