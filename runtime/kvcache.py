@@ -183,7 +183,8 @@ def flash_attn_with_kvcache(
         TypeError / ValueError naming the argument (ranks, shapes, dtypes, the per-entry lengths
         against the cache's capacity and rotary_cos's rows, rotary without new keys, what
         :func:`flashgen.flash_attn_func` checks of q against the caches, cache_batch_idx naming a row twice
-        when k / v are appended, ...); NotImplementedError
+        when k / v are appended, page_table naming a page outside the caches among those an entry uses,
+        ...); NotImplementedError
         for qv: all before the cache is written. An error of the attention itself afterwards (a
         missing variant) leaves the appended tokens in the cache.
     """
@@ -252,6 +253,13 @@ def flash_attn_with_kvcache(
         if not paged and not 0 <= rows[b] < k_cache.shape[0]:
             raise ValueError(f"flashgen: cache_batch_idx[{b}] = {rows[b]} is not a row of k_cache "
                              f"({k_cache.shape[0]} rows)")
+    if paged:  # the pages each entry uses (up to its last token's) must be blocks of the caches
+        table = page_table.tolist()  # (a synchronisation on the GPU, as the lengths' reads)
+        for b in range(batch):
+            bad = [p for p in table[b][:-(-total[b] // k_cache.shape[1])] if not 0 <= p < k_cache.shape[0]]
+            if bad:
+                raise ValueError(f"flashgen: page_table[{b}] names page {bad[0]}, not a block of k_cache "
+                                 f"({k_cache.shape[0]} blocks), among the pages entry {b}'s {total[b]} tokens use")
     rope = None
     if rotary_cos is not None:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1])

@@ -322,6 +322,24 @@ def test_kvcache_step_on_device_with_a_cache_layout(kernel_on, monkeypatch, cach
     assert bool(call["varlen"].page_table) == (page is not None) and call["varlen"].max_seqlen_k == 40
 
 
+def test_kvcache_page_numbers_are_checked_before_any_write(kernel_on):
+    """Eager: a used page past the pool (or negative) is a ValueError naming it, before the append; a page past an
+    entry's tokens is never read and not checked."""
+    q, k, v, kc, vc, table = make(batch=2, sq=1, cache_len=16, new=1, page=8, seed=2)
+    kc0 = kc.clone()
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    for page in (kc.shape[0], -1):
+        bad = table.clone()
+        bad[1, 0] = page
+        with pytest.raises(ValueError, match=f"page_table\\[1\\] names page {page}"):
+            flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=bad, causal=True)
+        assert torch.equal(kc, kc0) and kernel_on.calls == []
+    bad = table.clone()
+    bad[1, 1] = -7
+    flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=bad, causal=True)
+    assert len(kernel_on.calls) == 1
+
+
 def test_kvcache_step_on_device_refuses_what_the_kernel_does_not_serve_and_checks_on_the_device(kernel_on):
     """Pages of 4 rows are refused before the append (NotImplementedError); a cache row named twice by an append and
     a used page out of range are errors of the stream (torch._assert_async, at once on the CPU), before any write."""
