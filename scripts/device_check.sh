@@ -23,8 +23,10 @@
 #                                          (BUILD_ALL=0, any mode: the default build set only, without the tune
 #                                          candidates; over all 310 variants the suite ran past 450 s on an H200,
 #                                          session 2026-12-04, against 114-164 s in earlier sessions' calls)
-#   bash scripts/device_check.sh varlen    the varlen kernel's GPU tests (TESTS_K, default "varlen_kernel or cuda_graph"), then
-#                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA)
+#   bash scripts/device_check.sh varlen    the varlen kernel's smoke (sanitize_driver.py's varlen cases, 60 s), its GPU tests
+#                                          (TESTS_K, default "varlen_kernel or cuda_graph"; the backlog of untested GPU tests:
+#                                          TESTS_K='chunk or head_dim_v_256 or varlen or kvcache or cuda_graph'), then
+#                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA; training groups)
 #   bash scripts/device_check.sh compare   this tree against .base/ in one session: the e4m3 forward (fp8_bench.py, 16k) and
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
 #                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward; TESTS: GPU
@@ -328,9 +330,21 @@ tests)
   timeout 510 python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
   ;;
 varlen)
-  # the varlen kernel (core.Varlen, off by default until this passes): its GPU tests, then varlen_bench.py twice
-  timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short -k "${TESTS_K:-varlen_kernel or cuda_graph}" tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|Error|assert|passed|failed" | tail -25
-  for r in 1 2; do echo "== varlen_bench run $r"; python3 scripts/varlen_bench.py 2>&1 | tee "$out/varlen_bench_$r.md" | tail -8; done
+  # the varlen kernel (core.Varlen, off by default until this passes). First its four sanitize_driver cases alone
+  # (packed, a padded cache, cache_batch_idx + leftpad, pages; each checked against the reference) under a short
+  # timeout, so that a hang costs a minute, not the call; then its GPU tests (-v into the log and a stack dump after
+  # 60 s in one test: a hang names its test), then varlen_bench.py twice.
+  echo "== smoke: sanitize_driver.py varlen cases"
+  SANITIZE_ONLY=varlen timeout 60 python3 scripts/sanitize_driver.py 2>&1 | tee "$out/smoke.log" | tail -8
+  echo "smoke rc ${PIPESTATUS[0]}"
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -o faulthandler_timeout=60 \
+    -k "${TESTS_K:-varlen_kernel or cuda_graph}" tests/gpu > "$out/test.log" 2>&1
+  rc=$?
+  grep -E "FAILED|ERROR|Error|assert|passed|failed" "$out/test.log" | tail -25
+  if [ "$rc" = 124 ]; then echo "pytest timed out; the last lines:"; tail -5 "$out/test.log"; fi
+  for r in 1 2; do
+    echo "== varlen_bench run $r"; timeout 150 python3 scripts/varlen_bench.py 2>&1 | tee "$out/varlen_bench_$r.md" | tail -14
+  done
   ;;
 compare)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
