@@ -66,6 +66,11 @@ class Varlen(NamedTuple):
     page table: page_size a multiple of 8, and neither kv_batch_idx nor leftpad_k (a TMA box of gcd(page_size,
     block_n) rows must not cross a page).
 
+    Split-KV (flash-decoding; FA3's num_splits): with ``num_splits`` > 1 each tile's key blocks are split into
+    that many shares, run as separate tiles; split s writes its O (fp32, normalised within the split) to the
+    call's ``out`` (then fp32) plus ``s x o_stride_split`` elements and its LSE to ``lse`` plus ``s x
+    lse_stride_split``; the caller merges them (the combine family: interface._varlen_kernel).
+
     Nothing here is checked against the arrays' contents: the caller validated them
     (flashgen._validate.varlen_problems, kvcache's checks)."""
 
@@ -81,12 +86,16 @@ class Varlen(NamedTuple):
     page_table: int = 0
     page_table_stride: int = 0
     page_size: int = 0
+    num_splits: int = 1
+    o_stride_split: int = 0
+    lse_stride_split: int = 0
 
     def meta(self) -> tuple:
         """What a prepared launch depends on: which arrays are given, and the sizes."""
         return (bool(self.cu_seqlens_q), bool(self.cu_seqlens_k), bool(self.seqused_q), bool(self.seqused_k),
                 self.batch, self.max_seqlen_q, self.max_seqlen_k, bool(self.kv_batch_idx), bool(self.leftpad_k),
-                bool(self.page_table), self.page_table_stride, self.page_size)
+                bool(self.page_table), self.page_table_stride, self.page_size, self.num_splits, self.o_stride_split,
+                self.lse_stride_split)
 
     def addresses(self) -> tuple:
         """The per-call params fields (``_VARLEN_PER_CALL``' order)."""
@@ -359,6 +368,28 @@ def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, wi
                         group) is not None
 
 
+#: Split-KV: the largest split count (the combine kernel's and FA3's limit).
+MAX_SPLITS = 128
+
+
+def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, max_seqlen_k: int, device: int) -> int:
+    """The split count of a varlen forward's key range (split-KV, flash-decoding; FA3's ``num_splits=0``) for a
+    call whose tiles do not fill the GPU, in the manner of FA3's heuristic (hopper/heuristics.h): the tiles are
+    counted at 128 rows (packed by :func:`pack_gqa_rule` where it packs) and the key blocks at 128 keys. 1 when the
+    tiles fill 80 % of the SMs or there are 4 key blocks or fewer; otherwise the fewest splits whose wave
+    efficiency (tiles x splits / SMs, over that rounded up) is within 85 % of the best, at most MAX_SPLITS, the
+    SMs and the key blocks."""
+    group = max(heads // max(heads_k, 1), 1)
+    m_rows = max_seqlen_q * group if pack_gqa_rule(max_seqlen_q, heads, heads_k, 128) else max_seqlen_q
+    tiles = batch * (heads_k if m_rows != max_seqlen_q else heads) * -(-m_rows // 128)
+    blocks = -(-max_seqlen_k // 128)
+    sms = launch.num_sms(device)
+    if tiles >= 0.8 * sms or blocks <= 4:
+        return 1
+    efficiency = [tiles * n / sms / math.ceil(tiles * n / sms) for n in range(1, min(MAX_SPLITS, sms, blocks) + 1)]
+    return next(n for n, e in enumerate(efficiency, 1) if e >= 0.85 * max(efficiency))
+
+
 def varlen_variant_built(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window_size, max_seqlen_q: int,
                          max_seqlen_k: int, softcap: float) -> bool:
     """Whether a varlen forward call with this metadata (``attention_forward(varlen=...)``) has a built variant,
@@ -566,7 +597,8 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               **_descale_params("q", q_descale, h, hk, True),
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False),
               **dict.fromkeys(_VARLEN_PER_CALL, 0), "lse_stride_batch": 0, "lse_stride_head": 0,
-              "page_table_stride": 0, "page_size": 0, "page_box": 0}
+              "page_table_stride": 0, "page_size": 0, "page_box": 0, "num_splits": 1, "o_stride_split": 0,
+              "lse_stride_split": 0, "split_mul": 0, "split_shift": 0}
     per_call = _FWD_PER_CALL
     if varlen is not None:  # out's batch stride 0 when packed (its rows at the sequences' offsets); lse likewise
         packed_q = bool(varlen.cu_seqlens_q)
@@ -577,6 +609,13 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     if varlen is not None and varlen.page_table:
         kv_box = math.gcd(varlen.page_size, bn)
         params.update(page_table_stride=varlen.page_table_stride, page_size=varlen.page_size, page_box=kv_box)
+    if varlen is not None and varlen.num_splits > 1:  # split-KV: the scheduler's batch is sequences x splits
+        splits = varlen.num_splits
+        num_tiles *= splits
+        mul, shift = fast_div(splits)
+        params.update(batch=b * splits, num_tiles=num_tiles, num_splits=splits, o_stride_split=varlen.o_stride_split,
+                      lse_stride_split=varlen.lse_stride_split, split_mul=mul, split_shift=shift,
+                      section_heads=section_heads(b * splits, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2))
     geometry = launch.map_geometry
     vp = plan.variant.params  # the tiles' shared-memory rows (64 or 128 bytes), which the maps' boxes match
     qk_rows = operand_row_bytes(vp["head_dim"], vp["dtype"])
@@ -596,8 +635,9 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
                                           {**params, **dict.fromkeys(_FWD_PER_CALL, 0)}, ("v", "vt"))
     else:
         v_map = _bshd_map_spec(v, kv_box, v_rows)
+    # (the o map: unused by varlen variants, which store O from registers; over q there, whose out may be fp32)
     maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, kv_box, qk_rows)), geometry(*v_map),
-            geometry(*_bshd_map_spec(out, 64)))
+            geometry(*_bshd_map_spec(q if varlen is not None else out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     # Causal persistent variants claim tiles from a zeroed int32 of each launch's own, when there are
     # more tiles than CTAs (else each CTA runs one tile and the kernel needs no counter). Its cost
@@ -675,7 +715,8 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     attention with the call's mask, bottom-right aligned to its own lengths; out and lse rows no
     sequence uses are not written. fp16 / bf16 only (ValueError for descales); PackGQA as above
     with a padded q only (ValueError for pack_gqa=True with cu_seqlens_q; the rule never packs
-    one); MissingVariantError where no varlen variant serves the key.
+    one); MissingVariantError where no varlen variant serves the key. With ``varlen.num_splits`` > 1
+    (split-KV) out and lse are split 0's partial buffers, out fp32 (:class:`Varlen`).
     Head dims with no variant of their own run on the smallest built larger one. Launches on
     `stream` (CUstream as int); returns the variant used. Raises MissingVariantError when no built
     variant serves the call, ValueError for layouts TMA cannot address or a bad softmax_scale /

@@ -854,6 +854,15 @@ def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, 
             and (on_device or not (q.is_cuda and torch.cuda.is_current_stream_capturing())))
 
 
+def _splits_arg(num_splits) -> int:
+    """FA3's ``num_splits`` as the varlen kernel's: an int, <= 0 the heuristic's (0), else that many (capped by
+    :func:`_varlen_kernel`). TypeError for a non-int."""
+    if not _v._is_int(num_splits):
+        raise TypeError(f"flashgen: num_splits must be an int (FA3's: 0 or less = chosen, 1 = none, n = n splits), got "
+                        f"{type(num_splits).__name__}")
+    return max(int(num_splits), 0)
+
+
 def _int32_like(t, like: torch.Tensor) -> torch.Tensor:
     """Lengths or offsets (a host list, or an int32 tensor on ``like``'s device or the CPU) as a
     contiguous int32 tensor on ``like``'s device (a tensor already there as it is, when contiguous)."""
@@ -864,7 +873,7 @@ def _int32_like(t, like: torch.Tensor) -> torch.Tensor:
 
 def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_seqlen_k: int, softmax_scale,
                    causal: bool, window_size, softcap: float, sink, fill: bool, problem: _v.Problem | None = None,
-                   cache: tuple = (None, None, None)):
+                   cache: tuple = (None, None, None), num_splits: int = 1):
     """One launch of the varlen kernel (``core.attention_forward(varlen=...)``, FA3's varlen) for the
     arguments of :func:`flash_attn_varlen_func` or :func:`flash_attn_with_kvcache`, already checked
     against each other; ``(out, lse)``, or None where no varlen variant is built for the call's key
@@ -881,6 +890,9 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     (cache_batch_idx (batch,), cache_leftpad (batch,), page_table (batch, pages)); with a page table k / v
     are ``(num_pages, page_size, heads_k, dim)`` (core.Varlen: page_size a multiple of 8, no batch_idx or
     leftpad with it).
+    ``num_splits`` (FA3's): 1 none, 0 :func:`flashgen.core.varlen_num_splits` decides, n > 1 that many (at most
+    core.MAX_SPLITS and one per 64 keys): split-KV (flash-decoding), each split's fp32 partial O and LSE from the
+    kernel, merged by :func:`flash_attn_combine` into out / lse (every row: those of no sequence get 0 / -inf).
     Raises what :func:`_check_fwd` raises."""
     packed_q, packed_k = seqlens[0] is not None, seqlens[1] is not None
     p = problem
@@ -900,9 +912,17 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     vc, va = _input_arg(v, _input_layout(v, es), p.dtype, dev)
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_shape = (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1])
-    out = q.new_zeros(out_shape) if fill else q.new_empty(out_shape)
-    lse = (q.new_full(lse_shape, -math.inf, dtype=torch.float32) if fill
-           else q.new_empty(lse_shape, dtype=torch.float32))
+    splits = num_splits if num_splits > 0 else _core.varlen_num_splits(batch, p.heads, p.heads_k, max_seqlen_q,
+                                                                        max_seqlen_k, dev)
+    splits = max(1, min(splits, _core.MAX_SPLITS, -(-max_seqlen_k // 64)))
+    if splits > 1:  # split 0's partial buffers (every split's at its stride); lse -inf where no split writes
+        out = torch.empty((splits,) + out_shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((splits,) + lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        out = q.new_zeros(out_shape) if fill else q.new_empty(out_shape)
+        lse = (q.new_full(lse_shape, -math.inf, dtype=torch.float32) if fill
+               else q.new_empty(lse_shape, dtype=torch.float32))
+    first = (lambda t: t[0]) if splits > 1 else (lambda t: t)  # noqa: E731
     arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued
     table = arrays[-1]
     paging = (0, 0) if table is None else (table.shape[1], k.shape[1])  # (page_table_stride, page_size)
@@ -910,17 +930,26 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     scale = p.head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     try:
         _core.attention_forward(
-            qa, ka, va, _core.TensorArg(out.data_ptr(), out_shape, tuple(out.stride()), p.dtype, dev),
-            _core.TensorArg(lse.data_ptr(), lse_shape, tuple(lse.stride()), "fp32", dev), scale, bool(causal),
+            qa, ka, va, _core.TensorArg(out.data_ptr(), out_shape, tuple(first(out).stride()),
+                                        "fp32" if splits > 1 else p.dtype, dev),
+            _core.TensorArg(lse.data_ptr(), lse_shape, tuple(first(lse).stride()), "fp32", dev), scale, bool(causal),
             _current_stream(dev), window_size=window, softcap=float(softcap),
             sink=0 if sink_t is None else sink_t.data_ptr(),
             varlen=_core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays[:4]), batch, int(max_seqlen_q),
                                 int(max_seqlen_k), *(0 if a is None else a.data_ptr() for a in arrays[4:]),
-                                *paging))
+                                *paging, splits, out.stride(0) if splits > 1 else 0,
+                                lse.stride(0) if splits > 1 else 0))
     except _core.MissingVariantError:
         return None
     del qc, kc, vc, arrays, sink_t  # released only after the launch is enqueued (stream-ordered)
-    return out, lse
+    if splits == 1:
+        return out, lse
+    # the partials as flash_attn_combine's (splits, batch, seqlen, heads, ...) (a packed q: batch 1)
+    merged = q.new_empty(out_shape, dtype=_out_dtype(q))
+    parts, part_lse = (out[:, None], lse.transpose(1, 2)[:, None]) if packed_q else (out, lse.transpose(2, 3))
+    _, merged_lse = flash_attn_combine(parts, part_lse, out=merged[None] if packed_q else merged,
+                                       out_dtype=merged.dtype)
+    return merged, (merged_lse.transpose(1, 2)[0] if packed_q else merged_lse.transpose(1, 2))
 
 
 def flash_attn_varlen_func(
@@ -983,7 +1012,9 @@ def flash_attn_varlen_func(
         q_descale, k_descale, v_descale: FP8 only: None or float32 ``(batch, heads_k)`` (FA3's).
         softmax_scale, causal, window_size, attention_chunk, softcap, deterministic, pack_gqa,
         learnable_sink: as :func:`flash_attn_func`. qv: not implemented (NotImplementedError).
-        num_splits, sm_margin: accepted and ignored.
+        num_splits: FA3's split-KV count where the varlen kernel runs the call: 1 (default) none, 0 or less
+            chosen (core.varlen_num_splits), n that many; merged by :func:`flash_attn_combine`. The composed
+            path ignores it. sm_margin: accepted and ignored.
         return_attn_probs: also return lse.
 
     Returns:
@@ -1029,7 +1060,7 @@ def flash_attn_varlen_func(
                                        max(lq), max(lk)):
         res = _varlen_kernel(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), batch, max(lq), max(lk),
                              softmax_scale, causal, window_size, softcap, learnable_sink,
-                             fill=any(unused_q) or cu_q[-1] < q.shape[0])
+                             fill=any(unused_q) or cu_q[-1] < q.shape[0], num_splits=_splits_arg(num_splits))
         if res is not None:
             return res if return_attn_probs else res[0]
     # runs of consecutive sequences of equal lengths with no unused rows between them: one call each,

@@ -43,7 +43,7 @@ import torch
 
 from . import _validate as _v
 from . import core as _core
-from .interface import (_attend, _check_fwd, _device_of, _host_ints, _out_dtype, _varlen_kernel,
+from .interface import (_attend, _check_fwd, _device_of, _host_ints, _out_dtype, _splits_arg, _varlen_kernel,
                         _varlen_kernel_serves)
 
 __all__ = ["flash_attn_with_kvcache", "get_scheduler_metadata", "apply_rotary"]
@@ -170,8 +170,10 @@ def flash_attn_with_kvcache(
         q_descale, k_descale, v_descale: FP8: None or float32 ``(batch, heads_k)``.
         softmax_scale, causal, window_size, attention_chunk, softcap, pack_gqa: as
             :func:`flashgen.flash_attn_func`.
-        qv: not implemented (NotImplementedError). scheduler_metadata, num_splits, sm_margin:
-            accepted and ignored.
+        num_splits: FA3's split-KV count (flash-decoding) where the varlen kernel runs the call: 0 (default)
+            chosen by core.varlen_num_splits (splits when the tiles do not fill the GPU), 1 none, n that many;
+            the partials are merged by :func:`flashgen.flash_attn_combine`. The composed path ignores it.
+        qv: not implemented (NotImplementedError). scheduler_metadata, sm_margin: accepted and ignored.
         return_softmax_lse: also return lse, float32 ``(batch, heads, seqlen_q)`` (``(heads,
             total_q)`` with cu_seqlens_q).
 
@@ -205,7 +207,7 @@ def flash_attn_with_kvcache(
         out, lse = _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
                                    (q_descale, k_descale, v_descale), softmax_scale, causal, window_size,
                                    attention_chunk, softcap, rotary_interleaved, pack_gqa, cache_batch_idx,
-                                   cache_leftpad, page_table)
+                                   cache_leftpad, page_table, num_splits)
         return (out, lse) if return_softmax_lse else out
     device = _device_of(q)[1]
     varlen_q = cu_seqlens_q is not None
@@ -333,9 +335,10 @@ def flash_attn_with_kvcache(
         whole = paged or cache_batch_idx is not None  # k / v's batch dim: pages or cache rows, not the entries
         res = _varlen_kernel(q, k_cache if whole else k_cache[:batch], v_cache if whole else v_cache[:batch],
                              (cu_seqlens_q if varlen_q else None, None, None, total), batch, max(q_len), max_k,
-                             softmax_scale, causal, window_size, softcap, None, fill=varlen_q and q_rows[-1][1] < q.shape[0], problem=problem,
+                             softmax_scale, causal, window_size, softcap, None,
+                             fill=varlen_q and q_rows[-1][1] < q.shape[0], problem=problem,
                              cache=(None if cache_batch_idx is None else rows, leftpad if any(leftpad) else None,
-                                    page_table if paged else None))
+                                    page_table if paged else None), num_splits=_splits_arg(num_splits))
         if res is not None:
             return res if return_softmax_lse else res[0]
     # Else runs of neighbouring entries with equal lengths and consecutive cache rows share one call
@@ -380,7 +383,7 @@ def flash_attn_with_kvcache(
 def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,
                     softmax_scale, causal: bool, window_size, attention_chunk: int, softcap: float,
                     rotary_interleaved: bool, pack_gqa=None, cache_batch_idx=None, cache_leftpad=None,
-                    page_table=None) -> tuple:
+                    page_table=None, num_splits: int = 0) -> tuple:
     """:func:`flash_attn_with_kvcache` without reading a length on the host, for CUDA-graph capture (where the
     host path cannot read GPU tensors): a padded q ``(batch, seqlen_q, heads, d)``, new k / v ``(batch, seqlen_new,
     heads_k, d)`` or None; ``cache_seqlens`` an int or None (every entry at that length, or the cache full) or an
@@ -489,7 +492,8 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     whole = paged or rows is not None  # k / v's batch dim: pages or cache rows, not the entries
     res = _varlen_kernel(q, k_cache if whole else k_cache[:batch], v_cache if whole else v_cache[:batch],
                          (None, None, None, total.to(torch.int32)), batch, sq, capacity, softmax_scale, causal,
-                         window_size, softcap, None, fill=False, problem=problem, cache=(rows, pads, page_table))
+                         window_size, softcap, None, fill=False, problem=problem, cache=(rows, pads, page_table),
+                         num_splits=_splits_arg(num_splits))
     if res is None:  # (varlen_variant_built said yes: a manifest changed between the two reads)
         raise NotImplementedError("flashgen: no varlen variant serves this flash_attn_with_kvcache call, which a "
                                   "CUDA-graph capture needs (the composed path reads the lengths on the host)")

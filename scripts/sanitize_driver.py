@@ -25,7 +25,8 @@ Cases (only those whose variant is built run; a family with no runnable case fai
   fwd varlen  the varlen kernel (core.VARLEN_KERNEL switched on for the case), bf16 d128 causal, heads 8 over 2:
            flash_attn_varlen_func on packed sequences (one without queries, lengths past block edges); and
            flash_attn_with_kvcache (no append, q of 3 rows: PackGQA) over a padded cache, a cache of more rows
-           read through cache_batch_idx with cache_leftpad, and pages of 16 rows in a shuffled pool. The cache
+           read through cache_batch_idx with cache_leftpad, and pages of 16 rows in a shuffled pool (these two
+           with 3 splits of the keys, merged by the combine kernel). The cache
            rows past each entry's tokens are never written (whatever is there, NaN included, must not reach
            out: the kernel zeroes V's rows past the keys in shared memory).
   quant    quantize_fp8, bf16 and fp16, head dims 128 / 96 / 192 (head_dim_v 128), all four scale
@@ -238,7 +239,7 @@ def fwd_varlen_case(layout: str, seed: int) -> None:
         out, lse = flashgen.flash_attn_with_kvcache(
             q.cuda(), kc, vc, cache_seqlens=i32(lens), page_table=table, causal=True, return_softmax_lse=True,
             cache_batch_idx=i32(rows) if layout == "rows" else None,
-            cache_leftpad=i32(pads) if layout == "rows" else None)
+            cache_leftpad=i32(pads) if layout == "rows" else None, num_splits=1 if layout == "cache" else 3)
         out, lse = out.cpu(), lse.cpu()
         for b in range(batch):
             check_fwd(q[b:b + 1], kl[b][pads[b]:][None], vl[b][pads[b]:][None], True, out[b:b + 1], lse[b:b + 1])

@@ -5,8 +5,8 @@ Three workloads, bf16, head_dim 128; the first two forward without gradient:
   packed:  N documents of random lengths packed into TOKENS tokens (training with document masking; causal),
            flash_attn_varlen_func, heads 16 / 16;
   decode:  B caches of random lengths up to CACHE, one new query each (serving; GQA 32 / 8),
-           flash_attn_with_kvcache without appending; also as paged caches (pages of 16 and 256 rows, shuffled),
-           whose composed path gathers each entry's pages;
+           flash_attn_with_kvcache without appending (split-KV as its heuristic picks; one case also without);
+           also as paged caches (pages of 16 and 256 rows, shuffled), whose composed path gathers each entry's pages;
   train:   causal packed documents, forward + backward (the varlen kernel has no backward): the composed path's
            padded groups of similar lengths against one call per run of equal neighbours (its way before).
 PyTorch SDPA in the same process as the peer: nested (jagged) tensors for the packed documents (one SDPA call per
@@ -55,7 +55,8 @@ def packed_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
     return run, sdpa, flops, f"packed {n_docs} docs / {tokens} tokens (max {max(lens)})"
 
 
-def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 128, page: int | None = None):
+def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 128, page: int | None = None,
+                num_splits: int = 0):
     lens = [rng.randint(1, cache) for _ in range(batch)]
     q = torch.randn(batch, 1, h, d, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(batch, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -71,7 +72,8 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
         vp[table.long().flatten()] = vc.view(batch * per, page, hk, d)
 
     def run():
-        return flashgen.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=table, causal=True)
+        return flashgen.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=table, causal=True,
+                                                num_splits=num_splits)
 
     mask = (torch.arange(cache, device="cuda")[None, :] < seqlens[:, None])[:, None, None, :]
 
@@ -79,7 +81,8 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
         return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2),
                                                                 vc.transpose(1, 2), attn_mask=mask, enable_gqa=True)
     paged = f", pages of {page}" if page else ""
-    return run, sdpa, flops, f"decode {batch} caches up to {cache} (mean {sum(lens) // batch}){paged}"
+    split = ", no split-KV" if num_splits == 1 else ""
+    return run, sdpa, flops, f"decode {batch} caches up to {cache} (mean {sum(lens) // batch}){paged}{split}"
 
 
 def train_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
@@ -111,7 +114,11 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     cases = [packed_case(rng, 16, 8192), packed_case(rng, 64, 16384), packed_case(rng, 4, 4096),
-             decode_case(rng, 64, 8192), decode_case(rng, 8, 32768), decode_case(rng, 256, 2048),
+             decode_case(rng, 64, 8192),
+             # (the same lengths with and without split-KV)
+             decode_case(random.Random(args.seed + 1), 8, 32768), decode_case(random.Random(args.seed + 1), 8, 32768,
+                                                                             num_splits=1),
+             decode_case(rng, 256, 2048),
              decode_case(rng, 64, 8192, page=16), decode_case(rng, 64, 8192, page=256)]
     rows = []
     with torch.no_grad():

@@ -151,7 +151,9 @@ class FakeCore:
     def _varlen_forward(self, q, k, v, out, lse, scale, causal, window_size, softcap, sink, varlen, pack_gqa=None):
         """The varlen kernel (core.Varlen, mask.cuh SeqRange) emulated: each sequence's rows of q and
         k / v (at their cu_seqlens offsets, or row b of a padded batch; seqused_* rows of them) attend
-        as one call, written to the same rows of out and lse; rows of no sequence are left as they were."""
+        as one call, written to the same rows of out and lse; rows of no sequence are left as they were.
+        Split-KV (num_splits > 1; out then fp32): split 0 gets the whole result and the other splits none (their
+        lse stays -inf): a partition of the keys as valid as the kernel's, whose merge is the same."""
         m = core.mask_spec(causal, window_size, varlen.max_seqlen_q, varlen.max_seqlen_k)
         # the core's PackGQA choice (a padded q, by the rule at block_m 128), which changes the variant only
         pack = (pack_gqa is not False and not varlen.cu_seqlens_q
@@ -246,7 +248,18 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(core, "prepare_forward", fc.prepare_forward)
     monkeypatch.setattr(core, "launch_forward", fc.launch_forward)
     monkeypatch.setattr(core, "pack_gqa_served", fc.pack_gqa_served)
+    monkeypatch.setattr(interface, "_combine_launch", _fake_combine_launch)
+    monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)  # (an H100 SXM's: split-KV's heuristic)
     return fc
+
+
+def _fake_combine_launch(out_partial, lse_partial, out, lse, problem) -> None:
+    """The combine kernel emulated (flash_attn_combine's launch): the float64 merge of tests/gpu/_ref.py."""
+    from _ref import combine_ref
+
+    merged, merged_lse = combine_ref(out_partial, lse_partial)
+    out.copy_(merged.to(out.dtype))
+    lse.copy_(merged_lse.float())
 
 
 def qkv(b=2, sq=5, sk=7, h=4, hk=2, d=64, dv=None, dtype=torch.float16, seed=0):

@@ -99,6 +99,8 @@ def test_kvcache(kvcache, emulated, monkeypatch, seqlen_q, seqlen_k):
                 kvcache["test_kvcache_varlen_kernel"](seqlen_q, seqlen_k, rotary, causal, local, "gqa", m)
             kvcache["test_kvcache_append_and_attend"](seqlen_q, seqlen_k, 4 if seqlen_q > 1 else None, rotary, causal,
                                                       local, "mqa")
+            with monkeypatch.context() as m:
+                kvcache["test_kvcache_varlen_kernel_split_kv"](seqlen_q, 2048, 3, causal, local, 16, m)
             for layout in ("batch_idx", "page16", "page128"):
                 with monkeypatch.context() as m:
                     kvcache["test_kvcache_varlen_kernel_cache_layouts"](seqlen_q, 1024 if seqlen_k == 800 else seqlen_k,

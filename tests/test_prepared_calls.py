@@ -527,7 +527,8 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             **core._descale_params("v", descales[2], h, hk, False),
             "cu_seqlens_q": 0, "cu_seqlens_k": 0, "seqused_q": 0, "seqused_k": 0, "lse_stride_batch": 0,
             "lse_stride_head": 0, "kv_batch_idx": 0, "leftpad_k": 0, "page_table": 0, "page_table_stride": 0,
-            "page_size": 0, "page_box": 0}
+            "page_size": 0, "page_box": 0, "num_splits": 1, "o_stride_split": 0, "lse_stride_split": 0, "split_mul": 0,
+            "split_shift": 0}
 
 
 def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap=0.0, sink=0, stream=7,
@@ -848,7 +849,8 @@ VARLEN_KEYS = KEYS + [dict(dtype="bf16", head_dim=128, head_dim_v=128, causal=c,
 
 
 def _params_of(rec) -> dict:
-    return {n: struct.unpack_from({"i32": "<i", "ptr": "<Q", "f32": "<f", "i64": "<q"}[t], rec["params"], off)[0]
+    return {n: struct.unpack_from({"i32": "<i", "u32": "<I", "ptr": "<Q", "f32": "<f", "i64": "<q"}[t], rec["params"],
+                                  off)[0]
             for n, t, off in FWD_LAYOUT["fields"]}
 
 
@@ -930,6 +932,19 @@ def test_varlen_launch_maps_params_and_grid(tmp_path, monkeypatch):
             with pytest.raises(ValueError, match=what):
                 core.attention_forward(q4, kp, vp, o4, targ((b, h, sq), "fp32", 14 << 24), 0.1, False, 5,
                                        pack_gqa=False, varlen=bad)
+        # split-KV: the scheduler's batch is sequences x splits, fast_div of the count, the partials' strides; the
+        # o map over q's geometry (out is the fp32 partial)
+        o32 = targ((b, sq, h, 128), "fp32", 29 << 24)
+        core.attention_forward(q4, kc, vc, o32, targ((b, h, sq), "fp32", 30 << 24), 0.1, False, 5, pack_gqa=False,
+                               varlen=core.Varlen(0, 0, 0, 15 << 24, b, sq, 300, num_splits=3,
+                                                  o_stride_split=b * sq * h * 128, lse_stride_split=b * h * sq))
+        rec = d.launches[-1]
+        got = _params_of(rec)
+        mul, shift = core.fast_div(3)
+        assert (got["num_splits"], got["batch"], got["num_tiles"], got["split_mul"], got["split_shift"]) == \
+            (3, 3 * b, 3 * b * h * -(-sq // 128), mul, shift)
+        assert (got["o_stride_split"], got["lse_stride_split"], got["o"]) == (b * sq * h * 128, b * h * sq, 29 << 24)
+        assert rec["maps"][3].dims == (128, sq, h, b) and rec["maps"][3].dtype == rec["maps"][0].dtype
         # a packed q is never packed by the rule (PackGQA's Q map has a batch dim)
         q1, o1 = targ((5, h, 128), ptr=19 << 24), targ((5, h, 128), ptr=20 << 24)
         core.attention_forward(q1, k, v, o1, targ((h, 5), "fp32", 21 << 24), 0.1, False, 5,
@@ -960,8 +975,7 @@ def test_packed_launch_maps_params_and_grid(tmp_path, monkeypatch):
         assert used.params["pack_gqa"] and "packgqa" in d.launches[-1]["symbol"]
         rec = d.launches[-1]
         num_m = -(-sq // 18)
-        got = {n: struct.unpack_from({"i32": "<i", "ptr": "<Q", "f32": "<f", "i64": "<q"}[t], rec["params"], off)[0]
-               for n, t, off in FWD_LAYOUT["fields"]}
+        got = _params_of(rec)
         assert (got["group"], got["tile_queries"], got["num_m_blocks"], got["num_tiles"]) == (7, 18, num_m, num_m * hk * b)
         assert got["section_heads"] == core.section_heads(b, hk, hk, sk, 128, 128, 2) and got["heads"] == h
         assert rec["grid"] == (min(num_m * hk * b, FakeDriver.SM_COUNT), 1, 1)

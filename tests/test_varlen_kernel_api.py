@@ -469,3 +469,50 @@ def test_kvcache_step_on_device_checks_the_lengths_on_the_device(kernel_on, lens
         kvcache._step_on_device(q, kc, vc, k, v, None, None, torch.tensor(lens, dtype=torch.int32), None,
                                 (None, None, None), None, True, (-1, -1), 0, 0.0, True)
     assert torch.equal(kc, kc0) and kernel_on.calls == []
+
+
+# ------------------------------------------------------------------------- split-KV (flash-decoding)
+def test_varlen_num_splits_heuristic(monkeypatch):
+    """Splits where the tiles leave SMs idle and the keys are long, none otherwise (132 SMs)."""
+    monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)
+    # decode, 8 caches of 32k keys, GQA 32 / 8 (PackGQA: 64 tiles): 2 splits fill 128 of 132 SMs
+    assert core.varlen_num_splits(8, 32, 8, 1, 32768, 0) == 2
+    assert core.varlen_num_splits(1, 32, 8, 1, 32768, 0) > 8  # 8 tiles: many splits
+    assert core.varlen_num_splits(64, 32, 8, 1, 32768, 0) == 1  # 512 tiles fill the GPU
+    assert core.varlen_num_splits(8, 32, 8, 1, 512, 0) == 1  # 4 key blocks: not worth it
+    n = core.varlen_num_splits(1, 8, 8, 1, 300 * 128, 0)
+    assert 1 < n <= 128 and (8 * n / 132) / -(-8 * n // 132) >= 0.85 * max(
+        (8 * m / 132) / -(-8 * m // 132) for m in range(1, 129))
+
+
+@pytest.mark.parametrize("splits", [0, 3])
+def test_kvcache_split_kv_merges_the_partials(kernel_on, monkeypatch, splits):
+    """num_splits (forced 3, or 0 with the heuristic made to choose 4): the kernel launch gets fp32 partial buffers
+    of every split (Varlen.num_splits and its strides), flash_attn_combine merges them into out / lse: FA3's result."""
+    monkeypatch.setattr(core, "varlen_num_splits", lambda *a: 4)
+    q, k, v, kc, vc, _ = make(batch=3, sq=2, cache_len=400, new=1, seed=21)
+    lens = [5, 300, 399]
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                       causal=True, num_splits=splits, return_softmax_lse=True)
+    ref, ref_lse, _, _ = kvcache_reference(q, k, v, kc0, vc0, None, lens, [0] * 3, list(range(3)), True, (-1, -1))
+    check(out, lse, ref, ref_lse)
+    (call,) = varlen_calls(kernel_on)
+    vl, o = call["varlen"], call["out"]
+    want = splits or 4
+    assert vl.num_splits == want and o.dtype == "fp32" and vl.o_stride_split == 3 * 2 * q.shape[2] * 64
+    assert vl.lse_stride_split == 3 * q.shape[2] * 2 and out.dtype == q.dtype and lse.shape == (3, q.shape[2], 2)
+
+
+def test_varlen_func_split_kv_packed_q(kernel_on):
+    """flash_attn_varlen_func with num_splits on a packed q (the partials as combine's batch of one): FA3's out and
+    lse, rows past the last sequence 0 / -inf; num_splits must be an int."""
+    lens_q, lens_k = [5, 17, 1], [200, 170, 40]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, pad_q=3, pad_k=2, seed=12)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 200, causal=True, num_splits=2, return_attn_probs=True)
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, lens_q, lens_k, True)
+    check_varlen(out, lse, ref, ref_lse)
+    assert not out[-3:].any() and torch.isneginf(lse[:, -3:]).all()
+    assert varlen_calls(kernel_on)[0]["varlen"].num_splits == 2
+    with pytest.raises(TypeError, match="num_splits must be an int"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 200, causal=True, num_splits=2.0)

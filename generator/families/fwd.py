@@ -168,6 +168,11 @@ PARAMS = params_struct(
     ("kv_batch_idx", "ptr", "const int*"), ("leftpad_k", "ptr", "const int*"),
     ("page_table", "ptr", "const int*"), ("page_table_stride", "i32"),
     ("page_size", "i32"), ("page_box", "i32"),
+    # varlen variants, split-KV (flash-decoding; > 1: on): the scheduler's batch is batch x num_splits; split s of a
+    # tile runs its share of the key blocks and stores fp32 O (normalised within the split) at o + s x
+    # o_stride_split and its LSE at lse + s x lse_stride_split (elements), merged by the combine family.
+    ("num_splits", "i32"), ("o_stride_split", "i64"), ("lse_stride_split", "i64"),
+    ("split_mul", "u32"), ("split_shift", "u32"),  # core.fast_div of num_splits (mul 0: no splits)
 )
 
 VT_KEY_ALIGN = 16  # V^T rows: whole 16-key groups (P's k order permutes within 16; TMA strides: 16 bytes)

@@ -59,6 +59,20 @@ def test_kvcache_varlen_kernel_cache_layouts(seqlen_q, seqlen_k, layout, causal,
     assert bool(launches[0].page_table) == (page is not None) and bool(launches[0].kv_batch_idx) == (page is None)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k,num_splits", [(1, 4096, 0), (1, 16384, 0), (4, 3072, 5), (64, 2048, 3),
+                                                        (1, 768, 7)])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_kvcache_varlen_kernel_split_kv(seqlen_q, seqlen_k, num_splits, causal, local, page_size, monkeypatch):
+    """Split-KV (flash-decoding): 5 caches x 3 K/V heads leave most SMs idle, so the heuristic splits the keys
+    (num_splits 0), or num_splits forces it; each split's fp32 partial, merged by the combine kernel, against the
+    reference (padded and paged caches, GQA)."""
+    launches = count_launches(monkeypatch)
+    check_kvcache(seqlen_q, seqlen_k, page_size, None, causal, local, "gqa", leftpad_on=page_size is None, varlen=True,
+                  num_splits=num_splits)
+    assert len(launches) == 1 and launches[0] is not None and launches[0].num_splits > 1
+
+
 def count_launches(monkeypatch) -> list:
     """The varlen kernel switched on; the Varlen of each core.attention_forward call (None: not varlen) collected."""
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
@@ -96,10 +110,11 @@ def poison_unused(kc, vc, table, ends, starts=None, rows=None) -> None:
 
 
 def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type, leftpad_on=True, varlen=False,
-                  batch_idx=False):
+                  batch_idx=False, num_splits=0):
     """One call of FA3's kvcache test against the reference (the module docstring's rule); ``leftpad_on`` False:
     no left padding; ``varlen``: the key is the varlen kernels' (the skip names them); ``batch_idx``: an unpaged
-    cache of more rows than entries, read through cache_batch_idx (FA3's has_batch_idx)."""
+    cache of more rows than entries, read through cache_batch_idx (FA3's has_batch_idx); ``num_splits``: FA3's
+    (0: chosen)."""
     d, batch, heads = 128, 5, 6
     heads_k = {"mha": 6, "gqa": 3, "mqa": 1}[mha_type]
     if page_size is not None and seqlen_k % page_size:
@@ -140,7 +155,7 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     out, lse = flashgen.flash_attn_with_kvcache(
         q, kc, vc, k, v, rotary_cos=rope and rope[0], rotary_sin=rope and rope[1], cache_seqlens=lens,
         cache_leftpad=leftpad, page_table=table, causal=causal, window_size=window,
-        cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device="cuda") if batch_idx else None,
+        cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device="cuda") if batch_idx else None, num_splits=num_splits,
         rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
     torch.cuda.synchronize()
     args = (q, k, v, kc0, vc0, table, lens.tolist(), leftpad.tolist(), rows, causal, window, rope,

@@ -65,7 +65,8 @@ __device__ __forceinline__ void store_o(const float (&o)[R], const Tile& tile, i
 
 // O (m64nN accumulator, R = N/2 registers, already normalised) -> global memory without staging:
 // this thread's rows h = 0, 1 (accumulator rows row0 and row0 + 8) at row_ptr(h) (null: dropped),
-// columns o_col(j, lane % 4) and +1 below `cols` (a multiple of 8), one 4-byte store each. The FP8
+// columns o_col(j, lane % 4) and +1 below `cols` (a multiple of 8), one 4-byte store each (T float: 8 bytes,
+// split-KV's fp32 partials). The FP8
 // forward stores O this way where its shared memory has no room for a 16-bit O tile beside the e4m3
 // rings and V^T (fwd.py smem_layout: head_dim 256 with the transposer, say), and so does PackGQA (a
 // tile's rows are of several heads).
@@ -79,7 +80,13 @@ __device__ __forceinline__ void store_o_rows(const float (&o)[R], RowPtr&& row_p
 #pragma unroll
       for (int j = 0; j < R / 4; ++j) {
         const int col = o_col<kFp8Order>(j, lane % 4);
-        if (col < cols) *reinterpret_cast<uint32_t*>(dst + col) = pack2<T>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+        if (col < cols) {
+          if constexpr (sizeof(T) == 4) {  // fp32 (split-KV's partial O): two floats, 8-byte aligned
+            *reinterpret_cast<float2*>(dst + col) = make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+          } else {
+            *reinterpret_cast<uint32_t*>(dst + col) = pack2<T>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+          }
+        }
       }
     }
   }

@@ -25,6 +25,13 @@ struct IndexRange {
   __device__ __forceinline__ int count() const { return max(0, end - begin); }
 };
 
+// Split-KV (flash-decoding): split s takes the s-th share of `per` blocks of the key blocks [begin, end), per =
+// ceil(count / splits) (the last shares short or empty; one split: per = count, s = 0, all of them).
+__device__ __forceinline__ IndexRange split_blocks(IndexRange r, int s, int per) {
+  const int begin = min(r.begin + s * per, r.end);
+  return {begin, min(begin + per, r.end)};
+}
+
 // The band of keys each query row sees (see the top of this file).
 struct Band {
   int seqlen_q;
@@ -64,6 +71,8 @@ struct SeqRange {
   int seqlen_q;
   int offset_k;
   int seqlen_k;
+  int n_begin = 0;  // the forward's slot: the tile's K/V blocks [n_begin, n_end) (split-KV: its split's share)
+  int n_end = 0;
 };
 
 __device__ __forceinline__ int seq_offset(const int* cu_seqlens, int b) { return cu_seqlens ? cu_seqlens[b] : 0; }
