@@ -255,13 +255,14 @@ def flash_attn_with_kvcache(
         if not paged and not 0 <= rows[b] < k_cache.shape[0]:
             raise ValueError(f"flashgen: cache_batch_idx[{b}] = {rows[b]} is not a row of k_cache "
                              f"({k_cache.shape[0]} rows)")
-    if paged:  # the pages each entry uses (up to its last token's) must be blocks of the caches
-        table = page_table.tolist()  # (a synchronisation on the GPU, as the lengths' reads)
-        for b in range(batch):
-            bad = [p for p in table[b][:-(-total[b] // k_cache.shape[1])] if not 0 <= p < k_cache.shape[0]]
-            if bad:
-                raise ValueError(f"flashgen: page_table[{b}] names page {bad[0]}, not a block of k_cache "
-                                 f"({k_cache.shape[0]} blocks), among the pages entry {b}'s {total[b]} tokens use")
+    if paged:  # the pages each entry uses (up to its last token's) must be blocks of the caches (one read)
+        used = torch.arange(page_table.shape[1], device=page_table.device)[None] < torch.tensor(
+            [-(-t // k_cache.shape[1]) for t in total], device=page_table.device)[:, None]
+        bad = used & ((page_table < 0) | (page_table >= k_cache.shape[0]))
+        if bool(bad.any()):
+            b, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"flashgen: page_table[{b}] names page {int(page_table[b, j])}, not a block of k_cache "
+                             f"({k_cache.shape[0]} blocks), among the pages entry {b}'s {total[b]} tokens use")
     rope = None
     if rotary_cos is not None:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
