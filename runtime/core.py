@@ -372,17 +372,20 @@ def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, wi
 MAX_SPLITS = 128
 
 
-def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, max_seqlen_k: int, device: int) -> int:
+def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, max_seqlen_k: int, device: int,
+                      mask: MaskSpec | None = None) -> int:
     """The split count of a varlen forward's key range (split-KV, flash-decoding; FA3's ``num_splits=0``) for a
     call whose tiles do not fill the GPU, in the manner of FA3's heuristic (hopper/heuristics.h): the tiles are
-    counted at 128 rows (packed by :func:`pack_gqa_rule` where it packs) and the key blocks at 128 keys. 1 when the
+    counted at 128 rows (packed by :func:`pack_gqa_rule` where it packs) and the key blocks at 128 keys (a local
+    ``mask`` (:func:`mask_spec`): the keys a tile's window spans, left + right + 1 + 128, as FA3). 1 when the
     tiles fill 80 % of the SMs or there are 4 key blocks or fewer; otherwise the fewest splits whose wave
     efficiency (tiles x splits / SMs, over that rounded up) is within 85 % of the best, at most MAX_SPLITS, the
     SMs and the key blocks."""
     group = max(heads // max(heads_k, 1), 1)
     m_rows = max_seqlen_q * group if pack_gqa_rule(max_seqlen_q, heads, heads_k, 128) else max_seqlen_q
     tiles = batch * (heads_k if m_rows != max_seqlen_q else heads) * -(-m_rows // 128)
-    blocks = -(-max_seqlen_k // 128)
+    keys = max_seqlen_k if mask is None or not mask.local else min(max_seqlen_k, mask.left + mask.right + 1 + 128)
+    blocks = -(-keys // 128)
     sms = launch.num_sms(device)
     if tiles >= 0.8 * sms or blocks <= 4:
         return 1
@@ -508,6 +511,11 @@ def _batch_of_one(name: str, t: TensorArg) -> TensorArg:
     return t._replace(shape=(1, *t.shape), strides=(t.shape[0] * t.strides[0], *t.strides))
 
 
+def _span(t: TensorArg) -> int:
+    """Elements from a TensorArg's first to its last, plus one."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.strides))
+
+
 def _varlen_operands(q, k, v, out, varlen: Varlen, descales: tuple, pack_gqa) -> tuple:
     """q, k, v, out of a varlen call as 4-D TensorArgs (a packed side as a batch of one); ValueError for what the
     varlen kernels do not serve (FP8 descales, PackGQA asked for with a packed q), a padded side not of
@@ -529,6 +537,10 @@ def _varlen_operands(q, k, v, out, varlen: Varlen, descales: tuple, pack_gqa) ->
         raise ValueError(f"flashgen: a page table needs k / v of (num_pages, page_size, heads_k, dim) with page_size "
                          f"(k's dim 1: {k.shape[1]}) = {varlen.page_size} a multiple of 8, page_table_stride >= 1, "
                          "and neither kv_batch_idx nor leftpad_k")
+    if varlen.num_splits > 1 and (out.dtype != "fp32" or varlen.o_stride_split < _span(out)):
+        raise ValueError(f"flashgen: with num_splits {varlen.num_splits} out must be split 0's fp32 partial, the "
+                         f"others o_stride_split elements apart (at least its {_span(out)}); got {out.dtype}, "
+                         f"{varlen.o_stride_split}")
     for name, t, packed, most in (("q", q, varlen.cu_seqlens_q, varlen.max_seqlen_q),
                                   ("k", k, varlen.cu_seqlens_k, varlen.max_seqlen_k)):
         rows = name == "k" and (varlen.kv_batch_idx or varlen.page_table)  # k's batch dim: cache rows or pages
@@ -611,6 +623,10 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
         params.update(page_table_stride=varlen.page_table_stride, page_size=varlen.page_size, page_box=kv_box)
     if varlen is not None and varlen.num_splits > 1:  # split-KV: the scheduler's batch is sequences x splits
         splits = varlen.num_splits
+        lse_span = h * q_rows * (1 if varlen.cu_seqlens_q else b)
+        if varlen.lse_stride_split < lse_span or num_tiles * splits >= 2 ** 31:
+            raise ValueError(f"flashgen: num_splits {splits}: lse_stride_split must be at least the lse's {lse_span} "
+                             f"elements (got {varlen.lse_stride_split}), and tiles x splits below 2^31")
         num_tiles *= splits
         mul, shift = fast_div(splits)
         params.update(batch=b * splits, num_tiles=num_tiles, num_splits=splits, o_stride_split=varlen.o_stride_split,
@@ -726,6 +742,8 @@ def attention_forward(q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, 
     params, TMA map geometry) runs once per metadata key; each call then does
     :func:`launch_forward` (alignment, softmax constants, TMA maps by address, launch).
     """
+    if varlen is not None and varlen.num_splits > 1 and lse is None:
+        raise ValueError("flashgen: split-KV (num_splits > 1) needs lse: the partials merge by it")
     prep = prepare_forward(q, k, v, out, causal, variant, window_size=window_size, softcap=softcap,
                            softmax_scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                            pack_gqa=pack_gqa, varlen=varlen)

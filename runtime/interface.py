@@ -912,9 +912,15 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     vc, va = _input_arg(v, _input_layout(v, es), p.dtype, dev)
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_shape = (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1])
-    splits = num_splits if num_splits > 0 else _core.varlen_num_splits(batch, p.heads, p.heads_k, max_seqlen_q,
-                                                                        max_seqlen_k, dev)
+    splits = num_splits if num_splits > 0 else _core.varlen_num_splits(
+        batch, p.heads, p.heads_k, max_seqlen_q, max_seqlen_k, dev, _core.mask_spec(causal, window, max_seqlen_q,
+                                                                                      max_seqlen_k))
     splits = max(1, min(splits, _core.MAX_SPLITS, -(-max_seqlen_k // 64)))
+    if splits > 1:  # the merge needs a combine variant for out's dtype: without one, no split
+        try:
+            _core.select_variant("combine", {"dtype": p.out_dtype})
+        except _core.MissingVariantError:
+            splits = 1
     if splits > 1:  # split 0's partial buffers (every split's at its stride); lse -inf where no split writes
         out = torch.empty((splits,) + out_shape, dtype=torch.float32, device=q.device)
         lse = torch.full((splits,) + lse_shape, -math.inf, dtype=torch.float32, device=q.device)

@@ -62,10 +62,11 @@ def mask(sq, sk, causal=False, window_size=(-1, -1)):
     return ok
 
 
-def reference(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, sink=None):
+def reference(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, sink=None, keys=None):
     """float32 attention (float64 for float64 inputs), bottom-right aligned causal / window,
     FA3's softcap, gpt-oss's learnable sink; returns (out, lse (b,h,sq)). Differentiable in
-    q, k, v and sink. Rows that see no key: out 0, lse -inf (or the sink)."""
+    q, k, v and sink. Rows that see no key: out 0, lse -inf (or the sink). ``keys`` = (k0, k1): the
+    attention over those keys alone (the masks still of the whole sequence): a split-KV partial."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -77,6 +78,9 @@ def reference(q, k, v, scale, causal, window_size=(-1, -1), softcap=0.0, sink=No
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask(sq, sk, causal, window_size), -math.inf)
+    if keys is not None:
+        outside = (torch.arange(sk) < keys[0]) | (torch.arange(sk) >= keys[1])
+        s = s.masked_fill(outside.to(s.device), -math.inf)
     if sink is not None:
         s = torch.cat([s, sink.to(ft).view(1, h, 1, 1).expand(b, h, sq, 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
@@ -111,7 +115,7 @@ class FakeCore:
 
     def select_variant(self, family, key, manifest=None, round_up=()):
         self.selected.append((family, dict(key)))
-        return Variant(name=f"fake_{key['dtype']}_{key['head_dim']}", family=family, params={"dtype": key["dtype"]},
+        return Variant(name=f"fake_{key['dtype']}_{key.get('head_dim')}", family=family, params={"dtype": key["dtype"]},
                        dispatch=dict(key), kernels=())
 
     def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None, *,
@@ -152,8 +156,9 @@ class FakeCore:
         """The varlen kernel (core.Varlen, mask.cuh SeqRange) emulated: each sequence's rows of q and
         k / v (at their cu_seqlens offsets, or row b of a padded batch; seqused_* rows of them) attend
         as one call, written to the same rows of out and lse; rows of no sequence are left as they were.
-        Split-KV (num_splits > 1; out then fp32): split 0 gets the whole result and the other splits none (their
-        lse stays -inf): a partition of the keys as valid as the kernel's, whose merge is the same."""
+        Split-KV (num_splits > 1; out and lse then split 0's fp32 partials, split s at s x the split strides): split
+        s gets the s-th share of ceil(blocks / splits) blocks of 128 keys (the kernel's split_blocks over the whole
+        key range; the kernel's range is the mask's, an equally valid partition), the sink in split 0 only."""
         m = core.mask_spec(causal, window_size, varlen.max_seqlen_q, varlen.max_seqlen_k)
         # the core's PackGQA choice (a padded q, by the rule at block_m 128), which changes the variant only
         pack = (pack_gqa is not False and not varlen.cu_seqlens_q
@@ -175,7 +180,7 @@ class FakeCore:
         used_q, used_k = ints(varlen.seqused_q, n), ints(varlen.seqused_k, n)
         rows, pads = ints(varlen.kv_batch_idx, n), ints(varlen.leftpad_k, n)  # a KV cache's
         table = ints(varlen.page_table, n * varlen.page_table_stride)
-        qv, kv, vv, ov, lv = _view(q), _view(k), _view(v), _view(out), _view(lse)
+        qv, kv, vv = _view(q), _view(k), _view(v)
         heads = q.shape[-2]
         sink_t = None if sink == 0 else _view(core.TensorArg(sink, (heads,), (1,), "fp32", q.device)).clone()
         for b in range(n):
@@ -194,13 +199,19 @@ class FakeCore:
             else:
                 r = rows[b] if rows else b
                 kb, vb = kv[r, pad:lk], vv[r, pad:lk]
-            o, l = reference(qb[None], kb[None], vb[None], scale, causal, window_size, softcap, sink_t)
-            if cu_q:
-                ov[oq:oq + lq] = o[0]
-                lv[:, oq:oq + lq] = l[0]
-            else:
-                ov[b, :lq] = o[0]
-                lv[b, :, :lq] = l[0]
+            splits = varlen.num_splits
+            per = -(-(-(-kb.shape[0] // 128)) // splits) * 128  # keys per split
+            for sp in range(splits):
+                ovs = _view(out._replace(ptr=out.ptr + sp * varlen.o_stride_split * V.ELEMENT_SIZE[out.dtype]))
+                lvs = _view(lse._replace(ptr=lse.ptr + sp * varlen.lse_stride_split * 4))
+                o, l = reference(qb[None], kb[None], vb[None], scale, causal, window_size, softcap,
+                                 sink_t if sp == 0 else None, keys=None if splits == 1 else (sp * per, (sp + 1) * per))
+                if cu_q:
+                    ovs[oq:oq + lq] = o[0]
+                    lvs[:, oq:oq + lq] = l[0]
+                else:
+                    ovs[b, :lq] = o[0]
+                    lvs[b, :, :lq] = l[0]
         return variant
 
     def prepare_forward(self, q, k, v, out, causal, variant=None, *, window_size=(-1, -1), softcap=0.0,

@@ -65,8 +65,9 @@ def emulated(gpu, fake_gpu):
 
 def test_varlen_kernel_forward(features, emulated, monkeypatch):
     for case in features["VARLEN_KERNEL_CASES"]:
-        with monkeypatch.context() as m:
-            features["test_varlen_kernel_forward"](case, m)
+        for num_splits in (1, 3):
+            with monkeypatch.context() as m:
+                features["test_varlen_kernel_forward"](case, num_splits, m)
 
 
 def test_varlen_kernel_writes_only_the_sequences_rows(features, emulated):
@@ -101,6 +102,8 @@ def test_kvcache(kvcache, emulated, monkeypatch, seqlen_q, seqlen_k):
                                                       local, "mqa")
             with monkeypatch.context() as m:
                 kvcache["test_kvcache_varlen_kernel_split_kv"](seqlen_q, 2048, 3, causal, local, 16, m)
+            with monkeypatch.context() as m:
+                kvcache["test_kvcache_varlen_kernel_split_kv_mha"](seqlen_q, causal, local, m)
             for layout in ("batch_idx", "page16", "page128"):
                 with monkeypatch.context() as m:
                     kvcache["test_kvcache_varlen_kernel_cache_layouts"](seqlen_q, 1024 if seqlen_k == 800 else seqlen_k,

@@ -28,6 +28,9 @@ from test_chunk_api import varlen_inputs, varlen_reference  # noqa: E402
 from test_kvcache_api import check, make  # noqa: E402
 
 
+REAL_ATTENTION_FORWARD = core.attention_forward  # (fake_gpu replaces it for the tests' duration)
+
+
 @pytest.fixture
 def kernel_on(fake_gpu, monkeypatch):
     monkeypatch.setattr(core, "VARLEN_KERNEL", True)
@@ -516,3 +519,42 @@ def test_varlen_func_split_kv_packed_q(kernel_on):
     assert varlen_calls(kernel_on)[0]["varlen"].num_splits == 2
     with pytest.raises(TypeError, match="num_splits must be an int"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 200, causal=True, num_splits=2.0)
+
+
+def test_varlen_num_splits_counts_a_windows_keys(monkeypatch):
+    """A local window's tiles span left + right + 1 + 128 keys, not the cache (FA3's seqlen_k_loaded)."""
+    monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)
+    window = core.mask_spec(False, (256, 0), 1, 32768)
+    assert core.varlen_num_splits(1, 32, 8, 1, 32768, 0) > 4
+    assert core.varlen_num_splits(1, 32, 8, 1, 32768, 0, window) == 1  # 385 keys: 4 blocks
+
+
+def test_split_kv_contract_is_checked_in_the_core(kernel_on):
+    """core.attention_forward(varlen=Varlen(num_splits > 1)) wants an fp32 out, split strides that hold a split, and an
+    lse (the merge's weights): ValueError otherwise (the real core's checks, before any launch)."""
+    q, _, _, kc, vc, _ = make(batch=2, sq=8, cache_len=16, new=0, seed=2)
+    arg = lambda t, dt="fp16": core.TensorArg(0x10000, tuple(t.shape), tuple(t.stride()), dt, 0)  # noqa: E731
+    ok = core.Varlen(0, 0, 0, 0, 2, 8, 16, num_splits=2, o_stride_split=q.numel(), lse_stride_split=2 * 4 * 8)
+    core._varlen_operands(arg(q), arg(kc[:2]), arg(vc[:2]), arg(q, "fp32"), ok, (None, None, None), None)
+    for bad, what in ((ok, "fp32 partial"), (ok._replace(o_stride_split=5), "o_stride_split")):
+        with pytest.raises(ValueError, match=what):
+            core._varlen_operands(arg(q), arg(kc[:2]), arg(vc[:2]), arg(q, "fp16" if bad is ok else "fp32"), bad,
+                                  (None, None, None), None)
+    with pytest.raises(ValueError, match="needs lse"):
+        REAL_ATTENTION_FORWARD(arg(q), arg(kc[:2]), arg(vc[:2]), arg(q, "fp32"), None, 0.1, False, 0, varlen=ok)
+
+
+def test_split_kv_without_a_combine_variant_runs_unsplit(kernel_on, monkeypatch):
+    """No combine variant built for out's dtype: the call runs with one split instead of failing after the launch."""
+    real = core.select_variant
+
+    def no_combine(family, key, *a, **kw):
+        if family == "combine":
+            raise core.MissingVariantError("no combine variant")
+        return real(family, key, *a, **kw)
+
+    monkeypatch.setattr(core, "select_variant", no_combine)
+    q, k, v, kc, vc, _ = make(batch=3, sq=2, cache_len=400, new=1, seed=21)
+    flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor([5, 300, 399], dtype=torch.int32), causal=True,
+                            num_splits=3)
+    assert varlen_calls(kernel_on)[0]["varlen"].num_splits == 1

@@ -618,11 +618,14 @@ VARLEN_KERNEL_CASES = [  # (lens_q, lens_k, used_q or None, used_k or None, Case
 ]
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("case", VARLEN_KERNEL_CASES, ids=lambda x: case_id(x[4]))
-def test_varlen_kernel_forward(case, monkeypatch):
+def test_varlen_kernel_forward(case, num_splits, monkeypatch):
     """flash_attn_varlen_func on the varlen kernel: one launch; each sequence's out and lse against the
     reference of that sequence alone (_ref.check_fwd, FA3's rule); rows no sequence uses: out 0, lse -inf.
-    Without unused rows nothing is zeroed first, so a row the kernel leaves unwritten is NaN (poisoned)."""
+    Without unused rows nothing is zeroed first, so a row the kernel leaves unwritten is NaN (poisoned).
+    num_splits 3: split-KV on a packed q (the unpacked epilogue's fp32 partials, the sink in split 0 alone),
+    merged by the combine kernel."""
     lens_q, lens_k, used_q, used_k, c, pad = case
     uq, uk = used_q or lens_q, used_k or lens_k
     key = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "head_dim_v": c.head_dim_v, "softcap": c.softcap > 0,
@@ -642,9 +645,9 @@ def test_varlen_kernel_forward(case, monkeypatch):
     with torch.no_grad():
         out, lse = flashgen.flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, max(uq), max(uk), sq_used, sk_used, causal=c.causal, window_size=c.window,
-            softcap=c.softcap, learnable_sink=sink, return_attn_probs=True)
+            softcap=c.softcap, learnable_sink=sink, return_attn_probs=True, num_splits=num_splits)
     torch.cuda.synchronize()
-    assert len(launches) == 1 and launches[0] is not None
+    assert len(launches) == 1 and launches[0] is not None and launches[0].num_splits == num_splits
     covered = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
     for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
         rq, rk = slice(q0, q0 + uq[b]), slice(k0, k0 + uk[b])

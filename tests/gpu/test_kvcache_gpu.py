@@ -73,6 +73,14 @@ def test_kvcache_varlen_kernel_split_kv(seqlen_q, seqlen_k, num_splits, causal, 
     assert len(launches) == 1 and launches[0] is not None and launches[0].num_splits > 1
 
 
+@pytest.mark.parametrize("seqlen_q,causal,local", [(1, False, False), (3, True, False), (64, False, True)])
+def test_kvcache_varlen_kernel_split_kv_mha(seqlen_q, causal, local, monkeypatch):
+    """Split-KV with as many K/V heads as query heads (no PackGQA: the unpacked epilogue's fp32 partials)."""
+    launches = count_launches(monkeypatch)
+    check_kvcache(seqlen_q, 2048, None, None, causal, local, "mha", varlen=True, num_splits=3)
+    assert len(launches) == 1 and launches[0] is not None and launches[0].num_splits == 3
+
+
 def count_launches(monkeypatch) -> list:
     """The varlen kernel switched on; the Varlen of each core.attention_forward call (None: not varlen) collected."""
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
