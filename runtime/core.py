@@ -368,7 +368,8 @@ def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, wi
                         group) is not None
 
 
-#: Split-KV: the largest split count (the combine kernel's and FA3's limit).
+#: Split-KV: the largest split count the varlen forward uses (within the combine kernel's limit,
+#: generator/families/combine.py MAX_SPLITS).
 MAX_SPLITS = 128
 
 
