@@ -342,7 +342,7 @@ varlen)
   rc=$?
   grep -E "FAILED|ERROR|Error|assert|passed|failed" "$out/test.log" | tail -25
   if [ "$rc" = 124 ]; then echo "pytest timed out; the last lines:"; tail -5 "$out/test.log"; fi
-  for r in 1 2; do
+  for r in $(seq 1 "${BENCH:-2}"); do  # BENCH=0: the tests alone
     echo "== varlen_bench run $r"; timeout 150 python3 scripts/varlen_bench.py 2>&1 | tee "$out/varlen_bench_$r.md" | tail -14
   done
   ;;
