@@ -41,9 +41,10 @@ def test_kvcache_varlen_kernel(seqlen_q, seqlen_k, rotary, causal, local, mha_ty
     padding is one launch whose seqused_k is each entry's length after the append and whose leftpad_k is
     cache_leftpad."""
     launches = count_launches(monkeypatch)
-    check_kvcache(seqlen_q, seqlen_k, None, rotary, causal, local, mha_type, varlen=True)
-    # (leftpad_k is given when some entry has left padding: the drawn paddings may all be 0, as at seqlen_k 128)
+    pads = check_kvcache(seqlen_q, seqlen_k, None, rotary, causal, local, mha_type, varlen=True)
+    # leftpad_k is given exactly when some entry has left padding (the drawn paddings may all be 0: seqlen_k 128)
     assert len(launches) == 1 and launches[0] is not None and launches[0].seqused_k
+    assert bool(launches[0].leftpad_k) == any(pads)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (1, 512), (3, 1024), (64, 768), (128, 128), (256, 512)])
@@ -123,7 +124,7 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     """One call of FA3's kvcache test against the reference (the module docstring's rule); ``leftpad_on`` False:
     no left padding; ``varlen``: the key is the varlen kernels' (the skip names them); ``batch_idx``: an unpaged
     cache of more rows than entries, read through cache_batch_idx (FA3's has_batch_idx); ``num_splits``: FA3's
-    (0: chosen)."""
+    (0: chosen). Returns the entries' drawn left paddings."""
     d, batch, heads = 128, 5, 6
     heads_k = {"mha": 6, "gqa": 3, "mqa": 1}[mha_type]
     if page_size is not None and seqlen_k % page_size:
@@ -177,6 +178,7 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
     assert lse.shape == (batch, heads, seqlen_q) and not torch.isnan(out).any()
     got_k, got_v = logical_cache(kc, table, rows, batch), logical_cache(vc, table, rows, batch)
     assert_same_cache(got_k, got_v, kref, vref, rotary)
+    return leftpad.tolist()
 
 
 def assert_same_cache(got_k, got_v, kref, vref, rotary) -> None:
