@@ -448,6 +448,29 @@ def test_kvcache_step_on_device_refuses_before_the_append_without_a_variant(kern
     assert torch.equal(kc, kc0) and kernel_on.calls == []
 
 
+def test_varlen_variant_built_looks_up_a_found_key_once(kernel_on, monkeypatch):
+    """varlen_variant_built (asked by every captured decode step) reads the manifest for a key until it is found,
+    then not again (it cost about 140 us a call: the manifest's paths and stat); a miss is looked up each time."""
+    real, asked = core.select_variant, []
+
+    def counted(family, key, *a, **kw):
+        asked.append(key)
+        if key.get("softcap"):
+            raise core.MissingVariantError("no varlen softcap variant")
+        return real(family, key, *a, **kw)
+
+    monkeypatch.setattr(core, "select_variant", counted)
+    monkeypatch.setattr(core, "_varlen_built", set())
+    for _ in range(3):
+        assert core.varlen_variant_built("bf16", 128, 128, True, (-1, -1), 64, 512, 0.0)
+    assert len(asked) == 1 and asked[0]["varlen"] and asked[0]["causal"]
+    for _ in range(2):
+        assert not core.varlen_variant_built("bf16", 128, 128, True, (-1, -1), 64, 512, 5.0)
+    assert len(asked) == 3
+    # another mask is another key
+    assert core.varlen_variant_built("bf16", 128, 128, False, (-1, -1), 64, 512, 0.0) and len(asked) == 4
+
+
 def test_varlen_forward_refuses_a_padded_side_shorter_than_its_max_seqlen(kernel_on):
     """core.attention_forward(varlen=...) with a padded q (or k) of fewer rows than max_seqlen_q (max_seqlen_k): the
     kernel would read and write rows past each entry's: ValueError naming it (the real core, not the emulator)."""
