@@ -103,10 +103,11 @@ class Varlen(NamedTuple):
                 self.leftpad_k, self.page_table)
 
 
-# The varlen kernels in the calls of flash_attn_varlen_func and flash_attn_with_kvcache: off until they
-# have passed their GPU tests (tests/gpu/test_features_gpu.py test_varlen_kernel_*); FLASHGEN_VARLEN_KERNEL=1
-# turns them on. Off, those entries run as one flash_attn_func call per run of equal lengths.
-VARLEN_KERNEL = os.environ.get("FLASHGEN_VARLEN_KERNEL", "0") == "1"
+# The varlen kernels in the calls of flash_attn_varlen_func and flash_attn_with_kvcache: on since their GPU tests
+# passed (H200, session 2026-12-05 (2): tests/gpu test_varlen_kernel_*, test_kvcache_varlen_kernel*, the CUDA-graph
+# decode steps). FLASHGEN_VARLEN_KERNEL=0 turns them off: those entries then run as one flash_attn_func call per run
+# of equal lengths (the composed path, which also serves what the kernels do not: gradients, FP8, attention_chunk).
+VARLEN_KERNEL = os.environ.get("FLASHGEN_VARLEN_KERNEL", "1") == "1"
 
 
 class MaskSpec(NamedTuple):

@@ -994,8 +994,8 @@ def flash_attn_varlen_func(
     masks bottom-right aligned per sequence, attention_chunk, softcap, learnable_sink, GQA).
 
     How it runs: the offsets are read on the host and checked, a synchronisation when they are on
-    the GPU (so a CUDA-graph capture needs them on the CPU). With the varlen kernel switched on
-    (``FLASHGEN_VARLEN_KERNEL=1``, core.VARLEN_KERNEL; off until its GPU tests have passed) a call that
+    the GPU (so a CUDA-graph capture needs them on the CPU). With the varlen kernel (core.VARLEN_KERNEL, on
+    unless ``FLASHGEN_VARLEN_KERNEL=0``) a call that
     wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
     reads the offsets itself (:func:`_varlen_kernel`). Otherwise: one :func:`flash_attn_func` call per
     run of consecutive sequences of equal lengths (the run as its batch), on views of q, k, v (no

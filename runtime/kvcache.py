@@ -8,15 +8,14 @@ host, a synchronisation when they are GPU tensors. The rotary embedding of q and
 entry's new tokens are one op each over all entries (an index_put into the cache). Neighbouring entries
 with the same lengths and consecutive cache rows share one call (a view of the cache); a paged cache is
 gathered into one contiguous copy per entry. Under torch.compile the read of the lengths is a graph break
-(``fullgraph=True`` refuses the call). With the varlen kernel switched on (``FLASHGEN_VARLEN_KERNEL=1``:
-flashgen.core.VARLEN_KERNEL, off until its GPU tests have passed), an unpaged cache without
-cache_leftpad or cache_batch_idx, fp16 / bf16, is one launch instead, which reads each entry's total
-length itself (``seqused_k``: interface._varlen_kernel). Under CUDA-graph capture such a call (a padded
-q, new k / v of (batch, seqlen_new, ...)) reads no length on the host at all (:func:`_step_on_device`), so
-a decode step can be captured and replayed for new cache_seqlens; with cache_seqlens an int or None (one
-length for all entries) it is one flash_attn_func call on the cache's first rows, with or without the varlen
-kernel. Paged caches, leftpad and batch_idx in
-the kernel are the next step (docs/STATUS.md).
+(``fullgraph=True`` refuses the call). With the varlen kernel (flashgen.core.VARLEN_KERNEL, on unless
+``FLASHGEN_VARLEN_KERNEL=0``), a call in fp16 / bf16 without softcap or attention_chunk is one launch instead,
+which reads each entry's total length (``seqused_k``), cache row, left padding or pages itself
+(interface._varlen_kernel; pages of a multiple of 8 rows, without cache_leftpad). Under CUDA-graph capture
+such a call (a padded q, new k / v of (batch, seqlen_new, ...)) reads no length on the host at all
+(:func:`_step_on_device`), so a decode step can be captured and replayed for new cache_seqlens; with
+cache_seqlens an int or None (one length for all entries) it is one flash_attn_func call on the cache's first
+rows, with or without the varlen kernel.
 
 Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_flash_attn_kvcache):
 

@@ -248,8 +248,11 @@ class FakeCore:
 def fake_gpu(monkeypatch):
     """CPU tensors count as CUDA device 0 of capability 9.0; the core is emulated (its generic entry
     attention_forward and the prepared launch, prepare_forward + launch_forward, of the eager fast
-    path), and flash_attn_func's cache of prepared calls starts empty."""
+    path), and flash_attn_func's cache of prepared calls starts empty. The varlen kernel is switched off
+    (core.VARLEN_KERNEL): varlen and kvcache calls take the composed path unless a test switches it on
+    (test_varlen_kernel_api.py's kernel_on)."""
     fc = FakeCore()
+    monkeypatch.setattr(core, "VARLEN_KERNEL", False)
     monkeypatch.setattr(interface, "_device_of", lambda t: (True, 0))
     monkeypatch.setattr(interface, "_current_stream", lambda device: 1234)
     monkeypatch.setattr(interface, "_fwd_calls", {})

@@ -98,8 +98,9 @@ def test_kvcache(kvcache, emulated, monkeypatch, seqlen_q, seqlen_k):
         for causal, local in ((False, False), (True, False), (False, True)):
             with monkeypatch.context() as m:
                 kvcache["test_kvcache_varlen_kernel"](seqlen_q, seqlen_k, rotary, causal, local, "gqa", m)
-            kvcache["test_kvcache_append_and_attend"](seqlen_q, seqlen_k, 4 if seqlen_q > 1 else None, rotary, causal,
-                                                      local, "mqa")
+            with monkeypatch.context() as m:
+                kvcache["test_kvcache_append_and_attend"](seqlen_q, seqlen_k, 4 if seqlen_q > 1 else None, rotary,
+                                                          causal, local, "mqa", m)
             with monkeypatch.context() as m:
                 kvcache["test_kvcache_varlen_kernel_split_kv"](seqlen_q, 2048, 3, causal, local, 16, m)
             with monkeypatch.context() as m:

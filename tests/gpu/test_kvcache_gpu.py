@@ -28,7 +28,9 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
 @pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("mha_type", ["mha", "gqa", "mqa"])
-def test_kvcache_append_and_attend(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type):
+def test_kvcache_append_and_attend(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type, monkeypatch):
+    """The composed path (the varlen kernel switched off): what serves the calls the kernel does not take."""
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", False)
     check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type)
 
 
