@@ -41,6 +41,14 @@ def varlen_calls(fc) -> list:
     return [c for c in fc.calls if c.get("varlen") is not None]
 
 
+def bound_ok(bound: int, longest: int, rows: int | None = None) -> bool:
+    """interface._key_bound's contract for a call whose kernel reads each sequence's key count: max_seqlen_k at
+    least the longest sequence's keys and below twice it, a power of two unless capped by a padded k's ``rows``."""
+    if rows is not None and bound > rows:
+        return False
+    return longest <= bound < 2 * longest and (bound & (bound - 1) == 0 or bound == rows)
+
+
 def check_varlen(out, lse, ref, ref_lse):
     assert out.shape == ref.shape and lse.shape == ref_lse.shape
     assert (out.float() - ref).abs().max().item() <= 2e-3
@@ -71,7 +79,7 @@ def test_varlen_kernel_is_one_launch_of_each_sequences_attention(kernel_on, lens
     vl = call["varlen"]
     assert call["variant"].dispatch["varlen"] is True
     # the sequences' longest used lengths size the grid (not the caller's max_seqlen_q)
-    assert (vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (len(lens_q), max(used_q), max(used_k))
+    assert (vl.batch, vl.max_seqlen_q) == (len(lens_q), max(used_q)) and bound_ok(vl.max_seqlen_k, max(used_k))
     assert bool(vl.seqused_q) == used and bool(vl.seqused_k) == used
     assert call["q"].ptr == q.data_ptr() and call["q"].shape == tuple(q.shape)  # packed q read in place
     assert call["out"].ptr == out.data_ptr() and call["lse"].shape == (4, q.shape[0])
@@ -191,7 +199,7 @@ def test_kvcache_is_one_launch_over_each_entrys_length(kernel_on, varlen_q, rota
     check(out, lse, ref, ref_lse)
     (call,) = kernel_on.calls
     vl = call["varlen"]
-    assert (vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (4, 3, 39)
+    assert (vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (4, 3, 40)  # 39 keys: 64 capped at the cache's 40 rows
     assert vl.cu_seqlens_k == 0 and vl.seqused_q == 0 and bool(vl.cu_seqlens_q) == varlen_q and vl.seqused_k
     assert call["k"].ptr == kc.data_ptr() and call["k"].shape == (4, 40, 2, 64)  # the cache's first 4 rows in place
     assert torch.equal(logical_cache(vc, None, list(range(4)), 4), vref)
@@ -261,7 +269,7 @@ def test_kvcache_paged_leftpad_batch_idx(kernel_on, kw, kernel, causal, window):
     assert call["k"].shape[0] == (kc.shape[0] if whole else 3)
     if "page" in kw:
         assert (vl.page_size, vl.page_table_stride) == (kw["page"], table.shape[1])
-    assert vl.max_seqlen_k == max(n + 1 - p for n, p in zip(lens, leftpad))
+    assert bound_ok(vl.max_seqlen_k, max(n + 1 - p for n, p in zip(lens, leftpad)), None if "page" in kw else kc.shape[1])
 
 
 # ------------------------------------------------------------------------- kvcache under CUDA-graph capture
@@ -299,6 +307,28 @@ def test_kvcache_step_on_device_reads_no_length_on_the_host(kernel_on, monkeypat
     assert torch.equal(kc[4:], kc0[4:])  # rows past the batch untouched
 
 
+@pytest.mark.parametrize("page", [None, 8])
+def test_decode_steps_of_growing_caches_share_one_launch_key(kernel_on, page):
+    """A decode loop appends one token per entry a step: the longest cache grows every step, but the launch's
+    metadata (Varlen.meta(), core.prepare_forward's key) stays the same within a power of two of it, so the steps
+    reuse one prepared launch; each step's result is still FA3's."""
+    q, _, _, kc, vc, table = make(batch=3, sq=1, cache_len=200, new=0, page=page, seed=21)
+    metas = set()
+    for step in range(40):  # longest cache 70..109 keys: one power of two (128)
+        lens = [70 + step, 40 + step, 7]
+        kernel_on.calls.clear()
+        out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                           page_table=table, causal=True, return_softmax_lse=True)
+        if step % 13 == 0:
+            ref, ref_lse, _, _ = kvcache_reference(q, None, None, kc, vc, table, lens, [0] * 3, list(range(3)), True,
+                                                   (-1, -1))
+            check(out, lse, ref, ref_lse)
+        (call,) = kernel_on.calls
+        assert bound_ok(call["varlen"].max_seqlen_k, max(lens), None if page else kc.shape[1])
+        metas.add(call["varlen"].meta())
+    assert len(metas) == 1
+
+
 @pytest.mark.parametrize("cache", ["page8", "rows", "leftpad", "rows+leftpad"])
 def test_kvcache_step_on_device_with_a_cache_layout(kernel_on, monkeypatch, cache):
     """Under capture, a paged cache, cache_batch_idx and cache_leftpad (tensors on q's device) are one varlen launch
@@ -322,7 +352,9 @@ def test_kvcache_step_on_device_with_a_cache_layout(kernel_on, monkeypatch, cach
     check(out, lse, ref, ref_lse)
     assert torch.equal(logical_cache(kc, table, rows, 3), kref) and torch.equal(logical_cache(vc, table, rows, 3), vref)
     (call,) = kernel_on.calls
-    assert bool(call["varlen"].page_table) == (page is not None) and call["varlen"].max_seqlen_k == 40
+    # the cache's capacity (40 positions), as a bound: unpaged, the rows; paged, rounded up to a power of two
+    assert bool(call["varlen"].page_table) == (page is not None) and call["varlen"].max_seqlen_k == (40 if page is None
+                                                                                                     else 64)
 
 
 def test_kvcache_page_numbers_are_checked_before_any_write(kernel_on):
