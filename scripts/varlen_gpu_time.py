@@ -1,0 +1,84 @@
+"""GPU time and host time per call of varlen_bench.py's workloads: the varlen kernel, the composed path, SDPA.
+
+varlen_bench.py times each call with CUDA events around it (triton's do_bench), which counts the host's work
+after a synchronisation: flashgen's varlen and kvcache entries read their lengths on the host (one sync a call),
+SDPA does not. This script separates the two:
+
+* ``gpu us``: the device time of every kernel (and memset / memcpy) one call launches, from torch.profiler's CUDA
+  activity (CUPTI), summed, averaged over ``--n`` calls: what the call costs the GPU, as it would under a CUDA
+  graph. The L2 is not flushed (every workload's K / V is larger than the H200's 50 MB L2 but the 4-doc packed
+  one, 25 MB of K / V).
+* ``host us``: wall time per call of ``--n`` back-to-back eager calls, then a synchronize (flashgen's syncs
+  included: what an eager loop sees when it is host-bound).
+
+Usage (a GPU): python scripts/varlen_gpu_time.py [--n 20]. Prints one markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashgen.core as core
+from varlen_bench import decode_case, packed_case
+
+
+def gpu_us(fn, n: int) -> tuple[float, str]:
+    """Device microseconds per call (every CUDA event of n calls / n) and the three costliest kernels."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / n
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:3]
+    return sum(per.values()), "; ".join(f"{name[:40]} {us:.0f}" for name, us in top)
+
+
+def host_us(fn, n: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    cases = [packed_case(rng, 16, 8192), packed_case(rng, 64, 16384),
+             decode_case(rng, 64, 8192),
+             decode_case(random.Random(a.seed + 1), 8, 32768), decode_case(random.Random(a.seed + 1), 8, 32768,
+                                                                         num_splits=1),
+             decode_case(rng, 256, 2048), decode_case(rng, 64, 8192, page=16)]
+    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; n = {a.n} calls each")
+    print("| workload | path | gpu us | host us | costliest kernels (us per call) |")
+    print("|---|---|---|---|---|")
+    with torch.no_grad():
+        for run, sdpa, _flops, name in cases:
+            for path, fn, on in (("varlen kernel", run, True), ("composed", run, False), ("SDPA", sdpa, True)):
+                core.VARLEN_KERNEL = on
+                try:
+                    g, top = gpu_us(fn, a.n)
+                    h = host_us(fn, a.n)
+                except Exception as e:  # noqa: BLE001 -- a path that cannot run is reported, not fatal
+                    print(f"| {name} | {path} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
+                    continue
+                print(f"| {name} | {path} | {g:.1f} | {h:.1f} | {top} |", flush=True)
+    core.VARLEN_KERNEL = True
+
+
+if __name__ == "__main__":
+    main()
