@@ -54,9 +54,19 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
     # and its PackGQA twin (decode with GQA on a padded q picks it, as in the default build)
     packed = json.loads(json.dumps(varlen).replace("hd128_varlen_stub", "hd128_packgqa_varlen_stub"))
     packed["params"]["pack_gqa"] = packed["dispatch"]["pack_gqa"] = True
+    # and the bf16 combine variant (split-KV's merge of a varlen call's partials)
+    from flashgen.generator.families.combine import PARAMS as COMBINE_PARAMS
+
+    combine = {"name": "combine_bf16_stub", "key": "1" * 64, "family": "combine",
+               "params": {"family": "combine", "dtype": "bf16", "block_m": 8, "threads": 128},
+               "dispatch": {"dtype": "bf16"}, "default": True, "fatbin": "fatbin/combine_bf16_stub.fatbin",
+               "sha256": "0" * 64,
+               "kernels": [{"role": "main", "symbol": "flashgen_combine_bf16_stub_main", "threads": 128,
+                            "cluster": [1, 1, 1], "smem_bytes": 0, "registers": 77, "spill_bytes": 0, "stack_bytes": 0,
+                            "tensor_maps": [], "sass": [], "params": COMBINE_PARAMS.layout()}]}
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"},
-                   "variants": [rec, fp8, varlen, packed]}, f)
+                   "variants": [rec, fp8, varlen, packed, combine]}, f)
 
 
 class _Handle:
@@ -218,6 +228,12 @@ def main(argv=None) -> int:
             return flash_attn_with_kvcache(qd, kp, vp, kn, vn, cache_seqlens=lens, page_table=table, causal=True)
 
         fns["flash_attn_with_kvcache, 64 entries, paged (16 rows), varlen kernel"] = decode_paged
+
+        def decode_split():  # 8 long caches: split-KV (4 splits) and the combine's launch
+            core.VARLEN_KERNEL = True
+            return flash_attn_with_kvcache(qd[:8], kc[:8], vc[:8], cache_seqlens=lens[:8], causal=True, num_splits=4)
+
+        fns["flash_attn_with_kvcache, 8 entries, 4 splits + combine, varlen kernel"] = decode_split
         if a.profile:
             import cProfile
             import pstats

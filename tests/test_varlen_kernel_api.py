@@ -613,3 +613,22 @@ def test_split_kv_without_a_combine_variant_runs_unsplit(kernel_on, monkeypatch)
     flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor([5, 300, 399], dtype=torch.int32), causal=True,
                             num_splits=3)
     assert varlen_calls(kernel_on)[0]["varlen"].num_splits == 1
+
+
+def test_split_kv_looks_up_the_combine_variant_once(kernel_on, monkeypatch):
+    """A split call's combine variant is looked up (a manifest read) until found, then not again: per decode step it
+    cost the host a manifest search."""
+    real, asked = core.select_variant, []
+
+    def counted(family, key, *a, **kw):
+        if family == "combine":
+            asked.append(key)
+        return real(family, key, *a, **kw)
+
+    monkeypatch.setattr(core, "select_variant", counted)
+    q, k, v, kc, vc, _ = make(batch=3, sq=2, cache_len=400, new=1, seed=22)
+    for step in range(3):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([5, 300 + step, 399], dtype=torch.int32),
+                                causal=True, num_splits=3)
+    assert [c["varlen"].num_splits for c in varlen_calls(kernel_on)] == [3, 3, 3]
+    assert len(asked) == 1
