@@ -110,6 +110,14 @@ class Varlen(NamedTuple):
 VARLEN_KERNEL = os.environ.get("FLASHGEN_VARLEN_KERNEL", "1") == "1"
 
 
+# num_splits 0 ("chosen", flash_attn_with_kvcache's default) runs unsplit unless FLASHGEN_SPLIT_KV_AUTO=1, which lets
+# varlen_num_splits (FA3's heuristic) split the keys. Measured on an H200 (session 2026-12-05 (2), docs/PERF.md), an
+# eager decode of 8 caches up to 32k keys took 1.65-1.71 ms with the heuristic's 2 splits and 0.49-0.63 ms unsplit
+# (the same lengths, do_bench), for a reason not yet found (scripts/varlen_gpu_time.py separates GPU from host time).
+# num_splits > 1 splits as asked either way.
+SPLIT_KV_AUTO = os.environ.get("FLASHGEN_SPLIT_KV_AUTO", "0") == "1"
+
+
 class MaskSpec(NamedTuple):
     """The mask a call runs with, as the variant key names it: ``causal`` (keys up to the
     bottom-right aligned diagonal), ``local`` (a band with runtime bounds: query row i sees keys

@@ -907,7 +907,8 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     (cache_batch_idx (batch,), cache_leftpad (batch,), page_table (batch, pages)); with a page table k / v
     are ``(num_pages, page_size, heads_k, dim)`` (core.Varlen: page_size a multiple of 8, no batch_idx or
     leftpad with it).
-    ``num_splits`` (FA3's): 1 none, 0 :func:`flashgen.core.varlen_num_splits` decides, n > 1 that many (at most
+    ``num_splits`` (FA3's): 1 none, 0 chosen (none unless core.SPLIT_KV_AUTO: then
+    :func:`flashgen.core.varlen_num_splits` decides), n > 1 that many (at most
     core.MAX_SPLITS and one per 64 keys): split-KV (flash-decoding), each split's fp32 partial O and LSE from the
     kernel, merged by :func:`flash_attn_combine` into out / lse (every row: those of no sequence get 0 / -inf).
     Raises what :func:`_check_fwd` raises."""
@@ -929,7 +930,7 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     vc, va = _input_arg(v, _input_layout(v, es), p.dtype, dev)
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_shape = (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1])
-    splits = num_splits if num_splits > 0 else _core.varlen_num_splits(
+    splits = num_splits if num_splits > 0 else 1 if not _core.SPLIT_KV_AUTO else _core.varlen_num_splits(
         batch, p.heads, p.heads_k, max_seqlen_q, max_seqlen_k, dev, _core.mask_spec(causal, window, max_seqlen_q,
                                                                                       max_seqlen_k))
     splits = max(1, min(splits, _core.MAX_SPLITS, -(-max_seqlen_k // 64)))

@@ -71,7 +71,8 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
         kp[table.long().flatten()] = kc.view(batch * per, page, hk, d)
         vp[table.long().flatten()] = vc.view(batch * per, page, hk, d)
 
-    def run():
+    def run():  # (num_splits 0: FA3's heuristic, switched on for it: core.SPLIT_KV_AUTO)
+        core.SPLIT_KV_AUTO = num_splits == 0
         return flashgen.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=table, causal=True,
                                                 num_splits=num_splits)
 

@@ -548,6 +548,7 @@ def test_kvcache_split_kv_merges_the_partials(kernel_on, monkeypatch, splits):
     """num_splits (forced 3, or 0 with the heuristic made to choose 4): the kernel launch gets fp32 partial buffers
     of every split (Varlen.num_splits and its strides), flash_attn_combine merges them into out / lse: FA3's result."""
     monkeypatch.setattr(core, "varlen_num_splits", lambda *a: 4)
+    monkeypatch.setattr(core, "SPLIT_KV_AUTO", True)
     q, k, v, kc, vc, _ = make(batch=3, sq=2, cache_len=400, new=1, seed=21)
     lens = [5, 300, 399]
     kc0, vc0 = kc.clone(), vc.clone()
@@ -632,3 +633,16 @@ def test_split_kv_looks_up_the_combine_variant_once(kernel_on, monkeypatch):
                                 causal=True, num_splits=3)
     assert [c["varlen"].num_splits for c in varlen_calls(kernel_on)] == [3, 3, 3]
     assert len(asked) == 1
+
+
+def test_num_splits_zero_runs_unsplit_unless_the_heuristic_is_switched_on(kernel_on, monkeypatch):
+    """num_splits 0 (flash_attn_with_kvcache's default): one split while core.SPLIT_KV_AUTO is off (the default: the
+    heuristic's splits measured slower, core.py), the heuristic's choice when it is on; num_splits n > 1 either way."""
+    monkeypatch.setattr(core, "varlen_num_splits", lambda *a: 4)
+    q, k, v, kc, vc, _ = make(batch=3, sq=2, cache_len=400, new=1, seed=23)
+    lens = torch.tensor([5, 300, 399], dtype=torch.int32)
+    for auto, splits, want in ((False, 0, 1), (True, 0, 4), (False, 3, 3)):
+        monkeypatch.setattr(core, "SPLIT_KV_AUTO", auto)
+        kernel_on.calls.clear()
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, num_splits=splits)
+        assert varlen_calls(kernel_on)[0]["varlen"].num_splits == want
