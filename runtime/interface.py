@@ -855,8 +855,8 @@ def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, 
 
 
 def _splits_arg(num_splits) -> int:
-    """FA3's ``num_splits`` as the varlen kernel's: an int, <= 0 the heuristic's (0), else that many (capped by
-    :func:`_varlen_kernel`). TypeError for a non-int."""
+    """FA3's ``num_splits`` as the varlen kernel's: an int, <= 0 chosen (0: unsplit unless core.SPLIT_KV_AUTO, then
+    the heuristic's), else that many (capped by :func:`_varlen_kernel`). TypeError for a non-int."""
     if not _v._is_int(num_splits):
         raise TypeError(f"flashgen: num_splits must be an int (FA3's: 0 or less = chosen, 1 = none, n = n splits), got "
                         f"{type(num_splits).__name__}")
@@ -878,10 +878,12 @@ def _key_bound(max_seqlen_k: int, lengths_read: bool, rows: int | None) -> int:
     """The varlen kernel's max_seqlen_k for a call whose longest sequence has ``max_seqlen_k`` keys. Where the kernel
     reads each sequence's key count (``lengths_read``: cu_seqlens_k or seqused_k given) it is only a bound (the mask's
     unbounded window sides, the tile order's L2 sections), so it is rounded up to a power of two, at most ``rows``
-    (a padded k's rows; None for packed or paged k): a decode whose caches grow by a token a step then reuses its
-    prepared launch (core.prepare_forward's key holds max_seqlen_k) instead of preparing one per step (CPU-stub
-    host time per step, 64 caches: 168 -> 96 us). The tuning bucket ((n - 1).bit_length()) is the same either way.
-    Otherwise (a padded k without seqused_k) it is the sequences' length itself: returned as it is."""
+    (a padded k's rows or a paged cache's positions; None for a packed k): a decode whose caches grow by a token a
+    step then reuses its prepared launch (core.prepare_forward's key holds max_seqlen_k) instead of preparing one
+    per step (CPU-stub host time per step, 64 caches: 168 -> 111 us). The tuning bucket ((n - 1).bit_length()) is
+    the same either way; the caller keeps the mask its own lengths give (a window's left side reaching every key is
+    passed as unbounded). Otherwise (a padded k without seqused_k) it is the sequences' length itself: returned as
+    it is."""
     if not lengths_read or max_seqlen_k <= 1:
         return int(max_seqlen_k)
     bound = 1 << (int(max_seqlen_k) - 1).bit_length()
@@ -951,7 +953,11 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued
     table = arrays[-1]
     key_bound = _key_bound(max_seqlen_k, packed_k or seqlens[3] is not None,
-                           None if packed_k or table is not None else k.shape[1])
+                           None if packed_k else k.shape[1] if table is None else table.shape[1] * k.shape[1])
+    if key_bound != max_seqlen_k and 0 <= window[0] and window[0] >= max_seqlen_k - 1:
+        # a left side that reaches every key of the longest sequence is unbounded (core.mask_spec, which sees only
+        # the bound): the call keeps the mask, and so the variant, that its own lengths give
+        window = (-1, window[1])
     paging = (0, 0) if table is None else (table.shape[1], k.shape[1])  # (page_table_stride, page_size)
     sink_t = None if sink is None else sink.contiguous()
     scale = p.head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -1040,7 +1046,8 @@ def flash_attn_varlen_func(
         softmax_scale, causal, window_size, attention_chunk, softcap, deterministic, pack_gqa,
         learnable_sink: as :func:`flash_attn_func`. qv: not implemented (NotImplementedError).
         num_splits: FA3's split-KV count where the varlen kernel runs the call: 1 (default) none, 0 or less
-            chosen (core.varlen_num_splits), n that many; merged by :func:`flash_attn_combine`. The composed
+            chosen (none unless core.SPLIT_KV_AUTO, then core.varlen_num_splits), n that many; merged by
+            :func:`flash_attn_combine`. The composed
             path ignores it. sm_margin: accepted and ignored.
         return_attn_probs: also return lse.
 

@@ -71,10 +71,13 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
         kp[table.long().flatten()] = kc.view(batch * per, page, hk, d)
         vp[table.long().flatten()] = vc.view(batch * per, page, hk, d)
 
-    def run():  # (num_splits 0: FA3's heuristic, switched on for it: core.SPLIT_KV_AUTO)
-        core.SPLIT_KV_AUTO = num_splits == 0
-        return flashgen.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=table, causal=True,
-                                                num_splits=num_splits)
+    def run():  # (num_splits 0: FA3's heuristic, switched on for the call: core.SPLIT_KV_AUTO)
+        auto, core.SPLIT_KV_AUTO = core.SPLIT_KV_AUTO, num_splits == 0
+        try:
+            return flashgen.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, page_table=table, causal=True,
+                                                    num_splits=num_splits)
+        finally:
+            core.SPLIT_KV_AUTO = auto
 
     mask = (torch.arange(cache, device="cuda")[None, :] < seqlens[:, None])[:, None, None, :]
 
@@ -82,7 +85,7 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
         return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2),
                                                                 vc.transpose(1, 2), attn_mask=mask, enable_gqa=True)
     paged = f", pages of {page}" if page else ""
-    split = ", no split-KV" if num_splits == 1 else ""
+    split = ", no split-KV" if num_splits == 1 else ", split-KV by the heuristic" if num_splits == 0 else ""
     return run, sdpa, flops, f"decode {batch} caches up to {cache} (mean {sum(lens) // batch}){paged}{split}"
 
 

@@ -269,7 +269,8 @@ def test_kvcache_paged_leftpad_batch_idx(kernel_on, kw, kernel, causal, window):
     assert call["k"].shape[0] == (kc.shape[0] if whole else 3)
     if "page" in kw:
         assert (vl.page_size, vl.page_table_stride) == (kw["page"], table.shape[1])
-    assert bound_ok(vl.max_seqlen_k, max(n + 1 - p for n, p in zip(lens, leftpad)), None if "page" in kw else kc.shape[1])
+    rows = table.shape[1] * kw["page"] if "page" in kw else kc.shape[1]  # the capacity: its pages' positions or rows
+    assert bound_ok(vl.max_seqlen_k, max(n + 1 - p for n, p in zip(lens, leftpad)), rows)
 
 
 # ------------------------------------------------------------------------- kvcache under CUDA-graph capture
@@ -324,7 +325,7 @@ def test_decode_steps_of_growing_caches_share_one_launch_key(kernel_on, page):
                                                    (-1, -1))
             check(out, lse, ref, ref_lse)
         (call,) = kernel_on.calls
-        assert bound_ok(call["varlen"].max_seqlen_k, max(lens), None if page else kc.shape[1])
+        assert bound_ok(call["varlen"].max_seqlen_k, max(lens), table.shape[1] * page if page else kc.shape[1])
         metas.add(call["varlen"].meta())
     assert len(metas) == 1
 
@@ -352,9 +353,8 @@ def test_kvcache_step_on_device_with_a_cache_layout(kernel_on, monkeypatch, cach
     check(out, lse, ref, ref_lse)
     assert torch.equal(logical_cache(kc, table, rows, 3), kref) and torch.equal(logical_cache(vc, table, rows, 3), vref)
     (call,) = kernel_on.calls
-    # the cache's capacity (40 positions), as a bound: unpaged, the rows; paged, rounded up to a power of two
-    assert bool(call["varlen"].page_table) == (page is not None) and call["varlen"].max_seqlen_k == (40 if page is None
-                                                                                                     else 64)
+    # the cache's capacity (40 positions: its rows or its pages'), as the bound (64 capped at the capacity)
+    assert bool(call["varlen"].page_table) == (page is not None) and call["varlen"].max_seqlen_k == 40
 
 
 def test_kvcache_page_numbers_are_checked_before_any_write(kernel_on):
@@ -646,3 +646,22 @@ def test_num_splits_zero_runs_unsplit_unless_the_heuristic_is_switched_on(kernel
         kernel_on.calls.clear()
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, num_splits=splits)
         assert varlen_calls(kernel_on)[0]["varlen"].num_splits == want
+
+
+@pytest.mark.parametrize("page", [None, 8])
+@pytest.mark.parametrize("causal,window,want", [(True, (45, 0), (True, False)), (False, (100, 0), (True, False)),
+                                                (False, (20, 0), (False, True)), (False, (-1, -1), (False, False))])
+def test_key_bound_keeps_the_calls_own_mask(kernel_on, page, causal, window, want):
+    """max_seqlen_k's rounding up (interface._key_bound) leaves the mask, and so the variant, as the call's own
+    lengths give it: a window's left side that reaches every key of the longest cache (40 keys, two query rows) is
+    unbounded, as core.mask_spec says for 40, not a local band against the bound (64)."""
+    q, _, _, kc, vc, table = make(batch=2, sq=2, cache_len=64, new=0, page=page, seed=24)
+    lens = [40, 17]
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                       page_table=table, causal=causal, window_size=window, return_softmax_lse=True)
+    ref, ref_lse, _, _ = kvcache_reference(q, None, None, kc, vc, table, lens, [0, 0], [0, 1], causal, window)
+    check(out, lse, ref, ref_lse)
+    (call,) = kernel_on.calls
+    assert call["varlen"].max_seqlen_k == 64
+    m = core.mask_spec(causal, call["window_size"], 2, call["varlen"].max_seqlen_k)
+    assert (m.causal, m.local) == want == tuple(call["variant"].dispatch[x] for x in ("causal", "local"))
