@@ -38,6 +38,8 @@ def gpu_us(fn, n: int) -> tuple[float, str]:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / n
+    if not per:  # (a profiler without CUDA activity: no figure rather than 0)
+        raise RuntimeError("torch.profiler recorded no CUDA event (CUPTI unavailable?)")
     top = sorted(per.items(), key=lambda kv: -kv[1])[:3]
     return sum(per.values()), "; ".join(f"{name[:40]} {us:.0f}" for name, us in top)
 
