@@ -77,11 +77,17 @@ class Manifest:
     variants: tuple[Variant, ...]
     nvcc_version: str = ""
 
-    def by_key(self) -> dict[tuple, list[Variant]]:
+    def by_key(self) -> dict[tuple, tuple[Variant, ...]]:
+        """The variants grouped by :attr:`Variant.key`, in manifest order. Built once per Manifest (load_manifest
+        keeps one per file version) and shared: read it, do not change it."""
+        return self._by_key
+
+    @functools.cached_property
+    def _by_key(self) -> dict[tuple, tuple[Variant, ...]]:
         out: dict[tuple, list[Variant]] = {}
         for v in self.variants:
             out.setdefault(v.key, []).append(v)
-        return out
+        return {k: tuple(vs) for k, vs in out.items()}
 
 
 def _is_checkout(path: Path) -> bool:

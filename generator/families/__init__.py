@@ -9,6 +9,7 @@ manifest writer, loader and launcher are generic and call these hooks (docs/CONT
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
@@ -141,8 +142,9 @@ def _fmt(v) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
+@functools.lru_cache(maxsize=None)
 def names() -> tuple:
-    """Every family (the modules of this package)."""
+    """Every family (the modules of this package; listed once per process)."""
     return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
 
 
