@@ -407,22 +407,29 @@ def varlen_variant_built(dtype: str, head_dim: int, head_dim_v: int, causal: boo
                          max_seqlen_k: int, softcap: float) -> bool:
     """Whether a varlen forward call with this metadata (``attention_forward(varlen=...)``) has a built variant,
     so that it raises no MissingVariantError: a caller that must not fall back to the composed path (a CUDA-graph
-    capture) asks before it writes anything. dtype: the core's name (fp16, bf16). A key found once is not looked
-    up again (as _plan's); a miss reads the manifest each time (a variant added later is found)."""
+    capture) asks before it writes anything. dtype: the core's name (fp16, bf16). (:func:`variant_built`.)"""
     mask = mask_spec(causal, window_size, max_seqlen_q, max_seqlen_k)
-    key = (dtype, head_dim, head_dim_v, mask.causal, mask.local, softcap > 0)
-    if key in _varlen_built:
+    return variant_built("fwd", {"dtype": dtype, "head_dim": head_dim, "head_dim_v": head_dim_v, "causal": mask.causal,
+                                 "local": mask.local, "softcap": softcap > 0, "varlen": True}, _ROUND_UP)
+
+
+def variant_built(family: str, key: dict, round_up: tuple = ()) -> bool:
+    """Whether :func:`select_variant` finds a built variant of ``family`` for ``key``, for callers that ask on every
+    call (a captured decode step, a split-KV call's combine). A key found once is not looked up again, as
+    :func:`_plan`'s (a lookup reads the manifest's paths); a miss is looked up each time (a variant added later is
+    found)."""
+    found = (family, tuple(sorted(key.items())), round_up)
+    if found in _built:
         return True
     try:
-        select_variant("fwd", {"dtype": dtype, "head_dim": head_dim, "head_dim_v": head_dim_v, "causal": mask.causal,
-                               "local": mask.local, "softcap": softcap > 0, "varlen": True}, round_up=_ROUND_UP)
+        select_variant(family, key, round_up=round_up)
     except MissingVariantError:
         return False
-    _varlen_built.add(key)
+    _built.add(found)
     return True
 
 
-_varlen_built: set = set()  # varlen_variant_built's keys found built (only added to: safe to share between threads)
+_built: set = set()  # variant_built's keys found built (only added to: safe to share between threads)
 
 
 def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,

@@ -871,9 +871,6 @@ def _int32_like(t, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(t, dtype=torch.int32, device=like.device)
 
 
-_combine_built: set = set()  # out dtypes whose combine variant _varlen_kernel found built (only added to)
-
-
 def _key_bound(max_seqlen_k: int, lengths_read: bool, rows: int | None) -> int:
     """The varlen kernel's max_seqlen_k for a call whose longest sequence has ``max_seqlen_k`` keys. Where the kernel
     reads each sequence's key count (``lengths_read``: cu_seqlens_k or seqused_k given) it is only a bound (the mask's
@@ -936,12 +933,8 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
         batch, p.heads, p.heads_k, max_seqlen_q, max_seqlen_k, dev, _core.mask_spec(causal, window, max_seqlen_q,
                                                                                       max_seqlen_k))
     splits = max(1, min(splits, _core.MAX_SPLITS, -(-max_seqlen_k // 64)))
-    if splits > 1 and p.out_dtype not in _combine_built:  # the merge needs a combine variant: without one, no split
-        try:
-            _core.select_variant("combine", {"dtype": p.out_dtype})
-            _combine_built.add(p.out_dtype)  # (found once, not looked up again: a lookup reads the manifest's paths)
-        except _core.MissingVariantError:
-            splits = 1
+    if splits > 1 and not _core.variant_built("combine", {"dtype": p.out_dtype}):
+        splits = 1  # the merge needs a combine variant for out's dtype: without one, no split
     if splits > 1:  # split 0's partial buffers (every split's at its stride); lse -inf where no split writes
         out = torch.empty((splits,) + out_shape, dtype=torch.float32, device=q.device)
         lse = torch.full((splits,) + lse_shape, -math.inf, dtype=torch.float32, device=q.device)

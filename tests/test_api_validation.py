@@ -253,8 +253,7 @@ def fake_gpu(monkeypatch):
     (test_varlen_kernel_api.py's kernel_on)."""
     fc = FakeCore()
     monkeypatch.setattr(core, "VARLEN_KERNEL", False)
-    monkeypatch.setattr(interface, "_combine_built", set())
-    monkeypatch.setattr(core, "_varlen_built", set())
+    monkeypatch.setattr(core, "_built", set())
     monkeypatch.setattr(interface, "_device_of", lambda t: (True, 0))
     monkeypatch.setattr(interface, "_current_stream", lambda device: 1234)
     monkeypatch.setattr(interface, "_fwd_calls", {})

@@ -105,10 +105,10 @@ def fake_launch(monkeypatch):
 
 
 def reset_plans(monkeypatch):
-    """Forget the forward's resolved plans and prepared launches (core._plans, core._prepared_forwards, core._varlen_built)."""
+    """Forget the forward's resolved plans and prepared launches (core._plans, core._prepared_forwards, core._built)."""
     monkeypatch.setattr(core, "_plans", {})
     monkeypatch.setattr(core, "_prepared_forwards", {})
-    monkeypatch.setattr(core, "_varlen_built", set())
+    monkeypatch.setattr(core, "_built", set())
     tuning.reset()
 
 

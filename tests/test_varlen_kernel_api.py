@@ -492,7 +492,7 @@ def test_varlen_variant_built_looks_up_a_found_key_once(kernel_on, monkeypatch):
         return real(family, key, *a, **kw)
 
     monkeypatch.setattr(core, "select_variant", counted)
-    monkeypatch.setattr(core, "_varlen_built", set())
+    monkeypatch.setattr(core, "_built", set())
     for _ in range(3):
         assert core.varlen_variant_built("bf16", 128, 128, True, (-1, -1), 64, 512, 0.0)
     assert len(asked) == 1 and asked[0]["varlen"] and asked[0]["causal"]
