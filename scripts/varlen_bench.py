@@ -111,19 +111,25 @@ def train_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
     return step(3.4e9), step(0.0), flops, f"train {n_docs} docs / {tokens} tokens (max {max(lens)})", (q, k, v)
 
 
+def forward_cases(rng: random.Random, seed: int) -> list:
+    """The forward workloads, (run, sdpa, flops, name) each: drawn from ``rng`` (random.Random(seed), which the caller
+    may draw on after), the split-KV pair from seed + 1 (varlen_gpu_time.py times the same)."""
+    return [packed_case(rng, 16, 8192), packed_case(rng, 64, 16384), packed_case(rng, 4, 4096),
+            decode_case(rng, 64, 8192),
+            # (the same lengths with and without split-KV)
+            decode_case(random.Random(seed + 1), 8, 32768), decode_case(random.Random(seed + 1), 8, 32768,
+                                                                        num_splits=1),
+            decode_case(rng, 256, 2048),
+            decode_case(rng, 64, 8192, page=16), decode_case(rng, 64, 8192, page=256)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    cases = [packed_case(rng, 16, 8192), packed_case(rng, 64, 16384), packed_case(rng, 4, 4096),
-             decode_case(rng, 64, 8192),
-             # (the same lengths with and without split-KV)
-             decode_case(random.Random(args.seed + 1), 8, 32768), decode_case(random.Random(args.seed + 1), 8, 32768,
-                                                                             num_splits=1),
-             decode_case(rng, 256, 2048),
-             decode_case(rng, 64, 8192, page=16), decode_case(rng, 64, 8192, page=256)]
+    cases = forward_cases(rng, args.seed)
     rows = []
     with torch.no_grad():
         for run, sdpa, flops, name in cases:

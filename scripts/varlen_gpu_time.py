@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashgen.core as core
-from varlen_bench import decode_case, packed_case
+from varlen_bench import forward_cases
 
 
 def gpu_us(fn, n: int) -> tuple[float, str]:
@@ -59,12 +59,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    rng = random.Random(a.seed)
-    cases = [packed_case(rng, 16, 8192), packed_case(rng, 64, 16384),
-             decode_case(rng, 64, 8192),
-             decode_case(random.Random(a.seed + 1), 8, 32768), decode_case(random.Random(a.seed + 1), 8, 32768,
-                                                                         num_splits=1),
-             decode_case(rng, 256, 2048), decode_case(rng, 64, 8192, page=16)]
+    cases = forward_cases(random.Random(a.seed), a.seed)  # varlen_bench.py's workloads, the same lengths
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; n = {a.n} calls each")
     print("| workload | path | gpu us | host us | costliest kernels (us per call) |")
     print("|---|---|---|---|---|")
