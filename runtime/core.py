@@ -21,7 +21,7 @@ from .generator.families.fwd import (dynamic_schedule, operand_row_bytes, pad_op
 from .generator.families.bwd import (FAMILY as _BWD_FAMILY, DQ_SWAP_BLOCK_M as _BWD_SWAP_BLOCK_M,  # noqa: E402
                                      pre_rows_per_cta)  # pre grid, dQ path, block_m 80
 
-__all__ = ["TensorArg", "Varlen", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
+__all__ = ["TensorArg", "Varlen", "BwdVarlen", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
            "launch_forward", "PreparedForward", "attention_backward",
            "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec", "softmax_constants",
            "ChunkPiece", "chunk_pieces"]
@@ -101,6 +101,31 @@ class Varlen(NamedTuple):
         """The per-call params fields (``_VARLEN_PER_CALL``' order)."""
         return (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k, self.kv_batch_idx,
                 self.leftpad_k, self.page_table)
+
+
+class BwdVarlen(NamedTuple):
+    """FA3's varlen arguments of a backward call (bwd.py ``varlen``; bwd.cu.j2 kVarlen): the sequences packed along
+    the token dim of q, out, dout, dq (``(total_q, heads, dim)``) and of k, v, dk, dv (``(total_k, heads_k, dim)``),
+    sequence b in rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` and ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])``.
+    ``cu_seqlens_q`` / ``cu_seqlens_k``: device addresses of int32 ``(batch + 1,)`` arrays (0 first,
+    non-decreasing, the last at most the total); ``batch``: the number of sequences (>= 1); ``max_seqlen_q`` /
+    ``max_seqlen_k``: the longest sequence's lengths (>= 1; the grids' sizes). No seqused: every row of a sequence
+    is used. Nothing here is checked against the arrays' contents: the caller validated them
+    (flashgen._validate.varlen_problems)."""
+
+    cu_seqlens_q: int
+    cu_seqlens_k: int
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+# The varlen backward kernels (bwd.cu.j2 kVarlen) in flash_attn_varlen_func's gradients: off until their GPU tests
+# have passed (tests/gpu/test_features_gpu.py test_varlen_kernel_backward*; written in session 2026-12-05 (3), which
+# had no GPU). FLASHGEN_VARLEN_BWD_KERNEL=1 turns them on: a call that wants gradients and that the varlen forward
+# kernel serves (VARLEN_KERNEL) then runs both kernels, one launch each way, instead of the composed path (one
+# flash_attn_func call per run of equal lengths, or the padded groups).
+VARLEN_BWD_KERNEL = os.environ.get("FLASHGEN_VARLEN_BWD_KERNEL", "0") == "1"
 
 
 # The varlen kernels in the calls of flash_attn_varlen_func and flash_attn_with_kvcache: on since their GPU tests
@@ -411,6 +436,16 @@ def varlen_variant_built(dtype: str, head_dim: int, head_dim_v: int, causal: boo
     mask = mask_spec(causal, window_size, max_seqlen_q, max_seqlen_k)
     return variant_built("fwd", {"dtype": dtype, "head_dim": head_dim, "head_dim_v": head_dim_v, "causal": mask.causal,
                                  "local": mask.local, "softcap": softcap > 0, "varlen": True}, _ROUND_UP)
+
+
+def varlen_bwd_variant_built(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window_size, max_seqlen_q: int,
+                             max_seqlen_k: int) -> bool:
+    """Whether a varlen backward call (``attention_backward(varlen=...)``) with this metadata has a built variant: the
+    bwd variant of max(head_dim, head_dim_v) with varlen (no softcap: bwd.yaml builds none). dtype: the core's name.
+    (:func:`variant_built`.)"""
+    mask = mask_spec(causal, window_size, max_seqlen_q, max_seqlen_k)
+    return variant_built("bwd", {"dtype": dtype, "head_dim": max(head_dim, head_dim_v), "causal": mask.causal,
+                                 "local": mask.local, "softcap": False, "varlen": True}, _ROUND_UP)
 
 
 def variant_built(family: str, key: dict, round_up: tuple = ()) -> bool:
@@ -834,26 +869,29 @@ def _twin_variant(var: Variant, **params) -> Variant:
 
 
 def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
-              seqlen_q: int = 0, deterministic: bool = False) -> _BwdPlan:
+              seqlen_q: int = 0, deterministic: bool = False, varlen: bool = False) -> _BwdPlan:
     """The bwd variant serving (dtype, head_dim ``d``, mask, softcap) and its three loaded kernels,
     once per process (``d`` rounds up to the smallest built size that covers it; callers pass
     max(head_dim, head_dim_v), as FA3 rounds its backward's head dim). Calls with seqlen_q >=
     DQ_SWAP_MIN_SEQLEN_Q take the key's block_m 80 variant where one is built, and deterministic
     calls at DET_NOSTEPS_HEAD_DIMS the dkv_steps-off twin (_twin_variant). A twin has the same tile, so
-    the workspace (_bwd_workspace) does not depend on ``deterministic``."""
+    the workspace (_bwd_workspace) does not depend on ``deterministic``. ``varlen``: a varlen variant (bwd.py
+    varlen; no twins are built for those)."""
     long_rows = variant is None and seqlen_q >= DQ_SWAP_MIN_SEQLEN_Q
     key = (variant.name if variant is not None else None, dtype, d, mask.causal, mask.local, softcap, device, long_rows,
-           BWD_DKV_STEPS, deterministic and DET_NOSTEPS_HEAD_DIMS)
+           BWD_DKV_STEPS, deterministic and DET_NOSTEPS_HEAD_DIMS, varlen)
     plan = _bwd_plans.get(key)
     if plan is None:
         var = variant if variant is not None else select_variant(
-            "bwd", {"dtype": dtype, "head_dim": d, "causal": mask.causal, "local": mask.local, "softcap": softcap},
-            round_up=_ROUND_UP)
+            "bwd", {"dtype": dtype, "head_dim": d, "causal": mask.causal, "local": mask.local, "softcap": softcap,
+                    "varlen": varlen}, round_up=_ROUND_UP)
         if long_rows:
             var = _twin_variant(var, block_m=_BWD_SWAP_BLOCK_M)
         if variant is None and (not BWD_DKV_STEPS or (deterministic and var.params["head_dim"] in DET_NOSTEPS_HEAD_DIMS)):
             var = _twin_variant(var, dkv_steps=False)
         p = var.params
+        if bool(p.get("varlen")) != varlen:
+            raise ValueError(f"flashgen: variant {var.name} has varlen {bool(p.get('varlen'))}, the call {varlen}")
         pad = -(-p["head_dim"] // 64) * 64
         res = _BWD_FAMILY.resources(p)
         plan = _BwdPlan(var, *(launch.get_kernel(var, role, device) for role in ("pre", "main", "post")),
@@ -1033,13 +1071,23 @@ def _deterministic_mode(deterministic: bool, num_n_blocks: int, sms: int, ordere
     return 3 if num_n_blocks <= sms // 2 else 1
 
 
-def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int, split: tuple = (0, 1)) -> tuple:
+def _varlen_rows_pad(plan: _BwdPlan, batch: int, total_q: int) -> int:
+    """A varlen backward's padded workspace rows per head (BwdParams.seqlen_q_pad; bwd.cu.j2 BwdSeq): sequence b
+    from block_m x (cu_seqlens_q[b] // block_m + b) on, its blocks before sequence b + 1's first row."""
+    return plan.block_m * (-(-total_q // plan.block_m) + batch)
+
+
+def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int, split: tuple = (0, 1),
+                   varlen_total_q: int | None = None) -> tuple:
     """(total bytes, offsets of lse_log2, dpsum, dq_accum, sem, split_tickets, split_parts) of the
     backward's scratch memory: fp32 (batch, heads, seqlen_q_pad) twice, fp32 (batch, heads, seqlen_q_pad,
     head_dim_padded), int32 (batch, heads, num_m_blocks, num_slices), int32 (split units), fp32 (split
-    units, pieces, 2, 2, 64 x slice) (``split``: _split_tail's); each region 256-byte aligned."""
+    units, pieces, 2, 2, 64 x slice) (``split``: _split_tail's); each region 256-byte aligned.
+    ``varlen_total_q``: a varlen call's q rows (``batch`` sequences, ``seqlen_q`` the longest): the first three
+    regions are then one plane of (heads, _varlen_rows_pad) rows."""
     num_m = -(-seqlen_q // plan.block_m)
-    rows = batch * heads * num_m * plan.block_m
+    rows = (batch * heads * num_m * plan.block_m if varlen_total_q is None
+            else heads * _varlen_rows_pad(plan, batch, varlen_total_q))
     units, pieces = split
     slice_cols = plan.head_dim_padded // plan.num_slices
     sizes = (rows * 4, rows * 4, rows * plan.head_dim_padded * 4, batch * heads * num_m * plan.num_slices * 4,
@@ -1053,20 +1101,26 @@ def _bwd_workspace(plan: _BwdPlan, batch: int, seqlen_q: int, heads: int, split:
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, heads_k: int, head_dim: int, dtype: str,
                              causal: bool, device: int, variant: Variant | None = None, *, seqlen_k: int | None = None,
-                             window_size=(-1, -1), softcap: float = 0.0, head_dim_v: int | None = None) -> int:
+                             window_size=(-1, -1), softcap: float = 0.0, head_dim_v: int | None = None,
+                             varlen_total_q: int | None = None) -> int:
     """Bytes of device scratch memory :func:`attention_backward` needs for this call (> 0).
 
     Selects (and loads) the bwd variant the same call of :func:`attention_backward` uses: the one
     serving (dtype, max(head_dim, head_dim_v), mask, softcap); raises MissingVariantError when none
     does. ``head_dim_v``: v's head dim (None: head_dim). ``seqlen_k`` is needed with a window
-    (:func:`mask_spec`); heads_k is accepted for symmetry (the workspace does not depend on it)."""
+    (:func:`mask_spec`); heads_k is accepted for symmetry (the workspace does not depend on it).
+    ``varlen_total_q``: a varlen call (:class:`BwdVarlen`) with this many q rows: ``batch`` is then its sequence
+    count and ``seqlen_q`` / ``seqlen_k`` its max_seqlen_q / max_seqlen_k."""
     if seqlen_k is None:
         if tuple(-1 if x is None else x for x in window_size) != (-1, -1):
             raise ValueError("flashgen: backward_workspace_bytes needs seqlen_k with a window_size")
         seqlen_k = 0  # without a window, mask_spec does not depend on seqlen_k
     mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
     d = head_dim if head_dim_v is None else max(head_dim, head_dim_v)
-    plan = _bwd_plan(dtype, d, mask, softcap > 0, device, variant, seqlen_q)
+    varlen = varlen_total_q is not None
+    plan = _bwd_plan(dtype, d, mask, softcap > 0, device, variant, seqlen_q, varlen=varlen)
+    if varlen:  # (no split tail: bwd.py split_tail)
+        return _bwd_workspace(plan, batch, seqlen_q, heads, (0, 1), int(varlen_total_q))[0]
     # the split tail of a call that is not deterministic (a deterministic call uses less of it); without
     # seqlen_k, room for any: fewer units than SMs, at most SPLIT_TAIL_MAX_ROUNDS x SMs pieces
     if seqlen_k > 0:
@@ -1096,7 +1150,7 @@ def _call_split(plan: _BwdPlan, mask: MaskSpec, deterministic: bool, units: int,
 def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
                        dq: TensorArg, dk: TensorArg, dv: TensorArg, softmax_scale: float, causal: bool,
                        deterministic: bool, stream: int, workspace_ptr: int, variant: Variant | None = None, *,
-                       window_size=(-1, -1), softcap: float = 0.0) -> Variant:
+                       window_size=(-1, -1), softcap: float = 0.0, varlen: BwdVarlen | None = None) -> Variant:
     """Launch the FA3 backward: dq, dk, dv of ``out = softmax(logits [+ mask]) v``.
 
     Method: FlashAttention-2/3's backward (arXiv 2307.08691 Algorithm 2; FA3 arXiv 2407.08608 and
@@ -1118,11 +1172,37 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     ``window_size``, ``softcap``: the forward's (:func:`attention_forward`); with softcap, dS is
     scaled by the tanh's derivative. A learnable sink needs nothing here (lse includes it); its
     gradient is ``-sum_rows exp(sink - lse) * rowsum(dout * out)``, left to the caller.
+
+    ``varlen`` (:class:`BwdVarlen`; FA3's varlen backward, on the varlen variants: bwd.cu.j2 kVarlen): the
+    sequences packed along the token dim: q, dq ``(total_q, heads, head_dim)``; dout, out ``(total_q, heads,
+    head_dim_v)``; k, dk ``(total_k, heads_k, head_dim)``; v, dv ``(total_k, heads_k, head_dim_v)``; lse fp32
+    ``(heads, total_q)`` contiguous (the varlen forward's); the workspace :func:`backward_workspace_bytes` with
+    ``varlen_total_q``. Each sequence is one attention with the masks bottom-right aligned on its own lengths. The
+    kernels write dq, dk, dv in the sequences' rows only (the caller zeroes rows past the last sequence).
     Launches on ``stream``; never synchronises. Raises MissingVariantError (no variant),
-    ValueError (layouts, heads, softmax_scale / softcap).
+    ValueError (layouts, heads, softmax_scale / softcap, varlen shapes).
     """
-    b, sq, h, d = q.shape
+    total_q = 0
+    if varlen is not None:
+        for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+            if len(t.shape) != 3:
+                raise ValueError(f"flashgen: with varlen, {name} must be 3-D (total, heads, dim), got shape {t.shape}")
+        total_q = q.shape[0]
+        if (tuple(lse.shape) != (q.shape[1], total_q) or lse.dtype != "fp32"
+                or tuple(lse.strides) != (total_q, 1)):
+            raise ValueError(f"flashgen: with varlen, lse must be fp32 (heads, total_q) = {(q.shape[1], total_q)} "
+                             f"contiguous, got {lse.dtype} {lse.shape} strides {lse.strides}")
+        if varlen.batch < 1 or varlen.max_seqlen_q < 1 or varlen.max_seqlen_k < 1 or not (
+                varlen.cu_seqlens_q and varlen.cu_seqlens_k):
+            raise ValueError(f"flashgen: varlen needs cu_seqlens_q, cu_seqlens_k, batch >= 1 and max_seqlen_q, "
+                             f"max_seqlen_k >= 1, got {varlen}")
+        dout, q, k, v, out, dq, dk, dv = (_batch_of_one(name, t) for name, t in (
+            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)))
+    _, sq, h, d = q.shape
     _, sk, hk, dv_dim = v.shape
+    b = q.shape[0]
+    if varlen is not None:
+        b, sq, sk = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
     if h % hk:
         raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
@@ -1130,15 +1210,18 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     mask = mask_spec(causal, window_size, sq, sk)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq, deterministic)
+    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq, deterministic,
+                     varlen is not None)
     bm, bn = plan.block_m, plan.block_n
     num_m, num_n = -(-sq // bm), -(-sk // bn)
     grid_n = _bwd_grid_n(plan, sk)
     units = _bwd_units(plan, b, hk, sk)
-    persistent = _persistent_units(plan, mask, deterministic, units, num_m * (h // hk))
-    split_units, split_pieces = (0, 1) if persistent else _call_split(plan, mask, deterministic, units, sq, h, hk)
-    _, (o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts) = _bwd_workspace(plan, b, sq, h,
-                                                                           (split_units, split_pieces))
+    # (varlen variants: no persistent grid or split tail, bwd.py; no unordered tail or rotation: kept simple)
+    persistent = _persistent_units(plan, mask, deterministic, units, num_m * (h // hk)) if varlen is None else 0
+    split_units, split_pieces = ((0, 1) if persistent or varlen is not None
+                                 else _call_split(plan, mask, deterministic, units, sq, h, hk))
+    _, (o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts) = _bwd_workspace(
+        plan, b, sq, h, (split_units, split_pieces), None if varlen is None else total_q)
     w = int(workspace_ptr)
     ordered = _ordered_default(plan, mask, sk)
     params = {
@@ -1148,16 +1231,24 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "do_stride_batch": dout.strides[0], "do_stride_seq": dout.strides[1], "do_stride_head": dout.strides[2],
         "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
         "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
-        "seqlen_q_pad": num_m * bm, "num_m_blocks": num_m, "num_slices": plan.num_slices,
+        "seqlen_q_pad": num_m * bm if varlen is None else _varlen_rows_pad(plan, b, total_q),
+        "num_m_blocks": num_m, "num_slices": plan.num_slices,
         "deterministic": _deterministic_mode(deterministic, num_n, plan.sms, ordered),
         "scale_log2": scale_log2, "softmax_scale": scale,
         "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
-        "unordered_tail": _unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk),
+        "unordered_tail": (_unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk)
+                           if varlen is None else 0),
         "rotate": int(ROTATE_UNORDERED and not deterministic and not mask.causal and not mask.local and not persistent
-                      and plan.block_n == 128 and num_n <= num_m and num_m >= ROTATE_UNORDERED_MIN_M_BLOCKS),
+                      and plan.block_n == 128 and num_n <= num_m and num_m >= ROTATE_UNORDERED_MIN_M_BLOCKS
+                      and varlen is None),
         "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
         "split_parts": w + o_parts if split_units else 0, "split_tickets": w + o_tickets if split_units else 0,
         "persistent_units": persistent,
+        # varlen (bwd.cu.j2 kVarlen): the sequences, and dk, dv stored from registers (their rows bounded)
+        "cu_seqlens_q": 0 if varlen is None else varlen.cu_seqlens_q,
+        "cu_seqlens_k": 0 if varlen is None else varlen.cu_seqlens_k,
+        "dk": dk.ptr, "dv": dv.ptr, "dk_stride_seq": dk.strides[1], "dk_stride_head": dk.strides[2],
+        "dv_stride_seq": dv.strides[1], "dv_stride_head": dv.strides[2], "total_q": total_q,
     }
     (params["unit_x_mul"], params["unit_x_shift"]), (params["unit_y_mul"], params["unit_y_shift"]) = (
         (fast_div(grid_n), fast_div(plan.num_slices * hk)) if persistent else ((0, 0), (0, 0)))

@@ -978,6 +978,76 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     return merged, (merged_lse.transpose(1, 2)[0] if packed_q else merged_lse.transpose(1, 2))
 
 
+def _varlen_bwd_serves(q, k, v, seqused: tuple, sink, descales: tuple, attention_chunk: int, softcap, causal: bool,
+                       window_size, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    """Whether a flash_attn_varlen_func call that wants gradients runs on the varlen kernels both ways
+    (:class:`_VarlenKernelFn`): both switched on (core.VARLEN_BWD_KERNEL, core.VARLEN_KERNEL), fp16 / bf16 without
+    descales, no seqused (the backward's loads read a sequence's neighbours' rows: finite there, unlike a padded
+    sequence's unused rows), learnable_sink, softcap or attention_chunk, head dims within one call's, something to
+    compute, no CUDA-graph capture (the offsets are copied to the GPU), and both varlen variants built."""
+    if not (_core.VARLEN_BWD_KERNEL and _core.VARLEN_KERNEL) or any(t is not None for t in seqused):
+        return False
+    if sink is not None or softcap or attention_chunk or not _no_descales(descales):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or max_seqlen_q < 1 or max_seqlen_k < 1:
+        return False
+    if q.shape[-1] > _v.MAX_HEAD_DIM or v.shape[-1] > _v.MAX_HEAD_DIM or q.shape[1] % k.shape[1]:
+        return False
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    dtype, d, dv = _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1]
+    window = _v.window_pair(window_size)
+    return (_core.varlen_variant_built(dtype, d, dv, causal, window, max_seqlen_q, max_seqlen_k, 0.0)
+            and _core.varlen_bwd_variant_built(dtype, d, dv, causal, window, max_seqlen_q, max_seqlen_k))
+
+
+class _VarlenKernelFn(torch.autograd.Function):
+    """flash_attn_varlen_func with gradients on the varlen kernels: the forward's (:func:`_varlen_kernel`, one launch,
+    no split) and the backward's (``core.attention_backward(varlen=...)``: preprocess, main, postprocess over every
+    sequence at once; bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). Saves q, k, v,
+    out, lse and the offsets as int32 tensors on q's device. Takes what :func:`_varlen_bwd_serves` admits;
+    ``fill``: some rows belong to no sequence (past cu_seqlens[-1]): out 0 / lse -inf there, and their gradients
+    0. lse is returned, not differentiable (FA3's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, softmax_scale, causal: bool, window_size,
+                deterministic: bool, fill: bool):
+        batch = cu_q.shape[0] - 1
+        res = _varlen_kernel(q, k, v, (cu_q, cu_k, None, None), batch, max_q, max_k, softmax_scale, causal,
+                             window_size, 0.0, None, fill)
+        if res is None:  # (_varlen_bwd_serves asked for the variant first)
+            raise _core.MissingVariantError("flashgen: no varlen forward variant serves this call")
+        out, lse = res
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.max_q, ctx.max_k, ctx.causal, ctx.deterministic, ctx.fill = max_q, max_k, causal, deterministic, fill
+        ctx.scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        ctx.window = tuple(_v.window_pair(window_size))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dev = _device_of(q)[1]
+        dtype = _DTYPE_NAMES[q.dtype]
+        batch = cu_q.shape[0] - 1
+        nbytes = _core.backward_workspace_bytes(
+            batch, ctx.max_q, q.shape[1], k.shape[1], q.shape[2], dtype, ctx.causal, dev, seqlen_k=ctx.max_k,
+            window_size=ctx.window, softcap=0.0, head_dim_v=v.shape[2], varlen_total_q=q.shape[0])
+        make = torch.zeros_like if ctx.fill else torch.empty_like  # the kernels write the sequences' rows alone
+        grads = tuple(make(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        inputs = [_tma_arg(t, dtype, dev) for t in (dout.to(q.dtype), q, k, v, out)]  # (tensor kept alive, TensorArg)
+        workspace = _workspace(q, nbytes)
+        _core.attention_backward(
+            *(arg for _, arg in inputs),
+            _core.TensorArg(lse.data_ptr(), tuple(lse.shape), tuple(lse.stride()), "fp32", dev),
+            *(_tma_arg(g, dtype, dev)[1] for g in grads), ctx.scale, ctx.causal, ctx.deterministic,
+            _current_stream(dev), workspace.data_ptr(), window_size=ctx.window, softcap=0.0,
+            varlen=_core.BwdVarlen(cu_q.data_ptr(), cu_k.data_ptr(), batch, ctx.max_q, ctx.max_k))
+        del inputs, workspace  # released only after the launches are enqueued (stream-ordered)
+        return (*grads, None, None, None, None, None, None, None, None, None)
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1083,6 +1153,13 @@ def flash_attn_varlen_func(
     lk = [b - a for a, b in zip(cu_k, cu_k[1:])] if used_k is None else used_k
     unused_q = [cu_q[b + 1] - cu_q[b] - lq[b] for b in range(batch)]
     unused_k = [cu_k[b + 1] - cu_k[b] - lk[b] for b in range(batch)]
+    if batch and any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled() and _varlen_bwd_serves(
+            q, k, v, (seqused_q, seqused_k), learnable_sink, (q_descale, k_descale, v_descale), attention_chunk,
+            softcap, causal, window_size, max(lq), max(lk)):
+        out, lse = _VarlenKernelFn.apply(q, k, v, _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q), max(lq),
+                                         max(lk), softmax_scale, bool(causal), window_size, bool(deterministic),
+                                         cu_q[-1] < q.shape[0] or cu_k[-1] < k.shape[0])
+        return (out, lse) if return_attn_probs else out
     if batch and _varlen_kernel_serves(q, k, v, learnable_sink, (q_descale, k_descale, v_descale), attention_chunk,
                                        max(lq), max(lk)):
         res = _varlen_kernel(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), batch, max(lq), max(lk),

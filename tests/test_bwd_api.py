@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -105,18 +107,23 @@ class FakeBwd:
         return 4 * batch * heads * seqlen_q * 67 + 1000  # an odd size: no element count passes for bytes
 
     def backward_workspace_bytes(self, batch, seqlen_q, heads, heads_k, head_dim, dtype, causal, device,
-                                 variant=None, *, seqlen_k=None, window_size=(-1, -1), softcap=0.0, head_dim_v=None):
+                                 variant=None, *, seqlen_k=None, window_size=(-1, -1), softcap=0.0, head_dim_v=None,
+                                 varlen_total_q=None):
         assert min(batch, seqlen_q, heads, heads_k) >= 1 and type(causal) is bool
         assert type(seqlen_k) is int and seqlen_k >= 1  # the API always passes it (needed with a window)
         assert type(window_size) is tuple and all(type(x) is int for x in window_size) and type(softcap) is float
         assert type(head_dim_v) is int  # the API always passes it (the variant is that of max(head_dim, head_dim_v))
         self.workspace_calls.append(dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
                                          window_size=window_size, softcap=softcap, head_dim=head_dim,
-                                         head_dim_v=head_dim_v))
+                                         head_dim_v=head_dim_v,
+                                         **({} if varlen_total_q is None else {"varlen_total_q": varlen_total_q})))
         m = core.mask_spec(causal, window_size, seqlen_q, seqlen_k)  # as the real core
-        core.select_variant("bwd", {"dtype": dtype, "head_dim": max(head_dim, head_dim_v), "causal": m.causal,
-                                    "local": m.local, "softcap": softcap > 0})  # may raise
-        return self.nbytes(batch, seqlen_q, heads)
+        key = {"dtype": dtype, "head_dim": max(head_dim, head_dim_v), "causal": m.causal, "local": m.local,
+               "softcap": softcap > 0}
+        if varlen_total_q is not None:  # (the real core's key has varlen False otherwise: the family's default)
+            key["varlen"] = True
+        core.select_variant("bwd", key)  # may raise
+        return self.nbytes(batch, seqlen_q, heads) if varlen_total_q is None else self.nbytes(1, varlen_total_q, heads)
 
     def record_workspace(self, make, size_of):
         """``make`` wrapped so that the workspaces it makes are recorded (``size_of(result) -> (ptr, bytes)``)."""
@@ -127,7 +134,10 @@ class FakeBwd:
         return wrapped
 
     def attention_backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                           stream, workspace_ptr, variant=None, *, window_size=(-1, -1), softcap=0.0):
+                           stream, workspace_ptr, variant=None, *, window_size=(-1, -1), softcap=0.0, varlen=None):
+        if varlen is not None:
+            return self._varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+                                         stream, workspace_ptr, variant, window_size, softcap, varlen)
         b, sq, h, d = q.shape
         arrays = dict(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
         for name, a in arrays.items():
@@ -149,6 +159,49 @@ class FakeBwd:
                                softcap)
         for arg, g in zip((dq, dk, dv), grads):
             _view(arg).copy_(g)
+        return variant
+
+    def _varlen_backward(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, stream,
+                         workspace_ptr, variant, window_size, softcap, varlen):
+        """The varlen backward (core.BwdVarlen; bwd.cu.j2 kVarlen) emulated: each sequence's rows (at the offsets
+        read through varlen's addresses) as one call of emulated_grads, written to the same rows of dq, dk, dv;
+        rows of no sequence are left as they were (the kernels write only the sequences' rows)."""
+        arrays = dict(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
+        for name, a in arrays.items():
+            assert isinstance(a, core.TensorArg) and a.dtype == q.dtype and len(a.shape) == 3, name
+            assert V.tma_layout_problem(a.shape, a.strides, V.ELEMENT_SIZE[a.dtype], a.ptr) is None, name
+        total_q, h = q.shape[0], q.shape[1]
+        assert lse.dtype == "fp32" and lse.shape == (h, total_q) and V.is_c_contiguous(lse.shape, lse.strides)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dout.shape == out.shape
+        assert type(varlen) is core.BwdVarlen and varlen.batch >= 1 and min(varlen.max_seqlen_q, varlen.max_seqlen_k) >= 1
+        assert type(softmax_scale) is float and type(causal) is bool and type(deterministic) is bool
+        need = self.nbytes(1, total_q, h)
+        assert any(p == workspace_ptr and n >= need for p, n in self.workspaces), "workspace missing or too small"
+        ctypes.memset(workspace_ptr, 0xAB, need)
+        self.calls.append(dict(arrays, lse=lse, scale=softmax_scale, causal=causal, deterministic=deterministic,
+                               stream=stream, workspace_ptr=workspace_ptr, variant=variant, window_size=window_size,
+                               softcap=softcap, varlen=varlen))
+        n = varlen.batch
+        cu_q = list((ctypes.c_int32 * (n + 1)).from_address(varlen.cu_seqlens_q))
+        cu_k = list((ctypes.c_int32 * (n + 1)).from_address(varlen.cu_seqlens_k))
+        views = {name: _view(a) for name, a in arrays.items()}
+        lv = _view(lse)
+        for b in range(n):
+            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            assert rq.stop - rq.start <= varlen.max_seqlen_q and rk.stop - rk.start <= varlen.max_seqlen_k
+            if rq.stop == rq.start:
+                continue
+            if rk.stop == rk.start:  # no key: out does not depend on q
+                views["dq"][rq] = 0
+                continue
+            grads = emulated_grads(*(views[x][None, r] for x, r in (("q", rq), ("k", rk), ("v", rk), ("out", rq))),
+                                   lv[None, :, rq], views["dout"][None, rq], softmax_scale, causal, window_size, softcap)
+            for name, g, r in zip(("dq", "dk", "dv"), grads, (rq, rk, rk)):
+                views[name][r] = g[0].to(views[name].dtype)
+        for name in ("dk", "dv"):  # keys of sequences with no query: their gradients are 0
+            for b in range(n):
+                if cu_q[b + 1] == cu_q[b]:
+                    views[name][cu_k[b]:cu_k[b + 1]] = 0
         return variant
 
 
@@ -1002,7 +1055,7 @@ def test_core_backward_head_dim_v(bwd_core, d, dv, served, causal):
     b, sq, sk, h, hk = 2, 113, 239, 4, 2  # GQA 2, odd lengths
     variant, args = _run_backward(b, sq, sk, h, hk, d, dv, causal)
     assert variant.dispatch == {"dtype": "bf16", "head_dim": served, "causal": causal, "local": False,
-                                "softcap": False}
+                                "softcap": False, "varlen": False}
     pre, main, post = bwd_core.launches
     assert [x["role"] for x in bwd_core.launches] == ["pre", "main", "post"]
     assert all(x["variant"] == variant.name and x["stream"] == 77 for x in bwd_core.launches)
@@ -1146,3 +1199,121 @@ def test_core_backward_long_rows_take_block_m_80(bwd_core, sq):
                                    core.TensorArg(0x900000, (b, h, sq), (h * sq, sq, 1), "fp32", 0),
                                    *(targ(s, ptr=0x10000) for s in [(b, sq, h, 128)] * 3), 0.1, False, False, 77,
                                    0xA00000, variant=default) is default
+
+
+def _varlen_record(dtype: str, head_dim: int, causal: bool) -> dict:
+    """configs/bwd.yaml's varlen variant of this key (bwd.py varlen), as _bwd_record's."""
+    rec = _bwd_record(dtype, head_dim, causal, varlen=True)
+    rec["dispatch"] = {**rec["dispatch"], "varlen": True}
+    rec["default"] = True
+    params = rec["params"]
+    assert not any(f(params) for f in (bwd_mod.ds_pairs, bwd_mod.split_tail, bwd_mod.persistent, bwd_mod.dq_swap))
+    return rec
+
+
+@pytest.fixture
+def bwd_core_varlen(bwd_core, tmp_path):
+    """bwd_core's manifest with the varlen variants of every bf16 head dim, causal or not."""
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    m["variants"] += [_varlen_record("bf16", d, c) for d in bwd_mod.HEAD_DIMS for c in (False, True)]
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    return bwd_core
+
+
+def _run_varlen_backward(lens_q, lens_k, h, hk, d, dv, causal, pad=(3, 2), deterministic=False, **kw):
+    """core.attention_backward(varlen=...) on packed TensorArgs at distinct fake addresses; (variant, args, varlen)."""
+    tq, tk = sum(lens_q) + pad[0], sum(lens_k) + pad[1]
+    shapes = dict(dout=(tq, h, dv), q=(tq, h, d), k=(tk, hk, d), v=(tk, hk, dv), out=(tq, h, dv), dq=(tq, h, d),
+                  dk=(tk, hk, d), dv=(tk, hk, dv))
+    args = {name: targ(shape, ptr=0x100000 * (i + 1)) for i, (name, shape) in enumerate(shapes.items())}
+    lse = kw.pop("lse", core.TensorArg(0x900000, (h, tq), (tq, 1), "fp32", 0))
+    vl = core.BwdVarlen(0x800000, 0x810000, len(lens_q), max(lens_q), max(lens_k))
+    variant = core.attention_backward(*(args[n] for n in ("dout", "q", "k", "v", "out")), lse,
+                                      *(args[n] for n in ("dq", "dk", "dv")), 0.1, causal, deterministic, 77, 0xA00000,
+                                      varlen=vl, **kw)
+    return variant, args, vl
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)], ids=str)
+def test_core_backward_varlen(bwd_core_varlen, d, dv, causal):
+    """The varlen backward: the varlen variant of the key; the sequences' offsets, the longest lengths and the packed
+    total in the params (batch = the sequences, seqlen_q_pad = block_m (ceil(total_q / block_m) + batch): every
+    sequence's blocks padded apart, bwd.cu.j2 BwdSeq); dk, dv stored from registers (their addresses and strides);
+    no persistent grid, split tail, unordered tail or rotation; the grids the non-varlen call of the longest lengths
+    would have over the sequences; q, k, v, dout mapped as a batch of one; a workspace that holds it all."""
+    lens_q, lens_k, h, hk = [5, 130, 0, 77], [9, 130, 40, 0], 4, 2
+    variant, args, vl = _run_varlen_backward(lens_q, lens_k, h, hk, d, dv, causal)
+    vp = variant.params
+    assert vp["varlen"] is True and variant.dispatch["varlen"] is True
+    pre, main, post = bwd_core_varlen.launches
+    p = main["params"]
+    assert pre["params"] == p == post["params"]
+    tq, tk = args["q"].shape[0], args["k"].shape[0]
+    bm, bn = vp["block_m"], vp["block_n"]
+    assert (p["cu_seqlens_q"], p["cu_seqlens_k"], p["batch"], p["seqlen_q"], p["seqlen_k"], p["total_q"]) == \
+        (vl.cu_seqlens_q, vl.cu_seqlens_k, 4, 130, 130, tq)
+    assert p["seqlen_q_pad"] == bm * (-(-tq // bm) + 4) and p["num_m_blocks"] == -(-130 // bm)
+    assert (p["dk"], p["dv"], p["dk_stride_seq"], p["dk_stride_head"], p["dv_stride_seq"], p["dv_stride_head"]) == \
+        (args["dk"].ptr, args["dv"].ptr, hk * d, d, hk * dv, dv)
+    assert (p["unordered_tail"], p["rotate"], p["split_units"], p["persistent_units"]) == (0, 0, 0, 0)
+    assert p["o_stride_seq"] == h * dv and p["do_stride_seq"] == h * dv and p["dq_stride_seq"] == h * d
+    slices = p["num_slices"]
+    lanes = bwd_mod.pre_row_lanes(vp)
+    assert pre["grid"] == (-(-p["num_m_blocks"] * bm // (2 * 256 // lanes)), h, 4)
+    assert main["grid"] == (-(-130 // bn), slices * hk, 4) and post["grid"] == (2 * -(-130 // 16), h, 4)
+    for name, m in main["maps"].items():  # a batch of one over the packed rows
+        rows = tq if name in ("q", "dout") else tk
+        assert m["ptr"] == args[name].ptr and m["dims"][1:] == (rows, args[name].shape[1], 1), name
+    ws = core.backward_workspace_bytes(4, 130, h, hk, d, "bf16", causal, 0, seqlen_k=130, head_dim_v=dv,
+                                       varlen_total_q=tq)
+    pad = -(-max(d, dv) // 64) * 64
+    assert p["dq_accum"] - p["dpsum"] >= h * p["seqlen_q_pad"] * 4  # one (heads, seqlen_q_pad) plane
+    assert p["sem"] - p["dq_accum"] >= h * p["seqlen_q_pad"] * pad * 4
+    assert p["sem"] + 4 * h * p["num_m_blocks"] * slices * 4 <= 0xA00000 + ws
+
+
+def test_varlen_padded_rows_keep_sequences_apart():
+    """bwd.cu.j2 BwdSeq's padding: sequence b's workspace rows start at block_m (cu_seqlens_q[b] // block_m + b), a
+    multiple of block_m, and its ceil(len / block_m) blocks end at or before sequence b + 1's start and within
+    seqlen_q_pad = block_m (ceil(total_q / block_m) + batch) (core._varlen_rows_pad)."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        bm = rng.choice((64, 128))
+        lens = [rng.choice((0, 1, 63, 64, 65, 127, 128, 129, rng.randrange(300))) for _ in range(rng.randrange(1, 9))]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        total = cu[-1] + rng.randrange(3)
+        plan = types.SimpleNamespace(block_m=bm)
+        rows_pad = core._varlen_rows_pad(plan, len(lens), total)
+        starts = [bm * (cu[b] // bm + b) for b in range(len(lens))]
+        for b, n in enumerate(lens):
+            end = starts[b] + -(-n // bm) * bm
+            assert starts[b] % bm == 0 and end <= (starts[b + 1] if b + 1 < len(lens) else rows_pad), (bm, lens, b)
+
+
+def test_core_backward_varlen_refuses_what_it_cannot_run(bwd_core_varlen):
+    """A varlen call with 4-D arrays, an lse not (heads, total_q) contiguous, no offsets, or a variant without varlen
+    named: ValueError naming it, before any launch."""
+    with pytest.raises(ValueError, match="lse must be fp32"):
+        _run_varlen_backward([5, 7], [5, 7], 2, 2, 64, 64, False,
+                             lse=core.TensorArg(0x900000, (1, 2, 15), (30, 15, 1), "fp32", 0))
+    tq = 15
+    with pytest.raises(ValueError, match="lse must be fp32"):
+        _run_varlen_backward([5, 7], [5, 7], 2, 2, 64, 64, False,
+                             lse=core.TensorArg(0x900000, (2, tq), (1, 2), "fp32", 0))
+    plain = core.select_variant("bwd", {"dtype": "bf16", "head_dim": 64, "causal": False, "local": False,
+                                        "softcap": False})
+    with pytest.raises(ValueError, match="varlen"):
+        _run_varlen_backward([5, 7], [5, 7], 2, 2, 64, 64, False, variant=plain)
+    q = targ((1, 12, 2, 64))
+    vl = core.BwdVarlen(0x800000, 0x810000, 2, 7, 7)
+    with pytest.raises(ValueError, match="must be 3-D"):
+        core.attention_backward(q, q, q, q, q, core.TensorArg(0x900000, (2, 12), (12, 1), "fp32", 0), q, q, q, 0.1,
+                                False, False, 77, 0xA00000, varlen=vl)
+    a = targ((12, 2, 64))
+    with pytest.raises(ValueError, match="needs cu_seqlens_q"):
+        core.attention_backward(a, a, a, a, a, core.TensorArg(0x900000, (2, 12), (12, 1), "fp32", 0), a, a, a, 0.1,
+                                False, False, 77, 0xA00000, varlen=vl._replace(cu_seqlens_k=0))
+    assert not bwd_core_varlen.launches

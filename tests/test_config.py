@@ -224,11 +224,18 @@ def test_real_configs():
     assert all(v.params["head_dim"] == 64 for v in twins if not v.default_build)
     assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
                    v.default) for v in swap) == [(d, 128, False, False, False, False) for d in ("bf16", "fp16")]
-    assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 3 + 2 + len(swap) + len(built_twins) + len(tuned)
+    # + bwd's varlen variants (bwd.py varlen): {dtype} x {head_dim} x {none, causal, local}, without softcap (30)
+    assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 3 + 2 + len(swap) + len(built_twins) + len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa") and not v.params.get("varlen")]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
     # + varlen (fwd.py varlen) for {dtype} x {head_dim} x {none, causal, local} x {PackGQA}, without softcap (60)
-    varlen = [v for v in select(vs) if v.params.get("varlen")]
+    bwd_varlen = [v for v in select(vs) if v.family == "bwd" and v.params.get("varlen")]
+    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["block_m"])
+                  for v in bwd_varlen) == \
+        sorted((d, h, c, lo, 128 if h == 64 else 64) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
+               for c, lo in ((False, False), (True, False), (False, True)))
+    assert not any(v.params["softcap"] or not v.default or not v.params["dkv_steps"] for v in bwd_varlen)
+    varlen = [v for v in select(vs) if v.family == "fwd" and v.params.get("varlen")]
     assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["pack_gqa"])
                   for v in varlen) == \
         sorted((d, h, c, lo, pk) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
@@ -283,7 +290,7 @@ def test_real_configs():
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 3 + 2 + len(swap) + len(twins)
+    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 3 + 2 + len(swap) + len(twins)
                                     + len({v.name for v in abl + tune + tuned if not v.default}))
     assert len(select(vs, all_=True)) == len(vs)
 

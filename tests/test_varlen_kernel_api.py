@@ -665,3 +665,136 @@ def test_key_bound_keeps_the_calls_own_mask(kernel_on, page, causal, window, wan
     assert call["varlen"].max_seqlen_k == 64
     m = core.mask_spec(causal, call["window_size"], 2, call["varlen"].max_seqlen_k)
     assert (m.causal, m.local) == want == tuple(call["variant"].dispatch[x] for x in ("causal", "local"))
+
+
+# --------------------------------------------------------------------------------------
+# The varlen backward (core.BwdVarlen; bwd.py ``varlen``, bwd.cu.j2 kVarlen)
+# --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def bwd_kernel_on(kernel_on, monkeypatch):
+    """The varlen kernels both ways (core.VARLEN_BWD_KERNEL on), with test_bwd_api's emulated backward."""
+    from test_bwd_api import FakeBwd
+    from flashgen import dlpack_api, interface
+
+    bwd = FakeBwd(kernel_on)
+    monkeypatch.setattr(core, "backward_workspace_bytes", bwd.backward_workspace_bytes)
+    monkeypatch.setattr(core, "attention_backward", bwd.attention_backward)
+    monkeypatch.setattr(interface, "_workspace", bwd.record_workspace(
+        interface._workspace, lambda t: (t.data_ptr(), t.numel() * t.element_size())))
+    monkeypatch.setattr(dlpack_api, "_workspace", bwd.record_workspace(
+        dlpack_api._workspace, lambda r: (r[1], r[0].numel() * r[0].element_size())))
+    monkeypatch.setattr(core, "VARLEN_BWD_KERNEL", True)
+    return bwd
+
+
+def varlen_grads_reference(q, k, v, cu_q, cu_k, dout, causal, window, scale):
+    """float32 (dq, dk, dv): each sequence's reference gradients in its rows, 0 in rows of no sequence."""
+    from test_bwd_api import reference_grads
+
+    grads = [torch.zeros(t.shape) for t in (q, k, v)]
+    for b in range(len(cu_q) - 1):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if rq.stop == rq.start or rk.stop == rk.start:
+            continue
+        g = reference_grads(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], scale, causal, window)
+        for acc, x, r in zip(grads, g, (rq, rk, rk)):
+            acc[r] = x[0]
+    return grads
+
+
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,hk,dv,pad", [
+    ([5, 17, 1, 33], [7, 17, 40, 2], True, (-1, -1), 2, None, (3, 2)),
+    ([5, 17, 1, 33], [7, 17, 40, 2], False, (3, 2), 1, None, (0, 0)),
+    ([9, 0, 4], [0, 6, 11], False, (-1, -1), 4, None, (2, 0)),  # an empty query sequence, a sequence with no key
+    ([30, 12, 70], [30, 12, 70], True, (-1, -1), 2, 32, (0, 0)),  # packed documents; head_dim_v 32
+])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_backward_is_one_launch_each_way(bwd_kernel_on, lens_q, lens_k, causal, window, hk, dv, pad,
+                                                deterministic):
+    """A call that wants gradients runs the varlen forward once and the varlen backward once (no composed calls),
+    with the arrays, offsets and longest lengths the kernels need; the gradients are each sequence's, 0 in rows of
+    no sequence."""
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, h=4, hk=hk, dv=dv, pad_q=pad[0], pad_k=pad[1], seed=7)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q) + 3, max(lens_k) + 1, causal=causal,
+                                 window_size=window, deterministic=deterministic)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+    (out.float() * w.float()).sum().backward()
+    fwd_calls = varlen_calls(kernel_on := bwd_kernel_on.fwd)
+    assert len(fwd_calls) == 1 and len(kernel_on.calls) == 1  # the forward: one varlen launch, nothing composed
+    (call,) = bwd_kernel_on.calls
+    vl = call["varlen"]
+    assert (vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (len(lens_q), max(lens_q), max(lens_k))
+    assert call["deterministic"] is deterministic and call["causal"] is causal
+    assert call["q"].ptr == q.data_ptr() and call["q"].shape == tuple(q.shape)  # packed q read in place
+    assert call["lse"].shape == (4, q.shape[0])
+    assert bwd_kernel_on.workspace_calls[-1]["varlen_total_q"] == q.shape[0]
+    assert [key for fam, key in bwd_kernel_on.fwd.selected if fam == "bwd"][-1]["varlen"] is True
+    ref = varlen_grads_reference(q.detach(), k.detach(), v.detach(), cu_q, cu_k, w, causal, window, 64 ** -0.5)
+    for t, r in zip((q, k, v), ref):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+        assert (t.grad.float() - r).abs().max().item() <= 2e-3 * max(1.0, r.abs().max().item())
+    for t, n in ((q, sum(lens_q)), (k, sum(lens_k)), (v, sum(lens_k))):  # rows of no sequence: 0
+        assert not t.grad[n:].any()
+
+
+def test_varlen_backward_matches_the_composed_path(bwd_kernel_on):
+    """The same call with the switch off (the composed path: flash_attn_func calls per run) gives the same out and
+    gradients."""
+    lens = [13, 40, 7, 40]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, seed=9)
+    got = []
+    for on in (True, False):
+        core.VARLEN_BWD_KERNEL = on
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = flash_attn_varlen_func(qq, kk, vv, cu_q, cu_k, 40, 40, causal=True)
+        out.float().square().sum().backward()
+        got.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    assert len(bwd_kernel_on.calls) >= 2 and bwd_kernel_on.calls[0].get("varlen") is not None
+    assert all(c.get("varlen") is None for c in bwd_kernel_on.calls[1:])  # the composed calls
+    for a, b in zip(*got):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-3 * max(1.0, b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("what", ["seqused", "softcap", "sink", "chunk", "switch_off", "fwd_switch_off", "no_variant"])
+def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what):
+    """seqused (a padded sequence's unused rows are read by the backward's loads), softcap, learnable_sink,
+    attention_chunk (not built), either switch off, or no varlen bwd variant built: the composed path."""
+    lens = [6, 11]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, seed=2)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    kw = {}
+    if what == "seqused":
+        kw["seqused_q"] = torch.tensor([5, 11], dtype=torch.int32)
+    elif what == "softcap":
+        kw["softcap"] = 5.0
+    elif what == "sink":
+        kw["learnable_sink"] = torch.zeros(4, requires_grad=True)
+    elif what == "chunk":
+        kw["attention_chunk"] = 4
+    elif what == "switch_off":
+        core.VARLEN_BWD_KERNEL = False
+    elif what == "fwd_switch_off":
+        core.VARLEN_KERNEL = False
+    else:
+        real = bwd_kernel_on.fwd.select_variant
+
+        def select(family, key, manifest=None, round_up=()):
+            if family == "bwd" and key.get("varlen"):
+                raise core.MissingVariantError("no varlen bwd variant")
+            return real(family, key, manifest, round_up)
+        monkeypatch.setattr(core, "select_variant", select)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 11, 11, causal=True, **kw)
+    out.float().sum().backward()
+    assert bwd_kernel_on.calls and all(c.get("varlen") is None for c in bwd_kernel_on.calls)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_varlen_backward_without_grad_runs_the_forward_kernel_alone(bwd_kernel_on):
+    """No gradient wanted (no_grad, or inputs without requires_grad): the varlen forward alone, as before."""
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 9], [5, 9], seed=3)
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=True)
+    with torch.no_grad():
+        flash_attn_varlen_func(q.requires_grad_(True), k, v, cu_q, cu_k, 9, 9, causal=True)
+    assert len(varlen_calls(bwd_kernel_on.fwd)) == 2 and not bwd_kernel_on.calls

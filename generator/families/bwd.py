@@ -204,6 +204,17 @@ PARAMS = params_struct(
     ("unit_x_mul", "u32"), ("unit_x_shift", "u32"),  # persistent calls: core.fast_div of the key blocks (bwd.cu.j2 unit_cta)
     ("unit_y_mul", "u32"), ("unit_y_shift", "u32"),  # and of num_slices x heads_k
     ("persistent_units", "i32"),  # persistent variants (bwd.cu.j2 kPersistent): > 0, the units (CTAs of the plain grid) that a grid of one CTA per SM runs in turn; 0: one unit per CTA
+    # varlen variants only (bwd.cu.j2 kVarlen; null / 0 otherwise): q, k, v, o, dout, dq, dk, dv packed along their
+    # token dim (batch entry 0), sequence b in rows [cu_seqlens[b], cu_seqlens[b + 1]); batch: the sequences;
+    # seqlen_q / seqlen_k: the longest; lse (heads, total_q); the workspace's rows padded per sequence
+    # (seqlen_q_pad: block_m x (ceil(total_q / block_m) + batch), one (batch 0) plane; bwd.cu.j2 bwd_seq)
+    ("cu_seqlens_q", "ptr", "const int*"),  # int32 (batch + 1,)
+    ("cu_seqlens_k", "ptr", "const int*"),  # int32 (batch + 1,)
+    ("dk", "ptr", "void*"),  # (total_k, heads_k, head_dim), stored from registers (rows bounded per sequence)
+    ("dv", "ptr", "void*"),  # (total_k, heads_k, head_dim_v)
+    ("dk_stride_seq", "i64"), ("dk_stride_head", "i64"),
+    ("dv_stride_seq", "i64"), ("dv_stride_head", "i64"),
+    ("total_q", "i32"),  # q's rows: lse's stride between heads
 )
 
 
@@ -269,7 +280,8 @@ def ds_pairs(params: dict) -> bool:
     A CTA whose neighbour is past the last key block does not pair. Ordered runs pair too: a column
     half takes one addition per pair, in turns of pairs (H100: the deterministic hd256 backward
     1.13-1.30x faster than unpaired, docs/results/bwd_det_pairs/)."""
-    return roles(params) and _pad64(params["head_dim"]) == 256 and not params.get("local", False)
+    return (roles(params) and _pad64(params["head_dim"]) == 256 and not params.get("local", False)
+            and not params.get("varlen", False))
 
 
 # The role tiles' k-steps of K (consumer 0) and of V (consumer 1) held in registers, by padded head_dim
@@ -298,7 +310,7 @@ def split_tail(params: dict) -> bool:
     64 with softcap, whose consumers spilled a register with the piece's start in the kernel (8 bytes)."""
     causal, local = params.get("causal", False), params.get("local", False)
     hd64_softcap = _pad64(params["head_dim"]) == 64 and params.get("softcap", False)
-    return not roles(params) and not causal and not local and not hd64_softcap
+    return not roles(params) and not causal and not local and not hd64_softcap and not params.get("varlen", False)
 
 
 def persistent(params: dict) -> bool:
@@ -310,7 +322,7 @@ def persistent(params: dict) -> bool:
     and softcap, whose consumers spilled 4-20 bytes with the unit loop."""
     causal, local, softcap = params.get("causal", False), params.get("local", False), params.get("softcap", False)
     return (not roles(params) and not causal and not local and not softcap
-            and int(params["block_m"]) != DQ_SWAP_BLOCK_M)
+            and int(params["block_m"]) != DQ_SWAP_BLOCK_M and not params.get("varlen", False))
 
 
 def dkv_steps(params: dict) -> bool:
@@ -395,7 +407,9 @@ class BwdFamily(Family):
                                      "x 64, or 64 columns x 80 rows)"))
         elif p % sl:
             out.append(("slice", sl, f"a divisor of head_dim padded to 64 ({p})"))
-        if dq_swap(params) and (params["causal"] or params.get("local", False) or params.get("softcap", False)):
+        if dq_swap(params) and params.get("varlen", False):
+            out.append(("block_m", bm, "64 or 128 with varlen (block_m 80's dQ^T tiles are not padded per sequence)"))
+        elif dq_swap(params) and (params["causal"] or params.get("local", False) or params.get("softcap", False)):
             out.append(("block_m", bm, "64 or 128 with causal, local or softcap (block_m 80, FA3's tile, is built "
                                        "and tested for the plain non-causal mask only)"))
         if out:
@@ -429,7 +443,8 @@ class BwdFamily(Family):
 
     def name_parts(self, p):
         return [p["dtype"], f"hd{p['head_dim']}", "causal" if p["causal"] else "local" if p["local"] else "noncausal",
-                *(["softcap"] if p["softcap"] else []), f"m{p['block_m']}n{p['block_n']}", f"sl{p['slice']}", f"s{p['stages']}",
+                *(["softcap"] if p["softcap"] else []), *(["varlen"] if p.get("varlen") else []),
+                f"m{p['block_m']}n{p['block_n']}", f"sl{p['slice']}", f"s{p['stages']}",
                 *([] if p.get("dkv_steps", True) else ["nosteps"])]
 
     def suggest(self, key):
@@ -454,6 +469,9 @@ FAMILY = BwdFamily(
         Key("local", bool, "axis", default=False,
             doc="FA3's local mask: a band with runtime bounds (sliding windows, causal with a window)"),
         Key("softcap", bool, "axis", default=False, doc="logit soft-capping S <- softcap * tanh(S / softcap)"),
+        Key("varlen", bool, "axis", default=False,
+            doc="FA3's varlen backward: sequences packed along the token dim (cu_seqlens_q / cu_seqlens_k) read by "
+                "the kernels (the plain tiles: no ds_pairs, split tail, persistent grid or block_m 80)"),
         Key("block_m", int, "tile", allowed=(64, 80, 128), doc="query rows per step of the main loop"),
         Key("block_n", int, "tile", allowed=(ROLES_BLOCK_N, BLOCK_N),
             doc="key rows per CTA: 128 (2 consumer warpgroups x 64 rows) or 64 (both consumers, split by role)"),
@@ -462,7 +480,7 @@ FAMILY = BwdFamily(
         Key("dkv_steps", bool, "knob", default=True,
             doc="block_n 128: dV / dK k-steps issued as P^T / dS^T are packed (off: both GEMMs after them)"),
     ),
-    tile_match=("head_dim", "dtype", "causal", "local", "softcap"),
+    tile_match=("head_dim", "dtype", "causal", "local", "softcap", "varlen"),
     tile_required=("head_dim", "block_m", "block_n", "slice"),
-    dispatch_keys=("dtype", "head_dim", "causal", "local", "softcap"),
+    dispatch_keys=("dtype", "head_dim", "causal", "local", "softcap", "varlen"),
 )
