@@ -79,6 +79,16 @@ def test_varlen_forward_and_backward(features, emulated):
         features["test_varlen_forward_and_backward"](case)
 
 
+def test_varlen_kernel_backward(features, emulated, monkeypatch):
+    cases = features["VARLEN_BWD_CASES"]
+    for case in cases:
+        with monkeypatch.context() as m:
+            features["test_varlen_kernel_backward"](case, False, m)
+    for case in cases[:3]:  # (deterministic: twice as many runs)
+        with monkeypatch.context() as m:
+            features["test_varlen_kernel_backward"](case, True, m)
+
+
 def test_attention_chunk_forward_and_backward(features, emulated):
     for c in features["CHUNK_CASES"]:
         features["test_attention_chunk_forward"](c)

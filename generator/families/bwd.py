@@ -116,6 +116,20 @@ run shortest first, so the grid would end on its last groups' longest CTAs: ther
 ``GridCta``; their dQ accumulator zeroed by the preprocess): 1.02-1.04x at hd128-256 causal
 512-2k on an H200 (docs/PERF.md).
 
+``varlen`` (FA3's varlen backward; the template's kVarlen; flash_attn_varlen_func's gradients): q, k, v, out, dout
+and the gradients packed along their token dim (one batch entry), sequence b in rows [cu_seqlens_q[b],
+cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k. The three grids' z is the sequence and
+their x covers the longest one (BwdParams.seqlen_q / seqlen_k); a CTA past its sequence's rows or keys returns, and
+the masks are each sequence's own (bottom-right aligned on its lengths). The workspace holds one plane of
+(heads, seqlen_q_pad) rows, sequence b's from block_m (cu_seqlens_q[b] // block_m + b) on (FA3's padding of each
+sequence to the block), so no query block's dQ tiles reach another sequence's rows; the rows past a sequence's end
+get LSE +inf and dPsum 0. dK and dV are stored from registers with the sequence's rows as bound (a 64-row TMA store
+would write into the next sequence's). The loads read the rows just past a sequence's end from its neighbour, as
+FA3's do (P = 0 and dS = 0 there: finite values add nothing). The plain tiles only: no ds_pairs (head_dim 256 runs
+its role tiles unpaired), split tail, persistent grid or block_m 80; no unordered tail or rotation (core). The
+deterministic modes order each sequence's dQ additions by its own key blocks. Written without a GPU (session
+2026-12-05 (3)); core.VARLEN_BWD_KERNEL keeps the interface off it until its GPU tests pass.
+
 head_dim_v != head_dim (e.g. DeepSeek's 192 / 128): no key of its own. As FA3 does, the runtime
 serves the call with the variant of max(head_dim, head_dim_v) (``BwdParams.head_dim`` and
 ``head_dim_v`` carry the real sizes): the TMA maps of Q, K, dK have head_dim columns and those of
