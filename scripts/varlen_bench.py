@@ -7,8 +7,9 @@ Three workloads, bf16, head_dim 128; the first two forward without gradient:
   decode:  B caches of random lengths up to CACHE, one new query each (serving; GQA 32 / 8),
            flash_attn_with_kvcache without appending (split-KV as its heuristic picks; one case also without);
            also as paged caches (pages of 16 and 256 rows, shuffled), whose composed path gathers each entry's pages;
-  train:   causal packed documents, forward + backward (the varlen kernel has no backward): the composed path's
-           padded groups of similar lengths against one call per run of equal neighbours (its way before).
+  train:   causal packed documents, forward + backward: the varlen kernels both ways (core.VARLEN_BWD_KERNEL, the
+           varlen backward: bwd.cu.j2 kVarlen), the composed path's padded groups of similar lengths, and one call
+           per run of equal neighbours (its way before); SDPA's nested tensors forward + backward as the peer.
 PyTorch SDPA in the same process as the peer: nested (jagged) tensors for the packed documents (one SDPA call per
 document where SDPA refuses causal nested tensors), the padded caches with a key mask for decode. Each is timed with flashgen.bench._time_ms (triton do_bench style: L2 flushed before every repetition, median),
 kernel on then off, ROUNDS times, alternated. Before timing, the two paths' outputs are compared (same inputs),
@@ -90,8 +91,9 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
 
 
 def train_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
-    """Forward + backward of causal packed documents (training): the composed path's padded groups
-    (interface._varlen_padded) against one call per run of equal neighbours (VARLEN_CALL_WORK 0), same process."""
+    """Forward + backward of causal packed documents (training): the steps (kernels, groups, per_run, sdpa): the
+    varlen kernels both ways (both switches on), the composed path's padded groups (interface._varlen_padded) and
+    one call per run of equal neighbours (VARLEN_CALL_WORK 0), SDPA on nested tensors; same process."""
     from flashgen import interface
 
     cuts = sorted(rng.sample(range(1, tokens), n_docs - 1))
@@ -101,14 +103,22 @@ def train_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
     dout = torch.randn(tokens, h, d, device="cuda", dtype=torch.bfloat16)
     flops = 3.5 * sum(2 * 2 * h * d * n * (n + 1) // 2 for n in lens)  # forward + backward (2.5x)
 
-    def step(work):
+    def step(work, kernels=False):
         def run():
             interface.VARLEN_CALL_WORK = work
+            core.VARLEN_KERNEL = core.VARLEN_BWD_KERNEL = kernels
             out = flashgen.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
             out.backward(dout)
             return out
         return run
-    return step(3.4e9), step(0.0), flops, f"train {n_docs} docs / {tokens} tokens (max {max(lens)})", (q, k, v)
+
+    def sdpa():  # PyTorch's own varlen training step: nested (jagged) tensors, forward + backward
+        nt = [torch.nested.nested_tensor_from_jagged(t, offsets=cu.long()).transpose(1, 2) for t in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*nt, is_causal=True).transpose(1, 2).values()
+        out.backward(dout)
+        return out
+    return (step(3.4e9, True), step(3.4e9), step(0.0), sdpa, flops,
+            f"train {n_docs} docs / {tokens} tokens (max {max(lens)})", (q, k, v))
 
 
 def forward_cases(rng: random.Random, seed: int) -> list:
@@ -151,29 +161,37 @@ def main() -> None:
                 t_sdpa = float("nan")
             rows.append((name, err, times[True], times[False], flops / t_on / 1e9, flops / t_off / 1e9, t_off / t_on,
                          t_sdpa))
-    # training (forward + backward, the varlen kernel has no backward): padded groups against one call per run
-    core.VARLEN_KERNEL = False
+    # training (forward + backward): the varlen kernels both ways, the padded groups, one call per run, SDPA nested
     train_rows = []
     for n_docs, tokens in ((16, 8192), (64, 16384), (256, 16384)):
-        grouped, per_run, flops, name, leaves = train_case(rng, n_docs, tokens)
-        a = grouped().detach().clone()
-        grads_a = [t.grad.clone() for t in leaves]
-        for t in leaves:
-            t.grad = None
-        b = per_run().detach()
-        err = max([(a.float() - b.float()).abs().max().item()] +
-                  [(ga.float() - t.grad.float()).abs().max().item() for ga, t in zip(grads_a, leaves)])
-        times = {1: [], 0: []}
+        kernels, grouped, per_run, sdpa, flops, name, leaves = train_case(rng, n_docs, tokens)
+        results = []
+        for fn in (kernels, grouped, per_run):  # out and grads of each, from fresh gradients
+            for t in leaves:
+                t.grad = None
+            results.append([fn().detach().clone()] + [t.grad.clone() for t in leaves])
+        err = [max((x.float() - y.float()).abs().max().item() for x, y in zip(results[i], results[2])) for i in (0, 1)]
+        steps = {"kernels": kernels, "groups": grouped, "per_run": per_run, "sdpa": sdpa}
+        times = {w: [] for w in steps}
         for _ in range(args.rounds):
-            for which, fn in ((1, grouped), (0, per_run)):
-                times[which].append(_time_ms(fn))
-        train_rows.append((name, err, times[1], times[0], flops / min(times[1]) / 1e9, min(times[0]) / min(times[1])))
-    print("| training workload | max abs diff (out, dq, dk, dv) | padded groups ms | one call per run ms | groups TFLOP/s | "
-          "per-run ms / groups ms |")
-    print("|---|---|---|---|---|---|")
-    for name, err, g, r, f, sp in train_rows:
-        print(f"| {name} | {err:.2e} | {' / '.join(f'{x:.3f}' for x in g)} | {' / '.join(f'{x:.3f}' for x in r)} | "
-              f"{f:.0f} | {sp:.2f}x |")
+            for w, fn in steps.items():
+                try:
+                    times[w].append(_time_ms(fn))
+                except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
+                    print(f"{name}: {w} failed: {type(e).__name__}: {str(e)[:200]}")
+                    times[w].append(float("nan"))
+        best = {w: min(t) for w, t in times.items()}
+        train_rows.append((name, err, times, flops / best["kernels"] / 1e9, best))
+    core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL = True, False
+    print("| training workload | max abs diff vs per-run (kernels; groups) | kernels ms | padded groups ms | "
+          "one call per run ms | SDPA nested ms | kernels TFLOP/s | groups / kernels | per-run / kernels | "
+          "SDPA / kernels |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, err, times, f, best in train_rows:
+        ms = [" / ".join(f"{x:.3f}" for x in times[w]) for w in ("kernels", "groups", "per_run", "sdpa")]
+        print(f"| {name} | {err[0]:.2e}; {err[1]:.2e} | {' | '.join(ms)} | {f:.0f} | "
+              f"{best['groups'] / best['kernels']:.2f}x | {best['per_run'] / best['kernels']:.2f}x | "
+              f"{best['sdpa'] / best['kernels']:.2f}x |")
     print()
     print("| workload | max abs(kernel - composed) | kernel ms (rounds) | composed ms (rounds) | SDPA ms | kernel TFLOP/s | "
           "composed TFLOP/s | composed ms / kernel ms | SDPA ms / kernel ms |")
