@@ -108,16 +108,21 @@ class BwdVarlen(NamedTuple):
     the token dim of q, out, dout, dq (``(total_q, heads, dim)``) and of k, v, dk, dv (``(total_k, heads_k, dim)``),
     sequence b in rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` and ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])``.
     ``cu_seqlens_q`` / ``cu_seqlens_k``: device addresses of int32 ``(batch + 1,)`` arrays (0 first,
-    non-decreasing, the last at most the total); ``batch``: the number of sequences (>= 1); ``max_seqlen_q`` /
-    ``max_seqlen_k``: the longest sequence's lengths (>= 1; the grids' sizes). No seqused: every row of a sequence
-    is used. Nothing here is checked against the arrays' contents: the caller validated them
-    (flashgen._validate.varlen_problems)."""
+    non-decreasing, the last at most the total); ``batch``: the number of sequences (1 to MAX_VARLEN_BWD_SEQUENCES:
+    the grids' z); ``max_seqlen_q`` / ``max_seqlen_k``: the longest sequence's lengths, exactly (>= 1; the grids'
+    sizes: a smaller value leaves rows unwritten, and some sequence must have max_seqlen_k keys, or no main CTA waits
+    for the preprocess). No seqused: every row of a sequence is used. The backward's loads read the rows just past a
+    sequence (its neighbour's, or rows of no sequence): they add nothing when finite, as in FA3. Nothing here is
+    checked against the arrays' contents: the caller validated them (flashgen._validate.varlen_problems)."""
 
     cu_seqlens_q: int
     cu_seqlens_k: int
     batch: int
     max_seqlen_q: int
     max_seqlen_k: int
+
+
+MAX_VARLEN_BWD_SEQUENCES = 65535  # a varlen backward's sequences: its grids' z (CUDA's limit)
 
 
 # The varlen backward kernels (bwd.cu.j2 kVarlen) in flash_attn_varlen_func's gradients: off until their GPU tests
@@ -1178,7 +1183,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     head_dim_v)``; k, dk ``(total_k, heads_k, head_dim)``; v, dv ``(total_k, heads_k, head_dim_v)``; lse fp32
     ``(heads, total_q)`` contiguous (the varlen forward's); the workspace :func:`backward_workspace_bytes` with
     ``varlen_total_q``. Each sequence is one attention with the masks bottom-right aligned on its own lengths. The
-    kernels write dq, dk, dv in the sequences' rows only (the caller zeroes rows past the last sequence).
+    kernels write dq, dk, dv in the sequences' rows only (the caller zeroes rows past the last sequence; the rows
+    just past a sequence are read, :class:`BwdVarlen`).
     Launches on ``stream``; never synchronises. Raises MissingVariantError (no variant),
     ValueError (layouts, heads, softmax_scale / softcap, varlen shapes).
     """
@@ -1192,10 +1198,10 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
                 or tuple(lse.strides) != (total_q, 1)):
             raise ValueError(f"flashgen: with varlen, lse must be fp32 (heads, total_q) = {(q.shape[1], total_q)} "
                              f"contiguous, got {lse.dtype} {lse.shape} strides {lse.strides}")
-        if varlen.batch < 1 or varlen.max_seqlen_q < 1 or varlen.max_seqlen_k < 1 or not (
-                varlen.cu_seqlens_q and varlen.cu_seqlens_k):
-            raise ValueError(f"flashgen: varlen needs cu_seqlens_q, cu_seqlens_k, batch >= 1 and max_seqlen_q, "
-                             f"max_seqlen_k >= 1, got {varlen}")
+        if not 1 <= varlen.batch <= MAX_VARLEN_BWD_SEQUENCES or varlen.max_seqlen_q < 1 or varlen.max_seqlen_k < 1 \
+                or not (varlen.cu_seqlens_q and varlen.cu_seqlens_k):
+            raise ValueError(f"flashgen: varlen needs cu_seqlens_q, cu_seqlens_k, batch in [1, "
+                             f"{MAX_VARLEN_BWD_SEQUENCES}] and max_seqlen_q, max_seqlen_k >= 1, got {varlen}")
         dout, q, k, v, out, dq, dk, dv = (_batch_of_one(name, t) for name, t in (
             ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)))
     _, sq, h, d = q.shape

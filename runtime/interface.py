@@ -978,14 +978,18 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     return merged, (merged_lse.transpose(1, 2)[0] if packed_q else merged_lse.transpose(1, 2))
 
 
-def _varlen_bwd_serves(q, k, v, seqused: tuple, sink, descales: tuple, attention_chunk: int, softcap, causal: bool,
-                       window_size, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+def _varlen_bwd_serves(q, k, v, cu_q: list, cu_k: list, seqused: tuple, sink, descales: tuple, attention_chunk: int,
+                       softcap, causal: bool, window_size, max_seqlen_q: int, max_seqlen_k: int) -> bool:
     """Whether a flash_attn_varlen_func call that wants gradients runs on the varlen kernels both ways
     (:class:`_VarlenKernelFn`): both switched on (core.VARLEN_BWD_KERNEL, core.VARLEN_KERNEL), fp16 / bf16 without
-    descales, no seqused (the backward's loads read a sequence's neighbours' rows: finite there, unlike a padded
-    sequence's unused rows), learnable_sink, softcap or attention_chunk, head dims within one call's, something to
-    compute, no CUDA-graph capture (the offsets are copied to the GPU), and both varlen variants built."""
+    descales, learnable_sink, softcap or attention_chunk, head dims within one call's, something to compute, at most
+    core.MAX_VARLEN_BWD_SEQUENCES sequences, no CUDA-graph capture (the offsets are copied to the GPU), both varlen
+    variants built, and every row of q and k in a sequence: no seqused and no rows past the last offsets. (The
+    backward's loads read the rows just past a sequence, which add nothing when finite, as in FA3; a row of no
+    sequence may hold anything, NaN included, so such calls stay composed, which is exact.)"""
     if not (_core.VARLEN_BWD_KERNEL and _core.VARLEN_KERNEL) or any(t is not None for t in seqused):
+        return False
+    if cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0] or len(cu_q) - 1 > _core.MAX_VARLEN_BWD_SEQUENCES:
         return False
     if sink is not None or softcap or attention_chunk or not _no_descales(descales):
         return False
@@ -1005,21 +1009,21 @@ class _VarlenKernelFn(torch.autograd.Function):
     """flash_attn_varlen_func with gradients on the varlen kernels: the forward's (:func:`_varlen_kernel`, one launch,
     no split) and the backward's (``core.attention_backward(varlen=...)``: preprocess, main, postprocess over every
     sequence at once; bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). Saves q, k, v,
-    out, lse and the offsets as int32 tensors on q's device. Takes what :func:`_varlen_bwd_serves` admits;
-    ``fill``: some rows belong to no sequence (past cu_seqlens[-1]): out 0 / lse -inf there, and their gradients
-    0. lse is returned, not differentiable (FA3's)."""
+    out, lse and the offsets as int32 tensors on q's device. Takes what :func:`_varlen_bwd_serves` admits (every
+    row of q and k in a sequence, so the kernels write every row of out, lse and the gradients). lse is returned,
+    not differentiable (FA3's)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, softmax_scale, causal: bool, window_size,
-                deterministic: bool, fill: bool):
+                deterministic: bool):
         batch = cu_q.shape[0] - 1
         res = _varlen_kernel(q, k, v, (cu_q, cu_k, None, None), batch, max_q, max_k, softmax_scale, causal,
-                             window_size, 0.0, None, fill)
+                             window_size, 0.0, None, False)
         if res is None:  # (_varlen_bwd_serves asked for the variant first)
             raise _core.MissingVariantError("flashgen: no varlen forward variant serves this call")
         out, lse = res
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.max_q, ctx.max_k, ctx.causal, ctx.deterministic, ctx.fill = max_q, max_k, causal, deterministic, fill
+        ctx.max_q, ctx.max_k, ctx.causal, ctx.deterministic = max_q, max_k, causal, deterministic
         ctx.scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         ctx.window = tuple(_v.window_pair(window_size))
         ctx.mark_non_differentiable(lse)
@@ -1034,8 +1038,7 @@ class _VarlenKernelFn(torch.autograd.Function):
         nbytes = _core.backward_workspace_bytes(
             batch, ctx.max_q, q.shape[1], k.shape[1], q.shape[2], dtype, ctx.causal, dev, seqlen_k=ctx.max_k,
             window_size=ctx.window, softcap=0.0, head_dim_v=v.shape[2], varlen_total_q=q.shape[0])
-        make = torch.zeros_like if ctx.fill else torch.empty_like  # the kernels write the sequences' rows alone
-        grads = tuple(make(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))  # every row written
         inputs = [_tma_arg(t, dtype, dev) for t in (dout.to(q.dtype), q, k, v, out)]  # (tensor kept alive, TensorArg)
         workspace = _workspace(q, nbytes)
         _core.attention_backward(
@@ -1045,7 +1048,7 @@ class _VarlenKernelFn(torch.autograd.Function):
             _current_stream(dev), workspace.data_ptr(), window_size=ctx.window, softcap=0.0,
             varlen=_core.BwdVarlen(cu_q.data_ptr(), cu_k.data_ptr(), batch, ctx.max_q, ctx.max_k))
         del inputs, workspace  # released only after the launches are enqueued (stream-ordered)
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def flash_attn_varlen_func(
@@ -1154,11 +1157,10 @@ def flash_attn_varlen_func(
     unused_q = [cu_q[b + 1] - cu_q[b] - lq[b] for b in range(batch)]
     unused_k = [cu_k[b + 1] - cu_k[b] - lk[b] for b in range(batch)]
     if batch and any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled() and _varlen_bwd_serves(
-            q, k, v, (seqused_q, seqused_k), learnable_sink, (q_descale, k_descale, v_descale), attention_chunk,
-            softcap, causal, window_size, max(lq), max(lk)):
+            q, k, v, cu_q, cu_k, (seqused_q, seqused_k), learnable_sink, (q_descale, k_descale, v_descale),
+            attention_chunk, softcap, causal, window_size, max(lq), max(lk)):
         out, lse = _VarlenKernelFn.apply(q, k, v, _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q), max(lq),
-                                         max(lk), softmax_scale, bool(causal), window_size, bool(deterministic),
-                                         cu_q[-1] < q.shape[0] or cu_k[-1] < k.shape[0])
+                                         max(lk), softmax_scale, bool(causal), window_size, bool(deterministic))
         return (out, lse) if return_attn_probs else out
     if batch and _varlen_kernel_serves(q, k, v, learnable_sink, (q_descale, k_descale, v_descale), attention_chunk,
                                        max(lq), max(lk)):

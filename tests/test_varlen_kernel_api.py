@@ -703,19 +703,19 @@ def varlen_grads_reference(q, k, v, cu_q, cu_k, dout, causal, window, scale):
     return grads
 
 
-@pytest.mark.parametrize("lens_q,lens_k,causal,window,hk,dv,pad", [
-    ([5, 17, 1, 33], [7, 17, 40, 2], True, (-1, -1), 2, None, (3, 2)),
-    ([5, 17, 1, 33], [7, 17, 40, 2], False, (3, 2), 1, None, (0, 0)),
-    ([9, 0, 4], [0, 6, 11], False, (-1, -1), 4, None, (2, 0)),  # an empty query sequence, a sequence with no key
-    ([30, 12, 70], [30, 12, 70], True, (-1, -1), 2, 32, (0, 0)),  # packed documents; head_dim_v 32
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,hk,dv", [
+    ([5, 17, 1, 33], [7, 17, 40, 2], True, (-1, -1), 2, None),
+    ([5, 17, 1, 33], [7, 17, 40, 2], False, (3, 2), 1, None),
+    ([9, 0, 4], [0, 6, 11], False, (-1, -1), 4, None),  # an empty query sequence, a sequence with no key
+    ([30, 12, 70], [30, 12, 70], True, (-1, -1), 2, 32),  # packed documents; head_dim_v 32
 ])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_varlen_backward_is_one_launch_each_way(bwd_kernel_on, lens_q, lens_k, causal, window, hk, dv, pad,
+def test_varlen_backward_is_one_launch_each_way(bwd_kernel_on, lens_q, lens_k, causal, window, hk, dv,
                                                 deterministic):
     """A call that wants gradients runs the varlen forward once and the varlen backward once (no composed calls),
-    with the arrays, offsets and longest lengths the kernels need; the gradients are each sequence's, 0 in rows of
-    no sequence."""
-    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, h=4, hk=hk, dv=dv, pad_q=pad[0], pad_k=pad[1], seed=7)
+    with the arrays, offsets and longest lengths the kernels need; the gradients are each sequence's (0 for keys no
+    query sees, and for queries of a sequence without keys)."""
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, h=4, hk=hk, dv=dv, seed=7)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q) + 3, max(lens_k) + 1, causal=causal,
                                  window_size=window, deterministic=deterministic)
@@ -735,8 +735,6 @@ def test_varlen_backward_is_one_launch_each_way(bwd_kernel_on, lens_q, lens_k, c
     for t, r in zip((q, k, v), ref):
         assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
         assert (t.grad.float() - r).abs().max().item() <= 2e-3 * max(1.0, r.abs().max().item())
-    for t, n in ((q, sum(lens_q)), (k, sum(lens_k)), (v, sum(lens_k))):  # rows of no sequence: 0
-        assert not t.grad[n:].any()
 
 
 def test_varlen_backward_matches_the_composed_path(bwd_kernel_on):
@@ -757,12 +755,15 @@ def test_varlen_backward_matches_the_composed_path(bwd_kernel_on):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3 * max(1.0, b.float().abs().max().item())
 
 
-@pytest.mark.parametrize("what", ["seqused", "softcap", "sink", "chunk", "switch_off", "fwd_switch_off", "no_variant"])
+@pytest.mark.parametrize("what", ["seqused", "rows_past_q", "rows_past_k", "softcap", "sink", "chunk", "switch_off",
+                                  "fwd_switch_off", "no_variant", "too_many_sequences"])
 def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what):
-    """seqused (a padded sequence's unused rows are read by the backward's loads), softcap, learnable_sink,
-    attention_chunk (not built), either switch off, or no varlen bwd variant built: the composed path."""
+    """seqused or rows past the last offsets (rows of no sequence, which may hold anything, are read by the
+    backward's loads), softcap, learnable_sink, attention_chunk (not built), either switch off, no varlen bwd variant
+    built, or more sequences than the grids' z holds: the composed path."""
     lens = [6, 11]
-    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, seed=2)
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, pad_q=3 if what == "rows_past_q" else 0,
+                                        pad_k=2 if what == "rows_past_k" else 0, seed=2)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     kw = {}
     if what == "seqused":
@@ -777,7 +778,9 @@ def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what
         core.VARLEN_BWD_KERNEL = False
     elif what == "fwd_switch_off":
         core.VARLEN_KERNEL = False
-    else:
+    elif what == "too_many_sequences":
+        monkeypatch.setattr(core, "MAX_VARLEN_BWD_SEQUENCES", 1)
+    elif what == "no_variant":
         real = bwd_kernel_on.fwd.select_variant
 
         def select(family, key, manifest=None, round_up=()):
@@ -789,6 +792,8 @@ def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what
     out.float().sum().backward()
     assert bwd_kernel_on.calls and all(c.get("varlen") is None for c in bwd_kernel_on.calls)
     assert q.grad is not None and torch.isfinite(q.grad).all()
+    if what in ("rows_past_q", "rows_past_k"):  # (the rows past the last sequence: 0 gradients)
+        assert not q.grad[17:].any() and not k.grad[17:].any() and not v.grad[17:].any()
 
 
 def test_varlen_backward_without_grad_runs_the_forward_kernel_alone(bwd_kernel_on):
