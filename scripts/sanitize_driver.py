@@ -29,6 +29,11 @@ Cases (only those whose variant is built run; a family with no runnable case fai
            with 3 splits of the keys, merged by the combine kernel). The cache
            rows past each entry's tokens are never written (whatever is there, NaN included, must not reach
            out: the kernel zeroes V's rows past the keys in shared memory).
+  bwd varlen  the varlen backward (core.VARLEN_KERNEL and core.VARLEN_BWD_KERNEL switched on for the case; bwd.cu.j2
+           kVarlen): flash_attn_varlen_func's gradients over packed sequences (one without queries, one without
+           keys, lengths past block edges), heads 8 over 2: bf16 d128 causal, fp16 d64 full deterministic (block_m
+           128: two dQ tiles per consumer), bf16 d256 causal deterministic (the role tiles, unpaired); each
+           sequence's dq, dk, dv by FA3's rule (check_bwd), zeros where no query or no key.
   quant    quantize_fp8, bf16 and fp16, head dims 128 / 96 / 192 (head_dim_v 128), all four scale
            modes over the cases, batch 2, seqlen_q 113, seqlen_k 239, heads 4 over heads_k 2; k and
            v are KV-cache prefixes of a longer cache (the rows past seqlen_k are never written).
@@ -118,6 +123,36 @@ def bwd_case(dtype, d: int, dv: int, causal: bool, deterministic: bool, seed: in
     grads = flashgen.flash_attn_backward(*dev, causal=causal, deterministic=deterministic)
     torch.cuda.synchronize()
     check_bwd(q, k, v, dout, causal, tuple(g.cpu() for g in grads))
+
+
+def bwd_varlen_case(dtype, d: int, causal: bool, deterministic: bool, seed: int) -> None:
+    import flashgen.core as core
+
+    h, hk = 8, 2
+    lens_q, lens_k = [37, 0, 129, 5, 70], [100, 17, 129, 260, 0]
+    cu = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q = randn(sum(lens_q), h, d, seed=seed, dtype=dtype)
+    k, v = randn(sum(lens_k), hk, d, seed=seed + 1, dtype=dtype), randn(sum(lens_k), hk, d, seed=seed + 2, dtype=dtype)
+    dout = randn(sum(lens_q), h, d, seed=seed + 3, dtype=dtype)
+    saved = core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL
+    core.VARLEN_KERNEL = core.VARLEN_BWD_KERNEL = True
+    try:
+        leaves = [x.cuda().requires_grad_() for x in (q, k, v)]
+        out = flashgen.flash_attn_varlen_func(*leaves, cu_q.cuda(), cu_k.cuda(), max(lens_q), max(lens_k),
+                                              causal=causal, deterministic=deterministic)
+        dq, dk, dv = (g.cpu() for g in torch.autograd.grad(out, leaves, dout.cuda()))
+    finally:
+        core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL = saved
+    for b in range(len(lens_q)):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lens_q[b] and lens_k[b]:
+            check_bwd(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], causal,
+                      (dq[rq][None], dk[rk][None], dv[rk][None]))
+        elif lens_q[b]:
+            assert not dq[rq].any(), f"sequence {b} has no key: dq must be 0"
+        elif lens_k[b]:
+            assert not dk[rk].any() and not dv[rk].any(), f"sequence {b} has no query: dk, dv must be 0"
 
 
 def combine_case(out_dtype, d: int, seed: int) -> None:
@@ -279,6 +314,13 @@ def bwd_cases():
                   f"{' det' if det else ''} b2 q113 k239 h4/2", \
                 lambda dtype=dtype, d=d, dv=dv, causal=causal, det=det, i=i: bwd_case(dtype, d, dv, causal, det,
                                                                                        seed=200 + 10 * i)
+    for i, (dtype, d, causal, det) in enumerate(((torch.bfloat16, 128, True, False), (torch.float16, 64, False, True),
+                                                 (torch.bfloat16, 256, True, True))):
+        key = {"dtype": NAME[dtype], "head_dim": d, "causal": causal, "varlen": True}
+        if built("bwd", key) and built("fwd", {**key, "head_dim_v": d}):
+            yield f"bwd varlen {NAME[dtype]} d{d} {'causal' if causal else 'full'}{' det' if det else ''} 5 seqs h8/2", \
+                lambda dtype=dtype, d=d, causal=causal, det=det, i=i: bwd_varlen_case(dtype, d, causal, det,
+                                                                                       seed=500 + 10 * i)
 
 
 def combine_cases():
