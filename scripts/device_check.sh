@@ -26,7 +26,9 @@
 #   bash scripts/device_check.sh varlen    the varlen kernels' smoke (sanitize_driver.py's varlen cases, forward and backward, 60 s), their GPU tests
 #                                          (TESTS_K, default "varlen_kernel or cuda_graph"; the backlog of untested GPU tests:
 #                                          TESTS_K='chunk or head_dim_v_256 or varlen or kvcache or cuda_graph'), then
-#                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA; training groups)
+#                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA; training: the
+#                                          varlen kernels both ways vs groups vs per run vs SDPA); GPU_TIME=1: then
+#                                          scripts/varlen_gpu_time.py (profiler GPU time vs host time per call)
 #   bash scripts/device_check.sh compare   this tree against .base/ in one session: the e4m3 forward (fp8_bench.py, 16k) and
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
 #                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward; TESTS: GPU
@@ -345,6 +347,9 @@ varlen)
   for r in $(seq 1 "${BENCH:-2}"); do  # BENCH=0: the tests alone
     echo "== varlen_bench run $r"; timeout 150 python3 scripts/varlen_bench.py 2>&1 | tee "$out/varlen_bench_$r.md" | tail -14
   done
+  if [ "${GPU_TIME:-0}" = 1 ]; then  # GPU time vs host time per call (profiler): scripts/varlen_gpu_time.py
+    echo "== varlen_gpu_time"; (cd scripts && timeout 150 python3 varlen_gpu_time.py --n 10) 2>&1 | tee "$out/varlen_gpu_time.md" | tail -14
+  fi
   ;;
 compare)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
