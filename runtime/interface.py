@@ -1090,7 +1090,10 @@ def flash_attn_varlen_func(
     the GPU (so a CUDA-graph capture needs them on the CPU). With the varlen kernel (core.VARLEN_KERNEL, on
     unless ``FLASHGEN_VARLEN_KERNEL=0``) a call that
     wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
-    reads the offsets itself (:func:`_varlen_kernel`). Otherwise: one :func:`flash_attn_func` call per
+    reads the offsets itself (:func:`_varlen_kernel`). A call that wants gradients takes the varlen kernels both
+    ways where core.VARLEN_BWD_KERNEL is on (``FLASHGEN_VARLEN_BWD_KERNEL=1``; off until its GPU tests pass) and
+    :func:`_varlen_bwd_serves` admits it (every q and k row in a sequence, no seqused, sink, softcap or
+    attention_chunk): :class:`_VarlenKernelFn`, FA3's varlen backward. Otherwise: one :func:`flash_attn_func` call per
     run of consecutive sequences of equal lengths (the run as its batch), on views of q, k, v (no
     copy), and the outputs are concatenated; launch cost then grows with the number of distinct
     neighbouring lengths. Where padding a sequence at its end is invisible to it (causal, or a window

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ref import kvcache_reference, logical_cache  # noqa: E402  (torch only: runs on the CPU)
 from test_api_validation import fake_gpu  # noqa: E402,F401  (a fixture)
+from test_bwd_api import gpu  # noqa: E402,F401  (a fixture: the emulated backward)
 from test_chunk_api import varlen_inputs, varlen_reference  # noqa: E402
 from test_kvcache_api import check, make  # noqa: E402
 
@@ -672,20 +673,10 @@ def test_key_bound_keeps_the_calls_own_mask(kernel_on, page, causal, window, wan
 # --------------------------------------------------------------------------------------
 
 @pytest.fixture
-def bwd_kernel_on(kernel_on, monkeypatch):
-    """The varlen kernels both ways (core.VARLEN_BWD_KERNEL on), with test_bwd_api's emulated backward."""
-    from test_bwd_api import FakeBwd
-    from flashgen import dlpack_api, interface
-
-    bwd = FakeBwd(kernel_on)
-    monkeypatch.setattr(core, "backward_workspace_bytes", bwd.backward_workspace_bytes)
-    monkeypatch.setattr(core, "attention_backward", bwd.attention_backward)
-    monkeypatch.setattr(interface, "_workspace", bwd.record_workspace(
-        interface._workspace, lambda t: (t.data_ptr(), t.numel() * t.element_size())))
-    monkeypatch.setattr(dlpack_api, "_workspace", bwd.record_workspace(
-        dlpack_api._workspace, lambda r: (r[1], r[0].numel() * r[0].element_size())))
+def bwd_kernel_on(kernel_on, gpu, monkeypatch):
+    """The varlen kernels both ways (core.VARLEN_BWD_KERNEL on), with test_bwd_api's emulated backward (``gpu``)."""
     monkeypatch.setattr(core, "VARLEN_BWD_KERNEL", True)
-    return bwd
+    return gpu
 
 
 def varlen_grads_reference(q, k, v, cu_q, cu_k, dout, causal, window, scale):
