@@ -794,3 +794,25 @@ def test_varlen_backward_without_grad_runs_the_forward_kernel_alone(bwd_kernel_o
     with torch.no_grad():
         flash_attn_varlen_func(q.requires_grad_(True), k, v, cu_q, cu_k, 9, 9, causal=True)
     assert len(varlen_calls(bwd_kernel_on.fwd)) == 2 and not bwd_kernel_on.calls
+
+
+def test_varlen_backward_under_torch_compile(bwd_kernel_on):
+    """A training step through torch.compile (not fullgraph: the offsets' read breaks the graph) runs the varlen
+    kernels both ways and gives eager's out and gradients."""
+    lens = [8, 12, 5]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, seed=6)
+
+    def step(q, k, v):
+        out = flash_attn_varlen_func(q * 1.5, k, v, cu_q, cu_k, 12, 12, causal=True)
+        return out.float().square().sum()
+
+    results = []
+    for fn in (step, torch.compile(step, backend="aot_eager")):
+        torch._dynamo.reset()
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves).backward()
+        results.append([t.grad for t in leaves])
+    assert sum(1 for c in bwd_kernel_on.calls if c.get("varlen") is not None) == 2
+    assert not any(c.get("varlen") is None for c in bwd_kernel_on.calls)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
