@@ -35,6 +35,13 @@ FA3's kernels approximate), against SDPA in bf16, seeds 1234 and 7, both configu
 On the GPU, flashgen and SDPA's flash/cuDNN kernels both round P to bf16 before the P V and
 P^T dO products, so their errors are alike again.
 
+Packed documents (``test_packed_documents_training_tracks_sdpa``, FA3's varlen training): each batch row cut into
+documents of seeded random lengths (5 cuts), causal attention within each, flashgen through
+``flash_attn_varlen_func`` on the varlen kernels both ways (the varlen backward, bwd.cu.j2 kVarlen), SDPA with the
+per-document causal mask; the same rules. Calibrated on the CPU the same way (tests/test_gpu_logic_on_cpu.py runs
+it on the emulated kernels): losses within 0.03 %, falling to 0.32 (hd64) and 0.03 (hd128) of the first, gradient
+errors at most 1.4x SDPA's; dK scaled by 1.05 made the qkv weights' error 1.4e-2 .. 1.5e-2 and failed the rule.
+
 Skipped without an sm_90 GPU (conftest.py) or when the forward or backward variant for bf16 at the
 head dim, causal, is not built (reason MISSING-BWD-VARIANT / MISSING-FWD-VARIANT).
 """
@@ -164,6 +171,17 @@ def need_variants(head_dim: int) -> None:
             pytest.skip(why)
 
 
+def reference_grads(base, attn, tokens):
+    """First-step gradients of a float32 copy of ``base`` with ``attn`` under SDPA's math backend, TF32 off."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            return train(copy.deepcopy(base), attn, tokens, 1, autocast=False)[1]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 @pytest.mark.parametrize("d_model,head_dim,seqlen", CONFIGS, ids=[f"hd{c[1]}_d{c[0]}_s{c[2]}" for c in CONFIGS])
 def test_training_tracks_sdpa(d_model, head_dim, seqlen):
     need_variants(head_dim)
@@ -172,13 +190,12 @@ def test_training_tracks_sdpa(d_model, head_dim, seqlen):
     tokens = make_batch(seqlen)
     loss_fg, g_fg = train(copy.deepcopy(base), flashgen_attention, tokens, STEPS)
     loss_sd, g_sd = train(copy.deepcopy(base), sdpa_attention, tokens, STEPS)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        with sdpa_kernel([SDPBackend.MATH]):
-            _, g_ref = train(copy.deepcopy(base), sdpa_attention, tokens, 1, autocast=False)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert_tracks(f"hd{head_dim}", loss_fg, g_fg, loss_sd, g_sd, reference_grads(base, sdpa_attention, tokens))
+
+
+def assert_tracks(tag: str, loss_fg, g_fg, loss_sd, g_sd, g_ref) -> None:
+    """The module docstring's rules: finite losses, first-step gradients by FA3's rule at the model level against
+    ``g_ref``, per-step losses within LOSS_RTOL of SDPA's, and falling below DECREASE x the first."""
     report = "\n".join(f"step {i}: flashgen {a:.5f}  sdpa {b:.5f}" for i, (a, b) in enumerate(zip(loss_fg, loss_sd)))
     assert all(math.isfinite(x) for x in loss_fg + loss_sd), f"non-finite loss:\n{report}"
 
@@ -190,7 +207,7 @@ def test_training_tracks_sdpa(d_model, head_dim, seqlen):
             bad.append(f"{name}: |g - g_ref|/|g_ref| flashgen {e_fg:.2e} > 2 x sdpa's {e_sd:.2e} + {GRAD_FLOOR}")
     worst = max(abs(a - b) / b for a, b in zip(loss_fg, loss_sd))
     top = sorted(ratios.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1e-30))[:3]
-    print(f"\n[hd{head_dim}] loss flashgen {loss_fg[0]:.4f} -> {loss_fg[-1]:.4f}, sdpa {loss_sd[0]:.4f} -> "
+    print(f"\n[{tag}] loss flashgen {loss_fg[0]:.4f} -> {loss_fg[-1]:.4f}, sdpa {loss_sd[0]:.4f} -> "
           f"{loss_sd[-1]:.4f}; worst step difference {worst:.3%}; first-step gradient error vs float32, "
           "largest flashgen/sdpa ratios: " + ", ".join(f"{n} {a:.2e}/{b:.2e}" for n, (a, b) in top))
     assert not bad, "first-step gradients off:\n" + "\n".join(bad)
@@ -198,3 +215,70 @@ def test_training_tracks_sdpa(d_model, head_dim, seqlen):
     assert worst <= LOSS_RTOL, f"losses differ by up to {worst:.2%} (> {LOSS_RTOL:.0%}):\n{report}"
     for name, losses in (("flashgen", loss_fg), ("sdpa", loss_sd)):
         assert losses[-1] < DECREASE * losses[0], f"{name}: loss did not fall below {DECREASE} x the first:\n{report}"
+
+
+def doc_lengths(seqlen: int, seed: int) -> list:
+    """Per batch row, the lengths of the documents packed into its ``seqlen`` tokens: seeded random cuts, so that
+    some documents span several 64- and 128-row blocks and some are a few tokens."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(BATCH):
+        cuts = sorted(set(torch.randint(1, seqlen, (5,), generator=g).tolist()))
+        rows.append([b - a for a, b in zip([0] + cuts, cuts + [seqlen])])
+    return rows
+
+
+def flashgen_docs_attention(lens: list):
+    """Causal attention within each packed document: flash_attn_varlen_func over the batch's rows flattened
+    (q, k, v strided views of the qkv projection), documents as its sequences."""
+    flat = [n for row in lens for n in row]
+    cu = torch.tensor([0] + torch.tensor(flat).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+    def attn(q, k, v):
+        b, s, h, d = q.shape
+        out = flashgen.flash_attn_varlen_func(*(x.reshape(b * s, h, d) for x in (q, k, v)), cu, cu, max(flat),
+                                              max(flat), causal=True)
+        return out.view(b, s, h, d)
+    return attn
+
+
+def sdpa_docs_attention(lens: list, seqlen: int):
+    """The same with SDPA: a boolean mask per row, causal within each document (BHSD views, back to BSHD)."""
+    doc = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lens], device="cuda")
+    pos = torch.arange(seqlen, device="cuda")
+    allowed = (doc[:, :, None] == doc[:, None, :]) & (pos[None, :, None] >= pos[None, None, :])
+
+    def attn(q, k, v):
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask=allowed[:, None])
+        return out.transpose(1, 2)
+    return attn
+
+
+@pytest.mark.parametrize("d_model,head_dim,seqlen", CONFIGS, ids=[f"hd{c[1]}_d{c[0]}_s{c[2]}" for c in CONFIGS])
+def test_packed_documents_training_tracks_sdpa(d_model, head_dim, seqlen, monkeypatch):
+    """The same model trained on packed documents (causal attention within each, FA3's varlen training) with
+    flash_attn_varlen_func on the varlen kernels both ways (core.VARLEN_KERNEL and core.VARLEN_BWD_KERNEL switched
+    on; every step's backward one varlen launch per layer), against SDPA with a per-document causal mask: the
+    module docstring's rules."""
+    need_variants(head_dim)
+    key = {"dtype": "bf16", "head_dim": head_dim, "causal": True, "varlen": True}
+    for family, k in (("fwd", {**key, "head_dim_v": head_dim}), ("bwd", key)):
+        why = variant_missing(family, k)
+        if why:
+            pytest.skip(why)
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
+    launches = []
+    real = flashgen.core.attention_backward
+    monkeypatch.setattr(flashgen.core, "attention_backward",
+                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    lens = doc_lengths(seqlen, seed=head_dim)
+    torch.manual_seed(1234)
+    base = TinyLM(d_model, head_dim, seqlen).cuda()
+    tokens = make_batch(seqlen)
+    loss_fg, g_fg = train(copy.deepcopy(base), flashgen_docs_attention(lens), tokens, STEPS)
+    assert len(launches) == STEPS * LAYERS and all(x is not None for x in launches), \
+        "the varlen backward did not serve every layer's backward"
+    sdpa_docs = sdpa_docs_attention(lens, seqlen)
+    loss_sd, g_sd = train(copy.deepcopy(base), sdpa_docs, tokens, STEPS)
+    assert_tracks(f"hd{head_dim} packed docs", loss_fg, g_fg, loss_sd, g_sd, reference_grads(base, sdpa_docs, tokens))
