@@ -26,7 +26,7 @@ BASE = dict(family="fwd", dtype="bf16", head_dim=128, head_dim_v=128, causal=Tru
             exp_turns=False, rowsum_mma=False, vt_global=False)
 NAME_RE = re.compile(r"^fwd_(bf16|fp16|e4m3)_hd\d+(v\d+)?_(causal|noncausal|local)_(softcap_)?(packgqa_)?(varlen_)?m\d+n\d+_s\d_(q2_)?wg\d_(no)?pp_(no)?ov_(no)?ps_(ew_)?(xt_)?(rsm_)?(vtg_)?[0-9a-f]{8}$")
 COMBINE_NAME_RE = re.compile(r"^combine_(fp32|bf16|fp16)_m\d+_t\d+_[0-9a-f]{8}$")
-BWD_NAME_RE = re.compile(r"^bwd_(bf16|fp16)_hd\d+_(causal|noncausal|local)_(softcap_)?m\d+n\d+_sl\d+_s\d_(nosteps_)?[0-9a-f]{8}$")
+BWD_NAME_RE = re.compile(r"^bwd_(bf16|fp16)_hd\d+_(causal|noncausal|local)_(softcap_)?(varlen_)?m\d+n\d+_sl\d+_s\d_(nosteps_)?[0-9a-f]{8}$")
 QUANT_NAME_RE = re.compile(r"^quant_(bf16|fp16)_b\d_[0-9a-f]{8}$")
 ROLES = {"fwd": ["main"], "combine": ["main"], "bwd": ["pre", "main", "post"], "quant": ["amax", "quant"]}
 
