@@ -64,9 +64,28 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
                "kernels": [{"role": "main", "symbol": "flashgen_combine_bf16_stub_main", "threads": 128,
                             "cluster": [1, 1, 1], "smem_bytes": 0, "registers": 77, "spill_bytes": 0, "stack_bytes": 0,
                             "tensor_maps": [], "sass": [], "params": COMBINE_PARAMS.layout()}]}
+    # and the bf16 hd128 causal backward, plain and varlen (the training step's), from the family module
+    from flashgen.generator.families import bwd as bwd_mod
+
+    bwds = []
+    for vl in (False, True):
+        bkey = {"dtype": "bf16", "head_dim": 128, "causal": True, "local": False, "softcap": False, "varlen": vl}
+        bparams = {"family": "bwd", **bwd_mod.FAMILY.suggest(bkey)}
+        bname = f"bwd_bf16_hd128_causal{'_varlen' if vl else ''}_stub"
+        bwds.append({"name": bname, "key": ("3" if vl else "2") * 64, "family": "bwd", "params": bparams,
+                     "dispatch": bkey, "default": True, "fatbin": f"fatbin/{bname}.fatbin", "sha256": "0" * 64,
+                     "kernels": [{"role": k.role, "symbol": f"flashgen_{bname}_{k.role}", "threads": k.threads,
+                                  "cluster": list(k.cluster), "smem_bytes": k.smem_bytes, "registers": 168,
+                                  "spill_bytes": 0, "stack_bytes": 0, "tensor_maps": list(k.tensor_maps), "sass": [],
+                                  "params": k.params.layout()}
+                                 for k in bwd_mod.FAMILY.kernels(bparams, bwd_mod.FAMILY.resources(bparams))]})
+    causal = json.loads(json.dumps(rec).replace("hd128_stub", "hd128_causal_stub"))
+    causal["params"]["causal"] = causal["dispatch"]["causal"] = True
+    causal_varlen = json.loads(json.dumps(varlen).replace("hd128_varlen_stub", "hd128_causal_varlen_stub"))
+    causal_varlen["params"]["causal"] = causal_varlen["dispatch"]["causal"] = True
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"},
-                   "variants": [rec, fp8, varlen, packed, combine]}, f)
+                   "variants": [rec, fp8, varlen, packed, combine, causal, causal_varlen, *bwds]}, f)
 
 
 class _Handle:
@@ -234,6 +253,24 @@ def main(argv=None) -> int:
             return flash_attn_with_kvcache(qd[:8], kc[:8], vc[:8], cache_seqlens=lens[:8], causal=True, num_splits=4)
 
         fns["flash_attn_with_kvcache, 8 entries, 4 splits + combine, varlen kernel"] = decode_split
+
+        # training on packed documents: flash_attn_varlen_func forward + backward (torch.autograd.grad), 16 documents of
+        # distinct lengths, on the varlen kernels both ways against the composed path (its padded groups). Small
+        # tensors (1 head, 8-53 tokens): the composed path's index copies and the autograd graph's own ops are real
+        # CPU work here, which a GPU would only queue, so they are kept small; the kernels' path has none.
+        doc_lens = [8 + 3 * i for i in range(16)]
+        cu_docs = torch.tensor([0] + torch.tensor(doc_lens).cumsum(0).tolist(), dtype=torch.int32)
+        qt, kt, vt = (torch.randn(sum(doc_lens), 1, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        dout_t = torch.randn(sum(doc_lens), 1, 128, dtype=torch.bfloat16)
+
+        def train_step(on: bool):
+            core.VARLEN_KERNEL = core.VARLEN_BWD_KERNEL = on
+            out_t = interface.flash_attn_varlen_func(qt, kt, vt, cu_docs, cu_docs, max(doc_lens), max(doc_lens),
+                                                     causal=True)
+            return torch.autograd.grad(out_t, (qt, kt, vt), dout_t)
+
+        fns["flash_attn_varlen_func forward + backward, 16 documents, varlen kernels"] = lambda: train_step(True)
+        fns["flash_attn_varlen_func forward + backward, 16 documents, composed"] = lambda: train_step(False)
         if a.profile:
             import cProfile
             import pstats
@@ -253,7 +290,7 @@ def main(argv=None) -> int:
               f"python {sys.version.split()[0]}; CUDA driver stubbed (CPU-stub numbers)")
         for name, fn in fns.items():
             before = drv.calls["launch"]
-            us = timeit(fn, a.n if "64 entries" not in name else max(a.n // 100, 20))
+            us = timeit(fn, a.n if "64 entries" not in name and "16 documents" not in name else max(a.n // 100, 20))
             assert drv.calls["launch"] > before, "no launch reached the (fake) driver"
             print(f"CPU-stub host time per call, {name}: {us:.2f} us")
         empty = torch.empty((1, 128, 1, 128), dtype=torch.bfloat16)
