@@ -984,12 +984,12 @@ def _varlen_bwd_serves(q, k, v, cu_q: list, cu_k: list, seqused: tuple, sink, de
     (:class:`_VarlenKernelFn`): both switched on (core.VARLEN_BWD_KERNEL, core.VARLEN_KERNEL), fp16 / bf16 without
     descales, learnable_sink, softcap or attention_chunk, head dims within one call's, something to compute, at most
     core.MAX_VARLEN_BWD_SEQUENCES sequences, no CUDA-graph capture (the offsets are copied to the GPU), both varlen
-    variants built, and every row of q and k in a sequence: no seqused and no rows past the last offsets. (The
-    backward's loads read the rows just past a sequence, which add nothing when finite, as in FA3; a row of no
-    sequence may hold anything, NaN included, so such calls stay composed, which is exact.)"""
+    variants built, and no seqused. (The backward's loads read the rows just past a sequence, which add nothing when
+    finite, as in FA3; a padded sequence's unused rows may hold anything, NaN included, so such calls stay composed,
+    which is exact. Rows past the last offsets are cut off before the kernels: flash_attn_varlen_func.)"""
     if not (_core.VARLEN_BWD_KERNEL and _core.VARLEN_KERNEL) or any(t is not None for t in seqused):
         return False
-    if cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0] or len(cu_q) - 1 > _core.MAX_VARLEN_BWD_SEQUENCES:
+    if len(cu_q) - 1 > _core.MAX_VARLEN_BWD_SEQUENCES:
         return False
     if sink is not None or softcap or attention_chunk or not _no_descales(descales):
         return False
@@ -1009,9 +1009,9 @@ class _VarlenKernelFn(torch.autograd.Function):
     """flash_attn_varlen_func with gradients on the varlen kernels: the forward's (:func:`_varlen_kernel`, one launch,
     no split) and the backward's (``core.attention_backward(varlen=...)``: preprocess, main, postprocess over every
     sequence at once; bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). Saves q, k, v,
-    out, lse and the offsets as int32 tensors on q's device. Takes what :func:`_varlen_bwd_serves` admits (every
-    row of q and k in a sequence, so the kernels write every row of out, lse and the gradients). lse is returned,
-    not differentiable (FA3's)."""
+    out, lse and the offsets as int32 tensors on q's device. Takes what :func:`_varlen_bwd_serves` admits, with every
+    row of q and k in a sequence (the caller cuts the rows past the last offsets off), so the kernels write every row
+    of out, lse and the gradients. lse is returned, not differentiable (FA3's)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, softmax_scale, causal: bool, window_size,
@@ -1162,8 +1162,15 @@ def flash_attn_varlen_func(
     if batch and any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled() and _varlen_bwd_serves(
             q, k, v, cu_q, cu_k, (seqused_q, seqused_k), learnable_sink, (q_descale, k_descale, v_descale),
             attention_chunk, softcap, causal, window_size, max(lq), max(lk)):
-        out, lse = _VarlenKernelFn.apply(q, k, v, _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q), max(lq),
-                                         max(lk), softmax_scale, bool(causal), window_size, bool(deterministic))
+        # the kernels see the sequences' rows alone: rows past the last offsets (which may hold anything) are cut off,
+        # so no load reads them (TMA zero-fills past a tensor's end); out 0 / lse -inf there, their gradients 0
+        tq, tk = cu_q[-1], cu_k[-1]
+        out, lse = _VarlenKernelFn.apply(q[:tq], k[:tk], v[:tk], _int32_like(cu_seqlens_q, q),
+                                         _int32_like(cu_seqlens_k, q), max(lq), max(lk), softmax_scale, bool(causal),
+                                         window_size, bool(deterministic))
+        if tq < q.shape[0]:
+            out = torch.cat([out, out.new_zeros((q.shape[0] - tq,) + tuple(out.shape[1:]))])
+            lse = torch.cat([lse, lse.new_full((lse.shape[0], q.shape[0] - tq), -math.inf)], dim=1)
         return (out, lse) if return_attn_probs else out
     if batch and _varlen_kernel_serves(q, k, v, learnable_sink, (q_descale, k_descale, v_descale), attention_chunk,
                                        max(lq), max(lk)):

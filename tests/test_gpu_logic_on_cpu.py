@@ -87,6 +87,8 @@ def test_varlen_kernel_backward(features, emulated, monkeypatch):
     for case in cases[:3]:  # (deterministic: twice as many runs)
         with monkeypatch.context() as m:
             features["test_varlen_kernel_backward"](case, True, m)
+    with monkeypatch.context() as m:
+        features["test_varlen_kernel_backward_rows_past_the_last_sequence"](m)
 
 
 def test_packed_documents_training(emulated, monkeypatch):

@@ -746,15 +746,14 @@ def test_varlen_backward_matches_the_composed_path(bwd_kernel_on):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3 * max(1.0, b.float().abs().max().item())
 
 
-@pytest.mark.parametrize("what", ["seqused", "rows_past_q", "rows_past_k", "softcap", "sink", "chunk", "switch_off",
-                                  "fwd_switch_off", "no_variant", "too_many_sequences"])
+@pytest.mark.parametrize("what", ["seqused", "softcap", "sink", "chunk", "switch_off", "fwd_switch_off", "no_variant",
+                                  "too_many_sequences"])
 def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what):
-    """seqused or rows past the last offsets (rows of no sequence, which may hold anything, are read by the
-    backward's loads), softcap, learnable_sink, attention_chunk (not built), either switch off, no varlen bwd variant
-    built, or more sequences than the grids' z holds: the composed path."""
+    """seqused (a padded sequence's unused rows, which may hold anything, would be read by the backward's loads),
+    softcap, learnable_sink, attention_chunk (not built), either switch off, no varlen bwd variant built, or more
+    sequences than the grids' z holds: the composed path."""
     lens = [6, 11]
-    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, pad_q=3 if what == "rows_past_q" else 0,
-                                        pad_k=2 if what == "rows_past_k" else 0, seed=2)
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, seed=2)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     kw = {}
     if what == "seqused":
@@ -783,8 +782,31 @@ def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what
     out.float().sum().backward()
     assert bwd_kernel_on.calls and all(c.get("varlen") is None for c in bwd_kernel_on.calls)
     assert q.grad is not None and torch.isfinite(q.grad).all()
-    if what in ("rows_past_q", "rows_past_k"):  # (the rows past the last sequence: 0 gradients)
-        assert not q.grad[17:].any() and not k.grad[17:].any() and not v.grad[17:].any()
+
+
+@pytest.mark.parametrize("pad_q,pad_k", [(3, 0), (0, 2), (4, 5)])
+def test_varlen_backward_cuts_off_rows_past_the_last_sequence(bwd_kernel_on, pad_q, pad_k):
+    """Rows past the last offsets (which may hold anything: NaN here) are cut off before the kernels, which see views
+    of the sequences' rows alone: one launch each way, out 0 and lse -inf there, gradients 0 there, the sequences'
+    gradients as without the rows."""
+    lens = [6, 11, 9]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, pad_q=pad_q, pad_k=pad_k, seed=4)
+    for t, n in ((q, 26), (k, 26), (v, 26)):
+        t[n:] = float("nan")
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 11, 11, causal=True, return_attn_probs=True)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+    (out.float() * w.float()).sum().backward()
+    (call,) = bwd_kernel_on.calls
+    assert call["varlen"] is not None and call["q"].shape[0] == 26 and call["k"].shape[0] == 26
+    assert call["q"].ptr == q.data_ptr() and call["k"].ptr == k.data_ptr()  # views of the leading rows, no copy
+    assert out.shape[0] == q.shape[0] and lse.shape == (4, q.shape[0])
+    assert not out[26:].any() and bool(torch.isneginf(lse[:, 26:]).all()) and torch.isfinite(out[:26]).all()
+    ref = varlen_grads_reference(q.detach()[:26], k.detach()[:26], v.detach()[:26], cu_q, cu_k, w[:26], True,
+                                 (-1, -1), 64 ** -0.5)
+    for t, r in zip((q, k, v), ref):
+        assert not t.grad[26:].any() and t.grad.shape == t.shape
+        assert (t.grad[:26].float() - r).abs().max().item() <= 2e-3 * max(1.0, r.abs().max().item())
 
 
 def test_varlen_backward_without_grad_runs_the_forward_kernel_alone(bwd_kernel_on):

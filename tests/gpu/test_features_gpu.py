@@ -716,7 +716,7 @@ def test_varlen_kernel_writes_only_the_sequences_rows():
 # 2026-12-05 (3) without a GPU: off by default (core.VARLEN_BWD_KERNEL) until these pass; the cases switch both
 # varlen kernels on themselves. Every block_m / block_n / slice the varlen variants have (hd64 128 x 128, hd96 / 128
 # 64 x 128, the role tiles of hd192 / 256 unpaired), every mask, GQA / MQA, sequences with no query or no key,
-# packed documents. (Calls with rows past the last sequence stay composed: interface._varlen_bwd_serves.)
+# packed documents; rows past the last sequence, NaN (test_varlen_kernel_backward_rows_past_the_last_sequence).
 VARLEN_BWD_CASES = [  # (lens_q, lens_k, Case of the features; its b / sq / sk unused)
     ([113, 1, 517, 64], [203, 300, 517, 1], Case(4, 0, 0, 6, 2, 128, BF16, causal=True)),
     ([300, 17, 129], [129, 1024, 129], Case(3, 0, 0, 4, 4, 64, FP16, window=(64, 16))),
@@ -742,16 +742,19 @@ def _varlen_bwd_missing(lens_q, lens_k, c: Case):
                                round_up=("head_dim",)))
 
 
-def _varlen_bwd_run(monkeypatch, lens_q, lens_k, c: Case, deterministic: bool, seed: int):
+def _varlen_bwd_run(monkeypatch, lens_q, lens_k, c: Case, deterministic: bool, seed: int, pad: int = 0):
     """flash_attn_varlen_func on both varlen kernels (switched on here) and torch.autograd.grad after poisoning the
-    allocator: (q, k, v, cu_q, cu_k, out, lse, dout, grads, the varlen arguments of each backward launch)."""
+    allocator: (q, k, v, cu_q, cu_k, out, lse, dout, grads, the varlen arguments of each backward launch). ``pad``
+    rows of NaN after the last sequence in q, k and v."""
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
     monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
     launches = []
     real = flashgen.core.attention_backward
     monkeypatch.setattr(flashgen.core, "attention_backward",
                         lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
-    q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_q, lens_k, None, None, c, seed=seed, pad=0)
+    q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_q, lens_k, None, None, c, seed=seed, pad=pad)
+    for t, n in ((q, sum(lens_q)), (k, sum(lens_k)), (v, sum(lens_k))):
+        t[n:] = float("nan")
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     poison_cached_blocks(8 * q.numel())
     out, lse = flashgen.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=c.causal,
@@ -797,6 +800,29 @@ def test_varlen_kernel_backward(case, deterministic, monkeypatch):
         again = _varlen_bwd_run(monkeypatch, lens_q, lens_k, c, True, seed=sum(lens_q))[8]
         for name, a, b in zip(("dq", "dk", "dv"), grads, again):
             assert bitwise_equal(a, b), f"deterministic varlen {name} differs between runs: {first_difference(a, b)}"
+
+
+def test_varlen_kernel_backward_rows_past_the_last_sequence(monkeypatch):
+    """Rows past the last offsets of q, k and v hold NaN: flash_attn_varlen_func cuts them off before the varlen
+    kernels (views of the sequences' rows: the TMA loads zero-fill past them), so every sequence's gradients pass
+    FA3's rule and the cut rows get out 0, lse -inf and zero gradients. hd128 causal (block_n 128) and hd256 (the
+    role tiles)."""
+    for lens_q, lens_k, c in (([113, 64, 300], [203, 64, 300], Case(3, 0, 0, 4, 2, 128, BF16, causal=True)),
+                              ([77, 129], [129, 77], Case(2, 0, 0, 4, 2, 256, FP16))):
+        why = _varlen_bwd_missing(lens_q, lens_k, c)
+        if why:
+            pytest.skip(why)
+        q, k, v, cu_q, cu_k, out, lse, dout, grads, launches = _varlen_bwd_run(monkeypatch, lens_q, lens_k, c, False,
+                                                                               seed=9, pad=37)
+        assert len(launches) == 1 and launches[0] is not None
+        tq, tk = sum(lens_q), sum(lens_k)
+        assert not out[tq:].any() and bool((lse[:, tq:] == -math.inf).all())
+        dq, dk, dv = grads
+        assert not dq[tq:].any() and not dk[tk:].any() and not dv[tk:].any()
+        for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
+            rq, rk = slice(q0, q0 + lens_q[b]), slice(k0, k0 + lens_k[b])
+            check_bwd(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], c.causal,
+                      (dq[rq][None], dk[rk][None], dv[rk][None]), c.softmax_scale, 2.0, **c.feats)
 
 
 def test_varlen_kernel_backward_deterministic_race(monkeypatch):
