@@ -24,7 +24,7 @@
 #                                          candidates; over all 310 variants the suite ran past 450 s on an H200,
 #                                          session 2026-12-04, against 114-164 s in earlier sessions' calls)
 #   bash scripts/device_check.sh varlen    the varlen kernels' smoke (sanitize_driver.py's varlen cases, forward and backward, 60 s), their GPU tests
-#                                          (TESTS_K, default "varlen_kernel or cuda_graph"; the backlog of untested GPU tests:
+#                                          (TESTS_K, default "varlen_kernel or varlen_backward or packed_documents or cuda_graph"; the backlog of untested GPU tests:
 #                                          TESTS_K='chunk or head_dim_v_256 or varlen or kvcache or cuda_graph'), then
 #                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA; training: the
 #                                          varlen kernels both ways vs groups vs per run vs SDPA); GPU_TIME=1: then
@@ -340,7 +340,7 @@ varlen)
   SANITIZE_ONLY=varlen timeout 60 python3 scripts/sanitize_driver.py 2>&1 | tee "$out/smoke.log" | tail -8
   echo "smoke rc ${PIPESTATUS[0]}"
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -o faulthandler_timeout=60 \
-    -k "${TESTS_K:-varlen_kernel or cuda_graph}" tests/gpu > "$out/test.log" 2>&1
+    -k "${TESTS_K:-varlen_kernel or varlen_backward or packed_documents or cuda_graph}" tests/gpu > "$out/test.log" 2>&1
   rc=$?
   grep -E "FAILED|ERROR|Error|assert|passed|failed" "$out/test.log" | tail -25
   if [ "$rc" = 124 ]; then echo "pytest timed out; the last lines:"; tail -5 "$out/test.log"; fi

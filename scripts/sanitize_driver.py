@@ -135,15 +135,18 @@ def bwd_varlen_case(dtype, d: int, causal: bool, deterministic: bool, seed: int)
     q = randn(sum(lens_q), h, d, seed=seed, dtype=dtype)
     k, v = randn(sum(lens_k), hk, d, seed=seed + 1, dtype=dtype), randn(sum(lens_k), hk, d, seed=seed + 2, dtype=dtype)
     dout = randn(sum(lens_q), h, d, seed=seed + 3, dtype=dtype)
-    saved = core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL
+    saved = core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.attention_backward
+    launches = []
     core.VARLEN_KERNEL = core.VARLEN_BWD_KERNEL = True
+    core.attention_backward = lambda *a, **kw: launches.append(kw.get("varlen")) or saved[2](*a, **kw)
     try:
         leaves = [x.cuda().requires_grad_() for x in (q, k, v)]
         out = flashgen.flash_attn_varlen_func(*leaves, cu_q.cuda(), cu_k.cuda(), max(lens_q), max(lens_k),
                                               causal=causal, deterministic=deterministic)
         dq, dk, dv = (g.cpu() for g in torch.autograd.grad(out, leaves, dout.cuda()))
     finally:
-        core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL = saved
+        core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.attention_backward = saved
+    assert len(launches) == 1 and launches[0] is not None, "the varlen backward did not run"
     for b in range(len(lens_q)):
         rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         if lens_q[b] and lens_k[b]:

@@ -162,6 +162,9 @@ def main() -> None:
             rows.append((name, err, times[True], times[False], flops / t_on / 1e9, flops / t_off / 1e9, t_off / t_on,
                          t_sdpa))
     # training (forward + backward): the varlen kernels both ways, the padded groups, one call per run, SDPA nested
+    from flashgen import interface
+
+    saved = core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, interface.VARLEN_CALL_WORK, core.attention_backward
     train_rows = []
     for n_docs, tokens in ((16, 8192), (64, 16384), (256, 16384)):
         kernels, grouped, per_run, sdpa, flops, name, leaves = train_case(rng, n_docs, tokens)
@@ -169,7 +172,13 @@ def main() -> None:
         for fn in (kernels, grouped, per_run):  # out and grads of each, from fresh gradients
             for t in leaves:
                 t.grad = None
+            launches = []
+            core.attention_backward = lambda *a, **kw: launches.append(kw.get("varlen")) or saved[3](*a, **kw)
             results.append([fn().detach().clone()] + [t.grad.clone() for t in leaves])
+            core.attention_backward = saved[3]
+            varlen = [x is not None for x in launches]
+            if (varlen != [True]) if fn is kernels else any(varlen):  # the step ran the path it names
+                raise RuntimeError(f"{name}: backward launches {len(launches)}, varlen {varlen}: not the path timed")
         err = [max((x.float() - y.float()).abs().max().item() for x, y in zip(results[i], results[2])) for i in (0, 1)]
         steps = {"kernels": kernels, "groups": grouped, "per_run": per_run, "sdpa": sdpa}
         times = {w: [] for w in steps}
@@ -182,7 +191,7 @@ def main() -> None:
                     times[w].append(float("nan"))
         best = {w: min(t) for w, t in times.items()}
         train_rows.append((name, err, times, flops / best["kernels"] / 1e9, best))
-    core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL = True, False
+    core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, interface.VARLEN_CALL_WORK = saved[:3]
     print("| training workload | max abs diff vs per-run (kernels; groups) | kernels ms | padded groups ms | "
           "one call per run ms | SDPA nested ms | kernels TFLOP/s | groups / kernels | per-run / kernels | "
           "SDPA / kernels |")

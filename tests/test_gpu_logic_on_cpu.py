@@ -89,6 +89,8 @@ def test_varlen_kernel_backward(features, emulated, monkeypatch):
             features["test_varlen_kernel_backward"](case, True, m)
     with monkeypatch.context() as m:
         features["test_varlen_kernel_backward_rows_past_the_last_sequence"](m)
+    with monkeypatch.context() as m:
+        features["test_varlen_backward_kernels_write_every_row"](m)
 
 
 def test_packed_documents_training(emulated, monkeypatch):

@@ -722,12 +722,14 @@ VARLEN_BWD_CASES = [  # (lens_q, lens_k, Case of the features; its b / sq / sk u
     ([300, 17, 129], [129, 1024, 129], Case(3, 0, 0, 4, 4, 64, FP16, window=(64, 16))),
     ([239, 387, 0, 45], [387, 239, 17, 0], Case(4, 0, 0, 8, 2, 192, BF16)),
     ([1023, 5, 700], [1024, 700, 9], Case(3, 0, 0, 4, 1, 256, BF16, causal=True)),
-    ([77, 301], [77, 301], Case(2, 0, 0, 4, 2, 96, FP16)),
+    ([77, 301], [77, 301], Case(2, 0, 0, 4, 2, 96, FP16, scale=0.1)),
     ([129, 64, 1], [1, 64, 129], Case(3, 0, 0, 16, 2, 64, BF16, causal=True)),
     ([2048, 333], [2048, 4000], Case(2, 0, 0, 8, 8, 128, FP16, window=(256, 0))),
     ([300, 287, 17, 5, 129, 120, 64, 1000], [300, 287, 17, 5, 129, 120, 64, 1000],
      Case(8, 0, 0, 4, 2, 128, BF16, causal=True)),  # causal packed documents (training)
-    ([192, 130], [192, 130], Case(2, 0, 0, 4, 2, 192, BF16, causal=True, dv=128)),  # head_dim_v 128
+    # head_dim_v 128: also the first GPU run of the varlen forward at 192 / 128 (on the 192 / 192 variant: no
+    # varlen 192 / 128 variant is built); a failure in check_fwd here is the forward's
+    ([192, 130], [192, 130], Case(2, 0, 0, 4, 2, 192, BF16, causal=True, dv=128)),
     ([513, 640], [640, 513], Case(2, 0, 0, 4, 2, 256, FP16, window=(100, 50))),  # hd256 local
 ]
 
@@ -757,8 +759,8 @@ def _varlen_bwd_run(monkeypatch, lens_q, lens_k, c: Case, deterministic: bool, s
         t[n:] = float("nan")
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     poison_cached_blocks(8 * q.numel())
-    out, lse = flashgen.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=c.causal,
-                                               window_size=c.window, deterministic=deterministic,
+    out, lse = flashgen.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), softmax_scale=c.scale,
+                                               causal=c.causal, window_size=c.window, deterministic=deterministic,
                                                return_attn_probs=True)
     dout = randn(*out.shape, dtype=c.dtype, seed=seed + 7)
     poison_cached_blocks(8 * q.numel())
@@ -802,16 +804,67 @@ def test_varlen_kernel_backward(case, deterministic, monkeypatch):
             assert bitwise_equal(a, b), f"deterministic varlen {name} differs between runs: {first_difference(a, b)}"
 
 
+def test_varlen_backward_kernels_write_every_row(monkeypatch):
+    """core.attention_backward(varlen=...) straight into NaN-filled dq, dk, dv and a workspace of 0xFF bytes (NaN
+    floats, semaphores at -1): every row of every sequence comes back finite and right, so no row is left unwritten
+    and nothing is read that the preprocess did not write (a semaphore it did not zero would hang the ordered path);
+    dq 0 for a sequence without keys, dk and dv 0 for one without queries; each sequence's gradients by FA3's rule.
+    bf16 hd128 causal (block_n 128), hd64 non-causal deterministic (block_m 128: two dQ tiles per consumer), hd256
+    causal deterministic (the role tiles)."""
+    core = flashgen.core
+    lens_q, lens_k = [37, 0, 129, 5, 70], [100, 17, 129, 260, 0]
+    cases = [(Case(5, 0, 0, 4, 2, d, BF16, causal=causal), det) for d, causal, det in
+             ((128, True, False), (64, False, True), (256, True, True))]
+    for why in (_varlen_bwd_missing(lens_q, lens_k, c) for c, _ in cases):
+        if why:
+            pytest.skip(why)
+    monkeypatch.setattr(core, "VARLEN_KERNEL", True)
+    dev = torch.cuda.current_device()
+
+    def arg(t, dtype="bf16"):
+        return core.TensorArg(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, dev)
+
+    for i, (c, det) in enumerate(cases):
+        q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_q, lens_k, None, None, c, seed=40 + i, pad=0)
+        with torch.no_grad():
+            out, lse = flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=c.causal,
+                                                       return_attn_probs=True)
+        dout = randn(*out.shape, dtype=c.dtype, seed=50 + i)
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        nbytes = core.backward_workspace_bytes(len(lens_q), max(lens_q), c.h, c.hk, c.d, "bf16", c.causal, dev,
+                                               seqlen_k=max(lens_k), head_dim_v=c.d, varlen_total_q=q.shape[0])
+        ws = flashgen.interface._workspace(q, nbytes)
+        ws.fill_(0xFF)
+        core.attention_backward(arg(dout), arg(q), arg(k), arg(v), arg(out), arg(lse, "fp32"), *(arg(g) for g in grads),
+                                c.softmax_scale, c.causal, det, torch.cuda.current_stream().cuda_stream, ws.data_ptr(),
+                                varlen=core.BwdVarlen(cu_q.data_ptr(), cu_k.data_ptr(), len(lens_q), max(lens_q),
+                                                      max(lens_k)))
+        torch.cuda.synchronize()
+        dq, dk, dv = grads
+        for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+            assert bool(torch.isfinite(g).all()), f"hd{c.d}: {int((~torch.isfinite(g)).sum())} {name} elements unwritten"
+        for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
+            rq, rk = slice(q0, q0 + lens_q[b]), slice(k0, k0 + lens_k[b])
+            if lens_q[b] and lens_k[b]:
+                check_bwd(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], c.causal,
+                          (dq[rq][None], dk[rk][None], dv[rk][None]), c.softmax_scale, 2.0)
+            elif lens_q[b]:
+                assert not dq[rq].any(), f"hd{c.d}: sequence {b} has no key: its dq must be 0"
+            elif lens_k[b]:
+                assert not dk[rk].any() and not dv[rk].any(), f"hd{c.d}: sequence {b} has no query: dk, dv must be 0"
+
+
 def test_varlen_kernel_backward_rows_past_the_last_sequence(monkeypatch):
     """Rows past the last offsets of q, k and v hold NaN: flash_attn_varlen_func cuts them off before the varlen
     kernels (views of the sequences' rows: the TMA loads zero-fill past them), so every sequence's gradients pass
     FA3's rule and the cut rows get out 0, lse -inf and zero gradients. hd128 causal (block_n 128) and hd256 (the
     role tiles)."""
-    for lens_q, lens_k, c in (([113, 64, 300], [203, 64, 300], Case(3, 0, 0, 4, 2, 128, BF16, causal=True)),
-                              ([77, 129], [129, 77], Case(2, 0, 0, 4, 2, 256, FP16))):
-        why = _varlen_bwd_missing(lens_q, lens_k, c)
+    cases = (([113, 64, 300], [203, 64, 300], Case(3, 0, 0, 4, 2, 128, BF16, causal=True)),
+             ([77, 129], [129, 77], Case(2, 0, 0, 4, 2, 256, FP16)))
+    for why in (_varlen_bwd_missing(*case) for case in cases):
         if why:
             pytest.skip(why)
+    for lens_q, lens_k, c in cases:
         q, k, v, cu_q, cu_k, out, lse, dout, grads, launches = _varlen_bwd_run(monkeypatch, lens_q, lens_k, c, False,
                                                                                seed=9, pad=37)
         assert len(launches) == 1 and launches[0] is not None
@@ -828,18 +881,25 @@ def test_varlen_kernel_backward_rows_past_the_last_sequence(monkeypatch):
 def test_varlen_kernel_backward_deterministic_race(monkeypatch):
     """A race test in FA3's manner on the varlen backward: packed causal documents of random lengths (8k tokens, head
     dims 128 and 256: both dQ paths, the staged tiles and the role tiles' ring staging), deterministic, 50 backward
-    runs on poisoned scratch, every dq, dk, dv bitwise equal to the first, whose first sequence passes FA3's rule."""
+    runs on poisoned scratch (each one launch of the varlen backward), every dq, dk, dv bitwise equal to the first,
+    whose sequences pass FA3's rule."""
     g = torch.Generator().manual_seed(11)
     lens = []
     while sum(lens) < 8192 - 1100:
         lens.append(int(torch.randint(1, 1100, (1,), generator=g)))
-    for d in (128, 256):
-        c = Case(len(lens), 0, 0, 8, 2, d, BF16, causal=True)
-        why = _varlen_bwd_missing(lens, lens, c)
+    cases = [Case(len(lens), 0, 0, 8, 2, d, BF16, causal=True) for d in (128, 256)]
+    for why in (_varlen_bwd_missing(lens, lens, c) for c in cases):
         if why:
             pytest.skip(why)
-        monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
-        monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
+    launches = []
+    real = flashgen.core.attention_backward
+    monkeypatch.setattr(flashgen.core, "attention_backward",
+                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    for c in cases:
+        d = c.d
+        launches.clear()
         q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens, lens, None, None, c, seed=d, pad=0)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = flashgen.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens), max(lens), causal=True,
@@ -854,9 +914,11 @@ def test_varlen_kernel_backward_deterministic_race(monkeypatch):
                 continue
             for name, a, b in zip(("dq", "dk", "dv"), first, grads):
                 assert bitwise_equal(a, b), f"hd{d} run {i}: {name} differs: {first_difference(a, b)}"
-        r0 = slice(0, lens[0])
-        check_bwd(q[r0][None], k[r0][None], v[r0][None], dout[r0][None], True,
-                  tuple(x[r0][None] for x in first), c.softmax_scale, 2.0)
+        assert len(launches) == 50 and all(x is not None for x in launches), "not the varlen backward"
+        for a, b in zip(cu_q.tolist()[:-1], cu_q.tolist()[1:]):
+            r = slice(a, b)
+            check_bwd(q[r][None], k[r][None], v[r][None], dout[r][None], True, tuple(x[r][None] for x in first),
+                      c.softmax_scale, 2.0)
 
 
 # --------------------------------------------------------------------------------------
