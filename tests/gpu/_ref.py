@@ -320,6 +320,20 @@ def poison_cached_blocks(nbytes: int, device="cuda") -> None:
         torch.full((n // 4,), float("nan"), dtype=torch.float32, device=device)
 
 
+def varlen_kernels_on(monkeypatch) -> list:
+    """Switch both varlen kernels on for the test (flashgen.core.VARLEN_KERNEL, VARLEN_BWD_KERNEL) and record each
+    core.attention_backward launch: the returned list gets its ``varlen`` argument (None: not the varlen backward)."""
+    import flashgen
+
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
+    launches = []
+    real = flashgen.core.attention_backward
+    monkeypatch.setattr(flashgen.core, "attention_backward",
+                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    return launches
+
+
 def variant_missing(family: str, key: dict, *, round_up: tuple = ()):
     """None when a built variant of ``family`` serves the dispatch key ``key``, else why not: a
     skip reason starting ``MISSING-<FAMILY>-VARIANT`` (or saying there is no kernel manifest).

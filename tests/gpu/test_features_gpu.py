@@ -56,6 +56,7 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     poison_cached_blocks,
     randn,
     variant_missing,
+    varlen_kernels_on,
     visible_mask,
 )
 
@@ -748,12 +749,7 @@ def _varlen_bwd_run(monkeypatch, lens_q, lens_k, c: Case, deterministic: bool, s
     """flash_attn_varlen_func on both varlen kernels (switched on here) and torch.autograd.grad after poisoning the
     allocator: (q, k, v, cu_q, cu_k, out, lse, dout, grads, the varlen arguments of each backward launch). ``pad``
     rows of NaN after the last sequence in q, k and v."""
-    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
-    monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
-    launches = []
-    real = flashgen.core.attention_backward
-    monkeypatch.setattr(flashgen.core, "attention_backward",
-                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    launches = varlen_kernels_on(monkeypatch)
     q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_q, lens_k, None, None, c, seed=seed, pad=pad)
     for t, n in ((q, sum(lens_q)), (k, sum(lens_k)), (v, sum(lens_k))):
         t[n:] = float("nan")
@@ -891,12 +887,7 @@ def test_varlen_kernel_backward_deterministic_race(monkeypatch):
     for why in (_varlen_bwd_missing(lens, lens, c) for c in cases):
         if why:
             pytest.skip(why)
-    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
-    monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
-    launches = []
-    real = flashgen.core.attention_backward
-    monkeypatch.setattr(flashgen.core, "attention_backward",
-                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    launches = varlen_kernels_on(monkeypatch)
     for c in cases:
         d = c.d
         launches.clear()

@@ -61,7 +61,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import flashgen  # noqa: E402
 
-from _ref import variant_missing  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
+from _ref import variant_missing, varlen_kernels_on  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
 
 pytestmark = pytest.mark.gpu
 
@@ -266,12 +266,7 @@ def test_packed_documents_training_tracks_sdpa(d_model, head_dim, seqlen, monkey
         why = variant_missing(family, k)
         if why:
             pytest.skip(why)
-    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
-    monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
-    launches = []
-    real = flashgen.core.attention_backward
-    monkeypatch.setattr(flashgen.core, "attention_backward",
-                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    launches = varlen_kernels_on(monkeypatch)
     lens = doc_lengths(seqlen, seed=head_dim)
     torch.manual_seed(1234)
     base = TinyLM(d_model, head_dim, seqlen).cuda()
