@@ -345,7 +345,7 @@ varlen)
   grep -E "FAILED|ERROR|Error|assert|passed|failed" "$out/test.log" | tail -25
   if [ "$rc" = 124 ]; then echo "pytest timed out; the last lines:"; tail -5 "$out/test.log"; fi
   for r in $(seq 1 "${BENCH:-2}"); do  # BENCH=0: the tests alone
-    echo "== varlen_bench run $r"; timeout 150 python3 scripts/varlen_bench.py 2>&1 | tee "$out/varlen_bench_$r.md" | tail -14
+    echo "== varlen_bench run $r"; timeout 150 python3 scripts/varlen_bench.py 2>&1 | tee "$out/varlen_bench_$r.md" | tail -19
   done
   if [ "${GPU_TIME:-0}" = 1 ]; then  # GPU time vs host time per call (profiler): scripts/varlen_gpu_time.py
     echo "== varlen_gpu_time"; (cd scripts && timeout 150 python3 varlen_gpu_time.py --n 10) 2>&1 | tee "$out/varlen_gpu_time.md" | tail -14

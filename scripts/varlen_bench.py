@@ -140,28 +140,9 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     cases = forward_cases(rng, args.seed)
-    rows = []
-    with torch.no_grad():
-        for run, sdpa, flops, name in cases:
-            core.VARLEN_KERNEL = True
-            a = run()
-            core.VARLEN_KERNEL = False
-            b = run()
-            err = (a.float() - b.float()).abs().max().item()
-            times = {True: [], False: []}
-            for _ in range(args.rounds):
-                for on in (True, False):
-                    core.VARLEN_KERNEL = on
-                    times[on].append(_time_ms(run))
-            t_on, t_off = min(times[True]), min(times[False])
-            try:
-                t_sdpa = min(_time_ms(sdpa) for _ in range(args.rounds))
-            except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
-                print(f"{name}: SDPA failed: {type(e).__name__}: {str(e)[:200]}")
-                t_sdpa = float("nan")
-            rows.append((name, err, times[True], times[False], flops / t_on / 1e9, flops / t_off / 1e9, t_off / t_on,
-                         t_sdpa))
-    # training (forward + backward): the varlen kernels both ways, the padded groups, one call per run, SDPA nested
+    # training first (forward + backward: the varlen kernels both ways, the padded groups, one call per run, SDPA
+    # nested), so that its table is out before a timeout could cut the forward's; the same draws as before
+    # (forward_cases drew first)
     from flashgen import interface
 
     saved = core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, interface.VARLEN_CALL_WORK, core.attention_backward
@@ -201,13 +182,35 @@ def main() -> None:
         print(f"| {name} | {err[0]:.2e}; {err[1]:.2e} | {' | '.join(ms)} | {f:.0f} | "
               f"{best['groups'] / best['kernels']:.2f}x | {best['per_run'] / best['kernels']:.2f}x | "
               f"{best['sdpa'] / best['kernels']:.2f}x |")
-    print()
+    print(flush=True)
+    rows = []
+    with torch.no_grad():
+        for run, sdpa, flops, name in cases:
+            core.VARLEN_KERNEL = True
+            a = run()
+            core.VARLEN_KERNEL = False
+            b = run()
+            err = (a.float() - b.float()).abs().max().item()
+            times = {True: [], False: []}
+            for _ in range(args.rounds):
+                for on in (True, False):
+                    core.VARLEN_KERNEL = on
+                    times[on].append(_time_ms(run))
+            t_on, t_off = min(times[True]), min(times[False])
+            try:
+                t_sdpa = min(_time_ms(sdpa) for _ in range(args.rounds))
+            except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
+                print(f"{name}: SDPA failed: {type(e).__name__}: {str(e)[:200]}")
+                t_sdpa = float("nan")
+            rows.append((name, err, times[True], times[False], flops / t_on / 1e9, flops / t_off / 1e9, t_off / t_on,
+                         t_sdpa))
     print("| workload | max abs(kernel - composed) | kernel ms (rounds) | composed ms (rounds) | SDPA ms | kernel TFLOP/s | "
           "composed TFLOP/s | composed ms / kernel ms | SDPA ms / kernel ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, err, on, off, f_on, f_off, sp, t_sdpa in rows:
         print(f"| {name} | {err:.2e} | {' / '.join(f'{x:.3f}' for x in on)} | {' / '.join(f'{x:.3f}' for x in off)} | "
               f"{t_sdpa:.3f} | {f_on:.0f} | {f_off:.0f} | {sp:.2f}x | {t_sdpa / min(on):.2f}x |")
+    print(flush=True)
 
 
 if __name__ == "__main__":
