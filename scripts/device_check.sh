@@ -332,10 +332,11 @@ tests)
   timeout 510 python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
   ;;
 varlen)
-  # the varlen kernel (core.Varlen, off by default until this passes). First its four sanitize_driver cases alone
-  # (packed, a padded cache, cache_batch_idx + leftpad, pages; each checked against the reference) under a short
-  # timeout, so that a hang costs a minute, not the call; then its GPU tests (-v into the log and a stack dump after
-  # 60 s in one test: a hang names its test), then varlen_bench.py twice.
+  # the varlen kernels (core.Varlen; the backward's core.BwdVarlen, off by default until its tests pass). First the
+  # sanitize_driver varlen cases alone (the forward's packed, a padded cache, cache_batch_idx + leftpad, pages; the
+  # backward's three; each checked against the reference) under a short timeout, so that a hang costs a minute, not
+  # the call; then the GPU tests (-v into the log and a stack dump after 60 s in one test: a hang names its test),
+  # then varlen_bench.py twice.
   echo "== smoke: sanitize_driver.py varlen cases"
   SANITIZE_ONLY=varlen timeout 60 python3 scripts/sanitize_driver.py 2>&1 | tee "$out/smoke.log" | tail -8
   echo "smoke rc ${PIPESTATUS[0]}"
