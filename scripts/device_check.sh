@@ -334,11 +334,11 @@ tests)
 varlen)
   # the varlen kernels (core.Varlen; the backward's core.BwdVarlen, off by default until its tests pass). First the
   # sanitize_driver varlen cases alone (the forward's packed, a padded cache, cache_batch_idx + leftpad, pages; the
-  # backward's three; each checked against the reference) under a short timeout, so that a hang costs a minute, not
+  # backward's three; each checked against the reference) under a short timeout, so that a hang costs 90 s, not
   # the call; then the GPU tests (-v into the log and a stack dump after 60 s in one test: a hang names its test),
   # then varlen_bench.py twice.
   echo "== smoke: sanitize_driver.py varlen cases"
-  SANITIZE_ONLY=varlen timeout 60 python3 scripts/sanitize_driver.py 2>&1 | tee "$out/smoke.log" | tail -8
+  SANITIZE_ONLY=varlen timeout 90 python3 scripts/sanitize_driver.py 2>&1 | tee "$out/smoke.log" | tail -8
   echo "smoke rc ${PIPESTATUS[0]}"
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -o faulthandler_timeout=60 \
     -k "${TESTS_K:-varlen_kernel or varlen_backward or packed_documents or cuda_graph}" tests/gpu > "$out/test.log" 2>&1
