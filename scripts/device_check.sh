@@ -23,7 +23,7 @@
 #                                          (BUILD_ALL=0, any mode: the default build set only, without the tune
 #                                          candidates; over all 310 variants the suite ran past 450 s on an H200,
 #                                          session 2026-12-04, against 114-164 s in earlier sessions' calls)
-#   bash scripts/device_check.sh varlen    the varlen kernels' smoke (sanitize_driver.py's varlen cases, forward and backward, 60 s), their GPU tests
+#   bash scripts/device_check.sh varlen    the varlen kernels' smoke (sanitize_driver.py's varlen cases, forward and backward, 90 s), their GPU tests
 #                                          (TESTS_K, default "varlen_kernel or varlen_backward or packed_documents or cuda_graph"; the backlog of untested GPU tests:
 #                                          TESTS_K='chunk or head_dim_v_256 or varlen or kvcache or cuda_graph'), then
 #                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA; training: the
