@@ -1189,21 +1189,18 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     ValueError (layouts, heads, softmax_scale / softcap, varlen shapes).
     """
     total_q = 0
-    if varlen is not None:
-        for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-            if len(t.shape) != 3:
-                raise ValueError(f"flashgen: with varlen, {name} must be 3-D (total, heads, dim), got shape {t.shape}")
-        total_q = q.shape[0]
-        if (tuple(lse.shape) != (q.shape[1], total_q) or lse.dtype != "fp32"
+    if varlen is not None:  # (_batch_of_one: ValueError naming an array that is not 3-D)
+        dout, q, k, v, out, dq, dk, dv = (_batch_of_one(name, t) for name, t in (
+            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)))
+        total_q = q.shape[1]
+        if (tuple(lse.shape) != (q.shape[2], total_q) or lse.dtype != "fp32"
                 or tuple(lse.strides) != (total_q, 1)):
-            raise ValueError(f"flashgen: with varlen, lse must be fp32 (heads, total_q) = {(q.shape[1], total_q)} "
+            raise ValueError(f"flashgen: with varlen, lse must be fp32 (heads, total_q) = {(q.shape[2], total_q)} "
                              f"contiguous, got {lse.dtype} {lse.shape} strides {lse.strides}")
         if not 1 <= varlen.batch <= MAX_VARLEN_BWD_SEQUENCES or varlen.max_seqlen_q < 1 or varlen.max_seqlen_k < 1 \
                 or not (varlen.cu_seqlens_q and varlen.cu_seqlens_k):
             raise ValueError(f"flashgen: varlen needs cu_seqlens_q, cu_seqlens_k, batch in [1, "
                              f"{MAX_VARLEN_BWD_SEQUENCES}] and max_seqlen_q, max_seqlen_k >= 1, got {varlen}")
-        dout, q, k, v, out, dq, dk, dv = (_batch_of_one(name, t) for name, t in (
-            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)))
     _, sq, h, d = q.shape
     _, sk, hk, dv_dim = v.shape
     b = q.shape[0]

@@ -840,17 +840,19 @@ def _host_ints(name: str, t, device: int) -> list:
 
 
 def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, max_seqlen_q: int,
-                          max_seqlen_k: int, on_device: bool = False) -> bool:
+                          max_seqlen_k: int, on_device: bool = False, gradients: bool = False) -> bool:
     """Whether a varlen or kvcache call may run on the varlen kernel (core.Varlen) instead of one
     flash_attn_func call per run of equal lengths: the kernel is switched on (core.VARLEN_KERNEL), no
-    gradient is wanted (the varlen kernels have no backward yet), fp16 / bf16 without descales, no
-    attention_chunk, head dims within one call's, something to compute, and no CUDA-graph capture (the
-    host lists of lengths would be copied to the GPU) unless ``on_device`` (every length array is already
-    a GPU tensor). Whether a variant is built is the core's to say (MissingVariantError, :func:`_varlen_kernel`)."""
+    gradient is wanted unless ``gradients`` (the caller, :func:`_varlen_bwd_serves`, runs the varlen backward
+    too), fp16 / bf16 without descales, no attention_chunk, head dims within one call's, something to compute,
+    and no CUDA-graph capture (the host lists of lengths would be copied to the GPU) unless ``on_device`` (every
+    length array is already a GPU tensor). Whether a variant is built is the core's to say (MissingVariantError,
+    :func:`_varlen_kernel`)."""
     return (_core.VARLEN_KERNEL and not attention_chunk and q.dtype in (torch.float16, torch.bfloat16)
             and _no_descales(descales) and max_seqlen_q > 0 and max_seqlen_k > 0
             and q.shape[-1] <= _v.MAX_HEAD_DIM and v.shape[-1] <= _v.MAX_HEAD_DIM
-            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)))
+            and (gradients or not (torch.is_grad_enabled()
+                                   and any(t is not None and t.requires_grad for t in (q, k, v, sink))))
             and (on_device or not (q.is_cuda and torch.cuda.is_current_stream_capturing())))
 
 
@@ -981,23 +983,16 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
 def _varlen_bwd_serves(q, k, v, cu_q: list, cu_k: list, seqused: tuple, sink, descales: tuple, attention_chunk: int,
                        softcap, causal: bool, window_size, max_seqlen_q: int, max_seqlen_k: int) -> bool:
     """Whether a flash_attn_varlen_func call that wants gradients runs on the varlen kernels both ways
-    (:class:`_VarlenKernelFn`): both switched on (core.VARLEN_BWD_KERNEL, core.VARLEN_KERNEL), fp16 / bf16 without
-    descales, learnable_sink, softcap or attention_chunk, head dims within one call's, something to compute, at most
-    core.MAX_VARLEN_BWD_SEQUENCES sequences, no CUDA-graph capture (the offsets are copied to the GPU), both varlen
-    variants built, and no seqused. (The backward's loads read the rows just past a sequence, which add nothing when
-    finite, as in FA3; a padded sequence's unused rows may hold anything, NaN included, so such calls stay composed,
-    which is exact. Rows past the last offsets are cut off before the kernels: flash_attn_varlen_func.)"""
-    if not (_core.VARLEN_BWD_KERNEL and _core.VARLEN_KERNEL) or any(t is not None for t in seqused):
+    (:class:`_VarlenKernelFn`): the varlen forward serves it (:func:`_varlen_kernel_serves`), the backward is
+    switched on (core.VARLEN_BWD_KERNEL), no learnable_sink or softcap, at most core.MAX_VARLEN_BWD_SEQUENCES
+    sequences, both varlen variants built, and no seqused. (The backward's loads read the rows just past a sequence,
+    which add nothing when finite, as in FA3; a padded sequence's unused rows may hold anything, NaN included, so
+    such calls stay composed, which is exact. Rows past the last offsets are cut off before the kernels:
+    flash_attn_varlen_func.)"""
+    if not _core.VARLEN_BWD_KERNEL or any(t is not None for t in seqused) or sink is not None or softcap:
         return False
-    if len(cu_q) - 1 > _core.MAX_VARLEN_BWD_SEQUENCES:
-        return False
-    if sink is not None or softcap or attention_chunk or not _no_descales(descales):
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or max_seqlen_q < 1 or max_seqlen_k < 1:
-        return False
-    if q.shape[-1] > _v.MAX_HEAD_DIM or v.shape[-1] > _v.MAX_HEAD_DIM or q.shape[1] % k.shape[1]:
-        return False
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if len(cu_q) - 1 > _core.MAX_VARLEN_BWD_SEQUENCES or not _varlen_kernel_serves(
+            q, k, v, None, descales, attention_chunk, max_seqlen_q, max_seqlen_k, gradients=True):
         return False
     dtype, d, dv = _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1]
     window = _v.window_pair(window_size)
@@ -1092,8 +1087,8 @@ def flash_attn_varlen_func(
     wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
     reads the offsets itself (:func:`_varlen_kernel`). A call that wants gradients takes the varlen kernels both
     ways where core.VARLEN_BWD_KERNEL is on (``FLASHGEN_VARLEN_BWD_KERNEL=1``; off until its GPU tests pass) and
-    :func:`_varlen_bwd_serves` admits it (every q and k row in a sequence, no seqused, sink, softcap or
-    attention_chunk): :class:`_VarlenKernelFn`, FA3's varlen backward. Otherwise: one :func:`flash_attn_func` call per
+    :func:`_varlen_bwd_serves` admits it (no seqused, sink, softcap or attention_chunk; rows past the last
+    offsets are cut off first): :class:`_VarlenKernelFn`, FA3's varlen backward. Otherwise: one :func:`flash_attn_func` call per
     run of consecutive sequences of equal lengths (the run as its batch), on views of q, k, v (no
     copy), and the outputs are concatenated; launch cost then grows with the number of distinct
     neighbouring lengths. Where padding a sequence at its end is invisible to it (causal, or a window
