@@ -826,16 +826,13 @@ def _out_dtype(q: torch.Tensor) -> torch.dtype:
 def _host_ints(name: str, t, device: int) -> list:
     """A varlen index tensor (cu_seqlens_* / seqused_*) as a host list of ints: a 1-D int32 torch
     tensor on q's GPU (read with one synchronisation) or on the CPU (no synchronisation).
-    TypeError / ValueError naming it."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"flashgen: {name} must be a torch.Tensor of int32, got {type(t).__name__}")
-    if t.dtype != torch.int32 or t.dim() != 1:
-        raise ValueError(f"flashgen: {name} must be a 1-D int32 tensor, got {t.dim()}-D {t.dtype}")
-    if t.device.type != "cpu" and _device_of(t) != (True, device):
-        raise ValueError(f"flashgen: {name} must be on q's device (cuda:{device}) or on the CPU, got {t.device}")
+    TypeError / ValueError naming it (:func:`_check_index_tensor`); NotImplementedError for a GPU tensor under
+    CUDA-graph capture (the callers read on the host only what their on-device paths do not serve)."""
+    _check_index_tensor(name, t, device)
     if t.device.type != "cpu" and torch.cuda.is_current_stream_capturing():
-        raise NotImplementedError(f"flashgen: flash_attn_varlen_func reads {name} on the host, which a CUDA graph "
-                                  "capture forbids for a GPU tensor; pass it as a CPU tensor to capture the call")
+        raise NotImplementedError(f"flashgen: this call reads {name} on the host, which a CUDA graph capture forbids "
+                                  "for a GPU tensor (on the GPU alone run fp16 / bf16 calls that the varlen kernels "
+                                  "serve, with a varlen variant built); pass it as a CPU tensor to capture the call")
     return t.tolist()
 
 
@@ -980,70 +977,231 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     return merged, (merged_lse.transpose(1, 2)[0] if packed_q else merged_lse.transpose(1, 2))
 
 
-def _varlen_bwd_serves(q, k, v, cu_q: list, cu_k: list, seqused: tuple, sink, descales: tuple, attention_chunk: int,
+def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tuple, attention_chunk: int,
                        softcap, causal: bool, window_size, max_seqlen_q: int, max_seqlen_k: int) -> bool:
-    """Whether a flash_attn_varlen_func call that wants gradients runs on the varlen kernels both ways
-    (:class:`_VarlenKernelFn`): the varlen forward serves it (:func:`_varlen_kernel_serves`), the backward is
-    switched on (core.VARLEN_BWD_KERNEL), no learnable_sink or softcap, at most core.MAX_VARLEN_BWD_SEQUENCES
-    sequences, both varlen variants built, and no seqused. (The backward's loads read the rows just past a sequence,
-    which add nothing when finite, as in FA3; a padded sequence's unused rows may hold anything, NaN included, so
-    such calls stay composed, which is exact. Rows past the last offsets are cut off before the kernels:
+    """Whether a flash_attn_varlen_func call of ``batch`` sequences that wants gradients runs on the varlen kernels
+    both ways (``torch.ops.flashgen.varlen_fwd`` and its autograd formula, ``varlen_bwd``): the varlen forward serves
+    it (:func:`_varlen_kernel_serves`), the backward is switched on (core.VARLEN_BWD_KERNEL), no learnable_sink or
+    softcap, at most core.MAX_VARLEN_BWD_SEQUENCES sequences, both varlen variants built, and no seqused. (The
+    backward's loads read the rows just past a sequence, which add nothing when finite, as in FA3; a padded
+    sequence's unused rows may hold anything, NaN included, so such calls stay composed, which is exact. Rows past
+    the last offsets are cut off before the kernels where the offsets are read on the host:
     flash_attn_varlen_func.)"""
     if not _core.VARLEN_BWD_KERNEL or any(t is not None for t in seqused) or sink is not None or softcap:
         return False
-    if len(cu_q) - 1 > _core.MAX_VARLEN_BWD_SEQUENCES or not _varlen_kernel_serves(
-            q, k, v, None, descales, attention_chunk, max_seqlen_q, max_seqlen_k, gradients=True):
+    if batch > _core.MAX_VARLEN_BWD_SEQUENCES or not _varlen_kernel_serves(
+            q, k, v, None, descales, attention_chunk, max_seqlen_q, max_seqlen_k, on_device=True, gradients=True):
         return False
-    dtype, d, dv = _DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1]
-    window = _v.window_pair(window_size)
-    return (_core.varlen_variant_built(dtype, d, dv, causal, window, max_seqlen_q, max_seqlen_k, 0.0)
-            and _core.varlen_bwd_variant_built(dtype, d, dv, causal, window, max_seqlen_q, max_seqlen_k))
+    return _varlen_variants_built(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], bool(causal),
+                                  tuple(_v.window_pair(window_size)), False, True)
 
 
-class _VarlenKernelFn(torch.autograd.Function):
-    """flash_attn_varlen_func with gradients on the varlen kernels: the forward's (:func:`_varlen_kernel`, one launch,
-    no split) and the backward's (``core.attention_backward(varlen=...)``: preprocess, main, postprocess over every
-    sequence at once; bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). Saves q, k, v,
-    out, lse and the offsets as int32 tensors on q's device. Takes what :func:`_varlen_bwd_serves` admits, with every
-    row of q and k in a sequence (the caller cuts the rows past the last offsets off), so the kernels write every row
-    of out, lse and the gradients. lse is returned, not differentiable (FA3's)."""
+@torch.compiler.assume_constant_result
+def _varlen_variants_built(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window: tuple, softcap: bool,
+                           backward: bool) -> bool:
+    """Whether the varlen forward variants (and with ``backward`` the varlen bwd variants) are built for every mask
+    a call of this metadata can select, whatever its max_seqlen_q / max_seqlen_k (core.mask_spec: a window side
+    that reaches every key or row is unbounded, so a band may run as causal or unmasked; core.varlen_variant_built,
+    core.varlen_bwd_variant_built). The lengths are left out because under torch.compile they may be symbolic; the
+    result is a constant there (the manifest is read when the graph is traced, not traced itself), so choosing the
+    varlen ops is no graph break. The ops select the variant of the call's lengths when they run."""
+    big = 1 << 30
+    for seqlen_q, seqlen_k in ((1, 1), (1, big), (big, 1), (big, big)):  # each side unbounded or not
+        if not _core.varlen_variant_built(dtype, head_dim, head_dim_v, causal, window, seqlen_q, seqlen_k,
+                                          1.0 if softcap else 0.0):
+            return False
+        if backward and not _core.varlen_bwd_variant_built(dtype, head_dim, head_dim_v, causal, window, seqlen_q,
+                                                           seqlen_k):
+            return False
+    return True
 
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, softmax_scale, causal: bool, window_size,
-                deterministic: bool):
-        batch = cu_q.shape[0] - 1
-        res = _varlen_kernel(q, k, v, (cu_q, cu_k, None, None), batch, max_q, max_k, softmax_scale, causal,
-                             window_size, 0.0, None, False)
-        if res is None:  # (_varlen_bwd_serves asked for the variant first)
-            raise _core.MissingVariantError("flashgen: no varlen forward variant serves this call")
-        out, lse = res
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.max_q, ctx.max_k, ctx.causal, ctx.deterministic = max_q, max_k, causal, deterministic
-        ctx.scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        ctx.window = tuple(_v.window_pair(window_size))
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dev = _device_of(q)[1]
-        dtype = _DTYPE_NAMES[q.dtype]
-        batch = cu_q.shape[0] - 1
-        nbytes = _core.backward_workspace_bytes(
-            batch, ctx.max_q, q.shape[1], k.shape[1], q.shape[2], dtype, ctx.causal, dev, seqlen_k=ctx.max_k,
-            window_size=ctx.window, softcap=0.0, head_dim_v=v.shape[2], varlen_total_q=q.shape[0])
-        grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))  # every row written
-        inputs = [_tma_arg(t, dtype, dev) for t in (dout.to(q.dtype), q, k, v, out)]  # (tensor kept alive, TensorArg)
-        workspace = _workspace(q, nbytes)
-        _core.attention_backward(
-            *(arg for _, arg in inputs),
-            _core.TensorArg(lse.data_ptr(), tuple(lse.shape), tuple(lse.stride()), "fp32", dev),
-            *(_tma_arg(g, dtype, dev)[1] for g in grads), ctx.scale, ctx.causal, ctx.deterministic,
-            _current_stream(dev), workspace.data_ptr(), window_size=ctx.window, softcap=0.0,
-            varlen=_core.BwdVarlen(cu_q.data_ptr(), cu_k.data_ptr(), batch, ctx.max_q, ctx.max_k))
-        del inputs, workspace  # released only after the launches are enqueued (stream-ordered)
-        return (*grads, None, None, None, None, None, None, None, None)
+def _varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+                     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+                     window_right: int, softcap: float, learnable_sink: Optional[torch.Tensor], num_splits: int,
+                     deterministic: bool, fill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.flashgen.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+    max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, learnable_sink, num_splits,
+    deterministic, fill) -> (out, lse)``: one launch of the varlen kernel (:func:`_varlen_kernel`, FA3's varlen
+    forward) over packed q ``(total_q, heads, head_dim)``, k ``(total_k, heads_k, head_dim)``, v ``(total_k,
+    heads_k, head_dim_v)`` (fp16 / bf16) with int32 offsets ``(batch + 1,)`` and seqused ``(batch,)`` or None on
+    q's device, checked by the caller (flash_attn_varlen_func: on the host, or on the GPU by
+    :func:`_check_offsets_on_device`). max_seqlen_q / max_seqlen_k: at least every sequence's (FA3's grid sizes).
+    ``fill``: out / lse start as 0 / -inf, for rows of no sequence (a caller that does not know the offsets on the
+    host passes True). ``deterministic``: kept for the backward (:func:`_varlen_backward`). Returns contiguous out
+    ``(total_q, heads, head_dim_v)`` of q's dtype and float32 lse ``(heads, total_q)``. MissingVariantError where no
+    varlen variant serves the call."""
+    res = _varlen_kernel(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), cu_seqlens_q.shape[0] - 1,
+                         int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale), bool(causal),
+                         (int(window_left), int(window_right)), float(softcap), learnable_sink, bool(fill),
+                         num_splits=int(num_splits))
+    if res is None:
+        raise _core.MissingVariantError("flashgen: no varlen forward variant serves this call (flashgen add-variant "
+                                        "fwd --set varlen=true ...)")
+    out, lse = res
+    return out, lse.contiguous()  # (split-KV's merged lse is a transposed view)
+
+
+_varlen_fwd = torch.library.custom_op("flashgen::varlen_fwd", _varlen_fwd_impl, mutates_args=())
+
+
+@_varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, window_left, window_right, softcap, learnable_sink, num_splits,
+                     deterministic, fill):
+    return (q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=_out_dtype(q)),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))  # contiguous, as the real op
+
+
+def _varlen_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                     deterministic: bool, fill: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.flashgen.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic, fill) -> (dq, dk, dv)``: the
+    gradients of ``varlen_fwd``'s out (no seqused, softcap or sink: :func:`_varlen_bwd_serves`) by the varlen
+    backward (``core.attention_backward(varlen=...)``: preprocess, main, postprocess over every sequence at once;
+    bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). dout, out ``(total_q, heads,
+    head_dim_v)``, lse float32 ``(heads, total_q)``, the rest as ``varlen_fwd``'s. The kernels write every row of a
+    sequence; ``fill``: the gradients start as 0, for rows past the last offsets (a caller that cut those rows off
+    passes False). Returns contiguous dq, dk, dv of q's, k's, v's shapes and dtype."""
+    dev = _device_of(q)[1]
+    dtype = _DTYPE_NAMES[q.dtype]
+    batch = cu_seqlens_q.shape[0] - 1
+    window = (int(window_left), int(window_right))
+    nbytes = _core.backward_workspace_bytes(
+        batch, int(max_seqlen_q), q.shape[1], k.shape[1], q.shape[2], dtype, bool(causal), dev,
+        seqlen_k=int(max_seqlen_k), window_size=window, softcap=0.0, head_dim_v=v.shape[2], varlen_total_q=q.shape[0])
+    new = torch.zeros_like if fill else torch.empty_like
+    grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    inputs = [_tma_arg(t, dtype, dev) for t in (dout.to(q.dtype), q, k, v, out)]  # (tensor kept alive, TensorArg)
+    lse = lse.contiguous()
+    workspace = _workspace(q, nbytes)
+    _core.attention_backward(
+        *(arg for _, arg in inputs),
+        _core.TensorArg(lse.data_ptr(), tuple(lse.shape), tuple(lse.stride()), "fp32", dev),
+        *(_tma_arg(g, dtype, dev)[1] for g in grads), float(softmax_scale), bool(causal), bool(deterministic),
+        _current_stream(dev), workspace.data_ptr(), window_size=window, softcap=0.0,
+        varlen=_core.BwdVarlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), batch, int(max_seqlen_q),
+                               int(max_seqlen_k)))
+    del inputs, workspace  # released only after the launches are enqueued (stream-ordered)
+    return grads
+
+
+_varlen_bwd = torch.library.custom_op("flashgen::varlen_bwd", _varlen_bwd_impl, mutates_args=())
+
+
+@_varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, window_left, window_right, deterministic, fill):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    """Saves what the varlen backward needs: q, k, v, out, lse, the offsets and the scalars; notes what it does not
+    take (seqused, softcap, a sink: :func:`_varlen_bwd_serves` keeps such calls off these ops when they want
+    gradients)."""
+    (q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, scale, causal, window_left, window_right, softcap,
+     sink, _splits, deterministic, fill) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, scale, causal, window_left, window_right, deterministic, fill)
+    ctx.served = seqused_q is None and seqused_k is None and not softcap and sink is None
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    """dq, dk, dv through ``torch.ops.flashgen.varlen_bwd``; grad_lse is ignored, as FA3 does."""
+    if not ctx.served:
+        raise NotImplementedError("flashgen: the varlen backward takes no seqused, softcap or learnable_sink")
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashgen.varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 15
+
+
+_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on q's current stream (a seam: CPU tests set it)."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _check_index_tensor(name: str, t, device, batch: int | None = None) -> None:
+    """TypeError / ValueError naming ``name`` unless ``t`` is a 1-D int32 torch tensor (of ``batch`` entries when
+    given) on q's GPU ``device`` or on the CPU."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flashgen: {name} must be a torch.Tensor of int32, got {type(t).__name__}")
+    if t.dtype != torch.int32 or t.dim() != 1:
+        raise ValueError(f"flashgen: {name} must be a 1-D int32 tensor, got {t.dim()}-D {t.dtype}")
+    if t.device.type != "cpu" and _device_of(t) != (True, device):
+        raise ValueError(f"flashgen: {name} must be on q's device (cuda:{device}) or on the CPU, got {t.device}")
+    if batch is not None and t.shape[0] != batch:
+        raise ValueError(f"flashgen: {name} must have {batch} entries, got {t.shape[0]}")
+
+
+def _check_offsets_on_device(cu_q, cu_k, seqused_q, seqused_k, total_q: int, total_k: int, max_seqlen_q: int,
+                             max_seqlen_k: int) -> None:
+    """FA3's varlen contract (flashgen._validate.varlen_problems), checked on the GPU (``torch._assert_async``):
+    offsets from 0, non-decreasing, the last at most total_q / total_k; seqused between 0 and its sequence's rows;
+    max_seqlen_q / max_seqlen_k at least every (used) sequence's length. A broken contract is an error of the stream
+    (a device-side assert, which loses the CUDA context), not a read or write out of bounds; each message names the
+    argument (not the values: under torch.compile they may be symbolic)."""
+    for which, cu, used, total, longest in (("q", cu_q, seqused_q, total_q, max_seqlen_q),
+                                            ("k", cu_k, seqused_k, total_k, max_seqlen_k)):
+        lens = cu[1:] - cu[:-1]
+        torch._assert_async((cu[0] == 0) & (lens >= 0).all() & (cu[-1] <= total),
+                            f"flashgen: cu_seqlens_{which} must start at 0, not decrease and end at most at the "
+                            f"number of rows of {'q' if which == 'q' else 'k and v'} (dim 0)")
+        if used is not None:
+            torch._assert_async(((used >= 0) & (used <= lens)).all(),
+                                f"flashgen: seqused_{which} must be between 0 and each sequence's length "
+                                f"(cu_seqlens_{which})")
+            lens = used
+        torch._assert_async((lens <= longest).all(),
+                            f"flashgen: max_seqlen_{which} is less than the longest sequence")
+
+
+def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                      softmax_scale, causal, window_size, softcap, learnable_sink, descales: tuple,
+                      attention_chunk, num_splits, deterministic):
+    """:func:`flash_attn_varlen_func` without reading an offset or length on the host (under torch.compile, where
+    the read would be a graph break, and under CUDA-graph capture, where it cannot happen): ``(out, lse)`` from the
+    varlen ops (``torch.ops.flashgen.varlen_fwd``, with gradients ``varlen_bwd``), or None where they do not serve
+    the call (the caller then reads the offsets: a graph break under torch.compile, NotImplementedError under
+    capture). Shapes, dtypes, devices and scalars are checked on the host, the offsets' values on the GPU
+    (:func:`_check_offsets_on_device`). max_seqlen_q / max_seqlen_k size the grids, as in FA3. As the offsets'
+    end is not known on the host, out / lse start as 0 / -inf and the gradients as 0 (rows past the last offsets),
+    and the backward's loads may read rows just past the last sequence: they must be finite there, as in FA3."""
+    device = _device_of(q)[1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or not _v._is_int(max_seqlen_q) or not _v._is_int(max_seqlen_k):
+        return None
+    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, device)
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, device, batch + 1)
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            _check_index_tensor(name, t, device, batch)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink))
+    _v.raise_problems(_v.window_size_problems(window_size) + _v.softcap_problems(softcap))
+    window = tuple(_v.window_pair(window_size))
+    if batch < 1 or not (
+            _varlen_bwd_serves(q, k, v, batch, (seqused_q, seqused_k), learnable_sink, descales, attention_chunk,
+                               softcap, causal, window, max_seqlen_q, max_seqlen_k) if grad
+            else _varlen_kernel_serves(q, k, v, learnable_sink, descales, attention_chunk, max_seqlen_q,
+                                       max_seqlen_k, on_device=True)
+            and _varlen_variants_built(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], bool(causal), window,
+                                       bool(softcap), False)):
+        return None
+    scale = _v.check_softmax_scale(softmax_scale, q.shape[-1])
+    cu_q, cu_k = _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q)
+    used = tuple(None if t is None else _int32_like(t, q) for t in (seqused_q, seqused_k))
+    _check_offsets_on_device(cu_q, cu_k, *used, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    # (max_seqlen_q / _k passed as they are: under torch.compile they may be symbolic, and int() would specialise
+    # the graph on their values)
+    return torch.ops.flashgen.varlen_fwd(q, k, v, cu_q, cu_k, *used, max_seqlen_q, max_seqlen_k, scale,
+                                         bool(causal), *window, float(softcap), learnable_sink,
+                                         1 if grad else _splits_arg(num_splits), bool(deterministic), True)
 
 
 def flash_attn_varlen_func(
@@ -1139,6 +1297,16 @@ def flash_attn_varlen_func(
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"flashgen: k and v must have the same total_k (dim 0), got {k.shape[0]} and {v.shape[0]}")
     device = _device_of(q)[1]
+    if torch.compiler.is_compiling() or (_capturing(q) and all(
+            not isinstance(t, torch.Tensor) or t.device == q.device
+            for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))):
+        # no read of the offsets on the host: the varlen ops, the offsets checked on the GPU (or, where they do not
+        # serve the call, the host path below: a graph break under torch.compile, NotImplementedError under capture)
+        res = _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                                softmax_scale, causal, window_size, softcap, learnable_sink,
+                                (q_descale, k_descale, v_descale), attention_chunk, num_splits, deterministic)
+        if res is not None:
+            return res if return_attn_probs else res[0]
     cu_q, cu_k = _host_ints("cu_seqlens_q", cu_seqlens_q, device), _host_ints("cu_seqlens_k", cu_seqlens_k, device)
     used_q = None if seqused_q is None else _host_ints("seqused_q", seqused_q, device)
     used_k = None if seqused_k is None else _host_ints("seqused_k", seqused_k, device)
@@ -1155,14 +1323,16 @@ def flash_attn_varlen_func(
     unused_q = [cu_q[b + 1] - cu_q[b] - lq[b] for b in range(batch)]
     unused_k = [cu_k[b + 1] - cu_k[b] - lk[b] for b in range(batch)]
     if batch and any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled() and _varlen_bwd_serves(
-            q, k, v, cu_q, cu_k, (seqused_q, seqused_k), learnable_sink, (q_descale, k_descale, v_descale),
+            q, k, v, batch, (seqused_q, seqused_k), learnable_sink, (q_descale, k_descale, v_descale),
             attention_chunk, softcap, causal, window_size, max(lq), max(lk)):
         # the kernels see the sequences' rows alone: rows past the last offsets (which may hold anything) are cut off,
         # so no load reads them (TMA zero-fills past a tensor's end); out 0 / lse -inf there, their gradients 0
         tq, tk = cu_q[-1], cu_k[-1]
-        out, lse = _VarlenKernelFn.apply(q[:tq], k[:tk], v[:tk], _int32_like(cu_seqlens_q, q),
-                                         _int32_like(cu_seqlens_k, q), max(lq), max(lk), softmax_scale, bool(causal),
-                                         window_size, bool(deterministic))
+        window = _v.window_pair(window_size)
+        out, lse = torch.ops.flashgen.varlen_fwd(
+            q[:tq], k[:tk], v[:tk], _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q), None, None, max(lq),
+            max(lk), _v.check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal), int(window[0]),
+            int(window[1]), 0.0, None, 1, bool(deterministic), False)
         if tq < q.shape[0]:
             out = torch.cat([out, out.new_zeros((q.shape[0] - tq,) + tuple(out.shape[1:]))])
             lse = torch.cat([lse, lse.new_full((lse.shape[0], q.shape[0] - tq), -math.inf)], dim=1)

@@ -93,6 +93,12 @@ def test_varlen_kernel_backward(features, emulated, monkeypatch):
         features["test_varlen_backward_kernels_write_every_row"](m)
 
 
+def test_varlen_kernel_compile_fullgraph_training_step(features, emulated, monkeypatch):
+    """The varlen training step through torch.compile(fullgraph=True) (inductor, on the CPU here) against eager. (Its
+    CUDA-graph twins need a real capture: their host path is test_varlen_kernel_api's ``_capturing`` tests.)"""
+    features["test_varlen_kernel_compile_fullgraph_training_step"](monkeypatch)
+
+
 def test_packed_documents_training(emulated, monkeypatch):
     """test_train_gpu's packed-documents training on the emulated kernels (an exact stand-in: fp32 attention rounded
     once to bf16): its rules pass (session 2026-12-05 (3): losses within 0.03 % of SDPA's, falling to 0.32 / 0.03 of

@@ -838,3 +838,222 @@ def test_varlen_backward_under_torch_compile(bwd_kernel_on):
     assert not any(c.get("varlen") is None for c in bwd_kernel_on.calls)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------
+# Without a host read: torch.compile(fullgraph=True) and CUDA-graph capture (interface._varlen_on_device)
+# --------------------------------------------------------------------------------------
+
+def no_host_reads(monkeypatch):
+    """A read of a tensor's values on the host (tolist / item) fails the test."""
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a length read on the host"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a length read on the host"))
+
+
+@pytest.mark.parametrize("mode", ["fullgraph", "capture"])
+@pytest.mark.parametrize("lens_q,lens_k,used,causal,window,pad_q,splits", [
+    ([5, 17, 1, 33], [7, 17, 40, 2], False, True, (-1, -1), 3, 1),
+    ([9, 0, 4], [0, 6, 11], False, False, (3, 2), 2, 1),  # an empty query sequence, a sequence with no key
+    ([11, 20, 7], [13, 25, 130], True, True, (-1, -1), 1, 2),  # seqused_q / seqused_k; split-KV
+])
+def test_varlen_forward_without_a_host_read(kernel_on, monkeypatch, mode, lens_q, lens_k, used, causal, window, pad_q,
+                                            splits):
+    """Under torch.compile(fullgraph=True) (a read of the offsets would break the graph) and under CUDA-graph capture
+    (where it cannot happen; the seam interface._capturing stands for it here), flash_attn_varlen_func runs the
+    varlen kernel through torch.ops.flashgen.varlen_fwd with the offsets as tensors: one launch with the caller's
+    max_seqlen as the grid's, rows of no sequence 0 / -inf, the result eager's."""
+    from flashgen import interface
+
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, pad_q=pad_q, pad_k=2, seed=8)
+    used_q = [max(0, n - 2) for n in lens_q] if used else list(lens_q)
+    used_k = [max(0, n - 3) for n in lens_k] if used else list(lens_k)
+    kw = dict(seqused_q=torch.tensor(used_q, dtype=torch.int32), seqused_k=torch.tensor(used_k, dtype=torch.int32)) \
+        if used else {}
+    max_q, max_k = max(lens_q) + 4, max(lens_k)
+
+    def call(q, k, v, cu_q, cu_k):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window,
+                                      num_splits=splits, return_attn_probs=True, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        if mode == "fullgraph":
+            torch._dynamo.reset()
+            fn = torch.compile(call, fullgraph=True, backend="aot_eager")
+        else:
+            mp.setattr(interface, "_capturing", lambda q: True)
+            no_host_reads(mp)
+            fn = call
+        out, lse = fn(q, k, v, cu_q, cu_k)
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, used_q, used_k, causal, window)
+    check_varlen(out, lse, ref, ref_lse)
+    calls = varlen_calls(kernel_on)
+    assert len(calls) == len(kernel_on.calls) >= 1  # the varlen kernel alone (and the combine when split)
+    vl = calls[0]["varlen"]
+    assert (vl.batch, vl.max_seqlen_q) == (len(lens_q), max_q) and bound_ok(vl.max_seqlen_k, max_k)
+    assert vl.num_splits == splits and bool(vl.seqused_q) == used
+    assert calls[0]["q"].ptr == q.data_ptr()  # packed q read in place
+    assert not out[-pad_q:].any() and torch.isneginf(lse[:, -pad_q:]).all()
+
+
+@pytest.mark.parametrize("mode", ["fullgraph", "inductor", "capture"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_training_step_without_a_host_read(bwd_kernel_on, monkeypatch, mode, deterministic):
+    """A training step (forward + backward) on the varlen kernels under torch.compile(fullgraph=True) (AOT autograd
+    alone, and inductor, whose generated code calls the ops) or capture:
+    one launch each way, the gradients each sequence's and 0 in the rows past the last offsets (which the kernels
+    are not told of here; finite, as FA3 needs), out / gradients equal to eager's."""
+    from flashgen import interface
+
+    lens = [13, 40, 7, 25]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, pad_q=3, pad_k=5, seed=12)
+    w = torch.randn(q.shape[0], 4, 64, generator=torch.Generator().manual_seed(1))
+
+    def step(q, k, v, cu_q, cu_k):
+        out = flash_attn_varlen_func(q * 1.25, k, v, cu_q, cu_k, 40, 40, causal=True, deterministic=deterministic)
+        return (out.float() * w).sum()
+
+    results = []
+    for m in ("eager", mode):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with pytest.MonkeyPatch.context() as mp:
+            if m in ("fullgraph", "inductor"):
+                torch._dynamo.reset()
+                fn = torch.compile(step, fullgraph=True, backend="aot_eager" if m == "fullgraph" else "inductor")
+            else:
+                fn = step
+            if m == "capture":
+                mp.setattr(interface, "_capturing", lambda q: True)
+                no_host_reads(mp)
+            loss = fn(*leaves, cu_q, cu_k)
+            loss.backward()
+        results.append((loss.detach(), *(t.grad for t in leaves)))
+    assert [c.get("varlen") is not None for c in bwd_kernel_on.calls] == [True, True]
+    assert len(varlen_calls(bwd_kernel_on.fwd)) == len(bwd_kernel_on.fwd.calls) == 2  # the forward: a launch each
+    assert bwd_kernel_on.calls[0]["q"].shape[0] == q.shape[0] - 3  # eager: rows past the last offsets cut off
+    assert bwd_kernel_on.calls[1]["deterministic"] is deterministic
+    assert bwd_kernel_on.calls[1]["q"].shape[0] == q.shape[0]  # the whole q: the offsets' end is not read
+    for a, b in zip(*results):
+        assert torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3)
+    for g in results[1][1:]:
+        assert not g[-3:].any()
+
+
+@pytest.mark.parametrize("bad,fragment", [
+    (dict(cu_q=[0, 5, 3, 20]), "cu_seqlens_q must start at 0, not decrease"),
+    (dict(cu_k=[1, 5, 10, 20]), "cu_seqlens_k must start at 0"),
+    (dict(cu_k=[0, 5, 10, 99]), "end at most at"),
+    (dict(max_q=6), "max_seqlen_q is less than the longest sequence"),
+    (dict(used_k=[5, 6, 11]), "seqused_k must be between 0 and each sequence's length"),
+])
+def test_varlen_offsets_are_checked_on_the_device(kernel_on, bad, fragment):
+    """Without a host read the offsets' values are checked on the device (torch._assert_async, which on the CPU
+    raises at once): FA3's contract broken is an error naming the argument, before the kernel launches."""
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 5, 10], [5, 5, 10], seed=3)
+    cu_q = torch.tensor(bad.get("cu_q", cu_q.tolist()), dtype=torch.int32)
+    cu_k = torch.tensor(bad.get("cu_k", cu_k.tolist()), dtype=torch.int32)
+    kw = {"seqused_k": torch.tensor(bad["used_k"], dtype=torch.int32)} if "used_k" in bad else {}
+    max_q = bad.get("max_q", 12)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, a, b: flash_attn_varlen_func(q, k, v, a, b, max_q, 12, causal=True, **kw),
+                       fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        fn(q, k, v, cu_q, cu_k)
+    assert varlen_calls(kernel_on) == []
+
+
+def test_varlen_without_a_host_read_checks_shapes_on_the_host(kernel_on, monkeypatch):
+    """Shapes, dtypes and scalars are still checked on the host, naming the argument."""
+    from flashgen import interface
+
+    monkeypatch.setattr(interface, "_capturing", lambda q: True)
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 9], [5, 9], seed=3)
+    with pytest.raises(ValueError, match="cu_seqlens_k must have 3 entries"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k[:2], 9, 9)
+    with pytest.raises(ValueError, match="seqused_q must have 2 entries"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, seqused_q=torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32"):
+        flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, 9, 9)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, softmax_scale=float("nan"))
+    assert kernel_on.calls == []
+
+
+@pytest.mark.parametrize("what", ["fp8", "sink_grad", "switch_off", "no_variant"])
+def test_varlen_calls_the_ops_do_not_serve_take_the_host_path(kernel_on, monkeypatch, what):
+    """Under capture (the seam) or torch.compile, a call the varlen ops do not serve (FP8, a sink that wants a
+    gradient, the kernel switched off, no varlen variant built) takes the host path: the offsets are read there
+    (with GPU offsets under a real capture that is NotImplementedError, next test), and the call is served
+    composed."""
+    from flashgen import interface
+
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 9], [5, 9], seed=3)
+    kw = {}
+    if what == "fp8":
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    elif what == "sink_grad":
+        kw["learnable_sink"] = torch.zeros(4, requires_grad=True)
+    elif what == "switch_off":
+        core.VARLEN_KERNEL = False
+    else:
+        select = kernel_on.select_variant
+
+        def no_varlen(family, key, manifest=None, round_up=()):
+            if key.get("varlen"):
+                raise core.MissingVariantError("no varlen variant")
+            return select(family, key, manifest, round_up)
+        monkeypatch.setattr(core, "select_variant", no_varlen)
+        monkeypatch.setattr(core, "_built", set())
+    monkeypatch.setattr(interface, "_capturing", lambda q: True)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=True, **kw)
+    assert reads and varlen_calls(kernel_on) == [] and kernel_on.calls
+    assert out.shape == (14, 4, 64) and torch.isfinite(out.float()).all()
+
+
+def test_host_read_of_gpu_offsets_under_capture_is_refused(monkeypatch):
+    """The host path cannot read GPU offsets under CUDA-graph capture: NotImplementedError naming the argument
+    (interface._host_ints)."""
+    from types import SimpleNamespace
+
+    from flashgen import interface
+
+    class GpuOffsets(torch.Tensor):
+        device = SimpleNamespace(type="cuda")
+
+    t = torch.tensor([0, 5], dtype=torch.int32).as_subclass(GpuOffsets)
+    monkeypatch.setattr(interface, "_check_index_tensor", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(NotImplementedError, match="reads cu_seqlens_q on the host, which a CUDA graph capture"):
+        interface._host_ints("cu_seqlens_q", t, 0)
+
+
+def test_varlen_compiled_step_follows_new_lengths_without_a_recompile_each(bwd_kernel_on):
+    """Packed documents change every step, and so does max_seqlen: under torch.compile(fullgraph=True) the second
+    value makes it symbolic (automatic dynamic shapes) and later ones reuse that graph (nothing reads a length's
+    value while tracing: no int(), no value in a message, the variant check without lengths), each step still one
+    launch each way with its own lengths."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    layouts = [[13, 40, 7, 25], [30, 20, 20, 15], [5, 5, 70, 5], [21, 22, 23, 19]]  # 85 tokens each
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+
+    def step(q, k, v, cu_q, cu_k, longest):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, longest, longest, causal=True).float().square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for i, lens in enumerate(layouts):
+        q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, seed=20 + i)
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        compiled(*leaves, cu_q, cu_k, max(lens)).backward()
+        ref = varlen_grads_reference(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 2 * flash_attn_varlen_func(
+            q.detach(), k.detach(), v.detach(), cu_q, cu_k, max(lens), max(lens), causal=True).float(), True,
+            (-1, -1), 64 ** -0.5)
+        for t, r in zip(leaves, ref):
+            assert (t.grad.float() - r).abs().max().item() <= 2e-3 * max(1.0, r.abs().max().item())
+        vl = bwd_kernel_on.calls[-1]["varlen"]
+        assert (vl.max_seqlen_q, vl.max_seqlen_k) == (max(lens), max(lens))
+    assert counter.frame_count <= 2, f"{counter.frame_count} compiles for {len(layouts)} layouts"
+    assert len(bwd_kernel_on.calls) == len(layouts) and all(c.get("varlen") for c in bwd_kernel_on.calls)

@@ -912,6 +912,138 @@ def test_varlen_kernel_backward_deterministic_race(monkeypatch):
                       c.softmax_scale, 2.0)
 
 
+# flash_attn_varlen_func without a host read of the offsets (interface._varlen_on_device, session 2026-12-05 (4),
+# written without a GPU): under CUDA-graph capture with GPU offsets and under torch.compile(fullgraph=True), the
+# varlen ops (torch.ops.flashgen.varlen_fwd / varlen_bwd) with the offsets checked on the GPU.
+
+def _captured_varlen(monkeypatch, call):
+    """``call()`` run twice on a side stream through the on-device path (interface._capturing set, so the warm-up
+    prepares the launches the capture makes), then captured in a CUDA graph: ``(graph, what the capture returned)``."""
+    with monkeypatch.context() as mp:
+        mp.setattr(flashgen.interface, "_capturing", lambda q: True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = call()
+    return graph, res
+
+
+def _refill(dst: tuple, src: tuple) -> None:
+    with torch.no_grad():
+        for a, b in zip(dst, src):
+            a.copy_(b)
+
+
+def test_varlen_kernel_cuda_graph_replays_new_offsets(monkeypatch):
+    """A forward of flash_attn_varlen_func with GPU offsets captured in a CUDA graph (no host read: the offsets
+    checked by torch._assert_async), replayed after new offsets (other lengths, the same count and total) and new
+    values are copied into the static tensors: each sequence's out and lse pass FA3's rule, rows past the last
+    offsets are 0 / -inf. bf16 hd128 causal; fp16 hd64 with a window and seqused_k."""
+    cases = [(Case(4, 0, 0, 8, 2, 128, BF16, causal=True), ([300, 17, 129, 64], [5, 400, 100, 5]), False),
+             (Case(3, 0, 0, 4, 1, 64, FP16, window=(40, 7)), ([100, 1, 250], [200, 150, 1]), True)]
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    for c, (lens_a, lens_b), used in cases:
+        m = mask_spec(c.causal, c.window, 512, 512)
+        why = variant_missing("fwd", {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "head_dim_v": c.d,
+                                      "causal": m.causal, "local": m.local, "softcap": False, "varlen": True})
+        if why:
+            pytest.skip(why)
+        static = _varlen_case(lens_a, lens_a, None, [n - n // 3 for n in lens_a] if used else None, c, seed=1, pad=6)
+        q, k, v, cu_q, cu_k, _, used_k, _ = static
+
+        def call():
+            return flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 512, 512, seqused_k=used_k, causal=c.causal,
+                                                   window_size=c.window, return_attn_probs=True)
+
+        graph, (out, lse) = _captured_varlen(monkeypatch, call)
+        for lens, seed in ((lens_a, 2), (lens_b, 3)):
+            uk = [n - n // 3 for n in lens] if used else lens
+            new = _varlen_case(lens, lens, None, uk if used else None, c, seed=seed, pad=6)
+            _refill((q, k, v, cu_q, cu_k) + ((used_k,) if used else ()), new[:5] + ((new[6],) if used else ()))
+            graph.replay()
+            torch.cuda.synchronize()
+            for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
+                rq, rk = slice(q0, q0 + lens[b]), slice(k0, k0 + uk[b])
+                check_fwd(q[rq][None], k[rk][None], v[rk][None], c.causal, out[rq][None], lse[:, rq][None],
+                          c.softmax_scale, **c.feats)
+            tq = sum(lens)
+            assert not out[tq:].any() and bool((lse[:, tq:] == -math.inf).all()), f"lens {lens}: rows past the last"
+
+
+def test_varlen_kernel_cuda_graph_training_step(monkeypatch):
+    """Forward and backward of flash_attn_varlen_func (both varlen kernels, deterministic) with GPU offsets captured
+    in one CUDA graph, replayed on new documents (other lengths, same count and total) copied into the static
+    tensors: each sequence's gradients pass FA3's rule; the rows past the last offsets (finite here: the kernels are
+    not told where the sequences end, as in FA3) get zero gradients. bf16 hd128 causal packed documents."""
+    c = Case(4, 0, 0, 8, 2, 128, BF16, causal=True)
+    lens_a, lens_b = [300, 17, 129, 64], [5, 400, 100, 5]
+    why = _varlen_bwd_missing(lens_a, lens_a, c) or _varlen_bwd_missing(lens_b, lens_b, c)
+    if why:
+        pytest.skip(why)
+    launches = varlen_kernels_on(monkeypatch)
+    q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_a, lens_a, None, None, c, seed=4, pad=6)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    g = randn(q.shape[0], c.h, c.d, dtype=c.dtype, seed=5)
+
+    def step():
+        out = flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 512, 512, causal=True, deterministic=True)
+        out.backward(g)
+        for t in (q, k, v):  # (the warm-up's gradients are dropped; the capture's are allocated in its pool)
+            if t.grad is not None and not torch.cuda.is_current_stream_capturing():
+                t.grad = None
+
+    graph, _ = _captured_varlen(monkeypatch, step)
+    grads = (q.grad, k.grad, v.grad)
+    assert launches and all(x is not None for x in launches), "not the varlen backward"
+    for lens, seed in ((lens_b, 6), (lens_a, 7)):
+        nq, nk, nv, ncq, nck, _, _, _ = _varlen_case(lens, lens, None, None, c, seed=seed, pad=6)
+        _refill((q, k, v, cu_q, cu_k, g), (nq, nk, nv, ncq, nck, randn(*g.shape, dtype=c.dtype, seed=seed + 1)))
+        graph.replay()
+        torch.cuda.synchronize()
+        dq, dk, dv = grads
+        for a, b in zip(cu_q.tolist()[:-1], cu_q.tolist()[1:]):
+            r = slice(a, b)
+            check_bwd(q[r][None].detach(), k[r][None].detach(), v[r][None].detach(), g[r][None], True,
+                      (dq[r][None], dk[r][None], dv[r][None]), c.softmax_scale, 2.0)
+        tq = sum(lens)
+        assert not dq[tq:].any() and not dk[tq:].any() and not dv[tq:].any(), f"lens {lens}: rows past the last"
+
+
+def test_varlen_kernel_compile_fullgraph_training_step(monkeypatch):
+    """A training step on packed documents (flash_attn_varlen_func on both varlen kernels, deterministic) compiled
+    with fullgraph=True (inductor; no graph break: the offsets are not read on the host) against eager (which reads
+    them): the same loss and dq, dk, dv bits, for two layouts of documents (a recompile for the new max_seqlen)."""
+    c = Case(4, 0, 0, 8, 2, 128, BF16, causal=True)
+    layouts = ([300, 17, 129, 64], [5, 400, 100, 5])
+    for lens in layouts:
+        why = _varlen_bwd_missing(lens, lens, c)
+        if why:
+            pytest.skip(why)
+    launches = varlen_kernels_on(monkeypatch)
+    torch._dynamo.reset()
+
+    def step(q, k, v, cu_q, cu_k, w, longest: int):
+        out = flashgen.flash_attn_varlen_func(q * 1.5, k, v, cu_q, cu_k, longest, longest, causal=True,
+                                              deterministic=True)
+        return (out.float() * w).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    for i, lens in enumerate(layouts):
+        q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens, lens, None, None, c, seed=20 + i, pad=0)
+        w = randn(q.shape[0], c.h, c.d, dtype=torch.float32, seed=30 + i).to(BF16).float()
+        launches.clear()
+        # (max_seqlen the longest document, as eager passes to the kernels: the same launches both ways)
+        compiled_step_matches_eager(lambda q, k, v, w: step(q, k, v, cu_q, cu_k, w, max(lens)),
+                                    lambda q, k, v, w: compiled(q, k, v, cu_q, cu_k, w, max(lens)), (q, k, v), w,
+                                    f"lens {lens}")
+        assert len(launches) == 2 and all(x is not None for x in launches), "not the varlen backward both times"
+
+
 # --------------------------------------------------------------------------------------
 # torch.compile
 # --------------------------------------------------------------------------------------
