@@ -17,6 +17,11 @@ implementation:
   window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``; the sink's gradient is
   computed with torch ops (:func:`_sink_grad`).
 
+Two more for :func:`flash_attn_varlen_func` on the varlen kernels, used where its offsets are not read on the host
+(torch.compile, CUDA-graph capture) and for its gradients: ``torch.ops.flashgen.varlen_fwd`` (FA3's varlen
+forward over packed q, k, v and int32 offsets on the GPU), whose autograd formula calls
+``torch.ops.flashgen.varlen_bwd`` (FA3's varlen backward).
+
 So that
 
 * ``torch.compile(fullgraph=True)`` traces through :func:`flash_attn_func`, forward and
@@ -1239,8 +1244,13 @@ def flash_attn_varlen_func(
     each sequence is one attention with :func:`flash_attn_func`'s semantics (causal and window
     masks bottom-right aligned per sequence, attention_chunk, softcap, learnable_sink, GQA).
 
-    How it runs: the offsets are read on the host and checked, a synchronisation when they are on
-    the GPU (so a CUDA-graph capture needs them on the CPU). With the varlen kernel (core.VARLEN_KERNEL, on
+    How it runs: eagerly, the offsets are read on the host and checked, a synchronisation when they are on
+    the GPU. Under torch.compile, and under CUDA-graph capture with the offsets on q's GPU, nothing is read on the
+    host where the varlen kernels serve the call (:func:`_varlen_on_device`: ``torch.ops.flashgen.varlen_fwd``,
+    and ``varlen_bwd`` for gradients; the offsets' values checked on the GPU by ``torch._assert_async``, FA3's
+    max_seqlen_q / max_seqlen_k as the grids' sizes): ``fullgraph=True`` traces through it and a changing
+    max_seqlen does not recompile per value; otherwise such a call reads them as below (a graph break, or
+    NotImplementedError under capture; CPU offsets can be captured). With the varlen kernel (core.VARLEN_KERNEL, on
     unless ``FLASHGEN_VARLEN_KERNEL=0``) a call that
     wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
     reads the offsets itself (:func:`_varlen_kernel`). A call that wants gradients takes the varlen kernels both
@@ -1254,8 +1264,8 @@ def flash_attn_varlen_func(
     training), sequences of similar lengths share one call on a zero-padded copy instead
     (:func:`_varlen_groups`: while the padding adds less work than a call costs, VARLEN_CALL_WORK), when
     that makes fewer calls; the padded rows' gradients are 0, so dq, dk, dv are exact. Under
-    torch.compile the read of the offsets is a graph break (``fullgraph=True`` refuses the call: its
-    shapes depend on data).
+    torch.compile a call the varlen ops do not serve reads the offsets: a graph break (``fullgraph=True``
+    refuses it).
 
     Args:
         q: ``(total_q, heads, head_dim)``; k: ``(total_k, heads_k, head_dim)``; v: ``(total_k,
@@ -1282,9 +1292,11 @@ def flash_attn_varlen_func(
         TypeError / ValueError naming the argument: q, k, v not 3-D tensors of matching heads and
         dims; cu_seqlens / seqused not 1-D int32 tensors on q's device or the CPU, or not
         consistent with each other and the totals (flashgen._validate.varlen_problems); max_seqlen
-        smaller than a sequence; FP8 descales not of shape (batch, heads_k). NotImplementedError:
-        qv; GPU cu_seqlens under CUDA-graph capture. Then whatever each call of
-        :func:`flash_attn_func` raises.
+        smaller than a sequence; FP8 descales not of shape (batch, heads_k). Without a host read
+        (torch.compile, capture) the values are checked on the GPU: a broken contract is a device-side
+        assert naming the argument (RuntimeError on the CPU; on a GPU it loses the CUDA context, as any
+        device assert). NotImplementedError: qv; GPU cu_seqlens under CUDA-graph capture for a call the
+        varlen ops do not serve. Then whatever each call of :func:`flash_attn_func` raises.
     """
     if qv is not None:
         raise NotImplementedError("flashgen: qv (absorbed MLA) is not supported yet; pass qv=None")
