@@ -986,13 +986,15 @@ def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tupl
                        softcap, causal: bool, window_size, max_seqlen_q: int, max_seqlen_k: int) -> bool:
     """Whether a flash_attn_varlen_func call of ``batch`` sequences that wants gradients runs on the varlen kernels
     both ways (``torch.ops.flashgen.varlen_fwd`` and its autograd formula, ``varlen_bwd``): the varlen forward serves
-    it (:func:`_varlen_kernel_serves`), the backward is switched on (core.VARLEN_BWD_KERNEL), no learnable_sink or
-    softcap, at most core.MAX_VARLEN_BWD_SEQUENCES sequences, both varlen variants built, and no seqused. (The
+    it (:func:`_varlen_kernel_serves`), the backward is switched on (core.VARLEN_BWD_KERNEL), no softcap (no varlen
+    softcap variant is built), at most core.MAX_VARLEN_BWD_SEQUENCES sequences, both varlen variants built, and no
+    seqused. A learnable_sink is served: the forward's lse includes it, so the backward kernels need nothing more,
+    and its gradient is torch ops (:func:`_sink_grad`). (The
     backward's loads read the rows just past a sequence, which add nothing when finite, as in FA3; a padded
     sequence's unused rows may hold anything, NaN included, so such calls stay composed, which is exact. Rows past
     the last offsets are cut off before the kernels where the offsets are read on the host:
     flash_attn_varlen_func.)"""
-    if not _core.VARLEN_BWD_KERNEL or any(t is not None for t in seqused) or sink is not None or softcap:
+    if not _core.VARLEN_BWD_KERNEL or any(t is not None for t in seqused) or softcap:
         return False
     if batch > _core.MAX_VARLEN_BWD_SEQUENCES or not _varlen_kernel_serves(
             q, k, v, None, descales, attention_chunk, max_seqlen_q, max_seqlen_k, on_device=True, gradients=True):
@@ -1104,24 +1106,29 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    """Saves what the varlen backward needs: q, k, v, out, lse, the offsets and the scalars; notes what it does not
-    take (seqused, softcap, a sink: :func:`_varlen_bwd_serves` keeps such calls off these ops when they want
-    gradients)."""
+    """Saves what the varlen backward needs: q, k, v, out, lse, the offsets, the scalars and learnable_sink when
+    given; notes what it does not take (seqused, softcap: :func:`_varlen_bwd_serves` keeps such calls off these ops
+    when they want gradients)."""
     (q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, scale, causal, window_left, window_right, softcap,
      sink, _splits, deterministic, fill) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.has_sink = sink is not None
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *((sink,) if ctx.has_sink else ()))
     ctx.args = (max_q, max_k, scale, causal, window_left, window_right, deterministic, fill)
-    ctx.served = seqused_q is None and seqused_k is None and not softcap and sink is None
+    ctx.served = seqused_q is None and seqused_k is None and not softcap
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
-    """dq, dk, dv through ``torch.ops.flashgen.varlen_bwd``; grad_lse is ignored, as FA3 does."""
+    """dq, dk, dv through ``torch.ops.flashgen.varlen_bwd``, and learnable_sink's gradient (:func:`_sink_grad` over
+    the packed rows as one batch of one: rows of no sequence have lse -inf and add nothing); grad_lse is ignored, as
+    FA3 does."""
     if not ctx.served:
-        raise NotImplementedError("flashgen: the varlen backward takes no seqused, softcap or learnable_sink")
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        raise NotImplementedError("flashgen: the varlen backward takes no seqused or softcap")
+    q, k, v, out, lse, cu_q, cu_k, *sink = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashgen.varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 15
+    d_sink = _sink_grad(grad_out[None], out[None], lse[None], sink[0]) if ctx.has_sink and ctx.needs_input_grad[14] \
+        else None
+    return (dq, dk, dv) + (None,) * 11 + (d_sink,) + (None,) * 3
 
 
 _varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -1255,8 +1262,8 @@ def flash_attn_varlen_func(
     wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
     reads the offsets itself (:func:`_varlen_kernel`). A call that wants gradients takes the varlen kernels both
     ways where core.VARLEN_BWD_KERNEL is on (``FLASHGEN_VARLEN_BWD_KERNEL=1``; off until its GPU tests pass) and
-    :func:`_varlen_bwd_serves` admits it (no seqused, sink, softcap or attention_chunk; rows past the last
-    offsets are cut off first): :class:`_VarlenKernelFn`, FA3's varlen backward. Otherwise: one :func:`flash_attn_func` call per
+    :func:`_varlen_bwd_serves` admits it (no seqused, softcap or attention_chunk; rows past the last
+    offsets are cut off first): ``torch.ops.flashgen.varlen_fwd`` / ``varlen_bwd``, FA3's varlen backward. Otherwise: one :func:`flash_attn_func` call per
     run of consecutive sequences of equal lengths (the run as its batch), on views of q, k, v (no
     copy), and the outputs are concatenated; launch cost then grows with the number of distinct
     neighbouring lengths. Where padding a sequence at its end is invisible to it (causal, or a window
@@ -1344,7 +1351,7 @@ def flash_attn_varlen_func(
         out, lse = torch.ops.flashgen.varlen_fwd(
             q[:tq], k[:tk], v[:tk], _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q), None, None, max(lq),
             max(lk), _v.check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal), int(window[0]),
-            int(window[1]), 0.0, None, 1, bool(deterministic), False)
+            int(window[1]), 0.0, learnable_sink, 1, bool(deterministic), False)
         if tq < q.shape[0]:
             out = torch.cat([out, out.new_zeros((q.shape[0] - tq,) + tuple(out.shape[1:]))])
             lse = torch.cat([lse, lse.new_full((lse.shape[0], q.shape[0] - tq), -math.inf)], dim=1)

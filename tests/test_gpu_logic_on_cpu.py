@@ -91,6 +91,8 @@ def test_varlen_kernel_backward(features, emulated, monkeypatch):
         features["test_varlen_kernel_backward_rows_past_the_last_sequence"](m)
     with monkeypatch.context() as m:
         features["test_varlen_backward_kernels_write_every_row"](m)
+    with monkeypatch.context() as m:
+        features["test_varlen_kernel_backward_learnable_sink"](m)
 
 
 def test_varlen_kernel_compile_fullgraph_training_step(features, emulated, monkeypatch):

@@ -746,11 +746,11 @@ def test_varlen_backward_matches_the_composed_path(bwd_kernel_on):
         assert (a.float() - b.float()).abs().max().item() <= 2e-3 * max(1.0, b.float().abs().max().item())
 
 
-@pytest.mark.parametrize("what", ["seqused", "softcap", "sink", "chunk", "switch_off", "fwd_switch_off", "no_variant",
+@pytest.mark.parametrize("what", ["seqused", "softcap", "chunk", "switch_off", "fwd_switch_off", "no_variant",
                                   "too_many_sequences"])
 def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what):
     """seqused (a padded sequence's unused rows, which may hold anything, would be read by the backward's loads),
-    softcap, learnable_sink, attention_chunk (not built), either switch off, no varlen bwd variant built, or more
+    softcap, attention_chunk (not built), either switch off, no varlen bwd variant built, or more
     sequences than the grids' z holds: the composed path."""
     lens = [6, 11]
     q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, seed=2)
@@ -760,8 +760,6 @@ def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what
         kw["seqused_q"] = torch.tensor([5, 11], dtype=torch.int32)
     elif what == "softcap":
         kw["softcap"] = 5.0
-    elif what == "sink":
-        kw["learnable_sink"] = torch.zeros(4, requires_grad=True)
     elif what == "chunk":
         kw["attention_chunk"] = 4
     elif what == "switch_off":
@@ -782,6 +780,43 @@ def test_varlen_backward_calls_it_does_not_take(bwd_kernel_on, monkeypatch, what
     out.float().sum().backward()
     assert bwd_kernel_on.calls and all(c.get("varlen") is None for c in bwd_kernel_on.calls)
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("mode", ["eager", "fullgraph"])
+@pytest.mark.parametrize("window", [(-1, -1), (5, 0)])
+def test_varlen_backward_with_a_learnable_sink(bwd_kernel_on, mode, window):
+    """A learnable_sink (gpt-oss) on the varlen kernels both ways: the backward kernels as without it (the forward's
+    lse includes the sink) and d_sink from torch ops over every sequence's rows; out and every gradient, d_sink
+    included, are those of the composed path (flash_attn_func per run, whose sink gradient is tested), with rows
+    past the last offsets adding nothing (NaN eagerly, where they are cut off; finite under torch.compile, as FA3
+    needs)."""
+    lens = [13, 30, 1, 22]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, pad_q=3, pad_k=2, seed=14)
+    if mode == "eager":
+        q[66:] = float("nan")
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(q.shape[0], 4, 64, generator=torch.Generator().manual_seed(6))
+
+    def step(q, k, v, sink, cu_q, cu_k):
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True, window_size=window,
+                                     learnable_sink=sink)
+        return (out.float() * w).nan_to_num().sum()
+
+    got = []
+    for on in (True, False):
+        core.VARLEN_BWD_KERNEL = on
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
+        torch._dynamo.reset()
+        fn = torch.compile(step, fullgraph=True, backend="aot_eager") if mode == "fullgraph" and on else step
+        bwd_kernel_on.calls.clear()
+        fn(*leaves, cu_q, cu_k).backward()
+        launched = [c.get("varlen") is not None for c in bwd_kernel_on.calls]
+        assert launched == ([True] if on else [False] * len(launched)) and launched
+        got.append([t.grad for t in leaves])
+    for name, a, b in zip(("dq", "dk", "dv", "d_sink"), *got):
+        assert a.shape == b.shape and torch.isfinite(a).all(), name
+        assert (a.float() - b.float()).abs().max().item() <= 2e-3 * max(1.0, b.float().abs().max().item()), name
+    assert got[0][3].abs().sum() > 0
 
 
 @pytest.mark.parametrize("pad_q,pad_k", [(3, 0), (0, 2), (4, 5)])
