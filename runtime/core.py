@@ -140,6 +140,13 @@ VARLEN_BWD_KERNEL = os.environ.get("FLASHGEN_VARLEN_BWD_KERNEL", "0") == "1"
 VARLEN_KERNEL = os.environ.get("FLASHGEN_VARLEN_KERNEL", "1") == "1"
 
 
+# softcap in the varlen kernel (fwd.cu.j2 kVarlen with kSoftcap: 30 default variants since session 2026-12-05 (4),
+# built without a GPU): off until their GPU tests pass (tests/gpu test_varlen_kernel_forward's softcap cases,
+# test_kvcache_varlen_kernel_softcap). FLASHGEN_VARLEN_SOFTCAP=1 turns it on: a varlen or kvcache call with softcap
+# (Gemma 2) that the varlen kernel otherwise serves is then one launch instead of the composed path.
+VARLEN_SOFTCAP = os.environ.get("FLASHGEN_VARLEN_SOFTCAP", "0") == "1"
+
+
 # num_splits 0 ("chosen", flash_attn_with_kvcache's default) runs unsplit unless FLASHGEN_SPLIT_KV_AUTO=1, which lets
 # varlen_num_splits (FA3's heuristic) split the keys. Measured on an H200 (session 2026-12-05 (2), docs/PERF.md), an
 # eager decode of 8 caches up to 32k keys took 1.65-1.71 ms with the heuristic's 2 splits and 0.49-0.63 ms unsplit

@@ -842,15 +842,17 @@ def _host_ints(name: str, t, device: int) -> list:
 
 
 def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, max_seqlen_q: int,
-                          max_seqlen_k: int, on_device: bool = False, gradients: bool = False) -> bool:
+                          max_seqlen_k: int, on_device: bool = False, gradients: bool = False,
+                          softcap: float = 0.0) -> bool:
     """Whether a varlen or kvcache call may run on the varlen kernel (core.Varlen) instead of one
     flash_attn_func call per run of equal lengths: the kernel is switched on (core.VARLEN_KERNEL), no
     gradient is wanted unless ``gradients`` (the caller, :func:`_varlen_bwd_serves`, runs the varlen backward
-    too), fp16 / bf16 without descales, no attention_chunk, head dims within one call's, something to compute,
-    and no CUDA-graph capture (the host lists of lengths would be copied to the GPU) unless ``on_device`` (every
-    length array is already a GPU tensor). Whether a variant is built is the core's to say (MissingVariantError,
-    :func:`_varlen_kernel`)."""
+    too), fp16 / bf16 without descales, no attention_chunk, no softcap unless core.VARLEN_SOFTCAP, head dims within
+    one call's, something to compute, and no CUDA-graph capture (the host lists of lengths would be copied to the
+    GPU) unless ``on_device`` (every length array is already a GPU tensor). Whether a variant is built is the
+    core's to say (MissingVariantError, :func:`_varlen_kernel`)."""
     return (_core.VARLEN_KERNEL and not attention_chunk and q.dtype in (torch.float16, torch.bfloat16)
+            and (not softcap or _core.VARLEN_SOFTCAP)
             and _no_descales(descales) and max_seqlen_q > 0 and max_seqlen_k > 0
             and q.shape[-1] <= _v.MAX_HEAD_DIM and v.shape[-1] <= _v.MAX_HEAD_DIM
             and (gradients or not (torch.is_grad_enabled()
@@ -1201,7 +1203,7 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             _varlen_bwd_serves(q, k, v, batch, (seqused_q, seqused_k), learnable_sink, descales, attention_chunk,
                                softcap, causal, window, max_seqlen_q, max_seqlen_k) if grad
             else _varlen_kernel_serves(q, k, v, learnable_sink, descales, attention_chunk, max_seqlen_q,
-                                       max_seqlen_k, on_device=True)
+                                       max_seqlen_k, on_device=True, softcap=softcap)
             and _varlen_variants_built(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], bool(causal), window,
                                        bool(softcap), False)):
         return None
@@ -1357,7 +1359,7 @@ def flash_attn_varlen_func(
             lse = torch.cat([lse, lse.new_full((lse.shape[0], q.shape[0] - tq), -math.inf)], dim=1)
         return (out, lse) if return_attn_probs else out
     if batch and _varlen_kernel_serves(q, k, v, learnable_sink, (q_descale, k_descale, v_descale), attention_chunk,
-                                       max(lq), max(lk)):
+                                       max(lq), max(lk), softcap=softcap):
         res = _varlen_kernel(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), batch, max(lq), max(lk),
                              softmax_scale, causal, window_size, softcap, learnable_sink,
                              fill=any(unused_q) or cu_q[-1] < q.shape[0], num_splits=_splits_arg(num_splits))

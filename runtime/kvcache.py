@@ -9,7 +9,8 @@ entry's new tokens are one op each over all entries (an index_put into the cache
 with the same lengths and consecutive cache rows share one call (a view of the cache); a paged cache is
 gathered into one contiguous copy per entry. Under torch.compile the read of the lengths is a graph break
 (``fullgraph=True`` refuses the call). With the varlen kernel (flashgen.core.VARLEN_KERNEL, on unless
-``FLASHGEN_VARLEN_KERNEL=0``), a call in fp16 / bf16 without softcap or attention_chunk is one launch instead,
+``FLASHGEN_VARLEN_KERNEL=0``), a call in fp16 / bf16 without attention_chunk (nor softcap unless
+flashgen.core.VARLEN_SOFTCAP, off until its GPU tests pass) is one launch instead,
 which reads each entry's total length (``seqused_k``), cache row, left padding or pages itself
 (interface._varlen_kernel; pages of a multiple of 8 rows, without cache_leftpad). Under CUDA-graph capture
 such a call (a padded q, new k / v of (batch, seqlen_new, ...)) reads no length on the host at all
@@ -332,7 +333,7 @@ def flash_attn_with_kvcache(
     max_k = max(t - p for t, p in zip(total, leftpad))
     if ((not paged or (k_cache.shape[1] % 8 == 0 and not any(leftpad)))
             and _varlen_kernel_serves(q, k_cache, v_cache, None, (q_descale, k_descale, v_descale), attention_chunk,
-                                      max(q_len), max_k)):
+                                      max(q_len), max_k, softcap=softcap)):
         whole = paged or cache_batch_idx is not None  # k / v's batch dim: pages or cache rows, not the entries
         res = _varlen_kernel(q, k_cache if whole else k_cache[:batch], v_cache if whole else v_cache[:batch],
                              (cu_seqlens_q if varlen_q else None, None, None, total), batch, max(q_len), max_k,
@@ -399,8 +400,9 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     checked on the host, tensors' values on the GPU (``torch._assert_async``: lengths, cache rows, left padding
     and the used pages' numbers out of range, or a cache row named twice by an append, are an error of the
     stream, not a write to other rows). NotImplementedError, before anything is written, where the varlen
-    kernel is needed and does not serve the call (switched off, FP8, attention_chunk, softcap, no variant built,
-    pages of a size not a multiple of 8 or with cache_leftpad). Returns ``(out, lse)``."""
+    kernel is needed and does not serve the call (switched off, FP8, attention_chunk, softcap while
+    core.VARLEN_SOFTCAP is off, no variant built, pages of a size not a multiple of 8 or with cache_leftpad).
+    Returns ``(out, lse)``."""
     batch, sq = q.shape[0], q.shape[1]
     n = 0 if k is None else k.shape[1]
     paged = page_table is not None
@@ -434,13 +436,15 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                          *(None if d is None else d[:1] for d in descales))
     if not uniform and not (
             (not paged or (k_cache.shape[1] % 8 == 0 and pads is None))
-            and _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True)
+            and _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True,
+                                      softcap=softcap)
             and _core.varlen_variant_built(problem.dtype, q.shape[-1], v_cache.shape[-1], causal, window_size, sq,
                                            capacity, float(softcap))):
         raise NotImplementedError("flashgen: flash_attn_with_kvcache under CUDA-graph capture with a tensor of "
                                   "cache_seqlens, cache_batch_idx, cache_leftpad or a page table runs on the varlen "
-                                  "kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / bf16 without descales, "
-                                  "attention_chunk or softcap, a varlen variant built; pages of a multiple of 8 rows, "
+                                  "kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / bf16 without descales or "
+                                  "attention_chunk, softcap only with FLASHGEN_VARLEN_SOFTCAP=1, a varlen variant "
+                                  "built; pages of a multiple of 8 rows, "
                                   "without cache_leftpad); otherwise it reads the lengths on the host, outside a "
                                   "capture")
     if rotary_cos is not None:

@@ -384,7 +384,8 @@ def varlen_inputs(lens_q, lens_k, h=4, hk=2, d=64, dv=None, pad_q=0, pad_k=0, dt
     return q, k, v, cu(lens_q), cu(lens_k)
 
 
-def varlen_reference(q, k, v, cu_q, cu_k, used_q, used_k, causal, window=(-1, -1), chunk=0, sink=None, scale=None):
+def varlen_reference(q, k, v, cu_q, cu_k, used_q, used_k, causal, window=(-1, -1), chunk=0, sink=None, scale=None,
+                     softcap=0.0):
     """Per-sequence reference attention, assembled as FA3 lays it out: out (total_q, h, dv) with zero
     unused rows, lse (h, total_q) with -inf there."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -394,7 +395,7 @@ def varlen_reference(q, k, v, cu_q, cu_k, used_q, used_k, causal, window=(-1, -1
         q0, k0 = int(cu_q[b]), int(cu_k[b])
         qb, kb, vb = q[q0:q0 + used_q[b]], k[k0:k0 + used_k[b]], v[k0:k0 + used_k[b]]
         o, l = attention_ref(qb[None], kb[None], vb[None], causal, scale, window_size=window, sink=sink,
-                             attention_chunk=chunk)
+                             attention_chunk=chunk, softcap=softcap)
         out[q0:q0 + used_q[b]] = o[0].float()
         lse[:, q0:q0 + used_q[b]] = l[0]
     return out, lse

@@ -225,7 +225,9 @@ def test_real_configs():
     assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
                    v.default) for v in swap) == [(d, 128, False, False, False, False) for d in ("bf16", "fp16")]
     # + bwd's varlen variants (bwd.py varlen): {dtype} x {head_dim} x {none, causal, local}, without softcap (30)
-    assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 3 + 2 + len(swap) + len(built_twins) + len(tuned)
+    # + fwd's varlen softcap variants: {dtype} x {head_dim} x {none, causal, local}, unpacked (30)
+    assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + len(swap) + len(built_twins) + \
+        len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa") and not v.params.get("varlen")]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
     # + varlen (fwd.py varlen) for {dtype} x {head_dim} x {none, causal, local} x {PackGQA}, without softcap (60)
@@ -236,11 +238,15 @@ def test_real_configs():
                for c, lo in ((False, False), (True, False), (False, True)))
     assert not any(v.params["softcap"] or not v.default or not v.params["dkv_steps"] for v in bwd_varlen)
     varlen = [v for v in select(vs) if v.family == "fwd" and v.params.get("varlen")]
-    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["pack_gqa"])
-                  for v in varlen) == \
-        sorted((d, h, c, lo, pk) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
-               for c, lo in ((False, False), (True, False), (False, True)) for pk in (False, True))
-    assert all(v.default and not v.params["softcap"] for v in varlen)
+    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["pack_gqa"],
+                   v.params["softcap"]) for v in varlen) == \
+        sorted((d, h, c, lo, pk, sc) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
+               for c, lo in ((False, False), (True, False), (False, True)) for pk, sc in
+               ((False, False), (True, False), (False, True)))
+    assert all(v.default for v in varlen)
+    # (softcap's tiles: hd64 192 x 112, hd256 128 x 64, as the softcap variants without varlen)
+    assert {(v.params["head_dim"], v.params["block_m"], v.params["block_n"]) for v in varlen if v.params["softcap"]
+            and v.params["head_dim"] in (64, 256)} == {(64, 192, 112), (256, 128, 64)}
     all_vs, vs = vs, [v for v in vs if not v.tuned]
     fp8 = [v for v in select(vs) if v.params["dtype"] == "e4m3"]
     assert {(v.params["head_dim"], v.params["causal"]) for v in fp8} == {(h, c) for h in (64, 128, 256)
@@ -290,7 +296,7 @@ def test_real_configs():
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 3 + 2 + len(swap) + len(twins)
+    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + len(swap) + len(twins)
                                     + len({v.name for v in abl + tune + tuned if not v.default}))
     assert len(select(vs, all_=True)) == len(vs)
 
@@ -315,9 +321,10 @@ def test_register_budget_rejects_hd96_on_three_wgs(tmp_path):
 def test_select_filter():
     vs = [v for v in load_variants(Project(REPO)) if not v.tuned]  # the shipped tune tables' tiles: test_tune.py
     # {bf16, fp16} x ({none, causal, local} x {softcap} + PackGQA {none, causal, local} + varlen {none, causal,
-    # local} x {PackGQA}); e4m3 x {none, causal, local} x {softcap}
-    assert len(select(vs, "fwd_*hd64*")) == 36
-    assert len(select(vs, "*hd64*")) == 54  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
+    # local} x {PackGQA, softcap}); e4m3 x {none, causal, local} x {softcap}
+    assert len(select(vs, "fwd_*hd64*")) == 42
+    assert len(select(vs, "*hd64*")) == 60  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
-    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 20  # 6 + 3 packed + 6 varlen; causal, causal_softcap, packed, 2 varlen
+    # 6 + 3 packed + 9 varlen; causal, causal_softcap, packed, 3 varlen
+    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 24

@@ -144,3 +144,8 @@ def test_kvcache(kvcache, emulated, monkeypatch, seqlen_q, seqlen_k):
                 with monkeypatch.context() as m:
                     kvcache["test_kvcache_varlen_kernel_cache_layouts"](seqlen_q, 1024 if seqlen_k == 800 else seqlen_k,
                                                                         layout, causal, local, m)
+            if rotary:
+                for page in (None, 16):
+                    with monkeypatch.context() as m:
+                        kvcache["test_kvcache_varlen_kernel_softcap"](seqlen_q, 1024 if seqlen_k == 800 else seqlen_k,
+                                                                      page, causal, local, m)

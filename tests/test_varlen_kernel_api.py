@@ -1092,3 +1092,99 @@ def test_varlen_compiled_step_follows_new_lengths_without_a_recompile_each(bwd_k
         assert (vl.max_seqlen_q, vl.max_seqlen_k) == (max(lens), max(lens))
     assert counter.frame_count <= 2, f"{counter.frame_count} compiles for {len(layouts)} layouts"
     assert len(bwd_kernel_on.calls) == len(layouts) and all(c.get("varlen") for c in bwd_kernel_on.calls)
+
+
+# --------------------------------------------------------------------------------------
+# softcap in the varlen kernel (fwd.py varlen x softcap; core.VARLEN_SOFTCAP, off until its GPU tests pass)
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["eager", "fullgraph"])
+def test_varlen_softcap_runs_on_the_kernel_only_when_switched_on(kernel_on, monkeypatch, mode):
+    """flash_attn_varlen_func with softcap (Gemma 2): composed while core.VARLEN_SOFTCAP is off (the kernels are new),
+    one launch of a varlen softcap variant when it is on; the same out and lse both ways, each sequence's attention
+    with FA3's softcap."""
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 17, 1, 33], [7, 17, 40, 2], pad_q=2, seed=21)
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, [5, 17, 1, 33], [7, 17, 40, 2], True, (20, 0), softcap=3.0)
+
+    def call(q, k, v, cu_q, cu_k):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 40, causal=True, window_size=(20, 0), softcap=3.0,
+                                      return_attn_probs=True)
+
+    got = []
+    for on in (False, True):
+        monkeypatch.setattr(core, "VARLEN_SOFTCAP", on)
+        kernel_on.calls.clear()
+        torch._dynamo.reset()
+        fn = torch.compile(call, backend="aot_eager") if mode == "fullgraph" else call
+        got.append(fn(q, k, v, cu_q, cu_k))
+        calls = varlen_calls(kernel_on)
+        if on:
+            assert len(calls) == len(kernel_on.calls) == 1 and calls[0]["variant"].dispatch["softcap"] is True
+        else:
+            assert calls == [] and kernel_on.calls
+    (out, lse), (out2, lse2) = got
+    if True:
+        assert (out.float() - out2.float()).abs().max().item() <= 2e-3
+        finite = torch.isfinite(lse2)
+        assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], lse2[finite], atol=1e-4)
+    check_varlen(got[1][0], got[1][1], ref, ref_lse)
+
+
+def test_varlen_softcap_under_fullgraph_needs_the_switch(kernel_on, monkeypatch):
+    """Under torch.compile(fullgraph=True) a softcap call is on the varlen ops only with core.VARLEN_SOFTCAP on;
+    off, the offsets would be read on the host, which fullgraph refuses."""
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 9], [5, 9], seed=22)
+
+    def call(q, k, v, cu_q, cu_k):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=True, softcap=2.0)
+
+    monkeypatch.setattr(core, "VARLEN_SOFTCAP", True)
+    torch._dynamo.reset()
+    out = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v, cu_q, cu_k)
+    assert len(varlen_calls(kernel_on)) == 1 and out.shape == (14, 4, 64)
+    monkeypatch.setattr(core, "VARLEN_SOFTCAP", False)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):  # (the host path's reads: a graph break, or a guard
+        # on their values)
+        torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v, cu_q, cu_k)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_kvcache_softcap_on_the_varlen_kernel(kernel_on, monkeypatch, on_device):
+    """flash_attn_with_kvcache with softcap: one varlen launch (a softcap variant) with core.VARLEN_SOFTCAP on, eagerly
+    and on the capture path (kvcache._step_on_device); with it off the eager call is composed and the capture path
+    refuses (NotImplementedError) before the cache is written."""
+    from flashgen import kvcache
+
+    q, k, v, kc, vc, _ = make(batch=4, sq=3, cache_len=40, new=2, seed=23)
+    lens = [5, 0, 30, 17]
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+
+    def run():
+        kernel_on.calls.clear()
+        kc1, vc1 = kc.clone(), vc.clone()
+        if on_device:
+            out, lse = kvcache._step_on_device(q, kc1, vc1, k, v, None, None, lens_t, None, (None, None, None), None,
+                                               True, (-1, -1), 0, 4.0, False)
+        else:
+            out, lse = flash_attn_with_kvcache(q, kc1, vc1, k, v, cache_seqlens=lens_t, causal=True, softcap=4.0,
+                                               return_softmax_lse=True)
+        return out, lse, kc1
+
+    ref, ref_lse, kref, _ = kvcache_reference(q, k, v, kc, vc, None, lens, [0] * 4, list(range(4)), True, (-1, -1),
+                                              None, False, softcap=4.0)
+    monkeypatch.setattr(core, "VARLEN_SOFTCAP", True)
+    out, lse, kc1 = run()
+    calls = varlen_calls(kernel_on)
+    assert len(calls) == len(kernel_on.calls) == 1 and calls[0]["variant"].dispatch["softcap"] is True
+    monkeypatch.setattr(core, "VARLEN_SOFTCAP", False)
+    if on_device:
+        with pytest.raises(NotImplementedError, match="softcap"):
+            run()
+        assert varlen_calls(kernel_on) == []
+    else:
+        out2, lse2, _ = run()
+        assert varlen_calls(kernel_on) == [] and kernel_on.calls
+        assert (out.float() - out2.float()).abs().max().item() <= 2e-3
+    check(out, lse, ref, ref_lse)
+    assert torch.equal(logical_cache(kc1, None, list(range(4)), 4), kref)  # the append

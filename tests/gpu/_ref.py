@@ -413,14 +413,15 @@ def logical_cache(kc, table, rows, batch):
 
 
 def kvcache_reference(q, k, v, kc, vc, table, lens, leftpad, rows, causal, window, rope=None, interleaved=True,
-                      upcast=True):
+                      upcast=True, softcap: float = 0.0):
     """(out, lse, k cache after, v cache after) of FA3's flash_attn_with_kvcache semantics
     (hopper/test_flash_attn.py::test_flash_attn_kvcache): entry b's cache is row ``rows[b]`` of kc / vc
     (or the pages ``table[b]``); the new k / v (``(batch, seqlen_new, heads_k, d)`` or None) go to
     positions ``[lens[b], lens[b] + seqlen_new)`` after the rotary embedding (``rope = (cos, sin)``);
     q is rotated at ``lens[b] + i`` (causal / local) or ``lens[b]``; entry b attends to positions
     ``[leftpad[b], lens[b] + seqlen_new)`` with bottom-right aligned masks (:func:`attention_ref`,
-    upcast or in the input dtype). out ``(batch, seqlen_q, heads, d)``, lse ``(batch, heads, seqlen_q)``."""
+    upcast or in the input dtype; ``softcap`` as there). out ``(batch, seqlen_q, heads, d)``, lse ``(batch, heads,
+    seqlen_q)``."""
     batch = q.shape[0]
     kref, vref = logical_cache(kc, table, rows, batch).clone(), logical_cache(vc, table, rows, batch).clone()
     new = 0 if k is None else k.shape[1]
@@ -439,7 +440,7 @@ def kvcache_reference(q, k, v, kc, vc, table, lens, leftpad, rows, causal, windo
             vref[b, lens[b]:lens[b] + new] = v[b]
         lo, hi = leftpad[b], lens[b] + new
         o, l = attention_ref(qb[None], kref[b:b + 1, lo:hi], vref[b:b + 1, lo:hi], causal, q.shape[-1] ** -0.5,
-                             upcast=upcast, window_size=window)
+                             upcast=upcast, window_size=window, softcap=softcap)
         outs.append(o[0])
         lses.append(l[0])
     return torch.stack(outs), torch.stack(lses), kref, vref

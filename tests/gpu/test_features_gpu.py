@@ -617,6 +617,12 @@ VARLEN_KERNEL_CASES = [  # (lens_q, lens_k, used_q or None, used_k or None, Case
     ([77, 301], [77, 301], None, None, Case(2, 0, 0, 4, 2, 96, FP16), 0),
     ([129, 64, 1], [1, 64, 129], None, None, Case(3, 0, 0, 16, 2, 64, BF16, causal=True), 0),
     ([2048, 333], [2048, 4000], None, None, Case(2, 0, 0, 8, 8, 128, FP16, window=(256, 0)), 0),
+    # softcap (fwd.py varlen x softcap, session 2026-12-05 (4), written without a GPU; core.VARLEN_SOFTCAP, which the
+    # test switches on): Gemma 2's 50 at hd256 causal (the softcap tile 128 x 64), hd64 with a window and seqused
+    # (192 x 112, three consumer warpgroups), hd128 with a sink
+    ([1023, 5, 700], [1024, 700, 9], None, None, Case(3, 0, 0, 8, 4, 256, BF16, causal=True, softcap=50.0), 3),
+    ([300, 17], [129, 1024], [250, 17], [100, 1000], Case(2, 0, 0, 4, 4, 64, FP16, window=(64, 16), softcap=5.0), 5),
+    ([239, 387, 45], [387, 239, 17], None, None, Case(3, 0, 0, 8, 2, 128, BF16, softcap=15.0, sink=True), 0),
 ]
 
 
@@ -637,6 +643,7 @@ def test_varlen_kernel_forward(case, num_splits, monkeypatch):
     if why:
         pytest.skip(why)
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    monkeypatch.setattr(flashgen.core, "VARLEN_SOFTCAP", True)
     launches = []
     real = flashgen.core.attention_forward
     monkeypatch.setattr(flashgen.core, "attention_forward",
