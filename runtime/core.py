@@ -125,12 +125,13 @@ class BwdVarlen(NamedTuple):
 MAX_VARLEN_BWD_SEQUENCES = 65535  # a varlen backward's sequences: its grids' z (CUDA's limit)
 
 
-# The varlen backward kernels (bwd.cu.j2 kVarlen) in flash_attn_varlen_func's gradients: off until their GPU tests
-# have passed (tests/gpu/test_features_gpu.py test_varlen_kernel_backward*; written in session 2026-12-05 (3), which
-# had no GPU). FLASHGEN_VARLEN_BWD_KERNEL=1 turns them on: a call that wants gradients and that the varlen forward
-# kernel serves (VARLEN_KERNEL) then runs both kernels, one launch each way, instead of the composed path (one
+# The varlen backward kernels (bwd.cu.j2 kVarlen) in flash_attn_varlen_func's gradients: on since their GPU tests
+# passed (H100, session 2026-12-05 (4): tests/gpu/test_features_gpu.py test_varlen_kernel_backward*, the race test,
+# the packed-documents training test, compute-sanitizer synccheck / racecheck; written in session 2026-12-05 (3)
+# without a GPU). A call that wants gradients and that the varlen forward kernel serves (VARLEN_KERNEL) runs both
+# kernels, one launch each way. FLASHGEN_VARLEN_BWD_KERNEL=0 turns them off: such calls then run composed (one
 # flash_attn_func call per run of equal lengths, or the padded groups).
-VARLEN_BWD_KERNEL = os.environ.get("FLASHGEN_VARLEN_BWD_KERNEL", "0") == "1"
+VARLEN_BWD_KERNEL = os.environ.get("FLASHGEN_VARLEN_BWD_KERNEL", "1") == "1"
 
 
 # The varlen kernels in the calls of flash_attn_varlen_func and flash_attn_with_kvcache: on since their GPU tests
@@ -140,18 +141,30 @@ VARLEN_BWD_KERNEL = os.environ.get("FLASHGEN_VARLEN_BWD_KERNEL", "0") == "1"
 VARLEN_KERNEL = os.environ.get("FLASHGEN_VARLEN_KERNEL", "1") == "1"
 
 
-# softcap in the varlen kernel (fwd.cu.j2 kVarlen with kSoftcap: 30 default variants since session 2026-12-05 (4),
-# built without a GPU): off until their GPU tests pass (tests/gpu test_varlen_kernel_forward's softcap cases,
-# test_kvcache_varlen_kernel_softcap). FLASHGEN_VARLEN_SOFTCAP=1 turns it on: a varlen or kvcache call with softcap
-# (Gemma 2) that the varlen kernel otherwise serves is then one launch instead of the composed path.
-VARLEN_SOFTCAP = os.environ.get("FLASHGEN_VARLEN_SOFTCAP", "0") == "1"
+# softcap in the varlen kernel (fwd.cu.j2 kVarlen with kSoftcap: 30 default variants since session 2026-12-05 (4)):
+# on since their GPU tests passed (H100, the same session: test_varlen_kernel_forward's softcap cases,
+# test_kvcache_varlen_kernel_softcap). A varlen or kvcache call with softcap (Gemma 2) that the varlen kernel otherwise
+# serves is one launch. FLASHGEN_VARLEN_SOFTCAP=0 turns it off (such calls then run composed).
+VARLEN_SOFTCAP = os.environ.get("FLASHGEN_VARLEN_SOFTCAP", "1") == "1"
+
+
+# flash_attn_varlen_func without reading its offsets on the host in eager calls too (GPU offsets, calls the varlen kernels
+# serve: interface._varlen_on_device, which torch.compile and CUDA-graph capture always take): no synchronisation a
+# call, the offsets' values checked on the GPU (torch._assert_async) instead of on the host, FA3's max_seqlen as the
+# grid sizes, out / lse / gradients memset first. Off by default until timed (scripts/varlen_bench.py's "no host
+# read" column: on an H100, session 2026-12-05 (4), a training step over 16-256 packed documents took 2.4-3.3 ms
+# where its kernels' FLOPs need about a fifth of that, so the step waits on the host); FLASHGEN_VARLEN_NO_HOST_READ=1
+# turns it on.
+VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "0") == "1"
 
 
 # num_splits 0 ("chosen", flash_attn_with_kvcache's default) runs unsplit unless FLASHGEN_SPLIT_KV_AUTO=1, which lets
 # varlen_num_splits (FA3's heuristic) split the keys. Measured on an H200 (session 2026-12-05 (2), docs/PERF.md), an
 # eager decode of 8 caches up to 32k keys took 1.65-1.71 ms with the heuristic's 2 splits and 0.49-0.63 ms unsplit
-# (the same lengths, do_bench), for a reason not yet found (scripts/varlen_gpu_time.py separates GPU from host time).
-# num_splits > 1 splits as asked either way.
+# (the same lengths, do_bench), for a reason not yet found. On an H100 (session 2026-12-05 (4),
+# scripts/varlen_gpu_time.py, docs/results/varlen_gpu_20261205d/) the same workload's GPU time was 234 us split
+# against 335 us unsplit, and the host-inclusive per-call times did not show the H200's gap (0.53-0.75 against
+# 0.50-0.59 ms): still off until varlen_gpu_time.py has run on an H200 too. num_splits > 1 splits as asked either way.
 SPLIT_KV_AUTO = os.environ.get("FLASHGEN_SPLIT_KV_AUTO", "0") == "1"
 
 

@@ -1254,7 +1254,8 @@ def flash_attn_varlen_func(
     masks bottom-right aligned per sequence, attention_chunk, softcap, learnable_sink, GQA).
 
     How it runs: eagerly, the offsets are read on the host and checked, a synchronisation when they are on
-    the GPU. Under torch.compile, and under CUDA-graph capture with the offsets on q's GPU, nothing is read on the
+    the GPU. Under torch.compile, under CUDA-graph capture with the offsets on q's GPU, and eagerly with GPU offsets
+    when core.VARLEN_NO_HOST_READ is on (``FLASHGEN_VARLEN_NO_HOST_READ=1``), nothing is read on the
     host where the varlen kernels serve the call (:func:`_varlen_on_device`: ``torch.ops.flashgen.varlen_fwd``,
     and ``varlen_bwd`` for gradients; the offsets' values checked on the GPU by ``torch._assert_async``, FA3's
     max_seqlen_q / max_seqlen_k as the grids' sizes): ``fullgraph=True`` traces through it and a changing
@@ -1263,7 +1264,7 @@ def flash_attn_varlen_func(
     unless ``FLASHGEN_VARLEN_KERNEL=0``) a call that
     wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
     reads the offsets itself (:func:`_varlen_kernel`). A call that wants gradients takes the varlen kernels both
-    ways where core.VARLEN_BWD_KERNEL is on (``FLASHGEN_VARLEN_BWD_KERNEL=1``; off until its GPU tests pass) and
+    ways where core.VARLEN_BWD_KERNEL is on (the default; ``FLASHGEN_VARLEN_BWD_KERNEL=0`` switches it off) and
     :func:`_varlen_bwd_serves` admits it (no seqused, softcap or attention_chunk; rows past the last
     offsets are cut off first): ``torch.ops.flashgen.varlen_fwd`` / ``varlen_bwd``, FA3's varlen backward. Otherwise: one :func:`flash_attn_func` call per
     run of consecutive sequences of equal lengths (the run as its batch), on views of q, k, v (no
@@ -1318,11 +1319,12 @@ def flash_attn_varlen_func(
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"flashgen: k and v must have the same total_k (dim 0), got {k.shape[0]} and {v.shape[0]}")
     device = _device_of(q)[1]
-    if torch.compiler.is_compiling() or (_capturing(q) and all(
+    if torch.compiler.is_compiling() or ((_core.VARLEN_NO_HOST_READ or _capturing(q)) and all(
             not isinstance(t, torch.Tensor) or t.device == q.device
             for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))):
-        # no read of the offsets on the host: the varlen ops, the offsets checked on the GPU (or, where they do not
-        # serve the call, the host path below: a graph break under torch.compile, NotImplementedError under capture)
+        # no read of the offsets on the host (torch.compile, capture, or eager with core.VARLEN_NO_HOST_READ): the
+        # varlen ops, the offsets checked on the GPU (or, where they do not serve the call, the host path below: a
+        # graph break under torch.compile, NotImplementedError under capture)
         res = _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                                 softmax_scale, causal, window_size, softcap, learnable_sink,
                                 (q_descale, k_descale, v_descale), attention_chunk, num_splits, deterministic)

@@ -10,7 +10,7 @@ with the same lengths and consecutive cache rows share one call (a view of the c
 gathered into one contiguous copy per entry. Under torch.compile the read of the lengths is a graph break
 (``fullgraph=True`` refuses the call). With the varlen kernel (flashgen.core.VARLEN_KERNEL, on unless
 ``FLASHGEN_VARLEN_KERNEL=0``), a call in fp16 / bf16 without attention_chunk (nor softcap unless
-flashgen.core.VARLEN_SOFTCAP, off until its GPU tests pass) is one launch instead,
+flashgen.core.VARLEN_SOFTCAP is off) is one launch instead,
 which reads each entry's total length (``seqused_k``), cache row, left padding or pages itself
 (interface._varlen_kernel; pages of a multiple of 8 rows, without cache_leftpad). Under CUDA-graph capture
 such a call (a padded q, new k / v of (batch, seqlen_new, ...)) reads no length on the host at all
@@ -443,7 +443,7 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         raise NotImplementedError("flashgen: flash_attn_with_kvcache under CUDA-graph capture with a tensor of "
                                   "cache_seqlens, cache_batch_idx, cache_leftpad or a page table runs on the varlen "
                                   "kernel alone (FLASHGEN_VARLEN_KERNEL=1; fp16 / bf16 without descales or "
-                                  "attention_chunk, softcap only with FLASHGEN_VARLEN_SOFTCAP=1, a varlen variant "
+                                  "attention_chunk, softcap unless FLASHGEN_VARLEN_SOFTCAP=0, a varlen variant "
                                   "built; pages of a multiple of 8 rows, "
                                   "without cache_leftpad); otherwise it reads the lengths on the host, outside a "
                                   "capture")

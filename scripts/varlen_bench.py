@@ -91,8 +91,9 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
 
 
 def train_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
-    """Forward + backward of causal packed documents (training): the steps (kernels, groups, per_run, sdpa): the
-    varlen kernels both ways (both switches on), the composed path's padded groups (interface._varlen_padded) and
+    """Forward + backward of causal packed documents (training): the steps (kernels, kernels_dev, groups, per_run,
+    sdpa): the varlen kernels both ways (both switches on), the same without the host read of the offsets
+    (core.VARLEN_NO_HOST_READ: no synchronisation), the composed path's padded groups (interface._varlen_padded) and
     one call per run of equal neighbours (VARLEN_CALL_WORK 0), SDPA on nested tensors; same process."""
     from flashgen import interface
 
@@ -103,10 +104,11 @@ def train_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
     dout = torch.randn(tokens, h, d, device="cuda", dtype=torch.bfloat16)
     flops = 3.5 * sum(2 * 2 * h * d * n * (n + 1) // 2 for n in lens)  # forward + backward (2.5x)
 
-    def step(work, kernels=False):
+    def step(work, kernels=False, on_device=False):
         def run():
             interface.VARLEN_CALL_WORK = work
             core.VARLEN_KERNEL = core.VARLEN_BWD_KERNEL = kernels
+            core.VARLEN_NO_HOST_READ = on_device
             out = flashgen.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
             out.backward(dout)
             return out
@@ -117,7 +119,7 @@ def train_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
         out = torch.nn.functional.scaled_dot_product_attention(*nt, is_causal=True).transpose(1, 2).values()
         out.backward(dout)
         return out
-    return (step(3.4e9, True), step(3.4e9), step(0.0), sdpa, flops,
+    return (step(3.4e9, True), step(3.4e9, True, True), step(3.4e9), step(0.0), sdpa, flops,
             f"train {n_docs} docs / {tokens} tokens (max {max(lens)})", (q, k, v))
 
 
@@ -145,12 +147,13 @@ def main() -> None:
     # (forward_cases drew first)
     from flashgen import interface
 
-    saved = core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, interface.VARLEN_CALL_WORK, core.attention_backward
+    saved = (core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, interface.VARLEN_CALL_WORK, core.attention_backward,
+             core.VARLEN_NO_HOST_READ)
     train_rows = []
     for n_docs, tokens in ((16, 8192), (64, 16384), (256, 16384)):
-        kernels, grouped, per_run, sdpa, flops, name, leaves = train_case(rng, n_docs, tokens)
+        kernels, kernels_dev, grouped, per_run, sdpa, flops, name, leaves = train_case(rng, n_docs, tokens)
         results = []
-        for fn in (kernels, grouped, per_run):  # out and grads of each, from fresh gradients
+        for fn in (kernels, grouped, per_run, kernels_dev):  # out and grads of each, from fresh gradients
             for t in leaves:
                 t.grad = None
             launches = []
@@ -158,10 +161,11 @@ def main() -> None:
             results.append([fn().detach().clone()] + [t.grad.clone() for t in leaves])
             core.attention_backward = saved[3]
             varlen = [x is not None for x in launches]
-            if (varlen != [True]) if fn is kernels else any(varlen):  # the step ran the path it names
+            if (varlen != [True]) if fn in (kernels, kernels_dev) else any(varlen):  # the step ran the path it names
                 raise RuntimeError(f"{name}: backward launches {len(launches)}, varlen {varlen}: not the path timed")
-        err = [max((x.float() - y.float()).abs().max().item() for x, y in zip(results[i], results[2])) for i in (0, 1)]
-        steps = {"kernels": kernels, "groups": grouped, "per_run": per_run, "sdpa": sdpa}
+        err = [max((x.float() - y.float()).abs().max().item() for x, y in zip(results[i], results[2]))
+               for i in (0, 1, 3)]
+        steps = {"kernels": kernels, "kernels_dev": kernels_dev, "groups": grouped, "per_run": per_run, "sdpa": sdpa}
         times = {w: [] for w in steps}
         for _ in range(args.rounds):
             for w, fn in steps.items():
@@ -173,13 +177,15 @@ def main() -> None:
         best = {w: min(t) for w, t in times.items()}
         train_rows.append((name, err, times, flops / best["kernels"] / 1e9, best))
     core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, interface.VARLEN_CALL_WORK = saved[:3]
-    print("| training workload | max abs diff vs per-run (kernels; groups) | kernels ms | padded groups ms | "
-          "one call per run ms | SDPA nested ms | kernels TFLOP/s | groups / kernels | per-run / kernels | "
-          "SDPA / kernels |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    core.VARLEN_NO_HOST_READ = saved[4]
+    print("| training workload | max abs diff vs per-run (kernels; groups; no host read) | kernels ms | "
+          "kernels, no host read ms | padded groups ms | one call per run ms | SDPA nested ms | kernels TFLOP/s | "
+          "kernels / no host read | groups / kernels | per-run / kernels | SDPA / kernels |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, err, times, f, best in train_rows:
-        ms = [" / ".join(f"{x:.3f}" for x in times[w]) for w in ("kernels", "groups", "per_run", "sdpa")]
-        print(f"| {name} | {err[0]:.2e}; {err[1]:.2e} | {' | '.join(ms)} | {f:.0f} | "
+        ms = [" / ".join(f"{x:.3f}" for x in times[w]) for w in ("kernels", "kernels_dev", "groups", "per_run", "sdpa")]
+        print(f"| {name} | {err[0]:.2e}; {err[1]:.2e}; {err[2]:.2e} | {' | '.join(ms)} | {f:.0f} | "
+              f"{best['kernels'] / best['kernels_dev']:.2f}x | "
               f"{best['groups'] / best['kernels']:.2f}x | {best['per_run'] / best['kernels']:.2f}x | "
               f"{best['sdpa'] / best['kernels']:.2f}x |")
     print(flush=True)

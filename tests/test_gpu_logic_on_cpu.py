@@ -74,9 +74,10 @@ def test_varlen_kernel_writes_only_the_sequences_rows(features, emulated):
     features["test_varlen_kernel_writes_only_the_sequences_rows"]()
 
 
-def test_varlen_forward_and_backward(features, emulated):
+def test_varlen_forward_and_backward(features, emulated, monkeypatch):
     for case in features["VARLEN_CASES"]:
-        features["test_varlen_forward_and_backward"](case)
+        with monkeypatch.context() as m:
+            features["test_varlen_forward_and_backward"](case, m)
 
 
 def test_varlen_kernel_backward(features, emulated, monkeypatch):

@@ -103,6 +103,8 @@ def test_unused_rows_are_zero_and_minus_inf(kernel_on):
 
 
 def test_calls_the_varlen_kernel_does_not_take(kernel_on, monkeypatch):
+    monkeypatch.setattr(core, "VARLEN_BWD_KERNEL", False)  # (the forward kernel alone; with the backward on, a
+    # gradient is served too: test_varlen_backward_*)
     q, k, v, cu_q, cu_k = varlen_inputs([5, 17, 3], [7, 17, 40], seed=5)
     ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, [5, 17, 3], [7, 17, 40], True)
 
@@ -885,7 +887,7 @@ def no_host_reads(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a length read on the host"))
 
 
-@pytest.mark.parametrize("mode", ["fullgraph", "capture"])
+@pytest.mark.parametrize("mode", ["fullgraph", "capture", "switch"])
 @pytest.mark.parametrize("lens_q,lens_k,used,causal,window,pad_q,splits", [
     ([5, 17, 1, 33], [7, 17, 40, 2], False, True, (-1, -1), 3, 1),
     ([9, 0, 4], [0, 6, 11], False, False, (3, 2), 2, 1),  # an empty query sequence, a sequence with no key
@@ -893,8 +895,9 @@ def no_host_reads(monkeypatch):
 ])
 def test_varlen_forward_without_a_host_read(kernel_on, monkeypatch, mode, lens_q, lens_k, used, causal, window, pad_q,
                                             splits):
-    """Under torch.compile(fullgraph=True) (a read of the offsets would break the graph) and under CUDA-graph capture
-    (where it cannot happen; the seam interface._capturing stands for it here), flash_attn_varlen_func runs the
+    """Under torch.compile(fullgraph=True) (a read of the offsets would break the graph), under CUDA-graph capture
+    (where it cannot happen; the seam interface._capturing stands for it here) and eagerly with
+    core.VARLEN_NO_HOST_READ, flash_attn_varlen_func runs the
     varlen kernel through torch.ops.flashgen.varlen_fwd with the offsets as tensors: one launch with the caller's
     max_seqlen as the grid's, rows of no sequence 0 / -inf, the result eager's."""
     from flashgen import interface
@@ -914,8 +917,9 @@ def test_varlen_forward_without_a_host_read(kernel_on, monkeypatch, mode, lens_q
         if mode == "fullgraph":
             torch._dynamo.reset()
             fn = torch.compile(call, fullgraph=True, backend="aot_eager")
-        else:
-            mp.setattr(interface, "_capturing", lambda q: True)
+        else:  # capture (the seam), or eager with core.VARLEN_NO_HOST_READ
+            mp.setattr(*((interface, "_capturing", lambda q: True) if mode == "capture"
+                         else (core, "VARLEN_NO_HOST_READ", True)))
             no_host_reads(mp)
             fn = call
         out, lse = fn(q, k, v, cu_q, cu_k)
@@ -930,7 +934,7 @@ def test_varlen_forward_without_a_host_read(kernel_on, monkeypatch, mode, lens_q
     assert not out[-pad_q:].any() and torch.isneginf(lse[:, -pad_q:]).all()
 
 
-@pytest.mark.parametrize("mode", ["fullgraph", "inductor", "capture"])
+@pytest.mark.parametrize("mode", ["fullgraph", "inductor", "capture", "switch"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen_training_step_without_a_host_read(bwd_kernel_on, monkeypatch, mode, deterministic):
     """A training step (forward + backward) on the varlen kernels under torch.compile(fullgraph=True) (AOT autograd
@@ -956,8 +960,9 @@ def test_varlen_training_step_without_a_host_read(bwd_kernel_on, monkeypatch, mo
                 fn = torch.compile(step, fullgraph=True, backend="aot_eager" if m == "fullgraph" else "inductor")
             else:
                 fn = step
-            if m == "capture":
-                mp.setattr(interface, "_capturing", lambda q: True)
+            if m in ("capture", "switch"):
+                mp.setattr(*((interface, "_capturing", lambda q: True) if m == "capture"
+                             else (core, "VARLEN_NO_HOST_READ", True)))
                 no_host_reads(mp)
             loss = fn(*leaves, cu_q, cu_k)
             loss.backward()
@@ -1013,10 +1018,10 @@ def test_varlen_without_a_host_read_checks_shapes_on_the_host(kernel_on, monkeyp
     assert kernel_on.calls == []
 
 
-@pytest.mark.parametrize("what", ["fp8", "sink_grad", "switch_off", "no_variant"])
+@pytest.mark.parametrize("what", ["fp8", "seqused_grad", "switch_off", "no_variant"])
 def test_varlen_calls_the_ops_do_not_serve_take_the_host_path(kernel_on, monkeypatch, what):
-    """Under capture (the seam) or torch.compile, a call the varlen ops do not serve (FP8, a sink that wants a
-    gradient, the kernel switched off, no varlen variant built) takes the host path: the offsets are read there
+    """Under capture (the seam) or torch.compile, a call the varlen ops do not serve (FP8, seqused with a gradient
+    wanted, the kernel switched off, no varlen variant built) takes the host path: the offsets are read there
     (with GPU offsets under a real capture that is NotImplementedError, next test), and the call is served
     composed."""
     from flashgen import interface
@@ -1025,8 +1030,9 @@ def test_varlen_calls_the_ops_do_not_serve_take_the_host_path(kernel_on, monkeyp
     kw = {}
     if what == "fp8":
         q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
-    elif what == "sink_grad":
-        kw["learnable_sink"] = torch.zeros(4, requires_grad=True)
+    elif what == "seqused_grad":
+        kw["seqused_q"] = torch.tensor([5, 9], dtype=torch.int32)
+        q.requires_grad_(True)
     elif what == "switch_off":
         core.VARLEN_KERNEL = False
     else:

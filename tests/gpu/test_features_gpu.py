@@ -575,9 +575,11 @@ def _varlen_case(lens_q, lens_k, used_q, used_k, c: Case, seed: int, pad: int = 
 
 
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda x: case_id(x[4]))
-def test_varlen_forward_and_backward(case):
-    """Each sequence's out, lse and gradients against the reference of that sequence alone (FA3's rules,
-    _ref.check_fwd / check_bwd); rows no sequence uses: out 0, lse -inf, zero gradients."""
+def test_varlen_forward_and_backward(case, monkeypatch):
+    """The composed path (the varlen backward switched off, so a call that wants gradients runs flash_attn_func per
+    run or padded group): each sequence's out, lse and gradients against the reference of that sequence alone (FA3's
+    rules, _ref.check_fwd / check_bwd); rows no sequence uses: out 0, lse -inf, zero gradients."""
+    monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", False)
     lens_q, lens_k, used_q, used_k, c = case
     uq, uk = used_q or lens_q, used_k or lens_k
     for sq, sk in zip(uq, uk):
@@ -617,8 +619,8 @@ VARLEN_KERNEL_CASES = [  # (lens_q, lens_k, used_q or None, used_k or None, Case
     ([77, 301], [77, 301], None, None, Case(2, 0, 0, 4, 2, 96, FP16), 0),
     ([129, 64, 1], [1, 64, 129], None, None, Case(3, 0, 0, 16, 2, 64, BF16, causal=True), 0),
     ([2048, 333], [2048, 4000], None, None, Case(2, 0, 0, 8, 8, 128, FP16, window=(256, 0)), 0),
-    # softcap (fwd.py varlen x softcap, session 2026-12-05 (4), written without a GPU; core.VARLEN_SOFTCAP, which the
-    # test switches on): Gemma 2's 50 at hd256 causal (the softcap tile 128 x 64), hd64 with a window and seqused
+    # softcap (fwd.py varlen x softcap, session 2026-12-05 (4), written without a GPU, passed on an H100 the same
+    # session; core.VARLEN_SOFTCAP, which the test switches on): Gemma 2's 50 at hd256 causal (the softcap tile 128 x 64), hd64 with a window and seqused
     # (192 x 112, three consumer warpgroups), hd128 with a sink
     ([1023, 5, 700], [1024, 700, 9], None, None, Case(3, 0, 0, 8, 4, 256, BF16, causal=True, softcap=50.0), 3),
     ([300, 17], [129, 1024], [250, 17], [100, 1000], Case(2, 0, 0, 4, 4, 64, FP16, window=(64, 16), softcap=5.0), 5),
@@ -721,8 +723,8 @@ def test_varlen_kernel_writes_only_the_sequences_rows():
 
 
 # The varlen backward kernels (flashgen.core.BwdVarlen; bwd.py varlen, bwd.cu.j2 kVarlen), written in session
-# 2026-12-05 (3) without a GPU: off by default (core.VARLEN_BWD_KERNEL) until these pass; the cases switch both
-# varlen kernels on themselves. Every block_m / block_n / slice the varlen variants have (hd64 128 x 128, hd96 / 128
+# 2026-12-05 (3) without a GPU; on by default (core.VARLEN_BWD_KERNEL) since these passed on an H100 (session
+# 2026-12-05 (4)); the cases switch both varlen kernels on themselves. Every block_m / block_n / slice the varlen variants have (hd64 128 x 128, hd96 / 128
 # 64 x 128, the role tiles of hd192 / 256 unpaired), every mask, GQA / MQA, sequences with no query or no key,
 # packed documents; rows past the last sequence, NaN (test_varlen_kernel_backward_rows_past_the_last_sequence).
 VARLEN_BWD_CASES = [  # (lens_q, lens_k, Case of the features; its b / sq / sk unused)
