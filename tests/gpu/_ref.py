@@ -334,6 +334,24 @@ def varlen_kernels_on(monkeypatch) -> list:
     return launches
 
 
+def captured(call, rounds: int = 1, warmup=None):
+    """``call()`` run ``rounds`` times on a side stream (kernels loaded, prepared launches cached), inside the context
+    manager ``warmup`` when given (e.g. one that sets a seam so that the warm-up takes the path the capture takes), then
+    captured in a CUDA graph: ``(graph, what the captured call returned)``."""
+    import contextlib
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with warmup if warmup is not None else contextlib.nullcontext(), torch.cuda.stream(side):
+        for _ in range(rounds):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = call()
+    return graph, res
+
+
 def variant_missing(family: str, key: dict, *, round_up: tuple = ()):
     """None when a built variant of ``family`` serves the dispatch key ``key``, else why not: a
     skip reason starting ``MISSING-<FAMILY>-VARIANT`` (or saying there is no kernel manifest).

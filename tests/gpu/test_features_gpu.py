@@ -35,6 +35,7 @@ banded/softcap dispatch keys). Skipped without an sm_90 GPU (conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     DTYPE_NAMES,
     attention_ref,
     bitwise_equal,
+    captured,
     check_bwd,
     check_fwd,
     compiled_step_matches_eager,
@@ -962,20 +964,15 @@ def test_varlen_kernel_backward_learnable_sink(monkeypatch):
 # varlen ops (torch.ops.flashgen.varlen_fwd / varlen_bwd) with the offsets checked on the GPU.
 
 def _captured_varlen(monkeypatch, call):
-    """``call()`` run twice on a side stream through the on-device path (interface._capturing set, so the warm-up
-    prepares the launches the capture makes), then captured in a CUDA graph: ``(graph, what the capture returned)``."""
-    with monkeypatch.context() as mp:
-        mp.setattr(flashgen.interface, "_capturing", lambda q: True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        res = call()
-    return graph, res
+    """_ref.captured with two warm-up rounds through the on-device path (interface._capturing set, so the warm-up
+    prepares the launches the capture makes): ``(graph, what the capture returned)``."""
+    @contextlib.contextmanager
+    def seam():
+        with monkeypatch.context() as mp:
+            mp.setattr(flashgen.interface, "_capturing", lambda q: True)
+            yield
+
+    return captured(call, rounds=2, warmup=seam())
 
 
 def _refill(dst: tuple, src: tuple) -> None:

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from _ref import kvcache_reference, logical_cache, variant_missing  # noqa: E402  (tests/gpu on sys.path)
+from _ref import captured, kvcache_reference, logical_cache, variant_missing  # noqa: E402  (tests/gpu on sys.path)
 
 pytestmark = pytest.mark.gpu
 
@@ -282,20 +282,6 @@ def test_kvcache_one_length_in_a_cuda_graph(kernel, monkeypatch):
     err, base = (out.float() - ref.float()).abs(), (pt.float() - ref.float()).abs()
     assert err.max().item() <= 2 * base.max().item() + 1e-5 and not out.isnan().any()
     assert_same_cache(kc, vc, kref, vref, None)
-
-
-def captured(call):
-    """``call()`` run once on a side stream (kernels loaded, prepared launches cached), then captured in a CUDA graph:
-    ``(graph, what the captured call returned)``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        res = call()
-    return graph, res
 
 
 def decode_inputs(batch, heads, heads_k, d, cache, seed):
