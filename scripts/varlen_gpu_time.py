@@ -11,6 +11,10 @@ SDPA does not. This script separates the two:
 * ``host us``: wall time per call of ``--n`` back-to-back eager calls, then a synchronize (flashgen's syncs
   included: what an eager loop sees when it is host-bound).
 
+The training steps (forward + backward over causal packed documents, varlen_bench.py's training table, the same
+lengths) come first: the varlen kernels with the host read of the offsets and without it (core.VARLEN_NO_HOST_READ),
+the padded groups, SDPA's nested tensors.
+
 Usage (a GPU): python scripts/varlen_gpu_time.py [--n 20]. Prints one markdown table.
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashgen.core as core
-from varlen_bench import forward_cases
+from varlen_bench import forward_cases, train_case
 
 
 def gpu_us(fn, n: int) -> tuple[float, str]:
@@ -59,10 +63,30 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    cases = forward_cases(random.Random(a.seed), a.seed)  # varlen_bench.py's workloads, the same lengths
+    rng = random.Random(a.seed)
+    cases = forward_cases(rng, a.seed)  # varlen_bench.py's workloads, the same lengths (its training cases next)
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; n = {a.n} calls each")
     print("| workload | path | gpu us | host us | costliest kernels (us per call) |")
     print("|---|---|---|---|---|")
+    from flashgen import interface
+
+    saved = core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK
+    for n_docs, tokens in ((16, 8192), (64, 16384), (256, 16384)):
+        kernels, kernels_dev, grouped, _per_run, sdpa, _flops, name, leaves = train_case(rng, n_docs, tokens)
+        for path, step in (("train: varlen kernels", kernels), ("train: kernels, no host read", kernels_dev),
+                           ("train: padded groups", grouped), ("train: SDPA nested", sdpa)):
+            def fn(step=step):  # (fresh gradients each step: no accumulation kernels in the GPU time)
+                for t in leaves:
+                    t.grad = None
+                step()
+            try:
+                g, top = gpu_us(fn, a.n)
+                h = host_us(fn, a.n)
+            except Exception as e:  # noqa: BLE001 -- a path that cannot run is reported, not fatal
+                print(f"| {name} | {path} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
+                continue
+            print(f"| {name} | {path} | {g:.1f} | {h:.1f} | {top} |", flush=True)
+    core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK = saved
     with torch.no_grad():
         for run, sdpa, _flops, name in cases:
             for path, fn, on in (("varlen kernel", run, True), ("composed", run, False), ("SDPA", sdpa, True)):
