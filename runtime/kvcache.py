@@ -16,7 +16,9 @@ which reads each entry's total length (``seqused_k``), cache row, left padding o
 such a call (a padded q, new k / v of (batch, seqlen_new, ...)) reads no length on the host at all
 (:func:`_step_on_device`), so a decode step can be captured and replayed for new cache_seqlens; with
 cache_seqlens an int or None (one length for all entries) it is one flash_attn_func call on the cache's first
-rows, with or without the varlen kernel.
+rows, with or without the varlen kernel. Eager calls take the same path when flashgen.core.VARLEN_NO_HOST_READ
+is on (``FLASHGEN_VARLEN_NO_HOST_READ=1``, off by default) and every length tensor is on q's device: no
+synchronisation, the lengths checked on the GPU; a call that path refuses reads them on the host as above.
 
 Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_flash_attn_kvcache):
 
@@ -187,7 +189,8 @@ def flash_attn_with_kvcache(
         against the cache's capacity and rotary_cos's rows, rotary without new keys, what
         :func:`flashgen.flash_attn_func` checks of q against the caches, cache_batch_idx naming a row twice
         when k / v are appended, page_table naming a page outside the caches among those an entry uses,
-        ...); NotImplementedError
+        ...; without a host read, under capture or with core.VARLEN_NO_HOST_READ, the lengths' values are
+        checked on the GPU instead: a device-side assert naming the argument); NotImplementedError
         for qv: all before the cache is written. An error of the attention itself afterwards (a
         missing variant) leaves the appended tokens in the cache.
     """
@@ -203,13 +206,23 @@ def flash_attn_with_kvcache(
     if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"flashgen: k_cache and v_cache must be 4-D with the same first three dims, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if (q.is_cuda and torch.cuda.is_current_stream_capturing() and cu_seqlens_q is None
-            and cu_seqlens_k_new is None):
-        out, lse = _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens,
-                                   (q_descale, k_descale, v_descale), softmax_scale, causal, window_size,
-                                   attention_chunk, softcap, rotary_interleaved, pack_gqa, cache_batch_idx,
-                                   cache_leftpad, page_table, num_splits)
-        return (out, lse) if return_softmax_lse else out
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if cu_seqlens_q is None and cu_seqlens_k_new is None and (capturing or (
+            _core.VARLEN_NO_HOST_READ and not torch.compiler.is_compiling()
+            and all(not isinstance(t, torch.Tensor) or t.device == q.device
+                    for t in (cache_seqlens, rotary_seqlens, cache_batch_idx, cache_leftpad, page_table)))):
+        # no read of a length on the host: under capture always, eagerly with core.VARLEN_NO_HOST_READ and the
+        # lengths on q's device (a call _step_on_device refuses, before it writes anything, then takes the host path)
+        try:
+            out, lse = _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                       rotary_seqlens, (q_descale, k_descale, v_descale), softmax_scale, causal,
+                                       window_size, attention_chunk, softcap, rotary_interleaved, pack_gqa,
+                                       cache_batch_idx, cache_leftpad, page_table, num_splits)
+        except NotImplementedError:
+            if capturing:
+                raise
+        else:
+            return (out, lse) if return_softmax_lse else out
     device = _device_of(q)[1]
     varlen_q = cu_seqlens_q is not None
     if q.dim() != (3 if varlen_q else 4):

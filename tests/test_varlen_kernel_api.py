@@ -1194,3 +1194,36 @@ def test_kvcache_softcap_on_the_varlen_kernel(kernel_on, monkeypatch, on_device)
         assert (out.float() - out2.float()).abs().max().item() <= 2e-3
     check(out, lse, ref, ref_lse)
     assert torch.equal(logical_cache(kc1, None, list(range(4)), 4), kref)  # the append
+
+
+@pytest.mark.parametrize("what", ["kernel", "paged", "fp8"])
+def test_kvcache_no_host_read_switch(kernel_on, monkeypatch, what):
+    """flash_attn_with_kvcache eagerly with core.VARLEN_NO_HOST_READ and the lengths on q's device: the capture path
+    (kvcache._step_on_device), no length read on the host, the same out, lse and caches as the host path; a call it
+    refuses (FP8: the varlen kernel has no e4m3) takes the host path, before anything is written."""
+    page = 8 if what == "paged" else None
+    q, k, v, kc, vc, table = make(batch=4, sq=3, cache_len=40, new=2, page=page, seed=31,
+                                  dtype=torch.float32 if what == "fp8" else torch.float16)
+    if what == "fp8":
+        q, k, v, kc, vc = (t.to(torch.float8_e4m3fn) for t in (q, k, v, kc, vc))
+    lens = torch.tensor([5, 0, 30, 17], dtype=torch.int32)
+    got = []
+    for on in (False, True):
+        kc1, vc1 = kc.clone(), vc.clone()
+        kernel_on.calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(core, "VARLEN_NO_HOST_READ", on)
+            if on and what != "fp8":
+                no_host_reads(mp)
+            out, lse = flash_attn_with_kvcache(q, kc1, vc1, k, v, cache_seqlens=lens, page_table=table, causal=True,
+                                               return_softmax_lse=True)
+        got.append((out, lse, kc1, vc1, [c.get("varlen") for c in kernel_on.calls]))
+    (o0, l0, k0, v0, calls0), (o1, l1, k1, v1, calls1) = got
+    as_bits = (lambda t: t.view(torch.uint8)) if what == "fp8" else (lambda t: t)
+    assert torch.equal(as_bits(k0), as_bits(k1)) and torch.equal(as_bits(v0), as_bits(v1))
+    assert (o0.float() - o1.float()).abs().max().item() <= 2e-3
+    assert torch.allclose(l0, l1, atol=1e-4)
+    if what == "fp8":
+        assert all(x is None for x in calls0 + calls1)  # composed both ways
+    else:
+        assert len(calls1) == 1 and calls1[0] is not None and calls1[0].max_seqlen_k == 40  # the capacity
