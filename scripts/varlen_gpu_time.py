@@ -89,8 +89,10 @@ def main() -> None:
     core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK = saved
     with torch.no_grad():
         for run, sdpa, _flops, name in cases:
-            for path, fn, on in (("varlen kernel", run, True), ("composed", run, False), ("SDPA", sdpa, True)):
-                core.VARLEN_KERNEL = on
+            for path, fn, on in (("varlen kernel", run, True), ("varlen kernel, no host read", run, "dev"),
+                                 ("composed", run, False), ("SDPA", sdpa, True)):
+                core.VARLEN_KERNEL = bool(on)
+                core.VARLEN_NO_HOST_READ = on == "dev"
                 try:
                     g, top = gpu_us(fn, a.n)
                     h = host_us(fn, a.n)
@@ -98,7 +100,7 @@ def main() -> None:
                     print(f"| {name} | {path} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
                     continue
                 print(f"| {name} | {path} | {g:.1f} | {h:.1f} | {top} |", flush=True)
-    core.VARLEN_KERNEL = True
+    core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ = saved[0], saved[2]
 
 
 if __name__ == "__main__":
