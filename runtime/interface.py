@@ -857,7 +857,7 @@ def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, 
             and q.shape[-1] <= _v.MAX_HEAD_DIM and v.shape[-1] <= _v.MAX_HEAD_DIM
             and (gradients or not (torch.is_grad_enabled()
                                    and any(t is not None and t.requires_grad for t in (q, k, v, sink))))
-            and (on_device or not (q.is_cuda and torch.cuda.is_current_stream_capturing())))
+            and (on_device or not _capturing(q)))
 
 
 def _splits_arg(num_splits) -> int:
@@ -985,7 +985,8 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
 
 
 def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tuple, attention_chunk: int,
-                       softcap, causal: bool, window_size, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+                       softcap, causal: bool, window_size, max_seqlen_q: int, max_seqlen_k: int,
+                       on_device: bool = False) -> bool:
     """Whether a flash_attn_varlen_func call of ``batch`` sequences that wants gradients runs on the varlen kernels
     both ways (``torch.ops.flashgen.varlen_fwd`` and its autograd formula, ``varlen_bwd``): the varlen forward serves
     it (:func:`_varlen_kernel_serves`), the backward is switched on (core.VARLEN_BWD_KERNEL), no softcap (no varlen
@@ -995,14 +996,32 @@ def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tupl
     backward's loads read the rows just past a sequence, which add nothing when finite, as in FA3; a padded
     sequence's unused rows may hold anything, NaN included, so such calls stay composed, which is exact. Rows past
     the last offsets are cut off before the kernels where the offsets are read on the host:
-    flash_attn_varlen_func.)"""
+    flash_attn_varlen_func.) ``on_device``: the offsets are GPU tensors read by no one on the host
+    (:func:`_varlen_on_device`), so a CUDA-graph capture may take the call (:func:`_varlen_kernel_serves`)."""
     if not _core.VARLEN_BWD_KERNEL or any(t is not None for t in seqused) or softcap:
         return False
     if batch > _core.MAX_VARLEN_BWD_SEQUENCES or not _varlen_kernel_serves(
-            q, k, v, None, descales, attention_chunk, max_seqlen_q, max_seqlen_k, on_device=True, gradients=True):
+            q, k, v, None, descales, attention_chunk, max_seqlen_q, max_seqlen_k, on_device=on_device,
+            gradients=True):
         return False
-    return _varlen_variants_built(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], bool(causal),
-                                  tuple(_v.window_pair(window_size)), False, True)
+    return _varlen_variants_built(_DTYPE_NAMES[q.dtype], _constant(q.shape[-1]), _constant(v.shape[-1]),
+                                  bool(causal), tuple(_v.window_pair(window_size)), False, True)
+
+
+def _constant(n) -> int:
+    """``n`` as a Python int: itself, or, for a SymInt (a head dim under torch.compile with dynamic shapes), the value
+    found by comparisons, each a guard, so that the graph specialises on it (a head dim selects the variant) and a
+    :func:`_varlen_variants_built` call, which needs constants, can be traced."""
+    if not torch.compiler.is_compiling():  # (eager: an int; under dynamo isinstance(n, int) is True for a SymInt)
+        return int(n)
+    lo, hi = 0, 1 << 20
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if n <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @torch.compiler.assume_constant_result
@@ -1059,6 +1078,9 @@ _varlen_fwd = torch.library.custom_op("flashgen::varlen_fwd", _varlen_fwd_impl, 
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_left, window_right, softcap, learnable_sink, num_splits,
                      deterministic, fill):
+    # the real op's checks of q, k, v (dtypes, heads, head dims, devices), the window, softcap and the sink, on the
+    # packed tensors as a batch of one (as _varlen_kernel): under torch.compile they run when the graph is traced
+    _check_fwd(q[None], k[None], v[None], window_left, window_right, softcap, learnable_sink)
     return (q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=_out_dtype(q)),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))  # contiguous, as the real op
 
@@ -1069,12 +1091,13 @@ def _varlen_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      deterministic: bool, fill: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.flashgen.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic, fill) -> (dq, dk, dv)``: the
-    gradients of ``varlen_fwd``'s out (no seqused, softcap or sink: :func:`_varlen_bwd_serves`) by the varlen
+    gradients of ``varlen_fwd``'s out (no seqused or softcap: :func:`_varlen_bwd_serves`) by the varlen
     backward (``core.attention_backward(varlen=...)``: preprocess, main, postprocess over every sequence at once;
     bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). dout, out ``(total_q, heads,
     head_dim_v)``, lse float32 ``(heads, total_q)``, the rest as ``varlen_fwd``'s. The kernels write every row of a
     sequence; ``fill``: the gradients start as 0, for rows past the last offsets (a caller that cut those rows off
-    passes False). Returns contiguous dq, dk, dv of q's, k's, v's shapes and dtype."""
+    passes False). A learnable_sink needs nothing here (the forward's lse includes it; its gradient is
+    :func:`_varlen_backward`'s). Returns contiguous dq, dk, dv of q's, k's, v's shapes and dtype."""
     dev = _device_of(q)[1]
     dtype = _DTYPE_NAMES[q.dtype]
     batch = cu_seqlens_q.shape[0] - 1
@@ -1114,6 +1137,7 @@ def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, scale, causal, window_left, window_right, softcap,
      sink, _splits, deterministic, fill) = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)  # (FA3's: no gradient through lse)
     ctx.has_sink = sink is not None
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *((sink,) if ctx.has_sink else ()))
     ctx.args = (max_q, max_k, scale, causal, window_left, window_right, deterministic, fill)
@@ -1127,7 +1151,9 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     if not ctx.served:
         raise NotImplementedError("flashgen: the varlen backward takes no seqused or softcap")
     q, k, v, out, lse, cu_q, cu_k, *sink = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashgen.varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]):  # (only the sink's gradient wanted: no backward kernels)
+        dq, dk, dv = torch.ops.flashgen.varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     d_sink = _sink_grad(grad_out[None], out[None], lse[None], sink[0]) if ctx.has_sink and ctx.needs_input_grad[14] \
         else None
     return (dq, dk, dv) + (None,) * 11 + (d_sink,) + (None,) * 3
@@ -1183,7 +1209,8 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     the read would be a graph break, and under CUDA-graph capture, where it cannot happen): ``(out, lse)`` from the
     varlen ops (``torch.ops.flashgen.varlen_fwd``, with gradients ``varlen_bwd``), or None where they do not serve
     the call (the caller then reads the offsets: a graph break under torch.compile, NotImplementedError under
-    capture). Shapes, dtypes, devices and scalars are checked on the host, the offsets' values on the GPU
+    capture). The offsets' shapes, dtypes and devices, the window, softcap and softmax_scale are checked here; q, k,
+    v and the sink by the op (its fake implementation when torch.compile traces it); the offsets' values on the GPU
     (:func:`_check_offsets_on_device`). max_seqlen_q / max_seqlen_k size the grids, as in FA3. As the offsets'
     end is not known on the host, out / lse start as 0 / -inf and the gradients as 0 (rows past the last offsets),
     and the backward's loads may read rows just past the last sequence: they must be finite there, as in FA3."""
@@ -1201,11 +1228,11 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     window = tuple(_v.window_pair(window_size))
     if batch < 1 or not (
             _varlen_bwd_serves(q, k, v, batch, (seqused_q, seqused_k), learnable_sink, descales, attention_chunk,
-                               softcap, causal, window, max_seqlen_q, max_seqlen_k) if grad
+                               softcap, causal, window, max_seqlen_q, max_seqlen_k, on_device=True) if grad
             else _varlen_kernel_serves(q, k, v, learnable_sink, descales, attention_chunk, max_seqlen_q,
                                        max_seqlen_k, on_device=True, softcap=softcap)
-            and _varlen_variants_built(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], bool(causal), window,
-                                       bool(softcap), False)):
+            and _varlen_variants_built(_DTYPE_NAMES[q.dtype], _constant(q.shape[-1]), _constant(v.shape[-1]),
+                                       bool(causal), window, bool(softcap), False)):
         return None
     scale = _v.check_softmax_scale(softmax_scale, q.shape[-1])
     cu_q, cu_k = _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q)
@@ -1266,7 +1293,8 @@ def flash_attn_varlen_func(
     reads the offsets itself (:func:`_varlen_kernel`). A call that wants gradients takes the varlen kernels both
     ways where core.VARLEN_BWD_KERNEL is on (the default; ``FLASHGEN_VARLEN_BWD_KERNEL=0`` switches it off) and
     :func:`_varlen_bwd_serves` admits it (no seqused, softcap or attention_chunk; rows past the last
-    offsets are cut off first): ``torch.ops.flashgen.varlen_fwd`` / ``varlen_bwd``, FA3's varlen backward. Otherwise: one :func:`flash_attn_func` call per
+    offsets are cut off first where the offsets are read on the host): ``torch.ops.flashgen.varlen_fwd`` /
+    ``varlen_bwd``, FA3's varlen backward. Otherwise: one :func:`flash_attn_func` call per
     run of consecutive sequences of equal lengths (the run as its batch), on views of q, k, v (no
     copy), and the outputs are concatenated; launch cost then grows with the number of distinct
     neighbouring lengths. Where padding a sequence at its end is invisible to it (causal, or a window
@@ -1345,7 +1373,9 @@ def flash_attn_varlen_func(
     lk = [b - a for a, b in zip(cu_k, cu_k[1:])] if used_k is None else used_k
     unused_q = [cu_q[b + 1] - cu_q[b] - lq[b] for b in range(batch)]
     unused_k = [cu_k[b + 1] - cu_k[b] - lk[b] for b in range(batch)]
-    if batch and any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled() and _varlen_bwd_serves(
+    _v.raise_problems(_v.window_size_problems(window_size))  # (before _varlen_bwd_serves reads it as ints)
+    if batch and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink)) and torch.is_grad_enabled() \
+            and _varlen_bwd_serves(
             q, k, v, batch, (seqused_q, seqused_k), learnable_sink, (q_descale, k_descale, v_descale),
             attention_chunk, softcap, causal, window_size, max(lq), max(lk)):
         # the kernels see the sequences' rows alone: rows past the last offsets (which may hold anything) are cut off,

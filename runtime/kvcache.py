@@ -431,8 +431,9 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             return torch.full((batch,), int(t), dtype=torch.int32, device=q.device)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,) \
                 or t.device != q.device:
-            raise ValueError(f"flashgen: {name} must be an int32 ({batch},) tensor on q's device under CUDA-graph "
-                             f"capture, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            raise ValueError(f"flashgen: {name} must be an int32 ({batch},) tensor on q's device without a host read "
+                             "(CUDA-graph capture, or FLASHGEN_VARLEN_NO_HOST_READ=1), got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
         return t
 
     plain = cache_batch_idx is None and cache_leftpad is None and not paged

@@ -974,8 +974,8 @@ def test_varlen_training_step_without_a_host_read(bwd_kernel_on, monkeypatch, mo
     assert bwd_kernel_on.calls[1]["q"].shape[0] == q.shape[0]  # the whole q: the offsets' end is not read
     for a, b in zip(*results):
         assert torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3)
-    for g in results[1][1:]:
-        assert not g[-3:].any()
+    for g, pad in zip(results[1][1:], (3, 5, 5)):  # (q's padding rows, k's and v's)
+        assert not g[-pad:].any()
 
 
 @pytest.mark.parametrize("bad,fragment", [
@@ -1101,14 +1101,14 @@ def test_varlen_compiled_step_follows_new_lengths_without_a_recompile_each(bwd_k
 
 
 # --------------------------------------------------------------------------------------
-# softcap in the varlen kernel (fwd.py varlen x softcap; core.VARLEN_SOFTCAP, off until its GPU tests pass)
+# softcap in the varlen kernel (fwd.py varlen x softcap; core.VARLEN_SOFTCAP, on since its GPU tests passed)
 # --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["eager", "fullgraph"])
 def test_varlen_softcap_runs_on_the_kernel_only_when_switched_on(kernel_on, monkeypatch, mode):
-    """flash_attn_varlen_func with softcap (Gemma 2): composed while core.VARLEN_SOFTCAP is off (the kernels are new),
-    one launch of a varlen softcap variant when it is on; the same out and lse both ways, each sequence's attention
-    with FA3's softcap."""
+    """flash_attn_varlen_func with softcap (Gemma 2): composed with core.VARLEN_SOFTCAP off, one launch of a varlen
+    softcap variant with it on (the default; under torch.compile with fullgraph=True); the same out and lse both
+    ways, each sequence's attention with FA3's softcap."""
     q, k, v, cu_q, cu_k = varlen_inputs([5, 17, 1, 33], [7, 17, 40, 2], pad_q=2, seed=21)
     ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, [5, 17, 1, 33], [7, 17, 40, 2], True, (20, 0), softcap=3.0)
 
@@ -1120,8 +1120,8 @@ def test_varlen_softcap_runs_on_the_kernel_only_when_switched_on(kernel_on, monk
     for on in (False, True):
         monkeypatch.setattr(core, "VARLEN_SOFTCAP", on)
         kernel_on.calls.clear()
-        torch._dynamo.reset()
-        fn = torch.compile(call, backend="aot_eager") if mode == "fullgraph" else call
+        torch._dynamo.reset()  # (switched off, the host path reads the offsets: a graph break, so no fullgraph)
+        fn = torch.compile(call, backend="aot_eager", fullgraph=on) if mode == "fullgraph" else call
         got.append(fn(q, k, v, cu_q, cu_k))
         calls = varlen_calls(kernel_on)
         if on:
@@ -1129,10 +1129,9 @@ def test_varlen_softcap_runs_on_the_kernel_only_when_switched_on(kernel_on, monk
         else:
             assert calls == [] and kernel_on.calls
     (out, lse), (out2, lse2) = got
-    if True:
-        assert (out.float() - out2.float()).abs().max().item() <= 2e-3
-        finite = torch.isfinite(lse2)
-        assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], lse2[finite], atol=1e-4)
+    assert (out.float() - out2.float()).abs().max().item() <= 2e-3
+    finite = torch.isfinite(lse2)
+    assert torch.equal(torch.isfinite(lse), finite) and torch.allclose(lse[finite], lse2[finite], atol=1e-4)
     check_varlen(got[1][0], got[1][1], ref, ref_lse)
 
 
@@ -1227,3 +1226,69 @@ def test_kvcache_no_host_read_switch(kernel_on, monkeypatch, what):
         assert all(x is None for x in calls0 + calls1)  # composed both ways
     else:
         assert len(calls1) == 1 and calls1[0] is not None and calls1[0].max_seqlen_k == 40  # the capacity
+
+
+@pytest.mark.parametrize("window", [(2.5, 0), (True, 0), (3, "0")])
+def test_varlen_gradient_call_refuses_a_bad_window(bwd_kernel_on, window):
+    """A call that wants gradients checks window_size before the varlen backward's serving rule reads it as ints:
+    TypeError naming it, as without gradients (a desk review found (2.5, 0) running as window 2)."""
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 9], [5, 9], seed=3)
+    with pytest.raises(TypeError, match="window_size"):
+        flash_attn_varlen_func(q.requires_grad_(True), k, v, cu_q, cu_k, 9, 9, window_size=window)
+    assert not bwd_kernel_on.fwd.calls
+
+
+def test_varlen_compiled_with_dynamic_shapes(bwd_kernel_on):
+    """torch.compile(fullgraph=True, dynamic=True): head dims and lengths symbolic from the start; the variant check
+    gets constant head dims (interface._constant), so a training step traces, runs the varlen kernels both ways
+    and gives eager's gradients; lse is not differentiable (FA3's)."""
+    q, k, v, cu_q, cu_k = varlen_inputs([13, 40, 7], [13, 40, 7], seed=41)
+
+    def step(q, k, v, cu_q, cu_k, longest):
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, longest, longest, causal=True, return_attn_probs=True)
+        assert not lse.requires_grad
+        return out.float().square().sum()
+
+    grads = []
+    for fn in (step, torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves, cu_q, cu_k, 40).backward()
+        grads.append([t.grad for t in leaves])
+    assert [c.get("varlen") is not None for c in bwd_kernel_on.calls] == [True, True]
+    for a, b in zip(*grads):
+        assert torch.allclose(a.float(), b.float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["eager", "switch"])
+def test_varlen_only_the_sinks_gradient(bwd_kernel_on, monkeypatch, mode):
+    """Only learnable_sink wants a gradient: the varlen ops (which serve a sink) give d_sink from torch ops and
+    launch no backward kernel; d_sink equals the composed path's."""
+    q, k, v, cu_q, cu_k = varlen_inputs([13, 30, 22], [13, 30, 22], seed=42)
+    got = []
+    for on in (True, False):
+        monkeypatch.setattr(core, "VARLEN_BWD_KERNEL", on)
+        monkeypatch.setattr(core, "VARLEN_NO_HOST_READ", mode == "switch" and on)
+        sink = torch.randn(4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        bwd_kernel_on.calls.clear()
+        bwd_kernel_on.fwd.calls.clear()
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True, learnable_sink=sink)
+        out.float().square().sum().backward()
+        if on:
+            assert len(varlen_calls(bwd_kernel_on.fwd)) == 1 and bwd_kernel_on.calls == []
+        got.append(sink.grad)
+    assert torch.allclose(got[0], got[1], atol=1e-3, rtol=1e-3) and got[0].abs().sum() > 0
+
+
+def test_varlen_backward_under_capture_needs_gpu_offsets(bwd_kernel_on, monkeypatch):
+    """Under CUDA-graph capture (the seam) the varlen backward serves a call only on the no-host-read path
+    (on_device: its offsets are GPU tensors); the host path's call (CPU offsets, which it would copy to the GPU, a
+    synchronising copy a capture forbids) is refused and runs composed (a desk review found it admitted)."""
+    from flashgen import interface
+
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 9], [5, 9], seed=3)
+    q.requires_grad_(True)
+    args = (q, k, v, 2, (None, None), None, (None, None, None), 0, 0.0, True, (-1, -1), 9, 9)
+    assert interface._varlen_bwd_serves(*args) and interface._varlen_bwd_serves(*args, on_device=True)
+    monkeypatch.setattr(interface, "_capturing", lambda q: True)
+    assert not interface._varlen_bwd_serves(*args) and interface._varlen_bwd_serves(*args, on_device=True)

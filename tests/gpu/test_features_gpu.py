@@ -975,6 +975,15 @@ def _captured_varlen(monkeypatch, call):
     return captured(call, rounds=2, warmup=seam())
 
 
+def _no_host_read_built(c: Case, backward: bool) -> bool:
+    """Whether the no-host-read path serves Case ``c``: the varlen variants (fwd, and bwd with ``backward``) of every
+    mask its lengths could select (interface._varlen_variants_built, which that path asks)."""
+    from flashgen._validate import window_pair
+
+    return flashgen.interface._varlen_variants_built(DTYPE_NAMES[c.dtype], c.d, c.head_dim_v, c.causal,
+                                                     tuple(window_pair(c.window)), c.softcap > 0, backward)
+
+
 def _refill(dst: tuple, src: tuple) -> None:
     with torch.no_grad():
         for a, b in zip(dst, src):
@@ -990,11 +999,9 @@ def test_varlen_kernel_cuda_graph_replays_new_offsets(monkeypatch):
              (Case(3, 0, 0, 4, 1, 64, FP16, window=(40, 7)), ([100, 1, 250], [200, 150, 1]), True)]
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
     for c, (lens_a, lens_b), used in cases:
-        m = mask_spec(c.causal, c.window, 512, 512)
-        why = variant_missing("fwd", {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "head_dim_v": c.d,
-                                      "causal": m.causal, "local": m.local, "softcap": False, "varlen": True})
-        if why:
-            pytest.skip(why)
+        if not _no_host_read_built(c, backward=False):
+            pytest.skip("MISSING-FWD-VARIANT: the no-host-read path needs the varlen variant of every mask the call "
+                        "can select (interface._varlen_variants_built)")
         static = _varlen_case(lens_a, lens_a, None, [n - n // 3 for n in lens_a] if used else None, c, seed=1, pad=6)
         q, k, v, cu_q, cu_k, _, used_k, _ = static
 
@@ -1025,8 +1032,8 @@ def test_varlen_kernel_cuda_graph_training_step(monkeypatch):
     c = Case(4, 0, 0, 8, 2, 128, BF16, causal=True)
     lens_a, lens_b = [300, 17, 129, 64], [5, 400, 100, 5]
     why = _varlen_bwd_missing(lens_a, lens_a, c) or _varlen_bwd_missing(lens_b, lens_b, c)
-    if why:
-        pytest.skip(why)
+    if why or not _no_host_read_built(c, backward=True):
+        pytest.skip(why or "MISSING-VARIANT: the no-host-read path needs every mask's varlen variants")
     launches = varlen_kernels_on(monkeypatch)
     q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_a, lens_a, None, None, c, seed=4, pad=6)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -1064,8 +1071,8 @@ def test_varlen_kernel_compile_fullgraph_training_step(monkeypatch):
     layouts = ([300, 17, 129, 64], [5, 400, 100, 5])
     for lens in layouts:
         why = _varlen_bwd_missing(lens, lens, c)
-        if why:
-            pytest.skip(why)
+        if why or not _no_host_read_built(c, backward=True):
+            pytest.skip(why or "MISSING-VARIANT: the no-host-read path needs every mask's varlen variants")
     launches = varlen_kernels_on(monkeypatch)
     torch._dynamo.reset()
 
