@@ -58,6 +58,17 @@ def host_us(fn, n: int) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
+def row(name: str, path: str, fn, n: int) -> None:
+    """One table row: GPU and host time of ``fn`` (or why it could not run: reported, not fatal)."""
+    try:
+        g, top = gpu_us(fn, n)
+        h = host_us(fn, n)
+    except Exception as e:  # noqa: BLE001
+        print(f"| {name} | {path} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
+        return
+    print(f"| {name} | {path} | {g:.1f} | {h:.1f} | {top} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20)
@@ -79,13 +90,7 @@ def main() -> None:
                 for t in leaves:
                     t.grad = None
                 step()
-            try:
-                g, top = gpu_us(fn, a.n)
-                h = host_us(fn, a.n)
-            except Exception as e:  # noqa: BLE001 -- a path that cannot run is reported, not fatal
-                print(f"| {name} | {path} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
-                continue
-            print(f"| {name} | {path} | {g:.1f} | {h:.1f} | {top} |", flush=True)
+            row(name, path, fn, a.n)
     core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK = saved
     with torch.no_grad():
         for run, sdpa, _flops, name in cases:
@@ -93,13 +98,7 @@ def main() -> None:
                                  ("composed", run, False), ("SDPA", sdpa, True)):
                 core.VARLEN_KERNEL = bool(on)
                 core.VARLEN_NO_HOST_READ = on == "dev"
-                try:
-                    g, top = gpu_us(fn, a.n)
-                    h = host_us(fn, a.n)
-                except Exception as e:  # noqa: BLE001 -- a path that cannot run is reported, not fatal
-                    print(f"| {name} | {path} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
-                    continue
-                print(f"| {name} | {path} | {g:.1f} | {h:.1f} | {top} |", flush=True)
+                row(name, path, fn, a.n)
     core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ = saved[0], saved[2]
 
 
