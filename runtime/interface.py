@@ -989,8 +989,8 @@ def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tupl
                        on_device: bool = False) -> bool:
     """Whether a flash_attn_varlen_func call of ``batch`` sequences that wants gradients runs on the varlen kernels
     both ways (``torch.ops.flashgen.varlen_fwd`` and its autograd formula, ``varlen_bwd``): the varlen forward serves
-    it (:func:`_varlen_kernel_serves`), the backward is switched on (core.VARLEN_BWD_KERNEL), no softcap (no varlen
-    softcap variant is built), at most core.MAX_VARLEN_BWD_SEQUENCES sequences, both varlen variants built, and no
+    it (:func:`_varlen_kernel_serves`), the backward is switched on (core.VARLEN_BWD_KERNEL), no softcap (configs/bwd.yaml
+    builds no varlen softcap backward), at most core.MAX_VARLEN_BWD_SEQUENCES sequences, both varlen variants built, and no
     seqused. A learnable_sink is served: the forward's lse includes it, so the backward kernels need nothing more,
     and its gradient is torch ops (:func:`_sink_grad`). (The
     backward's loads read the rows just past a sequence, which add nothing when finite, as in FA3; a padded
