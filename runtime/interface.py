@@ -1005,7 +1005,14 @@ def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tupl
             gradients=True):
         return False
     return _varlen_variants_built(_DTYPE_NAMES[q.dtype], _constant(q.shape[-1]), _constant(v.shape[-1]),
-                                  bool(causal), tuple(_v.window_pair(window_size)), False, True)
+                                  bool(causal), tuple(_v.window_pair(window_size)), False, True,
+                                  _lengths(max_seqlen_q, max_seqlen_k))
+
+
+def _lengths(max_seqlen_q, max_seqlen_k) -> tuple | None:
+    """``(max_seqlen_q, max_seqlen_k)`` as ints for :func:`_varlen_variants_built`'s mask check, or None under
+    torch.compile (they may be symbolic there: the check then covers every mask the call could select)."""
+    return None if torch.compiler.is_compiling() else (int(max_seqlen_q), int(max_seqlen_k))
 
 
 def _constant(n) -> int:
@@ -1026,15 +1033,17 @@ def _constant(n) -> int:
 
 @torch.compiler.assume_constant_result
 def _varlen_variants_built(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window: tuple, softcap: bool,
-                           backward: bool) -> bool:
-    """Whether the varlen forward variants (and with ``backward`` the varlen bwd variants) are built for every mask
-    a call of this metadata can select, whatever its max_seqlen_q / max_seqlen_k (core.mask_spec: a window side
-    that reaches every key or row is unbounded, so a band may run as causal or unmasked; core.varlen_variant_built,
-    core.varlen_bwd_variant_built). The lengths are left out because under torch.compile they may be symbolic; the
-    result is a constant there (the manifest is read when the graph is traced, not traced itself), so choosing the
-    varlen ops is no graph break. The ops select the variant of the call's lengths when they run."""
+                           backward: bool, lengths: tuple | None = None) -> bool:
+    """Whether the varlen forward variant (and with ``backward`` the varlen bwd variant) is built for the mask of a
+    call with ``lengths`` = (max_seqlen_q, max_seqlen_k) (core.varlen_variant_built, core.varlen_bwd_variant_built),
+    or, with ``lengths`` None, for every mask a call of this metadata can select, whatever its lengths
+    (core.mask_spec: a window side that reaches every key or row is unbounded, so a band may run as causal or
+    unmasked). Under torch.compile the lengths may be symbolic, so callers pass None there; the result is a
+    constant (the manifest is read when the graph is traced, not traced itself), so choosing the varlen ops is no
+    graph break. The ops select the variant of the call's lengths when they run."""
     big = 1 << 30
-    for seqlen_q, seqlen_k in ((1, 1), (1, big), (big, 1), (big, big)):  # each side unbounded or not
+    for seqlen_q, seqlen_k in ((lengths,) if lengths is not None  # each side unbounded or not
+                               else ((1, 1), (1, big), (big, 1), (big, big))):
         if not _core.varlen_variant_built(dtype, head_dim, head_dim_v, causal, window, seqlen_q, seqlen_k,
                                           1.0 if softcap else 0.0):
             return False
@@ -1144,22 +1153,47 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.served = seqused_q is None and seqused_k is None and not softcap
 
 
-def _varlen_backward(ctx, grad_out, grad_lse):
-    """dq, dk, dv through ``torch.ops.flashgen.varlen_bwd``, and learnable_sink's gradient (:func:`_sink_grad` over
-    the packed rows as one batch of one: rows of no sequence have lse -inf and add nothing); grad_lse is ignored, as
-    FA3 does."""
+def _varlen_backward(ctx, grad_out, grad_lse, bwd=None):
+    """dq, dk, dv through ``torch.ops.flashgen.varlen_bwd`` (or ``bwd``, the same signature: :class:`_VarlenFn`
+    calls the implementation itself), and learnable_sink's gradient (:func:`_sink_grad` over the packed rows as one
+    batch of one: rows of no sequence have lse -inf and add nothing); grad_lse is ignored, as FA3 does."""
     if not ctx.served:
         raise NotImplementedError("flashgen: the varlen backward takes no seqused or softcap")
     q, k, v, out, lse, cu_q, cu_k, *sink = ctx.saved_tensors
     dq = dk = dv = None
     if any(ctx.needs_input_grad[:3]):  # (only the sink's gradient wanted: no backward kernels)
-        dq, dk, dv = torch.ops.flashgen.varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+        dq, dk, dv = (bwd or torch.ops.flashgen.varlen_bwd)(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     d_sink = _sink_grad(grad_out[None], out[None], lse[None], sink[0]) if ctx.has_sink and ctx.needs_input_grad[14] \
         else None
     return (dq, dk, dv) + (None,) * 11 + (d_sink,) + (None,) * 3
 
 
 _varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+class _VarlenFn(torch.autograd.Function):
+    """``torch.ops.flashgen.varlen_fwd`` with its autograd formula, for eager calls: the same implementations
+    (:func:`_varlen_fwd_impl`, :func:`_varlen_setup_context`, :func:`_varlen_backward` with :func:`_varlen_bwd_impl`)
+    without the custom-op dispatcher, whose autograd wrapper cost about 250 us of host time per training step (CPU
+    stub, scripts/overhead_cpu_stub.py: 467 against 211 us). torch.compile takes the ops (:func:`_varlen_apply`)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, lse = _varlen_fwd_impl(*inputs)
+        _varlen_setup_context(ctx, inputs, (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _varlen_backward(ctx, grad_out, grad_lse, _varlen_bwd_impl)
+
+
+def _varlen_apply(*inputs) -> tuple:
+    """``(out, lse)`` of ``varlen_fwd(*inputs)`` with its gradients: the custom op under torch.compile, else
+    :class:`_VarlenFn` (the same code without the dispatcher's host time)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flashgen.varlen_fwd(*inputs)
+    return _VarlenFn.apply(*inputs)
 
 
 def _capturing(q: torch.Tensor) -> bool:
@@ -1232,7 +1266,8 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             else _varlen_kernel_serves(q, k, v, learnable_sink, descales, attention_chunk, max_seqlen_q,
                                        max_seqlen_k, on_device=True, softcap=softcap)
             and _varlen_variants_built(_DTYPE_NAMES[q.dtype], _constant(q.shape[-1]), _constant(v.shape[-1]),
-                                       bool(causal), window, bool(softcap), False)):
+                                       bool(causal), window, bool(softcap), False,
+                                       _lengths(max_seqlen_q, max_seqlen_k))):
         return None
     scale = _v.check_softmax_scale(softmax_scale, q.shape[-1])
     cu_q, cu_k = _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q)
@@ -1240,7 +1275,7 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     _check_offsets_on_device(cu_q, cu_k, *used, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     # (max_seqlen_q / _k passed as they are: under torch.compile they may be symbolic, and int() would specialise
     # the graph on their values)
-    return torch.ops.flashgen.varlen_fwd(q, k, v, cu_q, cu_k, *used, max_seqlen_q, max_seqlen_k, scale,
+    return _varlen_apply(q, k, v, cu_q, cu_k, *used, max_seqlen_q, max_seqlen_k, scale,
                                          bool(causal), *window, float(softcap), learnable_sink,
                                          1 if grad else _splits_arg(num_splits), bool(deterministic), True)
 
@@ -1382,7 +1417,7 @@ def flash_attn_varlen_func(
         # so no load reads them (TMA zero-fills past a tensor's end); out 0 / lse -inf there, their gradients 0
         tq, tk = cu_q[-1], cu_k[-1]
         window = _v.window_pair(window_size)
-        out, lse = torch.ops.flashgen.varlen_fwd(
+        out, lse = _varlen_apply(
             q[:tq], k[:tk], v[:tk], _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q), None, None, max(lq),
             max(lk), _v.check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal), int(window[0]),
             int(window[1]), 0.0, learnable_sink, 1, bool(deterministic), False)
