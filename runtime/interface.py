@@ -20,7 +20,8 @@ implementation:
 Two more for :func:`flash_attn_varlen_func` on the varlen kernels, used where its offsets are not read on the host
 (torch.compile, CUDA-graph capture) and for its gradients: ``torch.ops.flashgen.varlen_fwd`` (FA3's varlen
 forward over packed q, k, v and int32 offsets on the GPU), whose autograd formula calls
-``torch.ops.flashgen.varlen_bwd`` (FA3's varlen backward).
+``torch.ops.flashgen.varlen_bwd`` (FA3's varlen backward). Eager calls run their code through
+:class:`_VarlenFn`, without the dispatcher (:func:`_varlen_apply`).
 
 So that
 
