@@ -269,6 +269,16 @@ def main(argv=None) -> int:
                                                      causal=True)
             return torch.autograd.grad(out_t, (qt, kt, vt), dout_t)
 
+        # a training step of flash_attn_func (bf16 hd128 causal): torch.ops.flashgen.fwd's autograd formula and
+        # torch.ops.flashgen.bwd (preprocess, main, postprocess)
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+        dout_g = torch.randn_like(q)
+
+        def fa_train():
+            out_g = interface.flash_attn_func(qg, kg, vg, causal=True)
+            return torch.autograd.grad(out_g, (qg, kg, vg), dout_g)
+
+        fns["flash_attn_func forward + backward (causal)"] = fa_train
         fns["flash_attn_varlen_func forward + backward, 16 documents, varlen kernels"] = lambda: train_step(True)
         fns["flash_attn_varlen_func forward + backward, 16 documents, composed"] = lambda: train_step(False)
         if a.profile:

@@ -1317,3 +1317,29 @@ def test_core_backward_varlen_refuses_what_it_cannot_run(bwd_core_varlen):
         core.attention_backward(a, a, a, a, a, core.TensorArg(0x900000, (2, 12), (12, 1), "fp32", 0), a, a, a, 0.1,
                                 False, False, 77, 0xA00000, varlen=vl._replace(cu_seqlens_k=0))
     assert not bwd_core_varlen.launches
+
+
+def test_eager_gradients_run_the_ops_code_without_the_dispatcher(gpu):
+    """Eagerly, flash_attn_func with gradients runs interface._FwdFn (the fwd op's implementation and autograd formula,
+    and _bwd_impl, without the custom-op dispatcher's host time); torch.compile runs the ops. Both give the same out
+    and gradients, and one launch of each backward kernel set."""
+    import flashgen.interface as interface
+
+    q, k, v = (torch.randn(2, 37, 4, 64).half() for _ in range(3))
+    k2, v2 = k[:, :, ::2].contiguous(), v[:, :, ::2].contiguous()  # GQA 4 / 2
+
+    def step(q, k, v):
+        return interface.flash_attn_func(q, k, v, causal=True, deterministic=True).float().square().sum()
+
+    got = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        leaves = [t.clone().requires_grad_(True) for t in (q, k2, v2)]
+        loss = fn(*leaves)
+        loss.backward()
+        got.append((loss.detach(), *(t.grad for t in leaves)))
+    eager_out = interface.flash_attn_func(*(t.clone().requires_grad_(True) for t in (q, k2, v2)), causal=True)
+    assert type(eager_out.grad_fn).__name__ == "_FwdFnBackward"
+    assert len(gpu.calls) == 2
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
