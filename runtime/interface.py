@@ -551,21 +551,27 @@ def _backward(ctx, grad_out, grad_lse, bwd=None):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _FwdFn(torch.autograd.Function):
-    """``torch.ops.flashgen.fwd`` with its autograd formula, for eager calls that want gradients on plain tensors: the
-    same implementations (:func:`_fwd_impl`, :func:`_setup_context`, :func:`_backward` with :func:`_bwd_impl`)
-    without the custom-op dispatcher, whose autograd wrapper is host time a training step pays (CPU stub,
-    scripts/overhead_cpu_stub.py). torch.compile, tensor subclasses and tracing take the op."""
-
-    @staticmethod
+def _eager_function(name: str, impl, setup_context, backward, bwd_impl, doc: str) -> type:
+    """A torch.autograd.Function that runs a custom op's implementation ``impl`` and its autograd formula
+    (``setup_context``, then ``backward(ctx, *grads, bwd_impl)``) without the custom-op dispatcher, whose autograd
+    wrapper costs host time every training step (CPU stub, scripts/overhead_cpu_stub.py). For eager calls on plain
+    tensors; torch.compile, tracing and tensor subclasses keep the ops."""
     def forward(ctx, *inputs):
-        out, lse = _fwd_impl(*inputs)
-        _setup_context(ctx, inputs, (out, lse))
-        return out, lse
+        outputs = impl(*inputs)
+        setup_context(ctx, inputs, outputs)
+        return outputs
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        return _backward(ctx, grad_out, grad_lse, _bwd_impl)
+    def backward_(ctx, *grads):
+        return backward(ctx, *grads, bwd_impl)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                    "backward": staticmethod(backward_), "__doc__": doc})
+
+
+#: ``torch.ops.flashgen.fwd`` with its autograd formula (:func:`_setup_context`, :func:`_backward` with
+#: :func:`_bwd_impl`) for eager calls that want gradients: CPU-stub training step 265 -> 174 us.
+_FwdFn = _eager_function("_FwdFn", _fwd_impl, _setup_context, _backward, _bwd_impl,
+                         "flashgen::fwd and its autograd formula without the dispatcher (interface._eager_function).")
 
 
 # --------------------------------------------------------------------------------------
@@ -1198,21 +1204,11 @@ def _varlen_backward(ctx, grad_out, grad_lse, bwd=None):
 _varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
-class _VarlenFn(torch.autograd.Function):
-    """``torch.ops.flashgen.varlen_fwd`` with its autograd formula, for eager calls: the same implementations
-    (:func:`_varlen_fwd_impl`, :func:`_varlen_setup_context`, :func:`_varlen_backward` with :func:`_varlen_bwd_impl`)
-    without the custom-op dispatcher, whose autograd wrapper cost about 250 us of host time per training step (CPU
-    stub, scripts/overhead_cpu_stub.py: 467 against 211 us). torch.compile takes the ops (:func:`_varlen_apply`)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        out, lse = _varlen_fwd_impl(*inputs)
-        _varlen_setup_context(ctx, inputs, (out, lse))
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        return _varlen_backward(ctx, grad_out, grad_lse, _varlen_bwd_impl)
+#: ``torch.ops.flashgen.varlen_fwd`` with its autograd formula (:func:`_varlen_setup_context`, :func:`_varlen_backward`
+#: with :func:`_varlen_bwd_impl`) for eager calls: CPU-stub training step 467 -> 276-285 us.
+_VarlenFn = _eager_function("_VarlenFn", _varlen_fwd_impl, _varlen_setup_context, _varlen_backward,
+                            _varlen_bwd_impl, "flashgen::varlen_fwd and its autograd formula without the dispatcher "
+                            "(interface._eager_function).")
 
 
 def _varlen_apply(*inputs) -> tuple:
