@@ -320,18 +320,25 @@ def poison_cached_blocks(nbytes: int, device="cuda") -> None:
         torch.full((n // 4,), float("nan"), dtype=torch.float32, device=device)
 
 
+def varlen_launches(monkeypatch, entry: str) -> list:
+    """Record each call of ``flashgen.core.<entry>`` (attention_forward or attention_backward) for the test: the
+    returned list gets its ``varlen`` argument (None: not a varlen launch)."""
+    import flashgen
+
+    launches = []
+    real = getattr(flashgen.core, entry)
+    monkeypatch.setattr(flashgen.core, entry, lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    return launches
+
+
 def varlen_kernels_on(monkeypatch) -> list:
     """Switch both varlen kernels on for the test (flashgen.core.VARLEN_KERNEL, VARLEN_BWD_KERNEL) and record each
-    core.attention_backward launch: the returned list gets its ``varlen`` argument (None: not the varlen backward)."""
+    core.attention_backward launch (:func:`varlen_launches`)."""
     import flashgen
 
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
     monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
-    launches = []
-    real = flashgen.core.attention_backward
-    monkeypatch.setattr(flashgen.core, "attention_backward",
-                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
-    return launches
+    return varlen_launches(monkeypatch, "attention_backward")
 
 
 def captured(call, rounds: int = 1, warmup=None):

@@ -59,6 +59,7 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     randn,
     variant_missing,
     varlen_kernels_on,
+    varlen_launches,
     visible_mask,
 )
 
@@ -648,10 +649,7 @@ def test_varlen_kernel_forward(case, num_splits, monkeypatch):
         pytest.skip(why)
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
     monkeypatch.setattr(flashgen.core, "VARLEN_SOFTCAP", True)
-    launches = []
-    real = flashgen.core.attention_forward
-    monkeypatch.setattr(flashgen.core, "attention_forward",
-                        lambda *a, **kw: launches.append(kw.get("varlen")) or real(*a, **kw))
+    launches = varlen_launches(monkeypatch, "attention_forward")
     q, k, v, cu_q, cu_k, sq_used, sk_used, sink = _varlen_case(lens_q, lens_k, used_q, used_k, c, seed=sum(lens_q),
                                                                pad=pad)
     poison_cached_blocks(8 * q.numel())

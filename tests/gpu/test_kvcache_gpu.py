@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from _ref import captured, kvcache_reference, logical_cache, variant_missing  # noqa: E402  (tests/gpu on sys.path)
+from _ref import (captured, kvcache_reference, logical_cache, variant_missing,  # noqa: E402  (tests/gpu on sys.path)
+                  varlen_launches)
 
 pytestmark = pytest.mark.gpu
 
@@ -103,11 +104,7 @@ def test_kvcache_varlen_kernel_split_kv_mha(seqlen_q, causal, local, monkeypatch
 def count_launches(monkeypatch) -> list:
     """The varlen kernel switched on; the Varlen of each core.attention_forward call (None: not varlen) collected."""
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
-    launches = []
-    real = flashgen.core.attention_forward
-    monkeypatch.setattr(flashgen.core, "attention_forward", lambda *a, **kw: launches.append(kw.get("varlen")) or
-                        real(*a, **kw))
-    return launches
+    return varlen_launches(monkeypatch, "attention_forward")
 
 
 def poison_unused(kc, vc, table, ends, starts=None, rows=None) -> None:
