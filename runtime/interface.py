@@ -474,23 +474,24 @@ def _bwd_impl(
     nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
                                             causal, dev, seqlen_k=p.seqlen_k, window_size=window, softcap=softcap,
                                             head_dim_v=p.head_dim_v)
-    inputs = [_tma_arg(t, p.dtype, dev) for t in (dout, q, k, v, out)]  # (tensor kept alive, TensorArg)
     grads = (q.new_empty(p.q_shape), k.new_empty(p.k_shape), v.new_empty(p.v_shape))
-    workspace = _workspace(q, nbytes)
-    _core.attention_backward(
-        *(arg for _, arg in inputs),
-        _lse_arg(lse, p),
-        *(_tma_arg(g, p.dtype, dev)[1] for g in grads),  # fresh and contiguous: never copied
-        float(softmax_scale),
-        causal,
-        bool(deterministic),
-        _current_stream(dev),
-        workspace.data_ptr(),
-        window_size=window,
-        softcap=softcap,
-    )
-    del inputs, workspace  # layout copies and the workspace are released after the launches are enqueued
+    _launch_backward((dout, q, k, v, out), _lse_arg(lse, p), grads, p.dtype, dev, nbytes, softmax_scale, causal,
+                     deterministic, window, softcap)
     return grads
+
+
+def _launch_backward(inputs: tuple, lse_arg, grads: tuple, dtype: str, dev: int, nbytes: int, softmax_scale, causal,
+                     deterministic, window: tuple, softcap: float, varlen=None) -> None:
+    """``core.attention_backward`` on (dout, q, k, v, out) = ``inputs`` (each as TMA reads it: a layout copy where it
+    cannot read it in place), ``lse_arg`` and fresh contiguous ``grads`` (dq, dk, dv), with a workspace of
+    ``nbytes`` from torch's allocator on the current stream; the copies and the workspace are released once the
+    launches are enqueued (stream-ordered). For :func:`_bwd_impl` and :func:`_varlen_bwd_impl`."""
+    args = [_tma_arg(t, dtype, dev) for t in inputs]  # (tensor kept alive, TensorArg)
+    workspace = _workspace(inputs[1], nbytes)
+    _core.attention_backward(*(arg for _, arg in args), lse_arg, *(_tma_arg(g, dtype, dev)[1] for g in grads),
+                             float(softmax_scale), bool(causal), bool(deterministic), _current_stream(dev),
+                             workspace.data_ptr(), window_size=window, softcap=softcap, varlen=varlen)
+    del args, workspace
 
 
 _bwd = torch.library.custom_op("flashgen::bwd", _bwd_impl, mutates_args=())
@@ -1037,8 +1038,14 @@ def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tupl
             q, k, v, None, descales, attention_chunk, max_seqlen_q, max_seqlen_k, on_device=on_device,
             gradients=True):
         return False
-    return _varlen_variants_built(_DTYPE_NAMES[q.dtype], _constant(q.shape[-1]), _constant(v.shape[-1]),
-                                  bool(causal), tuple(_v.window_pair(window_size)), False, True,
+    return _varlen_built(q, v, causal, window_size, 0.0, True, max_seqlen_q, max_seqlen_k)
+
+
+def _varlen_built(q, v, causal: bool, window_size, softcap, backward: bool, max_seqlen_q, max_seqlen_k) -> bool:
+    """:func:`_varlen_variants_built` for a call's q, v, mask arguments and lengths: the head dims as constants
+    (:func:`_constant`), the lengths as ints eagerly and None under torch.compile (:func:`_lengths`)."""
+    return _varlen_variants_built(_DTYPE_NAMES[q.dtype], _constant(q.shape[-1]), _constant(v.shape[-1]), bool(causal),
+                                  tuple(_v.window_pair(window_size)), bool(softcap), backward,
                                   _lengths(max_seqlen_q, max_seqlen_k))
 
 
@@ -1149,17 +1156,12 @@ def _varlen_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         seqlen_k=int(max_seqlen_k), window_size=window, softcap=0.0, head_dim_v=v.shape[2], varlen_total_q=q.shape[0])
     new = torch.zeros_like if fill else torch.empty_like
     grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    inputs = [_tma_arg(t, dtype, dev) for t in (dout.to(q.dtype), q, k, v, out)]  # (tensor kept alive, TensorArg)
     lse = lse.contiguous()
-    workspace = _workspace(q, nbytes)
-    _core.attention_backward(
-        *(arg for _, arg in inputs),
-        _core.TensorArg(lse.data_ptr(), tuple(lse.shape), tuple(lse.stride()), "fp32", dev),
-        *(_tma_arg(g, dtype, dev)[1] for g in grads), float(softmax_scale), bool(causal), bool(deterministic),
-        _current_stream(dev), workspace.data_ptr(), window_size=window, softcap=0.0,
-        varlen=_core.BwdVarlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), batch, int(max_seqlen_q),
-                               int(max_seqlen_k)))
-    del inputs, workspace  # released only after the launches are enqueued (stream-ordered)
+    _launch_backward((dout.to(q.dtype), q, k, v, out),
+                     _core.TensorArg(lse.data_ptr(), tuple(lse.shape), tuple(lse.stride()), "fp32", dev), grads,
+                     dtype, dev, nbytes, softmax_scale, causal, deterministic, window, 0.0,
+                     _core.BwdVarlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), batch, int(max_seqlen_q),
+                                     int(max_seqlen_k)))
     return grads
 
 
@@ -1222,6 +1224,12 @@ def _varlen_apply(*inputs) -> tuple:
 def _capturing(q: torch.Tensor) -> bool:
     """Whether a CUDA graph is being captured on q's current stream (a seam: CPU tests set it)."""
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _on_q_device(q: torch.Tensor, tensors) -> bool:
+    """Whether every tensor among ``tensors`` (None and ints allowed) is on q's device: the lengths a call would
+    otherwise read on the host (a no-host-read path needs them there)."""
+    return all(not isinstance(t, torch.Tensor) or t.device == q.device for t in tensors)
 
 
 def _check_index_tensor(name: str, t, device, batch: int | None = None) -> None:
@@ -1288,19 +1296,16 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                softcap, causal, window, max_seqlen_q, max_seqlen_k, on_device=True) if grad
             else _varlen_kernel_serves(q, k, v, learnable_sink, descales, attention_chunk, max_seqlen_q,
                                        max_seqlen_k, on_device=True, softcap=softcap)
-            and _varlen_variants_built(_DTYPE_NAMES[q.dtype], _constant(q.shape[-1]), _constant(v.shape[-1]),
-                                       bool(causal), window, bool(softcap), False,
-                                       _lengths(max_seqlen_q, max_seqlen_k))):
+            and _varlen_built(q, v, causal, window, softcap, False, max_seqlen_q, max_seqlen_k)):
         return None
     scale = _v.check_softmax_scale(softmax_scale, q.shape[-1])
     cu_q, cu_k = _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q)
     used = tuple(None if t is None else _int32_like(t, q) for t in (seqused_q, seqused_k))
     _check_offsets_on_device(cu_q, cu_k, *used, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    # (max_seqlen_q / _k passed as they are: under torch.compile they may be symbolic, and int() would specialise
-    # the graph on their values)
-    return _varlen_apply(q, k, v, cu_q, cu_k, *used, max_seqlen_q, max_seqlen_k, scale,
-                                         bool(causal), *window, float(softcap), learnable_sink,
-                                         1 if grad else _splits_arg(num_splits), bool(deterministic), True)
+    # (max_seqlen_q / _k passed as they are: under torch.compile they may be symbolic)
+    return _varlen_apply(q, k, v, cu_q, cu_k, *used, max_seqlen_q, max_seqlen_k, scale, bool(causal), *window,
+                         float(softcap), learnable_sink, 1 if grad else _splits_arg(num_splits), bool(deterministic),
+                         True)
 
 
 def flash_attn_varlen_func(
@@ -1405,9 +1410,8 @@ def flash_attn_varlen_func(
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"flashgen: k and v must have the same total_k (dim 0), got {k.shape[0]} and {v.shape[0]}")
     device = _device_of(q)[1]
-    if torch.compiler.is_compiling() or ((_core.VARLEN_NO_HOST_READ or _capturing(q)) and all(
-            not isinstance(t, torch.Tensor) or t.device == q.device
-            for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))):
+    if torch.compiler.is_compiling() or ((_core.VARLEN_NO_HOST_READ or _capturing(q)) and _on_q_device(
+            q, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))):
         # no read of the offsets on the host (torch.compile, capture, or eager with core.VARLEN_NO_HOST_READ): the
         # varlen ops, the offsets checked on the GPU (or, where they do not serve the call, the host path below: a
         # graph break under torch.compile, NotImplementedError under capture)
@@ -1442,8 +1446,8 @@ def flash_attn_varlen_func(
         window = _v.window_pair(window_size)
         out, lse = _varlen_apply(
             q[:tq], k[:tk], v[:tk], _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q), None, None, max(lq),
-            max(lk), _v.check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal), int(window[0]),
-            int(window[1]), 0.0, learnable_sink, 1, bool(deterministic), False)
+            max(lk), _v.check_softmax_scale(softmax_scale, q.shape[-1]), bool(causal), *window, 0.0,
+            learnable_sink, 1, bool(deterministic), False)
         if tq < q.shape[0]:
             out = torch.cat([out, out.new_zeros((q.shape[0] - tq,) + tuple(out.shape[1:]))])
             lse = torch.cat([lse, lse.new_full((lse.shape[0], q.shape[0] - tq), -math.inf)], dim=1)

@@ -9,7 +9,7 @@ entry's new tokens are one op each over all entries (an index_put into the cache
 with the same lengths and consecutive cache rows share one call (a view of the cache); a paged cache is
 gathered into one contiguous copy per entry. Under torch.compile the read of the lengths is a graph break
 (``fullgraph=True`` refuses the call). With the varlen kernel (flashgen.core.VARLEN_KERNEL, on unless
-``FLASHGEN_VARLEN_KERNEL=0``), a call in fp16 / bf16 without attention_chunk (nor softcap unless
+``FLASHGEN_VARLEN_KERNEL=0``), a call in fp16 / bf16 without attention_chunk (nor softcap while
 flashgen.core.VARLEN_SOFTCAP is off) is one launch instead,
 which reads each entry's total length (``seqused_k``), cache row, left padding or pages itself
 (interface._varlen_kernel; pages of a multiple of 8 rows, without cache_leftpad). Under CUDA-graph capture
@@ -45,8 +45,8 @@ import torch
 
 from . import _validate as _v
 from . import core as _core
-from .interface import (_attend, _check_fwd, _device_of, _host_ints, _out_dtype, _splits_arg, _varlen_kernel,
-                        _varlen_kernel_serves)
+from .interface import (_attend, _capturing, _check_fwd, _device_of, _host_ints, _on_q_device, _out_dtype,
+                        _splits_arg, _varlen_kernel, _varlen_kernel_serves)
 
 __all__ = ["flash_attn_with_kvcache", "get_scheduler_metadata", "apply_rotary"]
 
@@ -206,11 +206,10 @@ def flash_attn_with_kvcache(
     if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"flashgen: k_cache and v_cache must be 4-D with the same first three dims, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(q)
     if cu_seqlens_q is None and cu_seqlens_k_new is None and (capturing or (
             _core.VARLEN_NO_HOST_READ and not torch.compiler.is_compiling()
-            and all(not isinstance(t, torch.Tensor) or t.device == q.device
-                    for t in (cache_seqlens, rotary_seqlens, cache_batch_idx, cache_leftpad, page_table)))):
+            and _on_q_device(q, (cache_seqlens, rotary_seqlens, cache_batch_idx, cache_leftpad, page_table)))):
         # no read of a length on the host: under capture always, eagerly with core.VARLEN_NO_HOST_READ and the
         # lengths on q's device (a call _step_on_device refuses, before it writes anything, then takes the host path)
         try:
