@@ -28,7 +28,9 @@
 #                                          TESTS_K='chunk or head_dim_v_256 or varlen or kvcache or cuda_graph'), then
 #                                          scripts/varlen_bench.py twice (kernel vs composed path vs SDPA; training: the
 #                                          varlen kernels both ways vs groups vs per run vs SDPA); GPU_TIME=1: then
-#                                          scripts/varlen_gpu_time.py (profiler GPU time vs host time per call)
+#                                          scripts/varlen_gpu_time.py (profiler GPU time vs host time per call); EQUAL=1: then
+#                                          scripts/varlen_equal_bench.py (varlen kernels vs flash_attn_func at equal lengths,
+#                                          forward and backward; EQUAL_ARGS its arguments)
 #   bash scripts/device_check.sh compare   this tree against .base/ in one session: the e4m3 forward (fp8_bench.py, 16k) and
 #                                          the bf16 backward (bench --backward-only, 4k/16k), old, new, old, new
 #                                          (F8ARGS: fp8_bench.py's arguments; BWD=0: no backward; TESTS: GPU
@@ -350,6 +352,10 @@ varlen)
   done
   if [ "${GPU_TIME:-0}" = 1 ]; then  # GPU time vs host time per call (profiler): scripts/varlen_gpu_time.py
     echo "== varlen_gpu_time"; (cd scripts && timeout 150 python3 varlen_gpu_time.py --n 10) 2>&1 | tee "$out/varlen_gpu_time.md" | tail -14
+  fi
+  if [ "${EQUAL:-0}" = 1 ]; then  # the varlen kernels against flash_attn_func at equal lengths: scripts/varlen_equal_bench.py
+    echo "== varlen_equal_bench"; timeout 200 python3 scripts/varlen_equal_bench.py ${EQUAL_ARGS:-} 2>&1 \
+      | tee "$out/varlen_equal.md" | grep -E '^\||geometric|Error'
   fi
   ;;
 compare)
