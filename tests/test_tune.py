@@ -99,7 +99,7 @@ def fake_launch(monkeypatch):
     monkeypatch.setattr(launch, "tensor_map", lambda *a, **k: object())
     monkeypatch.setattr(launch, "tensor_map_at", lambda geometry, ptr: object())
     monkeypatch.setattr(launch, "launch", lambda *a: None)
-    monkeypatch.setattr(launch, "prepare_launch", lambda kernel, grid, params, per_call, counter=None, zero=None: None)
+    monkeypatch.setattr(launch, "prepare_launch", lambda kernel, grid, params, per_call, counter=None: None)
     monkeypatch.setattr(launch, "launch_prepared", lambda *a: None)
     reset_plans(monkeypatch)
 
@@ -882,7 +882,7 @@ def test_sweep_through_the_real_point_with_a_fake_timer(gpu, monkeypatch):
     monkeypatch.setattr(tune, "TOTAL_TOKENS", 1024)  # small CPU tensors: batch 1024 / seqlen
     monkeypatch.setattr(tune, "HIDDEN", 256)  # heads 256 / head_dim
     launched = []
-    monkeypatch.setattr(launch, "prepare_launch", lambda kernel, grid, params, per_call, counter=None, zero=None: (kernel, params))
+    monkeypatch.setattr(launch, "prepare_launch", lambda kernel, grid, params, per_call, counter=None: (kernel, params))
     monkeypatch.setattr(launch, "launch_prepared", lambda prep, maps, values, stream: launched.append(
         (prep[0][1], prep[1]["batch"], prep[1]["heads"], prep[1]["seqlen_k"], stream)))
     ms = {128: 1.0, 176: 0.8, 112: 1.1}  # by block_n
