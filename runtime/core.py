@@ -310,7 +310,6 @@ class _Plan(NamedTuple):
     block_n: int
     sms: int  # persistent variants launch min(tiles, #SMs) CTAs; 0 = one CTA per tile
     vt: launch.LoadedKernel | None = None  # vt_global variants: the V^T preprocess (fwd.py)
-    zero: launch.LoadedKernel | None = None  # dynamic_schedule variants: the tile counter's zero kernel (fwd.cu.j2)
 
 
 _plans: dict = {}  # call key -> _Plan; values are immutable, so concurrent calls may share them
@@ -363,9 +362,7 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
         vt = launch.get_kernel(var, "vt", device) if p.get("vt_global") else None
-        # (a build from before the zero kernel has none: its counter is then zeroed by a memset)
-        zero = launch.get_kernel(var, "zero", device) if any(k.role == "zero" for k in var.kernels) else None
-        plan = _Plan(var, launch.get_kernel(var, "main", device), p["block_m"], p["block_n"], sms, vt, zero)
+        plan = _Plan(var, launch.get_kernel(var, "main", device), p["block_m"], p["block_n"], sms, vt)
         _plans[key] = plan
     return plan
 
@@ -744,13 +741,12 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
             geometry(*_bshd_map_spec(q if varlen is not None else out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
     # Causal persistent variants claim tiles from a zeroed int32 of each launch's own, when there are
-    # more tiles than CTAs (else each CTA runs one tile and the kernel needs no counter), zeroed by the
-    # variant's zero kernel, of which the main kernel is a programmatic dependent (launch._launch_argv).
-    # Its cost is host time (an allocation, a launch, a free) on calls whose kernels run longer than that.
+    # more tiles than CTAs (else each CTA runs one tile and the kernel needs no counter). Its cost
+    # is host time (an allocation, a memset, a free: about 17 us per call on an H100 host) on calls
+    # whose kernels run longer than that.
     counter = "tile_counter" if dynamic_schedule(plan.variant.params) and num_tiles > grid else None
     return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, per_call,
-                                                             counter, plan.zero if counter else None),
-                           vt_launch, vt_bytes)
+                                                             counter), vt_launch, vt_bytes)
 
 
 def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,

@@ -238,14 +238,11 @@ class LoadedKernel:
     # cuLaunchKernelEx's attributes (cluster shape, PDL), built once (built per call they took about 6 us
     # of host time per launch on the build machine's CPU) and never modified; () for cuLaunchKernel
     launch_attrs: tuple = field(init=False, repr=False, compare=False)
-    # the same with programmatic stream serialization: a launch after a zero kernel (:func:`_launch_argv`)
-    launch_attrs_pdl: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "argv_type", ctypes.c_void_p * (len(self.record.tensor_maps) + 1))
         object.__setattr__(self, "params_type", ctypes.c_char * self.packer.size)
         object.__setattr__(self, "launch_attrs", _launch_attrs(self.record))
-        object.__setattr__(self, "launch_attrs_pdl", _launch_attrs(self.record, pdl=True))
 
 
 #: Set to 0 to launch ``pdl`` kernels as plain stream-ordered launches (read when a kernel is loaded): each
@@ -254,13 +251,12 @@ class LoadedKernel:
 PDL_ENV = "FLASHGEN_PDL"
 
 
-def _launch_attrs(rec: Kernel, pdl: bool = False) -> tuple:
+def _launch_attrs(rec: Kernel) -> tuple:
     """The CUlaunchAttributes of a kernel record: its cluster shape when not (1, 1, 1), programmatic
-    stream serialization when it is a ``pdl`` kernel (docs/CONTRACTS.md §4) or ``pdl`` is given, and
-    ``$FLASHGEN_PDL`` is not ``0`` (such a kernel's ``griddepcontrol.wait`` returns at once when launched
-    without it)."""
+    stream serialization when it is a ``pdl`` kernel (docs/CONTRACTS.md §4) and ``$FLASHGEN_PDL`` is not
+    ``0`` (such a kernel's ``griddepcontrol.wait`` returns at once when launched without it)."""
     clustered = tuple(rec.cluster) != (1, 1, 1)
-    pdl = (rec.pdl or pdl) and os.environ.get(PDL_ENV, "1").strip() != "0"
+    pdl = rec.pdl and os.environ.get(PDL_ENV, "1").strip() != "0"
     if not (clustered or pdl):
         return ()
     d, attrs = _driver(), []
@@ -392,15 +388,7 @@ class scratch:
             check(_driver().cuMemFreeAsync(self.ptr, _stream(self.stream)), "cuMemFreeAsync(scratch)")
 
 
-#: How a launch's tile counter is zeroed where its variant has a zero kernel (fwd.cu.j2): True, by that kernel,
-#: with the main kernel as its programmatic dependent (PDL), so the main kernel's CTAs start while it runs; False,
-#: by cuMemsetD32Async, the main kernel after it in stream order (the way before; for A/B timing in one process:
-#: scripts/regress_fwd.py --zero-kernel). Read at each launch.
-ZERO_KERNEL = os.environ.get("FLASHGEN_ZERO_KERNEL", "1").strip() != "0"
-
-
-def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=None, buf=None,
-                 zero: LoadedKernel | None = None) -> None:
+def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=None, buf=None) -> None:
     """Launch ``kernel`` with the argument array ``argv`` (a ctypes object whose memory starts with
     it: a void* array, or :func:`launch_prepared`'s argument block; kept alive by the caller) in the
     device's primary context: pushed only when another one is current on this thread, and popped
@@ -410,12 +398,9 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
     ``counter`` ((pack_into, offset) of a pointer field in ``buf``, the bytes holding the params:
     :func:`launch_prepared`'s argument block, the offset counting from its start): the launch gets
     its own int32 tile counter, zero when the kernel starts: allocated from :func:`_counter_pool` on
-    ``stream``, written into the field, zeroed, and freed on ``stream`` after the kernel (all
+    ``stream``, zeroed, written into the field, and freed on ``stream`` after the kernel (all
     stream-ordered, so it is never shared with another launch; under CUDA-graph capture these are
-    the graph's own allocation, kernel or memset, and free nodes). ``zero``: the variant's zero kernel,
-    which takes the same arguments and writes the counter's 0 (with :data:`ZERO_KERNEL`): it is launched
-    on one warp first, and ``kernel`` as its programmatic dependent (``launch_attrs_pdl``; the kernel
-    waits for it before its first claim: scheduler.cuh). Without one, a memset zeroes the counter."""
+    the graph's own allocation, memset and free nodes)."""
     rec = kernel.record
     d = _driver()
     pushed = _push_primary(kernel.device)
@@ -425,14 +410,9 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
         if counter is not None:
             ctr = check(d.cuMemAllocFromPoolAsync(4, _counter_pools.get(kernel.device) or _counter_pool(kernel.device),
                                                   hstream), "cuMemAllocFromPoolAsync(tile counter)")
+            check(d.cuMemsetD32Async(ctr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
             counter[0](buf, counter[1], int(ctr))
-            if zero is not None and ZERO_KERNEL:
-                check(d.cuLaunchKernel(zero.function, 1, 1, 1, 32, 1, 1, 0, hstream, ctypes.addressof(argv), 0),
-                      f"cuLaunchKernel({zero.record.symbol})")
-            else:
-                check(d.cuMemsetD32Async(ctr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
-                zero = None
-        attrs = kernel.launch_attrs if zero is None else kernel.launch_attrs_pdl
+        attrs = kernel.launch_attrs
         if not attrs:
             err = d.cuLaunchKernel(kernel.function, grid[0], grid[1], grid[2], rec.threads, 1, 1, rec.smem_bytes,
                                    hstream, ctypes.addressof(argv), 0)[0]
@@ -500,7 +480,6 @@ class PreparedLaunch(NamedTuple):
     arrange: object = None  # operator.itemgetter: pack_block's arguments from
     #                         (map pointers..., params address, values..., chunks...)
     chunks: tuple = ()  # the fixed params bytes between (and around) the per-call fields
-    zero: LoadedKernel | None = None  # with ``counter``: the kernel that zeroes it (:func:`_launch_argv`), or None
 
 
 def _block_layout(kernel: LoadedKernel, params: bytes, per_call: tuple) -> tuple:
@@ -534,12 +513,11 @@ def _block_layout(kernel: LoadedKernel, params: bytes, per_call: tuple) -> tuple
 
 
 def prepare_launch(kernel: LoadedKernel, grid: tuple, params: dict, per_call: tuple,
-                   counter: str | None = None, zero: LoadedKernel | None = None) -> PreparedLaunch:
+                   counter: str | None = None) -> PreparedLaunch:
     """The fixed part of a launch of ``kernel`` over ``grid``: ``params`` gives every field of the
     params struct but those named in ``per_call``, whose values each :func:`launch_prepared` call
     gives, in that order, and ``counter``, a pointer field that each launch fills with its own
-    int32 tile counter, zero at the kernel's start (:func:`_launch_argv`; ``zero``: the kernel, with
-    ``kernel``'s parameters, that zeroes it; None: a memset). KeyError for a missing or
+    int32 tile counter, zero at the kernel's start (:func:`_launch_argv`). KeyError for a missing or
     unknown field, struct.error for a bad value."""
     extra = (counter,) if counter else ()
     fixed = {**params, **{n: 0 for n in (*per_call, *extra)}}
@@ -550,7 +528,7 @@ def prepare_launch(kernel: LoadedKernel, grid: tuple, params: dict, per_call: tu
         pack_into, offset = kernel.packer.slots(extra)[0]
         ctr = (pack_into, head + offset)  # in the argument block, after the argument array
     return PreparedLaunch(kernel, tuple(int(g) for g in grid), packed, tuple(per_call), ctr, block_type, head,
-                          pack_block, arrange, chunks, zero if counter else None)
+                          pack_block, arrange, chunks)
 
 
 def launch_prepared(prep: PreparedLaunch, tensor_maps: tuple, values: tuple, stream: int) -> None:
@@ -566,7 +544,7 @@ def launch_prepared(prep: PreparedLaunch, tensor_maps: tuple, values: tuple, str
     block = prep.block_type()  # this call's own, zeroed
     prep.pack_block(block, 0, *prep.arrange((*[m.getPtr() for m in tensor_maps], ctypes.addressof(block) + prep.head,
                                              *values, *prep.chunks)))
-    _launch_argv(kernel, prep.grid, block, stream, prep.counter, block, prep.zero)
+    _launch_argv(kernel, prep.grid, block, stream, prep.counter, block)
 
 
 # ------------------------------------------------------------------------------------- TMA maps

@@ -25,6 +25,8 @@ from fgutil import REPO, SMALL_FWD, cli, compiles, fake_cuda, make_project, read
 from flashgen import launch  # noqa: E402
 from flashgen.dispatch import MissingVariantError, add_variant_command, full_key, select_variant  # noqa: E402
 from flashgen.generator import families  # noqa: E402
+from flashgen.generator.families import bwd as bwd_mod  # noqa: E402
+from flashgen.generator.families import combine as combine_mod  # noqa: E402
 from flashgen.generator.abi import TYPES, Field, params_struct, render_decls  # noqa: E402
 from flashgen.generator.build import build, plan_variants, write_outputs  # noqa: E402
 from flashgen.generator.config import load_variants  # noqa: E402
@@ -293,8 +295,7 @@ def test_manifest_v2_round_trip(two_family_build):
         assert rv.default is v.default is True
         assert rv.fatbin == proj.fatbin_dir / f"{v.name}.fatbin"
         assert read_fatbin(rv.fatbin, rv.sha256).startswith(b"FATBIN:" + v.symbol("main").encode())
-        # causal persistent fwd variants: the tile counter's zero kernel beside main (fwd.py dynamic_schedule)
-        assert len(rv.kernels) == len(v.kernels) == (2 if v.family == "fwd" and fwd_mod.dynamic_schedule(v.params) else 1)
+        assert len(rv.kernels) == len(v.kernels) == 1
         for rk, spec in zip(rv.kernels, v.kernels):
             assert rk == rv.kernel(spec.role)
             assert (rk.role, rk.symbol, rk.threads, rk.cluster, rk.smem_bytes, rk.tensor_maps) == \
@@ -433,12 +434,12 @@ def test_template_vars_contract():
         tv = template_vars(v)
         assert {k: tv[k] for k in v.params} == v.params and tv["name"] == v.name and tv["family"] == family
         assert all(tv[k] == x for k, x in v.resources.items())
-        assert list(tv["kernels"]) == [spec.role for spec in v.kernels]
-        for spec in v.kernels:
-            assert tv["kernels"][spec.role] == {"symbol": f"flashgen_{v.name}_{spec.role}", "threads": spec.threads,
-                                                "smem_bytes": spec.smem_bytes, "cluster": list(spec.cluster),
-                                                "params_struct": spec.params.name}
-        assert tv["params_decls"] == render_decls([v.kernels[0].params])  # (one struct, shared by the roles)
+        (role,) = tv["kernels"]
+        k = tv["kernels"][role]
+        spec = v.kernels[0]
+        assert k == {"symbol": f"flashgen_{v.name}_{role}", "threads": spec.threads, "smem_bytes": spec.smem_bytes,
+                     "cluster": list(spec.cluster), "params_struct": spec.params.name}
+        assert tv["params_decls"] == render_decls([spec.params])
         assert isinstance(tv["smem"], dict) and "smem_bytes" in tv
 
 

@@ -68,9 +68,7 @@ def test_names_unique_and_symbols_are_c_identifiers():
     assert {v.family for v in vs} == {"fwd", "combine", "bwd", "quant"}
     for v in vs:
         assert {"fwd": NAME_RE, "combine": COMBINE_NAME_RE, "bwd": BWD_NAME_RE, "quant": QUANT_NAME_RE}[v.family].match(v.name), v.name
-        roles = ["vt", "main"] if v.params.get("vt_global") else list(ROLES[v.family])  # vt_global: the V^T preprocess first
-        if v.family == "fwd" and v.params["causal"] and v.params.get("persistent", True):  # the tile counter's zero kernel
-            roles.insert(roles.index("main"), "zero")
+        roles = ["vt", "main"] if v.params.get("vt_global") else ROLES[v.family]  # vt_global: the V^T preprocess first
         assert [k.role for k in v.kernels] == roles
         for role in roles:
             assert v.symbol(role) == symbol_for(v.name, role) == "flashgen_" + v.name + "_" + role
@@ -220,20 +218,16 @@ def test_manifest_contents(tmp_path, monkeypatch):
         assert e["dispatch"] == {k: v.params[k] for k in ("dtype", "head_dim", "head_dim_v", "causal", "local", "softcap",
                                                           "pack_gqa", "varlen")}
         assert e["fatbin"] == f"fatbin/{v.name}.fatbin"
-        *zero, k = e["kernels"]
+        (k,) = e["kernels"]
         assert set(k) == want_kernel
-        assert k["role"] == "main" and k["symbol"] == v.symbol("main") and k["pdl"] is False
-        # the forward: one kernel, and before it the tile counter's zero kernel where it claims tiles (causal,
-        # persistent); main is its programmatic dependent by launch (runtime/launch.py), not by the record
-        assert [(z["role"], z["symbol"], z["threads"], z["smem_bytes"], z["tensor_maps"], z["pdl"]) for z in zero] == (
-            [("zero", v.symbol("zero"), 32, 0, ["q", "k", "v", "o"], False)] if v.params["causal"] else [])
+        assert k["role"] == "main" and k["symbol"] == v.symbol("main") and k["pdl"] is False  # the forward: one kernel
         data = (proj.manifest_path.parent / e["fatbin"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == e["sha256"]
         assert data.startswith(b"FATBIN:" + v.symbol("main").encode())
         assert (k["threads"], k["smem_bytes"]) == (v.resources["threads"], v.resources["smem_bytes"])
         assert (k["registers"], k["spill_bytes"], k["stack_bytes"], k["cluster"]) == (168, 0, 0, [1, 1, 1])
         assert k["tensor_maps"] == ["q", "k", "v", "o"] and set(k["sass"]) >= {"HGMMA", "UTMALDG", "USETMAXREG"}
-        assert k["params"] == FWD.kernels(v.params, v.resources)[-1].params.layout()
+        assert k["params"] == FWD.kernels(v.params, v.resources)[0].params.layout()
         assert k["params"]["struct"] == "FwdParams" and [f[0] for f in k["params"]["fields"]][:2] == ["lse", "seqlen_q"]
         assert len(e["key"]) == 64
     assert not list(proj.build_dir.rglob("*.tmp")) and not list(proj.cache_dir.glob(".tmp-*"))

@@ -251,24 +251,17 @@ FWD_LAYOUT = fwd_mod.PARAMS.layout()
 FWD_OFFSETS = {n: off for n, _, off in FWD_LAYOUT["fields"]}
 
 
-def record(key: dict, cluster=(1, 1, 1), zero: bool = True) -> dict:
-    """A fwd variant's manifest record; causal ones persistent, with the tile counter's zero kernel as the
-    generator writes it (fwd.py kernels: dynamic_schedule) unless ``zero`` is False (a build from before it)."""
+def record(key: dict, cluster=(1, 1, 1)) -> dict:
     bm = 128 if key["head_dim"] == 128 else 192
     name = "fwd_{dtype}_hd{head_dim}_c{causal:d}_l{local:d}_s{softcap:d}".format(**key) + \
         ("_packgqa" if key.get("pack_gqa") else "") + ("_varlen" if key.get("varlen") else "")
-    main = {"role": "main", "symbol": f"flashgen_{name}_main", "threads": 384, "cluster": list(cluster),
-            "smem_bytes": 1000 + key["head_dim"], "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
-            "tensor_maps": ["q", "k", "v", "o"], "sass": [], "params": FWD_LAYOUT}
-    kernels = [main]
-    if key["causal"] and zero:
-        kernels.insert(0, {**main, "role": "zero", "symbol": f"flashgen_{name}_zero", "threads": 32, "cluster": [1, 1, 1],
-                           "smem_bytes": 0, "registers": 8})
     return {"name": name, "key": "0" * 64, "family": "fwd",
             "params": {"family": "fwd", **key, "block_m": bm, "block_n": 128, "stages": 2, "consumer_wgs": 2,
                        "pingpong": True, "overlap": True, "persistent": key["causal"]},
             "dispatch": dict(key), "default": True, "fatbin": f"fatbin/{name}.fatbin", "sha256": "0" * 64,
-            "kernels": kernels}
+            "kernels": [{"role": "main", "symbol": f"flashgen_{name}_main", "threads": 384, "cluster": list(cluster),
+                         "smem_bytes": 1000 + key["head_dim"], "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
+                         "tensor_maps": ["q", "k", "v", "o"], "sass": [], "params": FWD_LAYOUT}]}
 
 
 class _Handle:
@@ -394,26 +387,21 @@ class FakeDriver:
             self.encodes.append(m)
         return (0, m)
 
-    def _record(self, f, grid, block, smem, stream, argv_addr, cluster, pdl=False):
+    def _record(self, f, grid, block, smem, stream, argv_addr, cluster):
         nmaps = 0 if f.symbol.endswith("_vt") else 4  # vt_global's preprocess takes no tensor map
         argv = (ctypes.c_void_p * (nmaps + 1)).from_address(argv_addr)
         with self.lock:
             maps = [self.maps[p] for p in argv[:nmaps]]
         params = ctypes.string_at(argv[nmaps], FWD_LAYOUT["size"])
         (counter,) = struct.unpack_from("<Q", params, FWD_OFFSETS["tile_counter"])
-        op = "zero" if f.symbol.endswith("_zero") else "launch-pdl" if pdl else "launch"
         with self.lock:
-            self.mem_ops.append((op, counter, int(stream), threading.get_ident()))
-            if op == "zero":  # (the zero kernel: recorded in mem_ops alone)
-                return
-            self.launches.append(dict(symbol=f.symbol, grid=grid, block=block, smem=smem, stream=int(stream),
-                                      maps=maps, params=params, ctx=int(self.current), cluster=cluster,
-                                      thread=threading.get_ident(), tile_counter=counter, pdl=pdl))
+            self.mem_ops.append(("launch", counter, int(stream), threading.get_ident()))
+        self.launches.append(dict(symbol=f.symbol, grid=grid, block=block, smem=smem, stream=int(stream), maps=maps,
+                                  params=params, ctx=int(self.current), cluster=cluster, thread=threading.get_ident(),
+                                  tile_counter=counter))
 
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
         assert extra == 0
-        if f.symbol.endswith("_zero"):  # the tile counter's zero kernel: one warp
-            assert (gx, gy, gz, bx, by, bz, smem) == (1, 1, 1, 32, 1, 1, 0)
         self._record(f, (gx, gy, gz), (bx, by, bz), smem, stream, kernel_params, None)
         return (0,)
 
@@ -424,15 +412,9 @@ class FakeDriver:
         return _Handle(value=_Handle(clusterDim=_Handle()))
 
     def cuLaunchKernelEx(self, cfg, f, kernel_params, extra):
-        ids = [a.id for a in cfg.attrs]
-        assert len(ids) == cfg.numAttrs and set(ids) <= {"CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION",
-                                                         "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"}
-        dims = [a.value.clusterDim for a in cfg.attrs if a.id == "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION"]
-        pdl = [a.value.programmaticStreamSerializationAllowed for a in cfg.attrs
-               if a.id == "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"] == [1]
+        dim = cfg.attrs[0].value.clusterDim
         self._record(f, (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), (cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ),
-                     cfg.sharedMemBytes, cfg.hStream, kernel_params,
-                     (dims[0].x, dims[0].y, dims[0].z) if dims else None, pdl)
+                     cfg.sharedMemBytes, cfg.hStream, kernel_params, (dim.x, dim.y, dim.z))
         return (0,)
 
 
@@ -785,12 +767,10 @@ def test_concurrent_calls_on_threads_each_launch_their_own_arguments(driver):
     check_counter_protocol(driver.mem_ops, causal_launches=0)  # at most 2 tiles: one per CTA, no counter
 
 
-def check_counter_protocol(ops, causal_launches, zero=True):
+def check_counter_protocol(ops, causal_launches):
     """Each launch with a tile counter: on its stream and thread, a 4-byte allocation from device
-    0's pool, the variant's zero kernel on that pointer (``zero``; else a memset of that one int32 to 0),
-    the launch holding that pointer (a programmatic dependent after the zero kernel: PDL; a plain launch
-    after a memset), then its free; no pointer is live in two launches at once (an address may come back
-    only after its free)."""
+    0's pool, a memset of that one int32 to 0, the launch holding that pointer, then its free; no
+    pointer is live in two launches at once (an address may come back only after its free)."""
     live = set()
     by_thread = {}
     for op in ops:
@@ -810,11 +790,7 @@ def check_counter_protocol(ops, causal_launches, zero=True):
                 continue
             (a, ptr, st, size, dev, _), m, l, f = seq[i:i + 4]
             assert (a, size, dev) == ("alloc", 4, 0)
-            if zero:
-                assert m[:3] == ("zero", ptr, st) and l[:3] == ("launch-pdl", ptr, st)
-            else:
-                assert m[:5] == ("memset", ptr, st, 0, 1) and l[:3] == ("launch", ptr, st)
-            assert f[:3] == ("free", ptr, st)
+            assert m[:5] == ("memset", ptr, st, 0, 1) and l[:3] == ("launch", ptr, st) and f[:3] == ("free", ptr, st)
             launches += 1
             i += 4
     assert launches == causal_launches
@@ -831,39 +807,10 @@ def test_causal_launches_get_a_zeroed_counter_of_their_own(driver):
         out, lse = targ(shape, ptr=2 << 26), targ((b, h, s), "fp32", ptr=3 << 26)
         core.attention_forward(q, kv, kv, out, lse, 0.1, causal, stream=11)
         check_launch(driver.launches[-1], q, kv, kv, out, lse, 0.1, causal, stream=11)
-    assert [op[0] for op in driver.mem_ops] == ["alloc", "zero", "launch-pdl", "free", "launch", "launch",
-                                                "alloc", "zero", "launch-pdl", "free"]
+    assert [op[0] for op in driver.mem_ops] == ["alloc", "memset", "launch", "free", "launch", "launch",
+                                                "alloc", "memset", "launch", "free"]
     check_counter_protocol(driver.mem_ops, causal_launches=2)
     assert [r["tile_counter"] != 0 for r in driver.launches] == [True, False, False, True]
-    assert [r["pdl"] for r in driver.launches] == [True, False, False, True]  # PDL only after a zero kernel
-
-
-@pytest.mark.parametrize("how", ["switch", "old_build", "pdl_env"])
-def test_counter_zeroed_by_a_memset_without_the_zero_kernel(tmp_path, driver, monkeypatch, how):
-    """launch.ZERO_KERNEL off, or a build from before the zero kernel (no "zero" kernel in the record): the
-    counter is zeroed by a memset and the kernel launches after it in stream order, without PDL. With
-    $FLASHGEN_PDL=0 the zero kernel still zeroes it, and the main kernel launches without PDL."""
-    if how == "switch":
-        monkeypatch.setattr(launch, "ZERO_KERNEL", False)
-    elif how == "old_build":
-        (tmp_path / "manifest.json").write_text(json.dumps({"schema": 2, "arch": "sm_90a", "nvcc": {"version": "13.0"},
-                                                            "variants": [record(k, zero=False) for k in KEYS]}))
-        _fresh_state(monkeypatch)
-    else:
-        monkeypatch.setenv(launch.PDL_ENV, "0")  # read when the kernel is loaded
-        _fresh_state(monkeypatch)
-    shape = (2, 3000, 8, 128)  # 384 tiles > 132 SMs
-    q, kv = targ(shape), targ(shape, ptr=1 << 26)
-    out, lse = targ(shape, ptr=2 << 26), targ((2, 8, 3000), "fp32", ptr=3 << 26)
-    for _ in range(2):
-        core.attention_forward(q, kv, kv, out, lse, 0.1, True, stream=11)
-        check_launch(driver.launches[-1], q, kv, kv, out, lse, 0.1, True, stream=11)
-    if how == "pdl_env":
-        assert [op[0] for op in driver.mem_ops] == ["alloc", "zero", "launch", "free"] * 2
-        assert not any(r["pdl"] for r in driver.launches)
-        return
-    check_counter_protocol(driver.mem_ops, causal_launches=2, zero=False)
-    assert not any(r["pdl"] for r in driver.launches)
 
 
 def test_prepare_launch_checks_its_fields():

@@ -446,12 +446,9 @@ class FwdFamily(Family):
         tma_o = ("UTMASTG",) if resources["fp8"] and resources["separate_o"] else ()
         main = KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
                           tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG") + tma_o)
-        # dynamic_schedule: the tile counter's one-warp zero kernel, launched before main with main's arguments
-        # (runtime/launch.py; main is then its programmatic dependent)
-        zero = [KernelSpec("zero", 32, 0, PARAMS, tensor_maps=main.tensor_maps)] if dynamic_schedule(params) else []
         if resources.get("vt_global"):  # the V^T preprocess first; main's map "v" is then V^T's
-            return [KernelSpec("vt", resources["vt_threads"], 0, PARAMS), *zero, main]
-        return [*zero, main]
+            return [KernelSpec("vt", resources["vt_threads"], 0, PARAMS), main]
+        return [main]
 
     def name_parts(self, p):
         hd = f"hd{p['head_dim']}" + (f"v{p['head_dim_v']}" if p["head_dim_v"] != p["head_dim"] else "")

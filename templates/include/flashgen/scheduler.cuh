@@ -2,9 +2,9 @@
 // Algorithm 1 (arXiv 2407.08608; persistent kernels: §5). CTA x runs tile x first. Static: then
 // x + gridDim.x, ...; with a grid of num_tiles CTAs that is one tile per CTA (the non-persistent
 // launch). Dynamic (FA3's causal scheduler): each further tile is claimed from a per-launch counter
-// that starts at 0 (zeroed by a one-warp kernel launched just before, fwd.cu.j2; the host passes none
-// when there are no more tiles than CTAs, and then the order is the static one), so a CTA that
-// finished its tiles early takes the next one in the order below: causal tiles differ in length, and a fixed round-robin left some SMs with up to
+// that starts at 0 (the host zeroes it; it passes none when there are no more tiles than CTAs, and
+// then the order is the static one), so a CTA that finished its tiles early takes the next one in
+// the order below: causal tiles differ in length, and a fixed round-robin left some SMs with up to
 // 1.4x the mean work (sections of L2 below) where claiming balances to within a tile.
 #pragma once
 
@@ -65,14 +65,7 @@ struct TileScheduler {
   __device__ __forceinline__ int next(int t) const {
     if constexpr (Dynamic) {
       // no counter: no more tiles than CTAs, so any tile after the first is past the last
-      if (counter == nullptr) return num_tiles;
-      // The counter is zeroed by the kernel launched just before this one (fwd.cu.j2's zero kernel), of
-      // which this grid may be a programmatic dependent (runtime/launch.py): its zero must have landed
-      // before the first claim. Each CTA's first tile (first()) needs no counter, so it runs under that
-      // kernel's launch; once the dependency is resolved the wait returns at once, and without a
-      // programmatic launch it always does.
-      asm volatile("griddepcontrol.wait;" ::: "memory");
-      return grid_ctas() + atomicAdd(counter, 1);
+      return counter != nullptr ? grid_ctas() + atomicAdd(counter, 1) : num_tiles;
     } else {
       return t + grid_ctas();
     }
