@@ -150,3 +150,26 @@ def test_kvcache(kvcache, emulated, monkeypatch, seqlen_q, seqlen_k):
                     with monkeypatch.context() as m:
                         kvcache["test_kvcache_varlen_kernel_softcap"](seqlen_q, 1024 if seqlen_k == 800 else seqlen_k,
                                                                       page, causal, local, m)
+
+
+def test_gpu_tests_find_the_default_forward_variants():
+    """The forward GPU tests skip a case whose variant is not built (test_fwd_gpu.built, test_tune_gpu.KEY): their
+    dispatch keys must be the family's, or every case skips as MISSING on a GPU that has them all. (From session
+    2026-12-04 (7), when the fwd family's dispatch key gained ``varlen``, until 2026-12-05 (5), test_fwd_gpu.py
+    skipped all its cases so, and test_tune_gpu.py its own.) Checked against the default build's variants as the
+    configs give them (no build needed)."""
+    import types
+
+    import torch
+
+    from flashgen.generator.config import load_variants
+    from flashgen.generator.project import Project
+
+    variants = [v for v in load_variants(Project(HERE.parent)) if v.default_build]
+    fwd = _module("test_fwd_gpu")
+    fwd["load_manifest"] = lambda: types.SimpleNamespace(variants=variants)
+    missing = [(dt, d, causal) for dt in (torch.bfloat16, torch.float16) for d in (64, 128, 256)
+               for causal in (False, True) if not fwd["built"](dt, d, causal)]
+    assert missing == []
+    key = _module("test_tune_gpu")["KEY"]
+    assert any(v.family == "fwd" and v.dispatch == key for v in variants)

@@ -71,7 +71,7 @@ def built(dtype, d, causal):
         return False
     # the unpacked kernel (pack_gqa false): the one these shapes run
     return any(v.dispatch == {"dtype": DT[dtype], "head_dim": d, "head_dim_v": d, "causal": causal, "local": False,
-                              "softcap": False, "pack_gqa": False}
+                              "softcap": False, "pack_gqa": False, "varlen": False}
                for v in m.variants if v.family == "fwd")
 
 

@@ -22,7 +22,7 @@ from flashgen.manifest import load_manifest  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 KEY = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": False, "local": False, "softcap": False,
-       "pack_gqa": False}
+       "pack_gqa": False, "varlen": False}
 
 
 @pytest.fixture
