@@ -158,14 +158,14 @@ VARLEN_SOFTCAP = os.environ.get("FLASHGEN_VARLEN_SOFTCAP", "1") == "1"
 VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "0") == "1"
 
 
-# num_splits 0 ("chosen", flash_attn_with_kvcache's default) runs unsplit unless FLASHGEN_SPLIT_KV_AUTO=1, which lets
-# varlen_num_splits (FA3's heuristic) split the keys. Measured on an H200 (session 2026-12-05 (2), docs/PERF.md), an
-# eager decode of 8 caches up to 32k keys took 1.65-1.71 ms with the heuristic's 2 splits and 0.49-0.63 ms unsplit
-# (the same lengths, do_bench), for a reason not yet found. On an H100 (session 2026-12-05 (4),
-# scripts/varlen_gpu_time.py, docs/results/varlen_gpu_20261205d/) the same workload's GPU time was 234 us split
-# against 335 us unsplit, and the host-inclusive per-call times did not show the H200's gap (0.53-0.75 against
-# 0.50-0.59 ms): still off until varlen_gpu_time.py has run on an H200 too. num_splits > 1 splits as asked either way.
-SPLIT_KV_AUTO = os.environ.get("FLASHGEN_SPLIT_KV_AUTO", "0") == "1"
+# num_splits 0 ("chosen", flash_attn_with_kvcache's default) lets varlen_num_splits (FA3's heuristic) split the keys
+# when the tiles do not fill the GPU; FLASHGEN_SPLIT_KV_AUTO=0 runs such calls unsplit. GPU time of an eager decode of 8
+# caches up to 32k keys (scripts/varlen_gpu_time.py, profiler): H100 234 us split against 335 us unsplit (session
+# 2026-12-05 (4)), H200 201-208 us against 335-340 us (session 2026-12-05 (5), docs/results/varlen_gpu_20261205e/);
+# do_bench per call on the H200: 0.40 against 0.48-0.56 ms. (An H200 reading of session 2026-12-05 (2), 1.65-1.71 ms
+# split against 0.49-0.63 ms, did not reproduce.) The kvcache GPU tests passed with it on (H200, session 5).
+# num_splits > 1 splits as asked either way.
+SPLIT_KV_AUTO = os.environ.get("FLASHGEN_SPLIT_KV_AUTO", "1") == "1"
 
 
 class MaskSpec(NamedTuple):

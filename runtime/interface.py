@@ -895,8 +895,8 @@ def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, 
 
 
 def _splits_arg(num_splits) -> int:
-    """FA3's ``num_splits`` as the varlen kernel's: an int, <= 0 chosen (0: unsplit unless core.SPLIT_KV_AUTO, then
-    the heuristic's), else that many (capped by :func:`_varlen_kernel`). TypeError for a non-int."""
+    """FA3's ``num_splits`` as the varlen kernel's: an int, <= 0 chosen (the heuristic's while core.SPLIT_KV_AUTO, the
+    default; else unsplit), else that many (capped by :func:`_varlen_kernel`). TypeError for a non-int."""
     if not _v._is_int(num_splits):
         raise TypeError(f"flashgen: num_splits must be an int (FA3's: 0 or less = chosen, 1 = none, n = n splits), got "
                         f"{type(num_splits).__name__}")
@@ -946,8 +946,8 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     (cache_batch_idx (batch,), cache_leftpad (batch,), page_table (batch, pages)); with a page table k / v
     are ``(num_pages, page_size, heads_k, dim)`` (core.Varlen: page_size a multiple of 8, no batch_idx or
     leftpad with it).
-    ``num_splits`` (FA3's): 1 none, 0 chosen (none unless core.SPLIT_KV_AUTO: then
-    :func:`flashgen.core.varlen_num_splits` decides), n > 1 that many (at most
+    ``num_splits`` (FA3's): 1 none, 0 chosen (:func:`flashgen.core.varlen_num_splits` decides
+    while core.SPLIT_KV_AUTO, the default; else none), n > 1 that many (at most
     core.MAX_SPLITS and one per 64 keys): split-KV (flash-decoding), each split's fp32 partial O and LSE from the
     kernel, merged by :func:`flash_attn_combine` into out / lse (every row: those of no sequence get 0 / -inf).
     Raises what :func:`_check_fwd` raises."""
@@ -1379,7 +1379,7 @@ def flash_attn_varlen_func(
         softmax_scale, causal, window_size, attention_chunk, softcap, deterministic, pack_gqa,
         learnable_sink: as :func:`flash_attn_func`. qv: not implemented (NotImplementedError).
         num_splits: FA3's split-KV count where the varlen kernel runs the call: 1 (default) none, 0 or less
-            chosen (none unless core.SPLIT_KV_AUTO, then core.varlen_num_splits), n that many; merged by
+            chosen (core.varlen_num_splits while core.SPLIT_KV_AUTO, the default; else none), n that many; merged by
             :func:`flash_attn_combine`. The composed
             path ignores it. sm_margin: accepted and ignored.
         return_attn_probs: also return lse.

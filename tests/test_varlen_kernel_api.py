@@ -10,6 +10,8 @@ tests/gpu/test_features_gpu.py's test_varlen_kernel_*.
 """
 from __future__ import annotations
 
+import os
+
 import random
 import sys
 from pathlib import Path
@@ -639,8 +641,10 @@ def test_split_kv_looks_up_the_combine_variant_once(kernel_on, monkeypatch):
 
 
 def test_num_splits_zero_runs_unsplit_unless_the_heuristic_is_switched_on(kernel_on, monkeypatch):
-    """num_splits 0 (flash_attn_with_kvcache's default): one split while core.SPLIT_KV_AUTO is off (the default: the
-    heuristic's splits measured slower, core.py), the heuristic's choice when it is on; num_splits n > 1 either way."""
+    """num_splits 0 (flash_attn_with_kvcache's default): the heuristic's choice while core.SPLIT_KV_AUTO is on (the
+    default since session 2026-12-05 (5): measured faster on both GPUs, core.py), one split when it is off; num_splits
+    n > 1 either way."""
+    assert core.SPLIT_KV_AUTO or "FLASHGEN_SPLIT_KV_AUTO" in os.environ  # on unless the environment says otherwise
     monkeypatch.setattr(core, "varlen_num_splits", lambda *a: 4)
     q, k, v, kc, vc, _ = make(batch=3, sq=2, cache_len=400, new=1, seed=23)
     lens = torch.tensor([5, 300, 399], dtype=torch.int32)

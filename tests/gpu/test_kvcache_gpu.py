@@ -87,7 +87,7 @@ def test_kvcache_varlen_kernel_split_kv(seqlen_q, seqlen_k, num_splits, causal, 
     (num_splits 0), or num_splits forces it; each split's fp32 partial, merged by the combine kernel, against the
     reference (padded and paged caches, GQA)."""
     launches = count_launches(monkeypatch)
-    monkeypatch.setattr(flashgen.core, "SPLIT_KV_AUTO", True)  # (num_splits 0: the heuristic, off by default)
+    monkeypatch.setattr(flashgen.core, "SPLIT_KV_AUTO", True)  # (num_splits 0: the heuristic; the default, whatever the env)
     check_kvcache(seqlen_q, seqlen_k, page_size, None, causal, local, "gqa", leftpad_on=page_size is None, varlen=True,
                   num_splits=num_splits)
     assert len(launches) == 1 and launches[0] is not None and launches[0].num_splits > 1
