@@ -11,7 +11,6 @@ tests/gpu/test_features_gpu.py's test_varlen_kernel_*.
 from __future__ import annotations
 
 import os
-
 import random
 import sys
 from pathlib import Path
