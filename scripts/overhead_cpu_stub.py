@@ -278,7 +278,14 @@ def main(argv=None) -> int:
             out_g = interface.flash_attn_func(qg, kg, vg, causal=True)
             return torch.autograd.grad(out_g, (qg, kg, vg), dout_g)
 
+        def varlen_fwd():  # the forward alone (no gradient): the varlen kernel, offsets on the host path
+            core.VARLEN_KERNEL = True
+            with torch.no_grad():
+                return interface.flash_attn_varlen_func(qt, kt, vt, cu_docs, cu_docs, max(doc_lens), max(doc_lens),
+                                                        causal=True)
+
         fns["flash_attn_func forward + backward (causal)"] = fa_train
+        fns["flash_attn_varlen_func forward, 16 documents, varlen kernel"] = varlen_fwd
         fns["flash_attn_varlen_func forward + backward, 16 documents, varlen kernels"] = lambda: train_step(True)
         fns["flash_attn_varlen_func forward + backward, 16 documents, composed"] = lambda: train_step(False)
         if a.profile:
