@@ -151,10 +151,11 @@ VARLEN_SOFTCAP = os.environ.get("FLASHGEN_VARLEN_SOFTCAP", "1") == "1"
 # flash_attn_varlen_func and flash_attn_with_kvcache without reading their offsets / lengths on the host in eager calls
 # too (GPU tensors, calls the varlen kernels serve: interface._varlen_on_device, kvcache._step_on_device, which
 # torch.compile (varlen) and CUDA-graph capture always take): no synchronisation a call, the offsets' values checked on the GPU (torch._assert_async) instead of on the host, FA3's max_seqlen as the
-# grid sizes, out / lse / gradients memset first. Off by default until timed (scripts/varlen_bench.py's "no host
-# read" column: on an H100, session 2026-12-05 (4), a training step over 16-256 packed documents took 2.3-3.3 ms
-# where its kernels' FLOPs need about a fifth of that, so the step waits on the host); FLASHGEN_VARLEN_NO_HOST_READ=1
-# turns it on.
+# grid sizes, out / lse / gradients memset first. Timed on an H200 (session 2026-12-05 (5), scripts/varlen_bench.py's
+# "no host read" column): eager training steps over packed documents 1.23-1.79x faster, decodes 1.29-2.28x. Off by
+# default all the same: without the host read the rows past the last offsets are not cut off, and the varlen
+# backward's loads of the last block read them, so NaN there reached dq in test_varlen_kernel_backward_rows_past_the_
+# last_sequence (docs/STATUS.md: the fix owed). FLASHGEN_VARLEN_NO_HOST_READ=1 turns it on.
 VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "0") == "1"
 
 
