@@ -250,9 +250,11 @@ def fake_gpu(monkeypatch):
     attention_forward and the prepared launch, prepare_forward + launch_forward, of the eager fast
     path), and flash_attn_func's cache of prepared calls starts empty. The varlen kernel is switched off
     (core.VARLEN_KERNEL): varlen and kvcache calls take the composed path unless a test switches it on
-    (test_varlen_kernel_api.py's kernel_on)."""
+    (test_varlen_kernel_api.py's kernel_on), and eager varlen / kvcache calls read their offsets and lengths on the
+    host (core.VARLEN_NO_HOST_READ off, whatever the default) unless a test switches that on."""
     fc = FakeCore()
     monkeypatch.setattr(core, "VARLEN_KERNEL", False)
+    monkeypatch.setattr(core, "VARLEN_NO_HOST_READ", False)
     monkeypatch.setattr(core, "_built", set())
     monkeypatch.setattr(interface, "_device_of", lambda t: (True, 0))
     monkeypatch.setattr(interface, "_current_stream", lambda device: 1234)
