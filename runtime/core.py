@@ -150,13 +150,16 @@ VARLEN_SOFTCAP = os.environ.get("FLASHGEN_VARLEN_SOFTCAP", "1") == "1"
 
 # flash_attn_varlen_func and flash_attn_with_kvcache without reading their offsets / lengths on the host in eager calls
 # too (GPU tensors, calls the varlen kernels serve: interface._varlen_on_device, kvcache._step_on_device, which
-# torch.compile (varlen) and CUDA-graph capture always take): no synchronisation a call, the offsets' values checked on the GPU (torch._assert_async) instead of on the host, FA3's max_seqlen as the
-# grid sizes, out / lse / gradients memset first. Timed on an H200 (session 2026-12-05 (5), scripts/varlen_bench.py's
-# "no host read" column): eager training steps over packed documents 1.23-1.79x faster, decodes 1.29-2.28x. Off by
-# default all the same: without the host read the rows past the last offsets are not cut off, and the varlen
-# backward's loads of the last block read them, so NaN there reached dq in test_varlen_kernel_backward_rows_past_the_
-# last_sequence (docs/STATUS.md: the fix owed). FLASHGEN_VARLEN_NO_HOST_READ=1 turns it on.
-VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "0") == "1"
+# torch.compile (varlen) and CUDA-graph capture always take): no synchronisation a call, as in FA3; the offsets' values
+# checked on the GPU (torch._assert_async: a broken contract is a device-side assert naming the argument, as PyTorch's
+# own index checks) instead of on the host (a ValueError), FA3's max_seqlen as the grid sizes, out / lse / gradients
+# memset first. Timed on an H200 (session 2026-12-05 (5), scripts/varlen_bench.py's "no host read" column): eager
+# training steps over packed documents 1.23-1.79x faster, decodes 1.29-2.28x. On by default since session
+# 2026-12-05 (6): the varlen backward zeroes the rows its tiles read past a sequence (bwd.cu.j2 zero_past), so the rows
+# past the last offsets, which this path does not cut off, no longer reach dq as NaN
+# (test_varlen_kernel_backward_rows_past_the_last_sequence). FLASHGEN_VARLEN_NO_HOST_READ=0 turns it off: the offsets
+# are then read and checked on the host (a synchronisation when they are on the GPU).
+VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "1") == "1"
 
 
 # num_splits 0 ("chosen", flash_attn_with_kvcache's default) lets varlen_num_splits (FA3's heuristic) split the keys

@@ -1343,15 +1343,15 @@ def flash_attn_varlen_func(
     each sequence is one attention with :func:`flash_attn_func`'s semantics (causal and window
     masks bottom-right aligned per sequence, attention_chunk, softcap, learnable_sink, GQA).
 
-    How it runs: eagerly, the offsets are read on the host and checked, a synchronisation when they are on
-    the GPU. Under torch.compile, under CUDA-graph capture with the offsets on q's GPU, and eagerly with GPU offsets
-    when core.VARLEN_NO_HOST_READ is on (``FLASHGEN_VARLEN_NO_HOST_READ=1``), nothing is read on the
-    host where the varlen kernels serve the call (:func:`_varlen_on_device`: ``torch.ops.flashgen.varlen_fwd``,
+    How it runs: with every offset on q's GPU (eagerly while core.VARLEN_NO_HOST_READ is on, the default; under
+    torch.compile; under CUDA-graph capture) nothing is read on the host where the varlen kernels serve the call,
+    as in FA3 (:func:`_varlen_on_device`: ``torch.ops.flashgen.varlen_fwd``,
     and ``varlen_bwd`` for gradients; the offsets' values checked on the GPU by ``torch._assert_async``, FA3's
     max_seqlen_q / max_seqlen_k as the grids' sizes): ``fullgraph=True`` traces through it and a changing
-    max_seqlen does not recompile per value; otherwise such a call reads them as below (a graph break, or
-    NotImplementedError under capture; CPU offsets can be captured). With the varlen kernel (core.VARLEN_KERNEL, on
-    unless ``FLASHGEN_VARLEN_KERNEL=0``) a call that
+    max_seqlen does not recompile per value. Otherwise (CPU offsets, ``FLASHGEN_VARLEN_NO_HOST_READ=0``, a call the
+    varlen ops do not serve) the offsets are read on the host and checked, a synchronisation when they are on the
+    GPU (under torch.compile a graph break; under capture NotImplementedError; CPU offsets can be captured). With
+    the varlen kernel (core.VARLEN_KERNEL, on unless ``FLASHGEN_VARLEN_KERNEL=0``) a call that
     wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
     reads the offsets itself (:func:`_varlen_kernel`). A call that wants gradients takes the varlen kernels both
     ways where core.VARLEN_BWD_KERNEL is on (the default; ``FLASHGEN_VARLEN_BWD_KERNEL=0`` switches it off) and
@@ -1394,9 +1394,9 @@ def flash_attn_varlen_func(
         dims; cu_seqlens / seqused not 1-D int32 tensors on q's device or the CPU, or not
         consistent with each other and the totals (flashgen._validate.varlen_problems); max_seqlen
         smaller than a sequence; FP8 descales not of shape (batch, heads_k). Without a host read
-        (torch.compile, capture) the values are checked on the GPU: a broken contract is a device-side
-        assert naming the argument (RuntimeError on the CPU; on a GPU it loses the CUDA context, as any
-        device assert). NotImplementedError: qv; GPU cu_seqlens under CUDA-graph capture for a call the
+        (GPU offsets by default, torch.compile, capture) the values are checked on the GPU: a broken contract is a
+        device-side assert naming the argument (RuntimeError on the CPU; on a GPU it loses the CUDA context, as
+        any device assert; ``FLASHGEN_VARLEN_NO_HOST_READ=0`` gets the ValueError instead, at a synchronisation). NotImplementedError: qv; GPU cu_seqlens under CUDA-graph capture for a call the
         varlen ops do not serve. Then whatever each call of :func:`flash_attn_func` raises.
     """
     if qv is not None:
