@@ -66,6 +66,9 @@
 #                                          GPU's table (copied to $OUT), then the e4m3 grid with it twice (F8ARGS, default 2k/16k)
 #   bash scripts/device_check.sh variants  forward GPU tests (TESTS_K), then fp8_bench.py --variants --rounds ROUNDS for each dtype of
 #                                          DTYPES (default e4m3,bf16) over MATCH / CAUSAL / SEQLENS / HEAD_DIMS as fp8var
+#   bash scripts/device_check.sh varlenab  the varlen backward A/B (carry .base): GPU tests matching TESTS_K (none unset), then
+#                                          scripts/varlen_bwd_ab.py (packed causal documents, hd 64/128/256) of .base/ and this
+#                                          tree alternated twice, the old/new table last (OLD_FILTER, default 'varlen')
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
@@ -415,6 +418,21 @@ bwd)
     cat "$out/bwd_split.md"
   fi
   python3 scripts/bwd_compare.py "$out"/bwd_old1_bwd.csv "$out"/bwd_new1_bwd.csv "$out"/bwd_old2_bwd.csv "$out"/bwd_new2_bwd.csv | tee "$out/bwd_compare.md"
+  ;;
+varlenab)
+  # the varlen backward of .base/ and of this tree alternated (scripts/varlen_bwd_ab.py, both without a host read),
+  # after the GPU tests matching TESTS_K (none when unset); the old/new table printed last
+  old_build "${OLD_FILTER:-varlen}"
+  if [ -n "${TESTS_K:-}" ]; then
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short -k "$TESTS_K" tests/gpu 2>&1 \
+      | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  fi
+  for r in 1 2; do
+    oldenv timeout 150 python3 scripts/varlen_bwd_ab.py --json "$out/old$r.json" > "$out/old$r.log" 2>&1 || tail -3 "$out/old$r.log"
+    timeout 150 python3 scripts/varlen_bwd_ab.py --json "$out/new$r.json" > "$out/new$r.log" 2>&1 || tail -3 "$out/new$r.log"
+  done
+  python3 scripts/varlen_bwd_ab.py --compare "$out"/old1.json "$out"/new1.json "$out"/old2.json "$out"/new2.json \
+    | tee "$out/varlen_bwd_ab.md"
   ;;
 fwdchange)
   old_build "${OLD_FILTER:-fwd_e4m3*,fwd_bf16*}"
