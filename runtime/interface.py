@@ -1026,11 +1026,11 @@ def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tupl
     it (:func:`_varlen_kernel_serves`), the backward is switched on (core.VARLEN_BWD_KERNEL), no softcap (configs/bwd.yaml
     builds no varlen softcap backward), at most core.MAX_VARLEN_BWD_SEQUENCES sequences, both varlen variants built, and no
     seqused. A learnable_sink is served: the forward's lse includes it, so the backward kernels need nothing more,
-    and its gradient is torch ops (:func:`_sink_grad`). (The
-    backward's loads read the rows just past a sequence, which add nothing when finite, as in FA3; a padded
-    sequence's unused rows may hold anything, NaN included, so such calls stay composed, which is exact. Rows past
-    the last offsets are cut off before the kernels where the offsets are read on the host:
-    flash_attn_varlen_func.) ``on_device``: the offsets are GPU tensors read by no one on the host
+    and its gradient is torch ops (:func:`_sink_grad`). (The backward kernels take each sequence's length from the
+    offsets and read no seqused, so calls with seqused stay composed, which is exact. Their tiles zero the rows they
+    read past a sequence's end (bwd.cu.j2 zero_past), so rows past the last offsets may hold anything; where the
+    offsets are read on the host they are cut off before the kernels all the same: flash_attn_varlen_func.)
+    ``on_device``: the offsets are GPU tensors read by no one on the host
     (:func:`_varlen_on_device`), so a CUDA-graph capture may take the call (:func:`_varlen_kernel_serves`)."""
     if not _core.VARLEN_BWD_KERNEL or any(t is not None for t in seqused) or softcap:
         return False
@@ -1277,8 +1277,10 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     capture). The offsets' shapes, dtypes and devices, the window, softcap and softmax_scale are checked here; q, k,
     v and the sink by the op (its fake implementation when torch.compile traces it); the offsets' values on the GPU
     (:func:`_check_offsets_on_device`). max_seqlen_q / max_seqlen_k size the grids, as in FA3. As the offsets'
-    end is not known on the host, out / lse start as 0 / -inf and the gradients as 0 (rows past the last offsets),
-    and the backward's loads may read rows just past the last sequence: they must be finite there, as in FA3."""
+    end is not known on the host, out / lse start as 0 / -inf and the gradients as 0 (rows past the last offsets).
+    The backward's tiles read rows past a sequence's end (the next sequence's, or past the last offsets whatever is
+    there) and zero them before any GEMM (bwd.cu.j2 zero_past), so those rows may hold anything, NaN included (FA3
+    needs them finite)."""
     device = _device_of(q)[1]
     if q.dtype not in (torch.float16, torch.bfloat16) or not _v._is_int(max_seqlen_q) or not _v._is_int(max_seqlen_k):
         return None
