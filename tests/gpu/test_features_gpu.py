@@ -886,6 +886,44 @@ def test_varlen_kernel_backward_rows_past_the_last_sequence(host_read, monkeypat
                       (dq[rq][None], dk[rk][None], dv[rk][None]), c.softmax_scale, 2.0, **c.feats)
 
 
+_BAD_OFFSETS_CHILD = """
+import torch, flashgen
+g = torch.Generator(device="cuda").manual_seed(3)
+q, k, v = (torch.randn(20, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+bad = {bad!r}
+cu = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")
+kw = {{"seqused_k": cu(bad["used_k"])}} if "used_k" in bad else {{}}
+try:
+    flashgen.flash_attn_varlen_func(q, k, v, cu(bad.get("cu_q", [0, 5, 10, 20])), cu(bad.get("cu_k", [0, 5, 10, 20])),
+                                    bad.get("max_q", 10), 10, causal=True, **kw)
+    torch.cuda.synchronize()
+    print("no error")
+except RuntimeError as e:
+    print("raised:", str(e).splitlines()[0])
+"""
+
+
+@pytest.mark.parametrize("bad,fragment", [
+    (dict(cu_q=[0, 5, 3, 20]), "cu_seqlens_q must start at 0, not decrease"),
+    (dict(cu_k=[1, 5, 10, 20]), "cu_seqlens_k must start at 0"),
+    (dict(cu_k=[0, 5, 10, 99]), "end at most at"),
+    (dict(max_q=6), "max_seqlen_q is less than the longest sequence"),
+    (dict(used_k=[5, 6, 11]), "seqused_k must be between 0 and each sequence's length"),
+])
+def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fragment):
+    """Eager flash_attn_varlen_func with GPU offsets reads them on the GPU by default (core.VARLEN_NO_HOST_READ): FA3's
+    contract broken is a device-side assert (torch._assert_async) whose message names the argument, raised as a
+    RuntimeError at the next synchronisation. In a child interpreter (an assert loses the CUDA context)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_CHILD.format(bad=bad)], capture_output=True, text=True,
+                       timeout=120)
+    text = r.stdout + r.stderr
+    assert "raised:" in r.stdout, f"no RuntimeError for {bad}: {text[-2000:]}"
+    assert fragment in text, f"the device assert for {bad} does not name the argument ({fragment!r}): {text[-2000:]}"
+
+
 @pytest.mark.parametrize("host_read", [True, False], ids=["host_read", "no_host_read"])
 def test_varlen_kernel_backward_sequences_are_isolated(host_read, monkeypatch):
     """One sequence's rows of q, k and v hold NaN (its own out and gradients are NaN): the varlen backward's tiles of
