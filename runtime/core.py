@@ -109,17 +109,19 @@ class BwdVarlen(NamedTuple):
     sequence b in rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` and ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])``.
     ``cu_seqlens_q`` / ``cu_seqlens_k``: device addresses of int32 ``(batch + 1,)`` arrays (0 first,
     non-decreasing, the last at most the total); ``batch``: the number of sequences (1 to MAX_VARLEN_BWD_SEQUENCES:
-    the grids' z); ``max_seqlen_q`` / ``max_seqlen_k``: the longest sequence's lengths, exactly (>= 1; the grids'
-    sizes: a smaller value leaves rows unwritten, and some sequence must have max_seqlen_k keys, or no main CTA waits
-    for the preprocess). No seqused: every row of a sequence is used. The backward's loads read the rows just past a
-    sequence (its neighbour's, or rows of no sequence): they add nothing when finite, as in FA3. Nothing here is
-    checked against the arrays' contents: the caller validated them (flashgen._validate.varlen_problems)."""
+    the grids' z); ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest sequence's lengths (>= 1; the grids'
+    sizes: a smaller value leaves rows unwritten; a larger one, FA3's bound where the offsets are not read on the
+    host, adds CTAs that return at once). No seqused: every row of a sequence is used. The backward's tiles read the
+    rows past a sequence (its neighbour's, or rows of no sequence) and zero them before any GEMM (bwd.cu.j2
+    zero_past), so those rows may hold anything. Nothing here is checked against the arrays' contents: the caller
+    validated them (flashgen._validate.varlen_problems, or on the GPU: interface._check_offsets_on_device)."""
 
     cu_seqlens_q: int
     cu_seqlens_k: int
     batch: int
     max_seqlen_q: int
     max_seqlen_k: int
+    zero_tail: bool = False  # the preprocess zeroes dq's, dk's, dv's rows past the last sequence (bwd.cu.j2)
 
 
 MAX_VARLEN_BWD_SEQUENCES = 65535  # a varlen backward's sequences: its grids' z (CUDA's limit)
@@ -1207,8 +1209,9 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     head_dim_v)``; k, dk ``(total_k, heads_k, head_dim)``; v, dv ``(total_k, heads_k, head_dim_v)``; lse fp32
     ``(heads, total_q)`` contiguous (the varlen forward's); the workspace :func:`backward_workspace_bytes` with
     ``varlen_total_q``. Each sequence is one attention with the masks bottom-right aligned on its own lengths. The
-    kernels write dq, dk, dv in the sequences' rows only (the caller zeroes rows past the last sequence; the rows
-    just past a sequence are read, :class:`BwdVarlen`).
+    kernels write dq, dk, dv in the sequences' rows only, and with ``varlen.zero_tail`` zero the rows past the last
+    sequence (otherwise the caller does; the rows just past a sequence are read and zeroed in shared memory,
+    :class:`BwdVarlen`).
     Launches on ``stream``; never synchronises. Raises MissingVariantError (no variant),
     ValueError (layouts, heads, softmax_scale / softcap, varlen shapes).
     """
@@ -1276,6 +1279,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "cu_seqlens_k": 0 if varlen is None else varlen.cu_seqlens_k,
         "dk": dk.ptr, "dv": dv.ptr, "dk_stride_seq": dk.strides[1], "dk_stride_head": dk.strides[2],
         "dv_stride_seq": dv.strides[1], "dv_stride_head": dv.strides[2], "total_q": total_q,
+        "total_k": dk.shape[1] if varlen is not None else 0,
+        "zero_tail": int(varlen is not None and varlen.zero_tail),
     }
     (params["unit_x_mul"], params["unit_x_shift"]), (params["unit_y_mul"], params["unit_y_shift"]) = (
         (fast_div(grid_n), fast_div(plan.num_slices * hk)) if persistent else ((0, 0), (0, 0)))

@@ -1144,8 +1144,8 @@ def _varlen_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     backward (``core.attention_backward(varlen=...)``: preprocess, main, postprocess over every sequence at once;
     bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). dout, out ``(total_q, heads,
     head_dim_v)``, lse float32 ``(heads, total_q)``, the rest as ``varlen_fwd``'s. The kernels write every row of a
-    sequence; ``fill``: the gradients start as 0, for rows past the last offsets (a caller that cut those rows off
-    passes False). A learnable_sink needs nothing here (the forward's lse includes it; its gradient is
+    sequence; ``fill``: the preprocess zeroes the rows past the last offsets too (core.BwdVarlen.zero_tail: no
+    memset of the whole gradients; a caller that cut those rows off passes False). A learnable_sink needs nothing here (the forward's lse includes it; its gradient is
     :func:`_varlen_backward`'s). Returns contiguous dq, dk, dv of q's, k's, v's shapes and dtype."""
     dev = _device_of(q)[1]
     dtype = _DTYPE_NAMES[q.dtype]
@@ -1154,14 +1154,13 @@ def _varlen_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     nbytes = _core.backward_workspace_bytes(
         batch, int(max_seqlen_q), q.shape[1], k.shape[1], q.shape[2], dtype, bool(causal), dev,
         seqlen_k=int(max_seqlen_k), window_size=window, softcap=0.0, head_dim_v=v.shape[2], varlen_total_q=q.shape[0])
-    new = torch.zeros_like if fill else torch.empty_like
-    grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse = lse.contiguous()
     _launch_backward((dout.to(q.dtype), q, k, v, out),
                      _core.TensorArg(lse.data_ptr(), tuple(lse.shape), tuple(lse.stride()), "fp32", dev), grads,
                      dtype, dev, nbytes, softmax_scale, causal, deterministic, window, 0.0,
                      _core.BwdVarlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), batch, int(max_seqlen_q),
-                                     int(max_seqlen_k)))
+                                     int(max_seqlen_k), bool(fill)))
     return grads
 
 
