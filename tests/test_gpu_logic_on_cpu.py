@@ -96,6 +96,8 @@ def test_varlen_kernel_backward(features, emulated, monkeypatch):
     with monkeypatch.context() as m:
         features["test_varlen_backward_kernels_write_every_row"](m)
     with monkeypatch.context() as m:
+        features["test_varlen_kernel_backward_no_sequence_has_a_key"](m)
+    with monkeypatch.context() as m:
         features["test_varlen_kernel_backward_learnable_sink"](m)
 
 

@@ -886,6 +886,31 @@ def test_varlen_kernel_backward_rows_past_the_last_sequence(host_read, monkeypat
                       (dq[rq][None], dk[rk][None], dv[rk][None]), c.softmax_scale, 2.0, **c.feats)
 
 
+def test_varlen_kernel_backward_no_sequence_has_a_key(monkeypatch):
+    """Without a host read max_seqlen_k is FA3's bound, so a call whose sequences all have no key still runs the
+    varlen kernels: every main CTA is past its keys, and CTA 0 waits for the preprocess so that the postprocess reads
+    a zeroed dQ accumulator (bwd.cu.j2). out 0, lse -inf, dq 0 (on poisoned scratch), 20 times."""
+    lens_q, lens_k = [37, 64, 5], [0, 0, 0]
+    c = Case(3, 0, 0, 4, 2, 128, BF16, causal=False)
+    why = _varlen_bwd_missing(lens_q, [1, 1, 1], c)
+    if why:
+        pytest.skip(why)
+    monkeypatch.setattr(flashgen.core, "VARLEN_NO_HOST_READ", True)
+    launches = varlen_kernels_on(monkeypatch)
+    q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_q, lens_k, None, None, c, seed=5, pad=3)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    for i in range(20):
+        poison_cached_blocks(64 * q.numel())
+        out, lse = flashgen.flash_attn_varlen_func(*leaves, cu_q, cu_k, 64, 16, return_attn_probs=True)
+        dout = randn(*out.shape, dtype=c.dtype, seed=i)
+        poison_cached_blocks(64 * q.numel())
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        torch.cuda.synchronize()
+        assert not out.any() and bool((lse == -math.inf).all()), f"run {i}: out / lse of rows without keys"
+        assert not dq.any() and not dk.any() and not dv.any(), f"run {i}: gradients of a call without keys"
+    assert len(launches) == 20 and all(x is not None for x in launches), "not the varlen backward"
+
+
 _BAD_OFFSETS_CHILD = """
 import torch, flashgen
 g = torch.Generator(device="cuda").manual_seed(3)
