@@ -68,7 +68,8 @@
 #                                          DTYPES (default e4m3,bf16) over MATCH / CAUSAL / SEQLENS / HEAD_DIMS as fp8var
 #   bash scripts/device_check.sh varlenab  the varlen backward A/B (carry .base): GPU tests matching TESTS_K (none unset), then
 #                                          scripts/varlen_bwd_ab.py (packed causal documents, hd 64/128/256) of .base/ and this
-#                                          tree alternated twice, the old/new table last (OLD_FILTER, default 'varlen')
+#                                          tree alternated twice, then (GPU_TIME=1, the default) varlen_gpu_time.py of both,
+#                                          the old/new table last (OLD_FILTER, default 'varlen')
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
@@ -431,6 +432,11 @@ varlenab)
     oldenv timeout 150 python3 scripts/varlen_bwd_ab.py --json "$out/old$r.json" > "$out/old$r.log" 2>&1 || tail -3 "$out/old$r.log"
     timeout 150 python3 scripts/varlen_bwd_ab.py --json "$out/new$r.json" > "$out/new$r.log" 2>&1 || tail -3 "$out/new$r.log"
   done
+  if [ "${GPU_TIME:-1}" = 1 ]; then  # profiler GPU time and host time per call, old then new (varlen_gpu_time.py)
+    oldenv timeout 150 python3 scripts/varlen_gpu_time.py --n 10 > "$out/gpu_time_old.md" 2>&1
+    timeout 150 python3 scripts/varlen_gpu_time.py --n 10 > "$out/gpu_time_new.md" 2>&1
+    for f in old new; do echo "== gpu time, $f"; grep -E 'no host read|^GPU' "$out/gpu_time_$f.md" | cut -c1-150; done
+  fi
   python3 scripts/varlen_bwd_ab.py --compare "$out"/old1.json "$out"/new1.json "$out"/old2.json "$out"/new2.json \
     | tee "$out/varlen_bwd_ab.md"
   ;;
