@@ -13,7 +13,7 @@ from typing import NamedTuple
 from . import launch, tuning
 from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
-from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
+from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, is_c_contiguous, tma_layout_problem
 from .manifest import Variant, load_manifest
 # the tile counter, TMA rows, vt_global's V^T scratch and its preprocess's grid
 from .generator.families.fwd import (dynamic_schedule, operand_row_bytes, pad_operand, vt_grid,  # noqa: E402
@@ -71,9 +71,6 @@ class Varlen(NamedTuple):
     call's ``out`` (then fp32) plus ``s x o_stride_split`` elements and its LSE to ``lse`` plus ``s x
     lse_stride_split``; the caller merges them (the combine family: interface._varlen_kernel).
 
-    ``zero_tail`` (a packed q without seqused_q or splits): the kernel also writes out 0 and lse -inf in q's rows
-    past the last sequence (``[cu_seqlens_q[batch], total_q)``), which otherwise no kernel writes.
-
     Nothing here is checked against the arrays' contents: the caller validated them
     (flashgen._validate.varlen_problems, kvcache's checks)."""
 
@@ -92,14 +89,13 @@ class Varlen(NamedTuple):
     num_splits: int = 1
     o_stride_split: int = 0
     lse_stride_split: int = 0
-    zero_tail: bool = False  # the kernel sets out 0 / lse -inf in q's rows past the last sequence (fwd.cu.j2)
 
     def meta(self) -> tuple:
         """What a prepared launch depends on: which arrays are given, and the sizes."""
         return (bool(self.cu_seqlens_q), bool(self.cu_seqlens_k), bool(self.seqused_q), bool(self.seqused_k),
                 self.batch, self.max_seqlen_q, self.max_seqlen_k, bool(self.kv_batch_idx), bool(self.leftpad_k),
                 bool(self.page_table), self.page_table_stride, self.page_size, self.num_splits, self.o_stride_split,
-                self.lse_stride_split, self.zero_tail)
+                self.lse_stride_split)
 
     def addresses(self) -> tuple:
         """The per-call params fields (``_VARLEN_PER_CALL``' order)."""
@@ -620,10 +616,6 @@ def _varlen_operands(q, k, v, out, varlen: Varlen, descales: tuple, pack_gqa) ->
     if pack_gqa and varlen.cu_seqlens_q:
         raise ValueError("flashgen: the varlen forward has no PackGQA with cu_seqlens_q (a packed q); pass pack_gqa "
                          "None or False")
-    if varlen.zero_tail and not (varlen.cu_seqlens_q and not varlen.seqused_q and varlen.num_splits == 1
-                                 and out.shape[0] * out.shape[1] * out.shape[2] // 8 < 2 ** 31):
-        raise ValueError("flashgen: varlen.zero_tail needs a packed q (cu_seqlens_q) without seqused_q or num_splits, "
-                         "and out's 16-byte units below 2^31 (the kernel's int index)")
     if varlen.cu_seqlens_q:
         q, out = _batch_of_one("q", q), _batch_of_one("out", out)
     if varlen.cu_seqlens_k:
@@ -709,13 +701,12 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               **_descale_params("k", k_descale, h, hk, True), **_descale_params("v", v_descale, h, hk, False),
               **dict.fromkeys(_VARLEN_PER_CALL, 0), "lse_stride_batch": 0, "lse_stride_head": 0,
               "page_table_stride": 0, "page_size": 0, "page_box": 0, "num_splits": 1, "o_stride_split": 0,
-              "lse_stride_split": 0, "split_mul": 0, "split_shift": 0, "zero_tail_q": 0}
+              "lse_stride_split": 0, "split_mul": 0, "split_shift": 0}
     per_call = _FWD_PER_CALL
     if varlen is not None:  # out's batch stride 0 when packed (its rows at the sequences' offsets); lse likewise
         packed_q = bool(varlen.cu_seqlens_q)
         params.update(o_stride_batch=0 if packed_q else out.strides[0],
-                      lse_stride_batch=0 if packed_q else h * q_rows, lse_stride_head=q_rows,
-                      zero_tail_q=q_rows if varlen.zero_tail else 0)
+                      lse_stride_batch=0 if packed_q else h * q_rows, lse_stride_head=q_rows)
         per_call = _FWD_PER_CALL + _VARLEN_PER_CALL
     kv_box = bn  # K / V rows per TMA box: the block, or (paged) the part of it in one page
     if varlen is not None and varlen.page_table:
@@ -1237,6 +1228,9 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
                 or not (varlen.cu_seqlens_q and varlen.cu_seqlens_k):
             raise ValueError(f"flashgen: varlen needs cu_seqlens_q, cu_seqlens_k, batch in [1, "
                              f"{MAX_VARLEN_BWD_SEQUENCES}] and max_seqlen_q, max_seqlen_k >= 1, got {varlen}")
+        if varlen.zero_tail and not all(is_c_contiguous(t.shape, t.strides) for t in (dq, dk, dv)):
+            raise ValueError("flashgen: varlen.zero_tail needs contiguous dq, dk, dv (their rows past the last "
+                             "sequence are zeroed as one range each)")
     _, sq, h, d = q.shape
     _, sk, hk, dv_dim = v.shape
     b = q.shape[0]

@@ -939,9 +939,8 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     device or the CPU, or a host list). With cu_seqlens_q q is ``(total_q, heads, head_dim)``, out
     ``(total_q, heads, head_dim_v)`` and lse ``(heads, total_q)``; without, q is ``(batch, seqlen_q, heads,
     head_dim)``, out alike and lse ``(batch, heads, seqlen_q)``; k and v the same with cu_seqlens_k.
-    ``fill``: some out / lse rows belong to no sequence (or are past a seqused): they are set to 0 / -inf, by
-    the kernel itself where they are rows past the last sequence of a packed q without seqused_q or splits
-    (core.Varlen.zero_tail), else by a fill of out and lse first, as the kernel writes only the sequences' rows. ``problem``: what :func:`_check_fwd` returned for
+    ``fill``: some out / lse rows belong to no sequence (or are past a seqused): they are set to 0 / -inf
+    first, as the kernel writes only the sequences' rows. ``problem``: what :func:`_check_fwd` returned for
     these q, k, v, window and softcap where the caller has run it (kvcache), else they are checked here.
     ``cache``: a padded k / v as a KV cache (kvcache's checked arguments, each None or int32 as ``seqlens``):
     (cache_batch_idx (batch,), cache_leftpad (batch,), page_table (batch, pages)); with a page table k / v
@@ -976,15 +975,12 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     splits = max(1, min(splits, _core.MAX_SPLITS, -(-max_seqlen_k // 64)))
     if splits > 1 and not _core.variant_built("combine", {"dtype": p.out_dtype}):
         splits = 1  # the merge needs a combine variant for out's dtype: without one, no split
-    # the kernel itself writes out 0 / lse -inf in the rows past the last sequence of a packed q without seqused_q
-    # (core.Varlen.zero_tail): no fill of the whole out and lse (a memset each) before it
-    zero_tail = fill and splits == 1 and packed_q and seqlens[2] is None and math.prod(out_shape) // 8 < 2 ** 31
     if splits > 1:  # split 0's partial buffers (every split's at its stride); lse -inf where no split writes
         out = torch.empty((splits,) + out_shape, dtype=torch.float32, device=q.device)
         lse = torch.full((splits,) + lse_shape, -math.inf, dtype=torch.float32, device=q.device)
     else:
-        out = q.new_zeros(out_shape) if fill and not zero_tail else q.new_empty(out_shape)
-        lse = (q.new_full(lse_shape, -math.inf, dtype=torch.float32) if fill and not zero_tail
+        out = q.new_zeros(out_shape) if fill else q.new_empty(out_shape)
+        lse = (q.new_full(lse_shape, -math.inf, dtype=torch.float32) if fill
                else q.new_empty(lse_shape, dtype=torch.float32))
     first = (lambda t: t[0]) if splits > 1 else (lambda t: t)  # noqa: E731
     arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued
@@ -1008,7 +1004,7 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
             varlen=_core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays[:4]), batch, int(max_seqlen_q),
                                 key_bound, *(0 if a is None else a.data_ptr() for a in arrays[4:]),
                                 *paging, splits, out.stride(0) if splits > 1 else 0,
-                                lse.stride(0) if splits > 1 else 0, zero_tail))
+                                lse.stride(0) if splits > 1 else 0))
     except _core.MissingVariantError:
         return None
     del qc, kc, vc, arrays, sink_t  # released only after the launch is enqueued (stream-ordered)

@@ -155,8 +155,7 @@ class FakeCore:
     def _varlen_forward(self, q, k, v, out, lse, scale, causal, window_size, softcap, sink, varlen, pack_gqa=None):
         """The varlen kernel (core.Varlen, mask.cuh SeqRange) emulated: each sequence's rows of q and
         k / v (at their cu_seqlens offsets, or row b of a padded batch; seqused_* rows of them) attend
-        as one call, written to the same rows of out and lse; rows of no sequence are left as they were (but
-        with varlen.zero_tail the rows past the last sequence get 0 / -inf, as the kernel writes them).
+        as one call, written to the same rows of out and lse; rows of no sequence are left as they were.
         Split-KV (num_splits > 1; out and lse then split 0's fp32 partials, split s at s x the split strides): split
         s gets the s-th share of ceil(blocks / splits) blocks of 128 keys (the kernel's split_blocks over the whole
         key range; the kernel's range is the mask's, an equally valid partition), the sink in split 0 only."""
@@ -213,10 +212,6 @@ class FakeCore:
                 else:
                     ovs[b, :lq] = o[0]
                     lvs[b, :, :lq] = l[0]
-        assert type(varlen.zero_tail) is bool
-        if varlen.zero_tail:  # the kernel's rows past the last sequence (core.Varlen.zero_tail)
-            _view(out)[cu_q[n]:] = 0
-            _view(lse)[:, cu_q[n]:] = -math.inf
         return variant
 
     def prepare_forward(self, q, k, v, out, causal, variant=None, *, window_size=(-1, -1), softcap=0.0,

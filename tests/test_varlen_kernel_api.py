@@ -85,26 +85,11 @@ def test_varlen_kernel_is_one_launch_of_each_sequences_attention(kernel_on, lens
     assert bool(vl.seqused_q) == used and bool(vl.seqused_k) == used
     assert call["q"].ptr == q.data_ptr() and call["q"].shape == tuple(q.shape)  # packed q read in place
     assert call["out"].ptr == out.data_ptr() and call["lse"].shape == (4, q.shape[0])
-    # the rows past the last sequence: written by the kernel (no fill of out first) where there is no seqused_q
-    assert vl.zero_tail is (pad_q > 0 and not used)
     # the composed path (the switch off) gives the same out and lse
     core.VARLEN_KERNEL = False
     out2, lse2 = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q) + 5, max(lens_k), causal=causal,
                                         window_size=window, learnable_sink=sink, return_attn_probs=True, **kw)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
-
-
-def test_varlen_zero_tail_is_refused_where_the_kernel_cannot_serve_it():
-    """core.Varlen.zero_tail (the kernel writes the rows past the last sequence) needs a packed q without seqused_q or
-    split-KV: ValueError naming it otherwise, before any launch."""
-    q = core.TensorArg(0x1000, (20, 4, 64), (256, 64, 1), "bf16", 0)
-    k = core.TensorArg(0x9000, (20, 2, 64), (128, 64, 1), "bf16", 0)
-    for bad in (dict(seqused_q=0x40), dict(num_splits=2), dict(cu_seqlens_q=0)):
-        args = dict(cu_seqlens_q=0x20, cu_seqlens_k=0x30, seqused_q=0, seqused_k=0, batch=2, max_seqlen_q=9,
-                    max_seqlen_k=9, zero_tail=True)
-        args.update(bad)
-        with pytest.raises(ValueError, match="zero_tail"):
-            core._varlen_operands(q, k, k, q, core.Varlen(**args), (None, None, None), None)
 
 
 def test_unused_rows_are_zero_and_minus_inf(kernel_on):

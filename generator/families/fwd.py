@@ -173,9 +173,6 @@ PARAMS = params_struct(
     # o_stride_split and its LSE at lse + s x lse_stride_split (elements), merged by the combine family.
     ("num_splits", "i32"), ("o_stride_split", "i64"), ("lse_stride_split", "i64"),
     ("split_mul", "u32"), ("split_shift", "u32"),  # core.fast_div of num_splits (mul 0: no splits)
-    # 16-bit varlen variants, a packed q without seqused_q or splits: > 0, q's rows; the rows past the last
-    # sequence ([cu_seqlens_q[batch], zero_tail_q)) get out 0 and lse -inf from the kernel (fwd.cu.j2); 0: not
-    ("zero_tail_q", "i32"),
 )
 
 VT_KEY_ALIGN = 16  # V^T rows: whole 16-key groups (P's k order permutes within 16; TMA strides: 16 bytes)
