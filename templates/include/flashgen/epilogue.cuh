@@ -9,8 +9,8 @@ namespace flashgen {
 
 // A varlen call's rows past its last sequence, which no tile covers (a packed tensor of `total` rows of
 // `row_elems` contiguous 16-bit elements each, the rows [first_row, total)), set to 0 by thread t of n (a stride
-// over whatever threads the caller gives it), 16 bytes a store: the forward's out, the backward's dq, dk, dv (their
-// callers need not zero the whole tensors first). first_row past total (offsets broken): nothing.
+// over whatever threads the caller gives it), 16 bytes a store: the varlen backward's dq, dk, dv (bwd.cu.j2's
+// preprocess; the caller need not zero the whole tensors first). first_row past total (offsets broken): nothing.
 __device__ __forceinline__ void zero_rows_past(void* base, int first_row, int total, int64_t row_elems, int64_t t,
                                                int64_t n) {
   const int64_t units = (total - first_row) * row_elems / 8;
