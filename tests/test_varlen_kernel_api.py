@@ -23,7 +23,7 @@ from flashgen import flash_attn_varlen_func, flash_attn_with_kvcache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ref import kvcache_reference, logical_cache  # noqa: E402  (torch only: runs on the CPU)
+from _ref import BAD_VARLEN_OFFSETS, kvcache_reference, logical_cache  # noqa: E402  (torch only: runs on the CPU)
 from test_api_validation import fake_gpu  # noqa: E402,F401  (a fixture)
 from test_bwd_api import gpu  # noqa: E402,F401  (a fixture: the emulated backward)
 from test_chunk_api import varlen_inputs, varlen_reference  # noqa: E402
@@ -981,13 +981,7 @@ def test_varlen_training_step_without_a_host_read(bwd_kernel_on, monkeypatch, mo
         assert not g[-pad:].any()
 
 
-@pytest.mark.parametrize("bad,fragment", [
-    (dict(cu_q=[0, 5, 3, 20]), "cu_seqlens_q must start at 0, not decrease"),
-    (dict(cu_k=[1, 5, 10, 20]), "cu_seqlens_k must start at 0"),
-    (dict(cu_k=[0, 5, 10, 99]), "end at most at"),
-    (dict(max_q=6), "max_seqlen_q is less than the longest sequence"),
-    (dict(used_k=[5, 6, 11]), "seqused_k must be between 0 and each sequence's length"),
-])
+@pytest.mark.parametrize("bad,fragment", BAD_VARLEN_OFFSETS)
 def test_varlen_offsets_are_checked_on_the_device(kernel_on, bad, fragment):
     """Without a host read the offsets' values are checked on the device (torch._assert_async, which on the CPU
     raises at once): FA3's contract broken is an error naming the argument, before the kernel launches."""

@@ -320,6 +320,18 @@ def poison_cached_blocks(nbytes: int, device="cuda") -> None:
         torch.full((n // 4,), float("nan"), dtype=torch.float32, device=device)
 
 
+# Offsets that break FA3's varlen contract (three sequences of 5, 5 and 10 rows of q and k, max_seqlen_q 10 or 12),
+# each with the fragment of the error that must name the argument: the host's ValueError, or the device-side assert
+# of the no-host-read path (interface._check_offsets_on_device).
+BAD_VARLEN_OFFSETS = [
+    (dict(cu_q=[0, 5, 3, 20]), "cu_seqlens_q must start at 0, not decrease"),
+    (dict(cu_k=[1, 5, 10, 20]), "cu_seqlens_k must start at 0"),
+    (dict(cu_k=[0, 5, 10, 99]), "end at most at"),
+    (dict(max_q=6), "max_seqlen_q is less than the longest sequence"),
+    (dict(used_k=[5, 6, 11]), "seqused_k must be between 0 and each sequence's length"),
+]
+
+
 def varlen_launches(monkeypatch, entry: str) -> list:
     """Record each call of ``flashgen.core.<entry>`` (attention_forward or attention_backward) for the test: the
     returned list gets its ``varlen`` argument (None: not a varlen launch)."""

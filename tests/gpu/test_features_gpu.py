@@ -46,6 +46,7 @@ torch = pytest.importorskip("torch")
 import flashgen  # noqa: E402
 from flashgen.core import chunk_pieces, mask_spec  # noqa: E402
 from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
+    BAD_VARLEN_OFFSETS,
     DTYPE_NAMES,
     attention_ref,
     bitwise_equal,
@@ -900,13 +901,7 @@ except RuntimeError as e:
 """
 
 
-@pytest.mark.parametrize("bad,fragment", [
-    (dict(cu_q=[0, 5, 3, 20]), "cu_seqlens_q must start at 0, not decrease"),
-    (dict(cu_k=[1, 5, 10, 20]), "cu_seqlens_k must start at 0"),
-    (dict(cu_k=[0, 5, 10, 99]), "end at most at"),
-    (dict(max_q=6), "max_seqlen_q is less than the longest sequence"),
-    (dict(used_k=[5, 6, 11]), "seqused_k must be between 0 and each sequence's length"),
-])
+@pytest.mark.parametrize("bad,fragment", BAD_VARLEN_OFFSETS)
 def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fragment):
     """Eager flash_attn_varlen_func with GPU offsets and core.VARLEN_NO_HOST_READ on (as under torch.compile and CUDA
     graphs) reads them on the GPU: FA3's contract broken is a device-side assert (torch._assert_async) whose message
