@@ -896,8 +896,8 @@ try:
                                     bad.get("max_q", 10), 10, causal=True, **kw)
     torch.cuda.synchronize()
     print("no error")
-except RuntimeError as e:
-    print("raised:", str(e).splitlines()[0])
+except Exception as e:  # (torch's RuntimeError at the synchronisation, or a later launch's CUDA error)
+    print("raised:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 """
 
 
@@ -905,7 +905,7 @@ except RuntimeError as e:
 def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fragment):
     """Eager flash_attn_varlen_func with GPU offsets and core.VARLEN_NO_HOST_READ on (as under torch.compile and CUDA
     graphs) reads them on the GPU: FA3's contract broken is a device-side assert (torch._assert_async) whose message
-    names the argument, raised as a RuntimeError at the next synchronisation. In a child interpreter (an assert loses
+    names the argument, raised at the next synchronisation. In a child interpreter (an assert loses
     the CUDA context)."""
     import os
     import subprocess
@@ -914,7 +914,7 @@ def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fra
     r = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_CHILD.format(bad=bad)], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "FLASHGEN_VARLEN_NO_HOST_READ": "1"})
     text = r.stdout + r.stderr
-    assert "raised:" in r.stdout, f"no RuntimeError for {bad}: {text[-2000:]}"
+    assert "raised:" in r.stdout, f"no error for {bad}: {text[-2000:]}"
     assert fragment in text, f"the device assert for {bad} does not name the argument ({fragment!r}): {text[-2000:]}"
 
 
