@@ -13,7 +13,7 @@ from typing import NamedTuple
 from . import launch, tuning
 from .dispatch import MissingVariantError, select_variant
 from .launch import device_capability
-from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, tma_layout_problem
+from ._validate import ELEMENT_SIZE, TMA_ALIGN_BYTES, is_c_contiguous, tma_layout_problem
 from .manifest import Variant, load_manifest
 # the tile counter, TMA rows, vt_global's V^T scratch and its preprocess's grid
 from .generator.families.fwd import (dynamic_schedule, operand_row_bytes, pad_operand, vt_grid,  # noqa: E402
@@ -109,17 +109,19 @@ class BwdVarlen(NamedTuple):
     sequence b in rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` and ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])``.
     ``cu_seqlens_q`` / ``cu_seqlens_k``: device addresses of int32 ``(batch + 1,)`` arrays (0 first,
     non-decreasing, the last at most the total); ``batch``: the number of sequences (1 to MAX_VARLEN_BWD_SEQUENCES:
-    the grids' z); ``max_seqlen_q`` / ``max_seqlen_k``: the longest sequence's lengths, exactly (>= 1; the grids'
-    sizes: a smaller value leaves rows unwritten, and some sequence must have max_seqlen_k keys, or no main CTA waits
-    for the preprocess). No seqused: every row of a sequence is used. The backward's loads read the rows just past a
-    sequence (its neighbour's, or rows of no sequence): they add nothing when finite, as in FA3. Nothing here is
-    checked against the arrays' contents: the caller validated them (flashgen._validate.varlen_problems)."""
+    the grids' z); ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest sequence's lengths (>= 1; the grids'
+    sizes: a smaller value leaves rows unwritten; a larger one, FA3's bound where the offsets are not read on the
+    host, adds CTAs that return at once). No seqused: every row of a sequence is used. The backward's tiles read the
+    rows past a sequence (its neighbour's, or rows of no sequence) and zero them before any GEMM (bwd.cu.j2
+    zero_past), so those rows may hold anything. Nothing here is checked against the arrays' contents: the caller
+    validated them (flashgen._validate.varlen_problems, or on the GPU: interface._check_offsets_on_device)."""
 
     cu_seqlens_q: int
     cu_seqlens_k: int
     batch: int
     max_seqlen_q: int
     max_seqlen_k: int
+    zero_tail: bool = False  # the preprocess zeroes dq's, dk's, dv's rows past the last sequence (bwd.cu.j2)
 
 
 MAX_VARLEN_BWD_SEQUENCES = 65535  # a varlen backward's sequences: its grids' z (CUDA's limit)
@@ -150,13 +152,16 @@ VARLEN_SOFTCAP = os.environ.get("FLASHGEN_VARLEN_SOFTCAP", "1") == "1"
 
 # flash_attn_varlen_func and flash_attn_with_kvcache without reading their offsets / lengths on the host in eager calls
 # too (GPU tensors, calls the varlen kernels serve: interface._varlen_on_device, kvcache._step_on_device, which
-# torch.compile (varlen) and CUDA-graph capture always take): no synchronisation a call, the offsets' values checked on the GPU (torch._assert_async) instead of on the host, FA3's max_seqlen as the
-# grid sizes, out / lse / gradients memset first. Timed on an H200 (session 2026-12-05 (5), scripts/varlen_bench.py's
-# "no host read" column): eager training steps over packed documents 1.23-1.79x faster, decodes 1.29-2.28x. Off by
-# default all the same: without the host read the rows past the last offsets are not cut off, and the varlen
-# backward's loads of the last block read them, so NaN there reached dq in test_varlen_kernel_backward_rows_past_the_
-# last_sequence (docs/STATUS.md: the fix owed). FLASHGEN_VARLEN_NO_HOST_READ=1 turns it on.
-VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "0") == "1"
+# torch.compile (varlen) and CUDA-graph capture always take): no synchronisation a call, as in FA3; the offsets' values
+# checked on the GPU (torch._assert_async: a broken contract is a device-side assert naming the argument, as PyTorch's
+# own index checks) instead of on the host (a ValueError), FA3's max_seqlen as the grid sizes, out / lse filled first
+# and the gradients' rows past the last offsets zeroed by the backward's preprocess (BwdVarlen.zero_tail). Timed on an H200 (session 2026-12-05 (5), scripts/varlen_bench.py's "no host read" column): eager
+# training steps over packed documents 1.23-1.79x faster, decodes 1.29-2.28x. On by default since session
+# 2026-12-05 (6): the varlen backward zeroes the rows its tiles read past a sequence (bwd.cu.j2 zero_past), so the rows
+# past the last offsets, which this path does not cut off, no longer reach dq as NaN
+# (test_varlen_kernel_backward_rows_past_the_last_sequence). FLASHGEN_VARLEN_NO_HOST_READ=0 turns it off: the offsets
+# are then read and checked on the host (a synchronisation when they are on the GPU).
+VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "1") == "1"
 
 
 # num_splits 0 ("chosen", flash_attn_with_kvcache's default) lets varlen_num_splits (FA3's heuristic) split the keys
@@ -1204,8 +1209,9 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     head_dim_v)``; k, dk ``(total_k, heads_k, head_dim)``; v, dv ``(total_k, heads_k, head_dim_v)``; lse fp32
     ``(heads, total_q)`` contiguous (the varlen forward's); the workspace :func:`backward_workspace_bytes` with
     ``varlen_total_q``. Each sequence is one attention with the masks bottom-right aligned on its own lengths. The
-    kernels write dq, dk, dv in the sequences' rows only (the caller zeroes rows past the last sequence; the rows
-    just past a sequence are read, :class:`BwdVarlen`).
+    kernels write dq, dk, dv in the sequences' rows only, and with ``varlen.zero_tail`` zero the rows past the last
+    sequence (otherwise the caller does; the rows just past a sequence are read and zeroed in shared memory,
+    :class:`BwdVarlen`).
     Launches on ``stream``; never synchronises. Raises MissingVariantError (no variant),
     ValueError (layouts, heads, softmax_scale / softcap, varlen shapes).
     """
@@ -1222,6 +1228,9 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
                 or not (varlen.cu_seqlens_q and varlen.cu_seqlens_k):
             raise ValueError(f"flashgen: varlen needs cu_seqlens_q, cu_seqlens_k, batch in [1, "
                              f"{MAX_VARLEN_BWD_SEQUENCES}] and max_seqlen_q, max_seqlen_k >= 1, got {varlen}")
+        if varlen.zero_tail and not all(is_c_contiguous(t.shape, t.strides) for t in (dq, dk, dv)):
+            raise ValueError("flashgen: varlen.zero_tail needs contiguous dq, dk, dv (their rows past the last "
+                             "sequence are zeroed as one range each)")
     _, sq, h, d = q.shape
     _, sk, hk, dv_dim = v.shape
     b = q.shape[0]
@@ -1273,6 +1282,8 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
         "cu_seqlens_k": 0 if varlen is None else varlen.cu_seqlens_k,
         "dk": dk.ptr, "dv": dv.ptr, "dk_stride_seq": dk.strides[1], "dk_stride_head": dk.strides[2],
         "dv_stride_seq": dv.strides[1], "dv_stride_head": dv.strides[2], "total_q": total_q,
+        "total_k": dk.shape[1] if varlen is not None else 0,
+        "zero_tail": int(varlen is not None and varlen.zero_tail),
     }
     (params["unit_x_mul"], params["unit_x_shift"]), (params["unit_y_mul"], params["unit_y_shift"]) = (
         (fast_div(grid_n), fast_div(plan.num_slices * hk)) if persistent else ((0, 0), (0, 0)))

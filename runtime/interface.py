@@ -1026,11 +1026,11 @@ def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tupl
     it (:func:`_varlen_kernel_serves`), the backward is switched on (core.VARLEN_BWD_KERNEL), no softcap (configs/bwd.yaml
     builds no varlen softcap backward), at most core.MAX_VARLEN_BWD_SEQUENCES sequences, both varlen variants built, and no
     seqused. A learnable_sink is served: the forward's lse includes it, so the backward kernels need nothing more,
-    and its gradient is torch ops (:func:`_sink_grad`). (The
-    backward's loads read the rows just past a sequence, which add nothing when finite, as in FA3; a padded
-    sequence's unused rows may hold anything, NaN included, so such calls stay composed, which is exact. Rows past
-    the last offsets are cut off before the kernels where the offsets are read on the host:
-    flash_attn_varlen_func.) ``on_device``: the offsets are GPU tensors read by no one on the host
+    and its gradient is torch ops (:func:`_sink_grad`). (The backward kernels take each sequence's length from the
+    offsets and read no seqused, so calls with seqused stay composed, which is exact. Their tiles zero the rows they
+    read past a sequence's end (bwd.cu.j2 zero_past), so rows past the last offsets may hold anything; where the
+    offsets are read on the host they are cut off before the kernels all the same: flash_attn_varlen_func.)
+    ``on_device``: the offsets are GPU tensors read by no one on the host
     (:func:`_varlen_on_device`), so a CUDA-graph capture may take the call (:func:`_varlen_kernel_serves`)."""
     if not _core.VARLEN_BWD_KERNEL or any(t is not None for t in seqused) or softcap:
         return False
@@ -1144,8 +1144,8 @@ def _varlen_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     backward (``core.attention_backward(varlen=...)``: preprocess, main, postprocess over every sequence at once;
     bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). dout, out ``(total_q, heads,
     head_dim_v)``, lse float32 ``(heads, total_q)``, the rest as ``varlen_fwd``'s. The kernels write every row of a
-    sequence; ``fill``: the gradients start as 0, for rows past the last offsets (a caller that cut those rows off
-    passes False). A learnable_sink needs nothing here (the forward's lse includes it; its gradient is
+    sequence; ``fill``: the preprocess zeroes the rows past the last offsets too (core.BwdVarlen.zero_tail: no
+    memset of the whole gradients; a caller that cut those rows off passes False). A learnable_sink needs nothing here (the forward's lse includes it; its gradient is
     :func:`_varlen_backward`'s). Returns contiguous dq, dk, dv of q's, k's, v's shapes and dtype."""
     dev = _device_of(q)[1]
     dtype = _DTYPE_NAMES[q.dtype]
@@ -1154,14 +1154,13 @@ def _varlen_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     nbytes = _core.backward_workspace_bytes(
         batch, int(max_seqlen_q), q.shape[1], k.shape[1], q.shape[2], dtype, bool(causal), dev,
         seqlen_k=int(max_seqlen_k), window_size=window, softcap=0.0, head_dim_v=v.shape[2], varlen_total_q=q.shape[0])
-    new = torch.zeros_like if fill else torch.empty_like
-    grads = tuple(new(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse = lse.contiguous()
     _launch_backward((dout.to(q.dtype), q, k, v, out),
                      _core.TensorArg(lse.data_ptr(), tuple(lse.shape), tuple(lse.stride()), "fp32", dev), grads,
                      dtype, dev, nbytes, softmax_scale, causal, deterministic, window, 0.0,
                      _core.BwdVarlen(cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), batch, int(max_seqlen_q),
-                                     int(max_seqlen_k)))
+                                     int(max_seqlen_k), bool(fill)))
     return grads
 
 
@@ -1277,8 +1276,10 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     capture). The offsets' shapes, dtypes and devices, the window, softcap and softmax_scale are checked here; q, k,
     v and the sink by the op (its fake implementation when torch.compile traces it); the offsets' values on the GPU
     (:func:`_check_offsets_on_device`). max_seqlen_q / max_seqlen_k size the grids, as in FA3. As the offsets'
-    end is not known on the host, out / lse start as 0 / -inf and the gradients as 0 (rows past the last offsets),
-    and the backward's loads may read rows just past the last sequence: they must be finite there, as in FA3."""
+    end is not known on the host, out / lse start as 0 / -inf and the gradients as 0 (rows past the last offsets).
+    The backward's tiles read rows past a sequence's end (the next sequence's, or past the last offsets whatever is
+    there) and zero them before any GEMM (bwd.cu.j2 zero_past), so those rows may hold anything, NaN included (FA3
+    needs them finite)."""
     device = _device_of(q)[1]
     if q.dtype not in (torch.float16, torch.bfloat16) or not _v._is_int(max_seqlen_q) or not _v._is_int(max_seqlen_k):
         return None
@@ -1343,15 +1344,15 @@ def flash_attn_varlen_func(
     each sequence is one attention with :func:`flash_attn_func`'s semantics (causal and window
     masks bottom-right aligned per sequence, attention_chunk, softcap, learnable_sink, GQA).
 
-    How it runs: eagerly, the offsets are read on the host and checked, a synchronisation when they are on
-    the GPU. Under torch.compile, under CUDA-graph capture with the offsets on q's GPU, and eagerly with GPU offsets
-    when core.VARLEN_NO_HOST_READ is on (``FLASHGEN_VARLEN_NO_HOST_READ=1``), nothing is read on the
-    host where the varlen kernels serve the call (:func:`_varlen_on_device`: ``torch.ops.flashgen.varlen_fwd``,
+    How it runs: with every offset on q's GPU (eagerly while core.VARLEN_NO_HOST_READ is on, the default; under
+    torch.compile; under CUDA-graph capture) nothing is read on the host where the varlen kernels serve the call,
+    as in FA3 (:func:`_varlen_on_device`: ``torch.ops.flashgen.varlen_fwd``,
     and ``varlen_bwd`` for gradients; the offsets' values checked on the GPU by ``torch._assert_async``, FA3's
     max_seqlen_q / max_seqlen_k as the grids' sizes): ``fullgraph=True`` traces through it and a changing
-    max_seqlen does not recompile per value; otherwise such a call reads them as below (a graph break, or
-    NotImplementedError under capture; CPU offsets can be captured). With the varlen kernel (core.VARLEN_KERNEL, on
-    unless ``FLASHGEN_VARLEN_KERNEL=0``) a call that
+    max_seqlen does not recompile per value. Otherwise (CPU offsets, ``FLASHGEN_VARLEN_NO_HOST_READ=0``, a call the
+    varlen ops do not serve) the offsets are read on the host and checked, a synchronisation when they are on the
+    GPU (under torch.compile a graph break; under capture NotImplementedError; CPU offsets can be captured). With
+    the varlen kernel (core.VARLEN_KERNEL, on unless ``FLASHGEN_VARLEN_KERNEL=0``) a call that
     wants no gradient, fp16 / bf16 without descales or attention_chunk, is one launch of it, which
     reads the offsets itself (:func:`_varlen_kernel`). A call that wants gradients takes the varlen kernels both
     ways where core.VARLEN_BWD_KERNEL is on (the default; ``FLASHGEN_VARLEN_BWD_KERNEL=0`` switches it off) and
@@ -1394,9 +1395,9 @@ def flash_attn_varlen_func(
         dims; cu_seqlens / seqused not 1-D int32 tensors on q's device or the CPU, or not
         consistent with each other and the totals (flashgen._validate.varlen_problems); max_seqlen
         smaller than a sequence; FP8 descales not of shape (batch, heads_k). Without a host read
-        (torch.compile, capture) the values are checked on the GPU: a broken contract is a device-side
-        assert naming the argument (RuntimeError on the CPU; on a GPU it loses the CUDA context, as any
-        device assert). NotImplementedError: qv; GPU cu_seqlens under CUDA-graph capture for a call the
+        (GPU offsets by default, torch.compile, capture) the values are checked on the GPU: a broken contract is a
+        device-side assert naming the argument (RuntimeError on the CPU; on a GPU it loses the CUDA context, as
+        any device assert; ``FLASHGEN_VARLEN_NO_HOST_READ=0`` gets the ValueError instead, at a synchronisation). NotImplementedError: qv; GPU cu_seqlens under CUDA-graph capture for a call the
         varlen ops do not serve. Then whatever each call of :func:`flash_attn_func` raises.
     """
     if qv is not None:

@@ -16,8 +16,8 @@ which reads each entry's total length (``seqused_k``), cache row, left padding o
 such a call (a padded q, new k / v of (batch, seqlen_new, ...)) reads no length on the host at all
 (:func:`_step_on_device`), so a decode step can be captured and replayed for new cache_seqlens; with
 cache_seqlens an int or None (one length for all entries) it is one flash_attn_func call on the cache's first
-rows, with or without the varlen kernel. Eager calls take the same path when flashgen.core.VARLEN_NO_HOST_READ
-is on (``FLASHGEN_VARLEN_NO_HOST_READ=1``, off by default) and every length tensor is on q's device: no
+rows, with or without the varlen kernel. Eager calls take the same path while flashgen.core.VARLEN_NO_HOST_READ
+is on (the default; ``FLASHGEN_VARLEN_NO_HOST_READ=0`` turns it off) and every length tensor is on q's device: no
 synchronisation, the lengths checked on the GPU; a call that path refuses reads them on the host as above.
 
 Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_flash_attn_kvcache):
@@ -431,7 +431,8 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,) \
                 or t.device != q.device:
             raise ValueError(f"flashgen: {name} must be an int32 ({batch},) tensor on q's device without a host read "
-                             "(CUDA-graph capture, or FLASHGEN_VARLEN_NO_HOST_READ=1), got "
+                             "(CUDA-graph capture, or core.VARLEN_NO_HOST_READ: FLASHGEN_VARLEN_NO_HOST_READ=0 reads "
+                             "the lengths on the host), got "
                              f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
         return t
 

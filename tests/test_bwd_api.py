@@ -165,7 +165,8 @@ class FakeBwd:
                          workspace_ptr, variant, window_size, softcap, varlen):
         """The varlen backward (core.BwdVarlen; bwd.cu.j2 kVarlen) emulated: each sequence's rows (at the offsets
         read through varlen's addresses) as one call of emulated_grads, written to the same rows of dq, dk, dv;
-        rows of no sequence are left as they were (the kernels write only the sequences' rows)."""
+        rows of no sequence are left as they were (the kernels write only the sequences' rows), except the rows past
+        the last sequence with varlen.zero_tail (the preprocess zeroes them)."""
         arrays = dict(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
         for name, a in arrays.items():
             assert isinstance(a, core.TensorArg) and a.dtype == q.dtype and len(a.shape) == 3, name
@@ -202,6 +203,11 @@ class FakeBwd:
             for b in range(n):
                 if cu_q[b + 1] == cu_q[b]:
                     views[name][cu_k[b]:cu_k[b + 1]] = 0
+        assert type(varlen.zero_tail) is bool
+        if varlen.zero_tail:
+            views["dq"][cu_q[n]:] = 0
+            views["dk"][cu_k[n]:] = 0
+            views["dv"][cu_k[n]:] = 0
         return variant
 
 

@@ -88,10 +88,15 @@ def test_varlen_kernel_backward(features, emulated, monkeypatch):
     for case in cases[:3]:  # (deterministic: twice as many runs)
         with monkeypatch.context() as m:
             features["test_varlen_kernel_backward"](case, True, m)
-    with monkeypatch.context() as m:
-        features["test_varlen_kernel_backward_rows_past_the_last_sequence"](m)
+    for host_read in (True, False):
+        with monkeypatch.context() as m:
+            features["test_varlen_kernel_backward_rows_past_the_last_sequence"](host_read, m)
+        with monkeypatch.context() as m:
+            features["test_varlen_kernel_backward_sequences_are_isolated"](host_read, m)
     with monkeypatch.context() as m:
         features["test_varlen_backward_kernels_write_every_row"](m)
+    with monkeypatch.context() as m:
+        features["test_varlen_kernel_backward_no_sequence_has_a_key"](m)
     with monkeypatch.context() as m:
         features["test_varlen_kernel_backward_learnable_sink"](m)
 

@@ -229,6 +229,8 @@ PARAMS = params_struct(
     ("dk_stride_seq", "i64"), ("dk_stride_head", "i64"),
     ("dv_stride_seq", "i64"), ("dv_stride_head", "i64"),
     ("total_q", "i32"),  # q's rows: lse's stride between heads
+    ("total_k", "i32"),  # k's rows
+    ("zero_tail", "i32"),  # 1: the preprocess zeroes dq's, dk's, dv's rows past the last sequence (bwd.cu.j2)
 )
 
 

@@ -860,11 +860,14 @@ def test_varlen_backward_kernels_write_every_row(monkeypatch):
                 assert not dk[rk].any() and not dv[rk].any(), f"hd{c.d}: sequence {b} has no query: dk, dv must be 0"
 
 
-def test_varlen_kernel_backward_rows_past_the_last_sequence(monkeypatch):
-    """Rows past the last offsets of q, k and v hold NaN: flash_attn_varlen_func cuts them off before the varlen
-    kernels (views of the sequences' rows: the TMA loads zero-fill past them), so every sequence's gradients pass
-    FA3's rule and the cut rows get out 0, lse -inf and zero gradients. hd128 causal (block_n 128) and hd256 (the
-    role tiles)."""
+@pytest.mark.parametrize("host_read", [True, False], ids=["host_read", "no_host_read"])
+def test_varlen_kernel_backward_rows_past_the_last_sequence(host_read, monkeypatch):
+    """Rows past the last offsets of q, k and v hold NaN. With the host read flash_attn_varlen_func cuts them off
+    before the varlen kernels (views of the sequences' rows: the TMA loads zero-fill past them); without it
+    (core.VARLEN_NO_HOST_READ, as under torch.compile and CUDA graphs) the kernels load them and the backward zeroes
+    them in shared memory (bwd.cu.j2 zero_past). Either way every sequence's gradients pass FA3's rule and the rows
+    past get out 0, lse -inf and zero gradients. hd128 causal (block_n 128) and hd256 (the role tiles)."""
+    monkeypatch.setattr(flashgen.core, "VARLEN_NO_HOST_READ", not host_read)
     cases = (([113, 64, 300], [203, 64, 300], Case(3, 0, 0, 4, 2, 128, BF16, causal=True)),
              ([77, 129], [129, 77], Case(2, 0, 0, 4, 2, 256, FP16)))
     for why in (_varlen_bwd_missing(*case) for case in cases):
@@ -882,6 +885,31 @@ def test_varlen_kernel_backward_rows_past_the_last_sequence(monkeypatch):
             rq, rk = slice(q0, q0 + lens_q[b]), slice(k0, k0 + lens_k[b])
             check_bwd(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], c.causal,
                       (dq[rq][None], dk[rk][None], dv[rk][None]), c.softmax_scale, 2.0, **c.feats)
+
+
+def test_varlen_kernel_backward_no_sequence_has_a_key(monkeypatch):
+    """Without a host read max_seqlen_k is FA3's bound, so a call whose sequences all have no key still runs the
+    varlen kernels: every main CTA is past its keys, and CTA 0 waits for the preprocess so that the postprocess reads
+    a zeroed dQ accumulator (bwd.cu.j2). out 0, lse -inf, dq 0 (on poisoned scratch), 20 times."""
+    lens_q, lens_k = [37, 64, 5], [0, 0, 0]
+    c = Case(3, 0, 0, 4, 2, 128, BF16, causal=False)
+    why = _varlen_bwd_missing(lens_q, [1, 1, 1], c)
+    if why:
+        pytest.skip(why)
+    monkeypatch.setattr(flashgen.core, "VARLEN_NO_HOST_READ", True)
+    launches = varlen_kernels_on(monkeypatch)
+    q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_q, lens_k, None, None, c, seed=5, pad=3)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    for i in range(20):
+        poison_cached_blocks(64 * q.numel())
+        out, lse = flashgen.flash_attn_varlen_func(*leaves, cu_q, cu_k, 64, 16, return_attn_probs=True)
+        dout = randn(*out.shape, dtype=c.dtype, seed=i)
+        poison_cached_blocks(64 * q.numel())
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        torch.cuda.synchronize()
+        assert not out.any() and bool((lse == -math.inf).all()), f"run {i}: out / lse of rows without keys"
+        assert not dq.any() and not dk.any() and not dv.any(), f"run {i}: gradients of a call without keys"
+    assert len(launches) == 20 and all(x is not None for x in launches), "not the varlen backward"
 
 
 _BAD_OFFSETS_CHILD = """
@@ -916,6 +944,49 @@ def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fra
     text = r.stdout + r.stderr
     assert "raised:" in r.stdout, f"no error for {bad}: {text[-2000:]}"
     assert fragment in text, f"the device assert for {bad} does not name the argument ({fragment!r}): {text[-2000:]}"
+
+
+@pytest.mark.parametrize("host_read", [True, False], ids=["host_read", "no_host_read"])
+def test_varlen_kernel_backward_sequences_are_isolated(host_read, monkeypatch):
+    """One sequence's rows of q, k and v hold NaN (its own out and gradients are NaN): the varlen backward's tiles of
+    its neighbours read those rows past their ends (their last query and key blocks) and zero them before any GEMM
+    (bwd.cu.j2 zero_past), so every other sequence's gradients pass FA3's rule (FA3's backward lets them through).
+    Lengths off the block sizes; hd128 causal (block_n 128, both consumers zero) and hd256 (the role tiles: consumer 0
+    zeroes Q and dO, consumer 1 waits for it)."""
+    monkeypatch.setattr(flashgen.core, "VARLEN_NO_HOST_READ", not host_read)
+    cases = (([113, 70, 300, 45], [203, 64, 300, 77], Case(4, 0, 0, 4, 2, 128, BF16, causal=True)),
+             ([77, 129, 50], [129, 77, 99], Case(3, 0, 0, 4, 2, 256, FP16)))
+    for why in (_varlen_bwd_missing(*case) for case in cases):
+        if why:
+            pytest.skip(why)
+    launches = varlen_kernels_on(monkeypatch)
+    for lens_q, lens_k, c in cases:
+        launches.clear()
+        bad = 1  # the sequence whose rows hold NaN
+        q, k, v, cu_q, cu_k, _, _, _ = _varlen_case(lens_q, lens_k, None, None, c, seed=21, pad=0)
+        rq_bad = slice(sum(lens_q[:bad]), sum(lens_q[:bad + 1]))
+        rk_bad = slice(sum(lens_k[:bad]), sum(lens_k[:bad + 1]))
+        q[rq_bad] = float("nan")
+        k[rk_bad] = float("nan")
+        v[rk_bad] = float("nan")
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        poison_cached_blocks(8 * q.numel())
+        out, lse = flashgen.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                   softmax_scale=c.scale, causal=c.causal, return_attn_probs=True)
+        dout = randn(*out.shape, dtype=c.dtype, seed=23)
+        poison_cached_blocks(8 * q.numel())
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        torch.cuda.synchronize()
+        assert len(launches) == 1 and launches[0] is not None, "not one launch of the varlen backward"
+        assert dq[rq_bad].isnan().any(), "the NaN sequence's own dq should be NaN (else the test proves nothing)"
+        for b, (q0, k0) in enumerate(zip(cu_q.tolist()[:-1], cu_k.tolist()[:-1])):
+            if b == bad:
+                continue
+            rq, rk = slice(q0, q0 + lens_q[b]), slice(k0, k0 + lens_k[b])
+            check_fwd(q[rq][None], k[rk][None], v[rk][None], c.causal, out[rq][None].detach(), lse[:, rq][None],
+                      c.softmax_scale)
+            check_bwd(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], c.causal,
+                      (dq[rq][None], dk[rk][None], dv[rk][None]), c.softmax_scale, 2.0)
 
 
 def test_varlen_kernel_backward_deterministic_race(monkeypatch):

@@ -7,6 +7,18 @@
 
 namespace flashgen {
 
+// A varlen call's rows past its last sequence, which no tile covers (a packed tensor of `total` rows of
+// `row_elems` contiguous 16-bit elements each, the rows [first_row, total)), set to 0 by thread t of n (a stride
+// over whatever threads the caller gives it), 16 bytes a store: the varlen backward's dq, dk, dv (bwd.cu.j2's
+// preprocess; the caller need not zero the whole tensors first). first_row past total (offsets broken): nothing.
+__device__ __forceinline__ void zero_rows_past(void* base, int first_row, int total, int64_t row_elems, int64_t t,
+                                               int64_t n) {
+  const int64_t units = (total - first_row) * row_elems / 8;
+  uint4* const dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + first_row * row_elems);
+#pragma unroll 1
+  for (int64_t i = t; i < units; i += n) dst[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // The column of O that accumulator columns 8j + 2c (c = lane % 4) and +1 hold, and +1. kFp8Order: O
 // came from an e4m3 P V GEMM, whose V^T rows are in the transposer's order (fp8.cuh VTransposer).
 template <bool kFp8Order>
