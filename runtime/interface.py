@@ -1145,8 +1145,9 @@ def _varlen_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     bwd.cu.j2 kVarlen), FA3's varlen backward (hopper/flash_bwd_launch_template.h). dout, out ``(total_q, heads,
     head_dim_v)``, lse float32 ``(heads, total_q)``, the rest as ``varlen_fwd``'s. The kernels write every row of a
     sequence; ``fill``: the preprocess zeroes the rows past the last offsets too (core.BwdVarlen.zero_tail: no
-    memset of the whole gradients; a caller that cut those rows off passes False). A learnable_sink needs nothing here (the forward's lse includes it; its gradient is
-    :func:`_varlen_backward`'s). Returns contiguous dq, dk, dv of q's, k's, v's shapes and dtype."""
+    memset of the whole gradients; a caller that cut those rows off passes False). A learnable_sink needs nothing
+    here (the forward's lse includes it; its gradient is :func:`_varlen_backward`'s). Returns contiguous dq, dk, dv
+    of q's, k's, v's shapes and dtype."""
     dev = _device_of(q)[1]
     dtype = _DTYPE_NAMES[q.dtype]
     batch = cu_seqlens_q.shape[0] - 1
@@ -1276,7 +1277,8 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     capture). The offsets' shapes, dtypes and devices, the window, softcap and softmax_scale are checked here; q, k,
     v and the sink by the op (its fake implementation when torch.compile traces it); the offsets' values on the GPU
     (:func:`_check_offsets_on_device`). max_seqlen_q / max_seqlen_k size the grids, as in FA3. As the offsets'
-    end is not known on the host, out / lse start as 0 / -inf and the gradients as 0 (rows past the last offsets).
+    end is not known on the host, out / lse start as 0 / -inf, and the backward's preprocess zeroes the gradients'
+    rows past the last offsets.
     The backward's tiles read rows past a sequence's end (the next sequence's, or past the last offsets whatever is
     there) and zero them before any GEMM (bwd.cu.j2 zero_past), so those rows may hold anything, NaN included (FA3
     needs them finite)."""
@@ -1397,8 +1399,9 @@ def flash_attn_varlen_func(
         smaller than a sequence; FP8 descales not of shape (batch, heads_k). Without a host read
         (GPU offsets by default, torch.compile, capture) the values are checked on the GPU: a broken contract is a
         device-side assert naming the argument (RuntimeError on the CPU; on a GPU it loses the CUDA context, as
-        any device assert; ``FLASHGEN_VARLEN_NO_HOST_READ=0`` gets the ValueError instead, at a synchronisation). NotImplementedError: qv; GPU cu_seqlens under CUDA-graph capture for a call the
-        varlen ops do not serve. Then whatever each call of :func:`flash_attn_func` raises.
+        any device assert; ``FLASHGEN_VARLEN_NO_HOST_READ=0`` gets the ValueError instead, at a synchronisation).
+        NotImplementedError: qv; GPU cu_seqlens under CUDA-graph capture for a call the varlen ops do not serve.
+        Then whatever each call of :func:`flash_attn_func` raises.
     """
     if qv is not None:
         raise NotImplementedError("flashgen: qv (absorbed MLA) is not supported yet; pass qv=None")
