@@ -335,7 +335,10 @@ sanity)
   ;;
 tests)
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"
-  timeout 510 python3 -m pytest -q -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+  # (-v: the log names every test, so a run cut off by the call's limit shows how far it got; session 2026-12-05 (6)'s
+  # cold H100 reached 48 % of the suite in the 600 s with -q, and its log could not say which files)
+  timeout "${TEST_TIMEOUT:-510}" python3 -m pytest -v -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} tests/gpu 2>&1 \
+    | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
   ;;
 varlen)
   # the varlen kernels (core.Varlen; the backward's core.BwdVarlen, off by default until its tests pass). First the
