@@ -155,8 +155,9 @@ VARLEN_SOFTCAP = os.environ.get("FLASHGEN_VARLEN_SOFTCAP", "1") == "1"
 # torch.compile (varlen) and CUDA-graph capture always take): no synchronisation a call, as in FA3; the offsets' values
 # checked on the GPU (torch._assert_async: a broken contract is a device-side assert naming the argument, as PyTorch's
 # own index checks) instead of on the host (a ValueError), FA3's max_seqlen as the grid sizes, out / lse filled first
-# and the gradients' rows past the last offsets zeroed by the backward's preprocess (BwdVarlen.zero_tail). Timed on an H200 (session 2026-12-05 (5), scripts/varlen_bench.py's "no host read" column): eager
-# training steps over packed documents 1.23-1.79x faster, decodes 1.29-2.28x. On by default since session
+# and the gradients' rows past the last offsets zeroed by the backward's preprocess (BwdVarlen.zero_tail). Timed on an
+# H200 (session 2026-12-05 (5), scripts/varlen_bench.py's "no host read" column): eager training steps over packed
+# documents 1.23-1.79x faster, decodes 1.29-2.28x. On by default since session
 # 2026-12-05 (6): the varlen backward zeroes the rows its tiles read past a sequence (bwd.cu.j2 zero_past), so the rows
 # past the last offsets, which this path does not cut off, no longer reach dq as NaN
 # (test_varlen_kernel_backward_rows_past_the_last_sequence). FLASHGEN_VARLEN_NO_HOST_READ=0 turns it off: the offsets

@@ -278,7 +278,8 @@ def main(argv=None) -> int:
             out_g = interface.flash_attn_func(qg, kg, vg, causal=True)
             return torch.autograd.grad(out_g, (qg, kg, vg), dout_g)
 
-        def varlen_fwd():  # the forward alone (no gradient): the varlen kernel, offsets on the host path
+        def varlen_fwd():  # the forward alone (no gradient): the varlen kernel; the stub's CPU offsets count as on q's
+            # device, so this times the no-host-read path (core.VARLEN_NO_HOST_READ, the default; =0: the host path)
             core.VARLEN_KERNEL = True
             with torch.no_grad():
                 return interface.flash_attn_varlen_func(qt, kt, vt, cu_docs, cu_docs, max(doc_lens), max(doc_lens),
