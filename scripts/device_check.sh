@@ -20,6 +20,7 @@
 #                                          .base/ (scripts/make_base.sh), alternated twice, SDPA peers in the same runs
 #   bash scripts/device_check.sh tests     the host overhead per call (flash_attn_func, core launch, SDPA), then every GPU test
 #                                          (TESTS_K: only those matching -k, e.g. TESTS_K=chunk for attention_chunk's)
+#                                          (TESTS: files, default tests/gpu; a cold machine runs about half the suite in one call)
 #                                          (BUILD_ALL=0, any mode: the default build set only, without the tune
 #                                          candidates; over all 310 variants the suite ran past 450 s on an H200,
 #                                          session 2026-12-04, against 114-164 s in earlier sessions' calls)
@@ -337,7 +338,7 @@ tests)
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"
   # (-v: the log names every test, so a run cut off by the call's limit shows how far it got; session 2026-12-05 (6)'s
   # cold H100 reached 48 % of the suite in the 600 s with -q, and its log could not say which files)
-  timeout "${TEST_TIMEOUT:-510}" python3 -m pytest -v -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} tests/gpu 2>&1 \
+  timeout "${TEST_TIMEOUT:-510}" python3 -m pytest -v -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/gpu} 2>&1 \
     | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
   ;;
 varlen)
