@@ -303,7 +303,7 @@ def _expand_doc(doc: _Doc, problems: list) -> list[Variant]:
     tile_given = fam.names("tile")
     points = []  # (params, provenance, is_default, source)
     m = d.get("matrix")
-    if m:
+    if m is not None:  # (a family without axes: `matrix: {}` is its one point)
         for combo in itertools.product(*[_as_list(m[k] if k in m else axis_defaults[k]) for k in axes]):
             point = dict(zip(axes, combo))
             desc = ", ".join(f"{k}={_fmt(v)}" for k, v in point.items())

@@ -60,6 +60,8 @@ except ModuleNotFoundError as e:
 from . import _validate as _v
 from . import core as _core
 from . import launch as _launch
+from . import varlen_prep as _varlen_prep
+from .generator.families import varlen_prep as _prep_family
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "NO_TORCH", "quantize_fp8",
            "incoherent_signs", "QUANT_BLOCK"]
@@ -929,7 +931,7 @@ def _key_bound(max_seqlen_k: int, lengths_read: bool, rows: int | None) -> int:
 
 def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_seqlen_k: int, softmax_scale,
                    causal: bool, window_size, softcap: float, sink, fill: bool, problem: _v.Problem | None = None,
-                   cache: tuple = (None, None, None), num_splits: int = 1):
+                   cache: tuple = (None, None, None), num_splits: int = 1, check_offsets: bool = False):
     """One launch of the varlen kernel (``core.attention_forward(varlen=...)``, FA3's varlen) for the
     arguments of :func:`flash_attn_varlen_func` or :func:`flash_attn_with_kvcache`, already checked
     against each other; ``(out, lse)``, or None where no varlen variant is built for the call's key
@@ -940,8 +942,13 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     ``(total_q, heads, head_dim_v)`` and lse ``(heads, total_q)``; without, q is ``(batch, seqlen_q, heads,
     head_dim)``, out alike and lse ``(batch, heads, seqlen_q)``; k and v the same with cu_seqlens_k.
     ``fill``: some out / lse rows belong to no sequence (or are past a seqused): they are set to 0 / -inf
-    first, as the kernel writes only the sequences' rows. ``problem``: what :func:`_check_fwd` returned for
-    these q, k, v, window and softcap where the caller has run it (kvcache), else they are checked here.
+    first, as the kernel writes only the sequences' rows. ``check_offsets``: the offsets' values have not been
+    checked (no host read: :func:`_varlen_on_device`): they are checked on the GPU first, a device-side assert
+    naming the argument where FA3's contract is broken. Both (with packed q and k) by one launch of the
+    varlen_prep kernel where :func:`_varlen_prep_on` (runtime/varlen_prep.py: it writes only the rows of no
+    sequence), else by torch ops (:func:`_check_offsets_on_device`, memsets of out and lse). ``problem``: what
+    :func:`_check_fwd` returned for these q, k, v, window and softcap where the caller has run it (kvcache), else
+    they are checked here.
     ``cache``: a padded k / v as a KV cache (kvcache's checked arguments, each None or int32 as ``seqlens``):
     (cache_batch_idx (batch,), cache_leftpad (batch,), page_table (batch, pages)); with a page table k / v
     are ``(num_pages, page_size, heads_k, dim)`` (core.Varlen: page_size a multiple of 8, no batch_idx or
@@ -975,6 +982,11 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     splits = max(1, min(splits, _core.MAX_SPLITS, -(-max_seqlen_k // 64)))
     if splits > 1 and not _core.variant_built("combine", {"dtype": p.out_dtype}):
         splits = 1  # the merge needs a combine variant for out's dtype: without one, no split
+    arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued
+    prep = (fill or check_offsets) and packed_q and packed_k and _varlen_prep_on()
+    if check_offsets and not prep:
+        _check_offsets_on_device(*arrays[:4], q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    fill = fill and not prep  # (the prep kernel fills out / lse itself)
     if splits > 1:  # split 0's partial buffers (every split's at its stride); lse -inf where no split writes
         out = torch.empty((splits,) + out_shape, dtype=torch.float32, device=q.device)
         lse = torch.full((splits,) + lse_shape, -math.inf, dtype=torch.float32, device=q.device)
@@ -982,8 +994,10 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
         out = q.new_zeros(out_shape) if fill else q.new_empty(out_shape)
         lse = (q.new_full(lse_shape, -math.inf, dtype=torch.float32) if fill
                else q.new_empty(lse_shape, dtype=torch.float32))
+    if prep:  # (split-KV: check only, as flash_attn_combine writes every row)
+        _varlen_prep_launch(arrays[:4], batch, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                            (out, lse) if splits == 1 else None, dev)
     first = (lambda t: t[0]) if splits > 1 else (lambda t: t)  # noqa: E731
-    arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued
     table = arrays[-1]
     key_bound = _key_bound(max_seqlen_k, packed_k or seqlens[3] is not None,
                            None if packed_k else k.shape[1] if table is None else table.shape[1] * k.shape[1])
@@ -1104,15 +1118,16 @@ def _varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     forward) over packed q ``(total_q, heads, head_dim)``, k ``(total_k, heads_k, head_dim)``, v ``(total_k,
     heads_k, head_dim_v)`` (fp16 / bf16) with int32 offsets ``(batch + 1,)`` and seqused ``(batch,)`` or None on
     q's device, checked by the caller (flash_attn_varlen_func: on the host, or on the GPU by
-    :func:`_check_offsets_on_device`). max_seqlen_q / max_seqlen_k: at least every sequence's (FA3's grid sizes).
-    ``fill``: out / lse start as 0 / -inf, for rows of no sequence (a caller that does not know the offsets on the
-    host passes True). ``deterministic``: kept for the backward (:func:`_varlen_backward`). Returns contiguous out
+    ``fill`` below). max_seqlen_q / max_seqlen_k: at least every sequence's (FA3's grid sizes).
+    ``fill``: the offsets were not read on the host (:func:`_varlen_on_device` passes True): their values are
+    checked on the GPU and out / lse hold 0 / -inf in the rows of no sequence (``_varlen_kernel``'s check_offsets and
+    fill). ``deterministic``: kept for the backward (:func:`_varlen_backward`). Returns contiguous out
     ``(total_q, heads, head_dim_v)`` of q's dtype and float32 lse ``(heads, total_q)``. MissingVariantError where no
     varlen variant serves the call."""
     res = _varlen_kernel(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), cu_seqlens_q.shape[0] - 1,
                          int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale), bool(causal),
                          (int(window_left), int(window_right)), float(softcap), learnable_sink, bool(fill),
-                         num_splits=int(num_splits))
+                         num_splits=int(num_splits), check_offsets=bool(fill))
     if res is None:
         raise _core.MissingVariantError("flashgen: no varlen forward variant serves this call (flashgen add-variant "
                                         "fwd --set varlen=true ...)")
@@ -1247,24 +1262,42 @@ def _check_index_tensor(name: str, t, device, batch: int | None = None) -> None:
 
 def _check_offsets_on_device(cu_q, cu_k, seqused_q, seqused_k, total_q: int, total_k: int, max_seqlen_q: int,
                              max_seqlen_k: int) -> None:
-    """FA3's varlen contract (flashgen._validate.varlen_problems), checked on the GPU (``torch._assert_async``):
-    offsets from 0, non-decreasing, the last at most total_q / total_k; seqused between 0 and its sequence's rows;
-    max_seqlen_q / max_seqlen_k at least every (used) sequence's length. A broken contract is an error of the stream
-    (a device-side assert, which loses the CUDA context), not a read or write out of bounds; each message names the
-    argument (not the values: under torch.compile they may be symbolic)."""
-    for which, cu, used, total, longest in (("q", cu_q, seqused_q, total_q, max_seqlen_q),
-                                            ("k", cu_k, seqused_k, total_k, max_seqlen_k)):
+    """FA3's varlen contract (flashgen._validate.varlen_problems), checked on the GPU by torch ops
+    (``torch._assert_async``) where the varlen_prep kernel does not run (:func:`_varlen_prep_on`): offsets from 0,
+    non-decreasing, the last at most total_q / total_k; seqused between 0 and its sequence's rows; max_seqlen_q /
+    max_seqlen_k at least every (used) sequence's length. A broken contract is an error of the stream (a device-side
+    assert, which loses the CUDA context), not a read or write out of bounds; each message names the argument (not
+    the values: under torch.compile they may be symbolic), the kernel's own (varlen_prep.contract_messages)."""
+    messages = iter(_prep_family.contract_messages())
+    for cu, used, total, longest in ((cu_q, seqused_q, total_q, max_seqlen_q), (cu_k, seqused_k, total_k, max_seqlen_k)):
         lens = cu[1:] - cu[:-1]
-        torch._assert_async((cu[0] == 0) & (lens >= 0).all() & (cu[-1] <= total),
-                            f"flashgen: cu_seqlens_{which} must start at 0, not decrease and end at most at the "
-                            f"number of rows of {'q' if which == 'q' else 'k and v'} (dim 0)")
+        torch._assert_async((cu[0] == 0) & (lens >= 0).all() & (cu[-1] <= total), next(messages))
+        used_message = next(messages)
         if used is not None:
-            torch._assert_async(((used >= 0) & (used <= lens)).all(),
-                                f"flashgen: seqused_{which} must be between 0 and each sequence's length "
-                                f"(cu_seqlens_{which})")
+            torch._assert_async(((used >= 0) & (used <= lens)).all(), used_message)
             lens = used
-        torch._assert_async((lens <= longest).all(),
-                            f"flashgen: max_seqlen_{which} is less than the longest sequence")
+        torch._assert_async((lens <= longest).all(), next(messages))
+
+
+@torch.compiler.assume_constant_result
+def _varlen_prep_on() -> bool:
+    """Whether the varlen_prep kernel checks the offsets and fills out / lse before the varlen forward
+    (core.VARLEN_PREP_KERNEL and its variant built; a constant under torch.compile)."""
+    return _core.VARLEN_PREP_KERNEL and _core.variant_built(_varlen_prep.FAMILY, {})
+
+
+def _varlen_prep_launch(seqlens: tuple, batch: int, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int,
+                        fill, device: int) -> None:
+    """One launch of the varlen_prep kernel (:func:`flashgen.varlen_prep.varlen_prepare`) on the current stream:
+    ``seqlens`` = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), int32 tensors on q's GPU (seqused None or
+    a tensor) checked against FA3's contract; ``fill``: None, or the contiguous (out ``(total_q, heads,
+    head_dim_v)``, lse ``(heads, total_q)``) whose rows of no sequence it sets to 0 / -inf."""
+    out, lse = fill if fill is not None else (None, None)
+    _varlen_prep.varlen_prepare(
+        *(0 if t is None else t.data_ptr() for t in seqlens), batch, total_q, total_k, int(max_seqlen_q),
+        int(max_seqlen_k), 0 if out is None or out.numel() == 0 else out.data_ptr(),
+        0 if out is None else out.shape[1] * out.shape[2] * out.element_size(), 0 if lse is None else lse.data_ptr(),
+        0 if out is None else out.shape[1], _current_stream(device), device)
 
 
 def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
@@ -1275,10 +1308,11 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     varlen ops (``torch.ops.flashgen.varlen_fwd``, with gradients ``varlen_bwd``), or None where they do not serve
     the call (the caller then reads the offsets: a graph break under torch.compile, NotImplementedError under
     capture). The offsets' shapes, dtypes and devices, the window, softcap and softmax_scale are checked here; q, k,
-    v and the sink by the op (its fake implementation when torch.compile traces it); the offsets' values on the GPU
-    (:func:`_check_offsets_on_device`). max_seqlen_q / max_seqlen_k size the grids, as in FA3. As the offsets'
-    end is not known on the host, out / lse start as 0 / -inf, and the backward's preprocess zeroes the gradients'
-    rows past the last offsets.
+    v and the sink by the op (its fake implementation when torch.compile traces it); the offsets' values by the
+    op, on the GPU (the varlen_prep kernel or :func:`_check_offsets_on_device`: :func:`_varlen_kernel`).
+    max_seqlen_q / max_seqlen_k size the grids, as in FA3. As the offsets' end is not known on the host, out / lse
+    get 0 / -inf in the rows of no sequence, and the backward's preprocess zeroes the gradients' rows past the last
+    offsets.
     The backward's tiles read rows past a sequence's end (the next sequence's, or past the last offsets whatever is
     there) and zero them before any GEMM (bwd.cu.j2 zero_past), so those rows may hold anything, NaN included (FA3
     needs them finite)."""
@@ -1304,8 +1338,8 @@ def _varlen_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     scale = _v.check_softmax_scale(softmax_scale, q.shape[-1])
     cu_q, cu_k = _int32_like(cu_seqlens_q, q), _int32_like(cu_seqlens_k, q)
     used = tuple(None if t is None else _int32_like(t, q) for t in (seqused_q, seqused_k))
-    _check_offsets_on_device(cu_q, cu_k, *used, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    # (max_seqlen_q / _k passed as they are: under torch.compile they may be symbolic)
+    # (the offsets' values are checked by the op, on the GPU: _varlen_kernel's check_offsets; max_seqlen_q / _k
+    # passed as they are: under torch.compile they may be symbolic)
     return _varlen_apply(q, k, v, cu_q, cu_k, *used, max_seqlen_q, max_seqlen_k, scale, bool(causal), *window,
                          float(softcap), learnable_sink, 1 if grad else _splits_arg(num_splits), bool(deterministic),
                          True)

@@ -79,13 +79,22 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
                                   "spill_bytes": 0, "stack_bytes": 0, "tensor_maps": list(k.tensor_maps), "sass": [],
                                   "params": k.params.layout()}
                                  for k in bwd_mod.FAMILY.kernels(bparams, bwd_mod.FAMILY.resources(bparams))]})
+    # and the varlen_prep kernel (the offsets checked and out / lse filled where they are not read on the host)
+    from flashgen.generator.families.varlen_prep import PARAMS as PREP_PARAMS
+
+    prep = {"name": "varlen_prep_stub", "key": "4" * 64, "family": "varlen_prep",
+            "params": {"family": "varlen_prep", "threads": 256}, "dispatch": {}, "default": True,
+            "fatbin": "fatbin/varlen_prep_stub.fatbin", "sha256": "0" * 64,
+            "kernels": [{"role": "main", "symbol": "flashgen_varlen_prep_stub_main", "threads": 256,
+                         "cluster": [1, 1, 1], "smem_bytes": 0, "registers": 40, "spill_bytes": 0, "stack_bytes": 0,
+                         "tensor_maps": [], "sass": [], "params": PREP_PARAMS.layout()}]}
     causal = json.loads(json.dumps(rec).replace("hd128_stub", "hd128_causal_stub"))
     causal["params"]["causal"] = causal["dispatch"]["causal"] = True
     causal_varlen = json.loads(json.dumps(varlen).replace("hd128_varlen_stub", "hd128_causal_varlen_stub"))
     causal_varlen["params"]["causal"] = causal_varlen["dispatch"]["causal"] = True
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump({"schema": 2, "arch": "sm_90a", "nvcc": {"path": "nvcc", "version": "13.0"},
-                   "variants": [rec, fp8, varlen, packed, combine, causal, causal_varlen, *bwds]}, f)
+                   "variants": [rec, fp8, varlen, packed, combine, causal, causal_varlen, *bwds, prep]}, f)
 
 
 class _Handle:
@@ -263,8 +272,9 @@ def main(argv=None) -> int:
         qt, kt, vt = (torch.randn(sum(doc_lens), 1, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         dout_t = torch.randn(sum(doc_lens), 1, 128, dtype=torch.bfloat16)
 
-        def train_step(on: bool):
+        def train_step(on: bool, prep: bool = False):
             core.VARLEN_KERNEL = core.VARLEN_BWD_KERNEL = on
+            core.VARLEN_PREP_KERNEL = prep
             out_t = interface.flash_attn_varlen_func(qt, kt, vt, cu_docs, cu_docs, max(doc_lens), max(doc_lens),
                                                      causal=True)
             return torch.autograd.grad(out_t, (qt, kt, vt), dout_t)
@@ -278,16 +288,21 @@ def main(argv=None) -> int:
             out_g = interface.flash_attn_func(qg, kg, vg, causal=True)
             return torch.autograd.grad(out_g, (qg, kg, vg), dout_g)
 
-        def varlen_fwd():  # the forward alone (no gradient): the varlen kernel; the stub's CPU offsets count as on q's
-            # device, so this times the no-host-read path (core.VARLEN_NO_HOST_READ, the default; =0: the host path)
+        def varlen_fwd(prep: bool = False):  # the forward alone (no gradient): the varlen kernel; the stub's CPU
+            # offsets count as on q's device, so this times the no-host-read path (core.VARLEN_NO_HOST_READ, the
+            # default; =0: the host path); prep: core.VARLEN_PREP_KERNEL (one launch instead of torch checks + memsets)
             core.VARLEN_KERNEL = True
+            core.VARLEN_PREP_KERNEL = prep
             with torch.no_grad():
                 return interface.flash_attn_varlen_func(qt, kt, vt, cu_docs, cu_docs, max(doc_lens), max(doc_lens),
                                                         causal=True)
 
         fns["flash_attn_func forward + backward (causal)"] = fa_train
         fns["flash_attn_varlen_func forward, 16 documents, varlen kernel"] = varlen_fwd
+        fns["flash_attn_varlen_func forward, 16 documents, varlen kernel + prep kernel"] = lambda: varlen_fwd(True)
         fns["flash_attn_varlen_func forward + backward, 16 documents, varlen kernels"] = lambda: train_step(True)
+        fns["flash_attn_varlen_func forward + backward, 16 documents, varlen kernels + prep kernel"] = \
+            lambda: train_step(True, True)
         fns["flash_attn_varlen_func forward + backward, 16 documents, composed"] = lambda: train_step(False)
         if a.profile:
             import cProfile

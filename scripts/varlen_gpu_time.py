@@ -13,7 +13,8 @@ SDPA does not. This script separates the two:
 
 The training steps (forward + backward over causal packed documents, varlen_bench.py's training table, the same
 lengths) come first: the varlen kernels with the host read of the offsets and without it (core.VARLEN_NO_HOST_READ),
-the padded groups, SDPA's nested tensors.
+the padded groups, SDPA's nested tensors. Rows ending ", prep" run with core.VARLEN_PREP_KERNEL on (the varlen_prep
+kernel instead of the torch checks and memsets).
 
 Usage (a GPU): python scripts/varlen_gpu_time.py [--n 20]. Prints one markdown table.
 """
@@ -81,25 +82,32 @@ def main() -> None:
     print("|---|---|---|---|---|")
     from flashgen import interface
 
-    saved = core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK
+    # (", prep": core.VARLEN_PREP_KERNEL on, the varlen_prep kernel instead of the torch checks and memsets)
+    saved = (core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK,
+             core.VARLEN_PREP_KERNEL)
     for n_docs, tokens in ((16, 8192), (64, 16384), (256, 16384)):
         kernels, kernels_dev, grouped, _per_run, sdpa, _flops, name, leaves = train_case(rng, n_docs, tokens)
-        for path, step in (("train: varlen kernels", kernels), ("train: kernels, no host read", kernels_dev),
-                           ("train: padded groups", grouped), ("train: SDPA nested", sdpa)):
-            def fn(step=step):  # (fresh gradients each step: no accumulation kernels in the GPU time)
+        for path, step, prep in (("train: varlen kernels", kernels, False),
+                                 ("train: kernels, no host read", kernels_dev, False),
+                                 ("train: kernels, no host read, prep", kernels_dev, True),
+                                 ("train: padded groups", grouped, False), ("train: SDPA nested", sdpa, False)):
+            def fn(step=step, prep=prep):  # (fresh gradients each step: no accumulation kernels in the GPU time)
+                core.VARLEN_PREP_KERNEL = prep
                 for t in leaves:
                     t.grad = None
                 step()
             row(name, path, fn, a.n)
-    core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK = saved
+    core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK = saved[:4]
     with torch.no_grad():
         for run, sdpa, _flops, name in cases:
             for path, fn, on in (("varlen kernel", run, True), ("varlen kernel, no host read", run, "dev"),
+                                 ("varlen kernel, no host read, prep", run, "prep"),
                                  ("composed", run, False), ("SDPA", sdpa, True)):
                 core.VARLEN_KERNEL = bool(on)
-                core.VARLEN_NO_HOST_READ = on == "dev"
+                core.VARLEN_NO_HOST_READ = on in ("dev", "prep")
+                core.VARLEN_PREP_KERNEL = on == "prep"
                 row(name, path, fn, a.n)
-    core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ = saved[0], saved[2]
+    core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ, core.VARLEN_PREP_KERNEL = saved[0], saved[2], saved[4]
 
 
 if __name__ == "__main__":

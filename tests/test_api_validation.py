@@ -106,6 +106,12 @@ class FakeCore:
         self.calls = []
         self.selected = []
         self.served = []  # pack_gqa_served's arguments (flash_attn_func's pack_gqa=True hint)
+        self.preps = []  # interface._varlen_prep_launch's calls: (seqlens, fill or None)
+
+    def varlen_prep_launch(self, seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, fill, device):
+        """As interface._varlen_prep_launch: recorded, then the kernel emulated (:func:`fake_varlen_prep`)."""
+        self.preps.append((seqlens, fill))
+        fake_varlen_prep(seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, fill)
 
     def pack_gqa_served(self, dtype, head_dim, head_dim_v, causal, window_size, seqlen_q, seqlen_k, softcap, heads,
                         heads_k, device):
@@ -115,8 +121,8 @@ class FakeCore:
 
     def select_variant(self, family, key, manifest=None, round_up=()):
         self.selected.append((family, dict(key)))
-        return Variant(name=f"fake_{key['dtype']}_{key.get('head_dim')}", family=family, params={"dtype": key["dtype"]},
-                       dispatch=dict(key), kernels=())
+        return Variant(name=f"fake_{key.get('dtype', family)}_{key.get('head_dim')}", family=family,
+                       params={"dtype": key.get("dtype")}, dispatch=dict(key), kernels=())
 
     def attention_forward(self, q, k, v, out, lse, softmax_scale, causal, stream, variant=None, *,
                           window_size=(-1, -1), softcap=0.0, sink=0, q_descale=None, k_descale=None,
@@ -266,8 +272,39 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(core, "launch_forward", fc.launch_forward)
     monkeypatch.setattr(core, "pack_gqa_served", fc.pack_gqa_served)
     monkeypatch.setattr(interface, "_combine_launch", _fake_combine_launch)
+    monkeypatch.setattr(interface, "_varlen_prep_launch", fc.varlen_prep_launch)
     monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)  # (an H100 SXM's: split-KV's heuristic)
     return fc
+
+
+def fake_varlen_prep(seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, fill) -> None:
+    """The varlen_prep kernel emulated (templates/varlen_prep.cu.j2): FA3's varlen contract checked in the kernel's
+    order, a broken rule a RuntimeError with the kernel's assert message (as torch._assert_async raises on the CPU);
+    with ``fill`` = (out, lse) the rows of no sequence's used rows set to 0 / -inf (computed as the union of each
+    sequence's used rows, not as the kernel searches)."""
+    from flashgen.generator.families.varlen_prep import contract_messages
+
+    messages = contract_messages()
+    cu_q, cu_k, used_q, used_k = (None if t is None else t.tolist() for t in seqlens)
+    assert len(cu_q) == len(cu_k) == batch + 1
+    for side, (cu, used, total, longest) in enumerate(((cu_q, used_q, total_q, max_seqlen_q),
+                                                       (cu_k, used_k, total_k, max_seqlen_k))):
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        if cu[0] != 0 or min(lens) < 0 or cu[-1] > total:
+            raise RuntimeError(messages[3 * side])
+        if used is not None:
+            if not all(0 <= u <= n for u, n in zip(used, lens)):
+                raise RuntimeError(messages[3 * side + 1])
+            lens = used
+        if max(lens) > longest:
+            raise RuntimeError(messages[3 * side + 2])
+    if fill is not None:
+        out, lse = fill
+        unused = torch.ones(total_q, dtype=torch.bool)
+        for b in range(batch):
+            unused[cu_q[b]:cu_q[b] + (cu_q[b + 1] - cu_q[b] if used_q is None else used_q[b])] = False
+        out[unused] = 0
+        lse[:, unused] = -math.inf
 
 
 def _fake_combine_launch(out_partial, lse_partial, out, lse, problem) -> None:

@@ -200,7 +200,8 @@ def test_tile_table_most_specific_row_wins(tmp_path):
 def test_real_configs():
     proj = Project(REPO)
     vs = load_variants(proj)
-    assert {v.family for v in vs} == {"fwd", "bwd", "combine", "quant"}
+    assert {v.family for v in vs} == {"fwd", "bwd", "combine", "quant", "varlen_prep"}
+    assert [v.params["threads"] for v in vs if v.family == "varlen_prep"] == [256]  # one variant, empty dispatch key
     combine = [v for v in vs if v.family == "combine"]
     assert {v.params["dtype"] for v in combine} == {"fp32", "bf16", "fp16"} and all(v.default for v in combine)
     quant = [v for v in vs if v.family == "quant"]
@@ -226,7 +227,8 @@ def test_real_configs():
                    v.default) for v in swap) == [(d, 128, False, False, False, False) for d in ("bf16", "fp16")]
     # + bwd's varlen variants (bwd.py varlen): {dtype} x {head_dim} x {none, causal, local}, without softcap (30)
     # + fwd's varlen softcap variants: {dtype} x {head_dim} x {none, causal, local}, unpacked (30)
-    assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + len(swap) + len(built_twins) + \
+    # + varlen_prep's one variant
+    assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(built_twins) + \
         len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa") and not v.params.get("varlen")]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
@@ -248,7 +250,7 @@ def test_real_configs():
     assert {(v.params["head_dim"], v.params["block_m"], v.params["block_n"]) for v in varlen if v.params["softcap"]
             and v.params["head_dim"] in (64, 256)} == {(64, 192, 112), (256, 128, 64)}
     all_vs, vs = vs, [v for v in vs if not v.tuned]
-    fp8 = [v for v in select(vs) if v.params["dtype"] == "e4m3"]
+    fp8 = [v for v in select(vs) if v.params.get("dtype") == "e4m3"]
     assert {(v.params["head_dim"], v.params["causal"]) for v in fp8} == {(h, c) for h in (64, 128, 256)
                                                                          for c in (False, True)}
     assert all(v.default and v.params["block_n"] % 64 == 0 for v in fp8)
@@ -296,7 +298,7 @@ def test_real_configs():
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + len(swap) + len(twins)
+    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(twins)
                                     + len({v.name for v in abl + tune + tuned if not v.default}))
     assert len(select(vs, all_=True)) == len(vs)
 

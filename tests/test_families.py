@@ -595,7 +595,7 @@ GENERIC = [f"generator/{m}.py" for m in ("config", "naming", "render", "build", 
                                          "toolchain", "fsutil", "errors", "tunetable")]
 GENERIC += ["generator/families/__init__.py", "runtime/manifest.py", "runtime/dispatch.py", "runtime/launch.py",
             "runtime/cli.py", "runtime/tuning.py"]
-FAMILY_LITERAL = re.compile(r"""(["'])(fwd|combine|quant)\1""")
+FAMILY_LITERAL = re.compile(r"""(["'])(fwd|combine|quant|varlen_prep)\1""")
 
 
 def _is_family_expr(node) -> bool:

@@ -28,7 +28,9 @@ NAME_RE = re.compile(r"^fwd_(bf16|fp16|e4m3)_hd\d+(v\d+)?_(causal|noncausal|loca
 COMBINE_NAME_RE = re.compile(r"^combine_(fp32|bf16|fp16)_m\d+_t\d+_[0-9a-f]{8}$")
 BWD_NAME_RE = re.compile(r"^bwd_(bf16|fp16)_hd\d+_(causal|noncausal|local)_(softcap_)?(varlen_)?m\d+n\d+_sl\d+_s\d_(nosteps_)?[0-9a-f]{8}$")
 QUANT_NAME_RE = re.compile(r"^quant_(bf16|fp16)_b\d_[0-9a-f]{8}$")
-ROLES = {"fwd": ["main"], "combine": ["main"], "bwd": ["pre", "main", "post"], "quant": ["amax", "quant"]}
+PREP_NAME_RE = re.compile(r"^varlen_prep_t(128|256)_[0-9a-f]{8}$")
+ROLES = {"fwd": ["main"], "combine": ["main"], "bwd": ["pre", "main", "post"], "quant": ["amax", "quant"],
+         "varlen_prep": ["main"]}
 
 # ------------------------------------------------------------------------------------- naming
 
@@ -65,9 +67,10 @@ def test_names_unique_and_symbols_are_c_identifiers():
     vs = load_variants(Project(REPO))
     names = [v.name for v in vs]
     assert len(names) == len(set(names))
-    assert {v.family for v in vs} == {"fwd", "combine", "bwd", "quant"}
+    assert {v.family for v in vs} == {"fwd", "combine", "bwd", "quant", "varlen_prep"}
     for v in vs:
-        assert {"fwd": NAME_RE, "combine": COMBINE_NAME_RE, "bwd": BWD_NAME_RE, "quant": QUANT_NAME_RE}[v.family].match(v.name), v.name
+        assert {"fwd": NAME_RE, "combine": COMBINE_NAME_RE, "bwd": BWD_NAME_RE, "quant": QUANT_NAME_RE,
+                "varlen_prep": PREP_NAME_RE}[v.family].match(v.name), v.name
         roles = ["vt", "main"] if v.params.get("vt_global") else ROLES[v.family]  # vt_global: the V^T preprocess first
         assert [k.role for k in v.kernels] == roles
         for role in roles:

@@ -65,9 +65,14 @@ def emulated(gpu, fake_gpu):
 
 def test_varlen_kernel_forward(features, emulated, monkeypatch):
     for case in features["VARLEN_KERNEL_CASES"]:
-        for num_splits in (1, 3):
-            with monkeypatch.context() as m:
-                features["test_varlen_kernel_forward"](case, num_splits, m)
+        for num_splits, prep in ((1, False), (3, False), (1, True)):  # (the prep kernel's split path: CPU tests
+            with monkeypatch.context() as m:                              # of test_varlen_kernel_api.py)
+                features["test_varlen_kernel_forward"](case, num_splits, prep, m)
+
+
+@pytest.mark.parametrize("with_used", [False, True])
+def test_varlen_prep_kernel_fills_exactly_the_rows_of_no_sequence(features, emulated, with_used):
+    features["test_varlen_prep_kernel_fills_exactly_the_rows_of_no_sequence"](with_used)
 
 
 def test_varlen_kernel_writes_only_the_sequences_rows(features, emulated):

@@ -981,10 +981,19 @@ def test_varlen_training_step_without_a_host_read(bwd_kernel_on, monkeypatch, mo
         assert not g[-pad:].any()
 
 
+@pytest.fixture(params=[False, True], ids=["torch_checks", "prep_kernel"])
+def prep(request, monkeypatch):
+    """core.VARLEN_PREP_KERNEL off (the offsets checked by torch ops, out / lse memset) or on (the varlen_prep
+    kernel, emulated by the fake core: test_api_validation.fake_varlen_prep)."""
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("bad,fragment", BAD_VARLEN_OFFSETS)
-def test_varlen_offsets_are_checked_on_the_device(kernel_on, bad, fragment):
+def test_varlen_offsets_are_checked_on_the_device(kernel_on, prep, bad, fragment):
     """Without a host read the offsets' values are checked on the device (torch._assert_async, which on the CPU
-    raises at once): FA3's contract broken is an error naming the argument, before the kernel launches."""
+    raises at once, or the varlen_prep kernel's asserts, emulated): FA3's contract broken is an error naming the
+    argument, before the kernel launches."""
     q, k, v, cu_q, cu_k = varlen_inputs([5, 5, 10], [5, 5, 10], seed=3)
     cu_q = torch.tensor(bad.get("cu_q", cu_q.tolist()), dtype=torch.int32)
     cu_k = torch.tensor(bad.get("cu_k", cu_k.tolist()), dtype=torch.int32)
@@ -996,6 +1005,53 @@ def test_varlen_offsets_are_checked_on_the_device(kernel_on, bad, fragment):
     with pytest.raises(RuntimeError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         fn(q, k, v, cu_q, cu_k)
     assert varlen_calls(kernel_on) == []
+    assert len(kernel_on.preps) == int(prep)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("used", [False, True])
+def test_varlen_prep_kernel_checks_and_fills_instead_of_torch_ops(kernel_on, monkeypatch, used, num_splits):
+    """With core.VARLEN_PREP_KERNEL on, an eager call without a host read is one varlen_prep launch (the offsets
+    checked, out / lse's rows of no sequence filled: rows past the last offsets, and past seqused_q) and one
+    forward: no torch checks (they would raise here), out and lse allocated empty and returned as the prep kernel
+    filled them; split-KV: the prep kernel checks only (flash_attn_combine writes every row)."""
+    from flashgen import interface
+
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", True)
+    monkeypatch.setattr(core, "VARLEN_NO_HOST_READ", True)
+
+    def no_torch_checks(*a, **kw):
+        raise AssertionError("the torch checks ran although the prep kernel checks the offsets")
+
+    monkeypatch.setattr(interface, "_check_offsets_on_device", no_torch_checks)
+    lens_q, lens_k = [5, 17, 1, 33], [7, 17, 200, 2]  # (200 keys: room for 3 splits of 64)
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, pad_q=3, pad_k=2, seed=4)
+    used_q = [max(0, n - 2) for n in lens_q] if used else list(lens_q)
+    kw = dict(seqused_q=torch.tensor(used_q, dtype=torch.int32)) if used else {}
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                      num_splits=num_splits, return_attn_probs=True, **kw)
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, used_q, lens_k, True)
+    check_varlen(out, lse, ref, ref_lse)
+    (launch,) = varlen_calls(kernel_on)
+    assert launch["varlen"].num_splits == num_splits
+    ((seqlens, fill),) = kernel_on.preps
+    assert seqlens[0] is cu_q and seqlens[1] is cu_k and (seqlens[2] is not None) == used and seqlens[3] is None
+    if num_splits == 1:
+        assert fill[0].data_ptr() == out.data_ptr() and fill[1].data_ptr() == lse.data_ptr()
+    else:
+        assert fill is None
+
+
+def test_varlen_prep_kernel_fills_for_the_host_read_path(kernel_on, monkeypatch):
+    """Where the offsets are read on the host (core.VARLEN_NO_HOST_READ off) and rows belong to no sequence, the
+    prep kernel (on) fills them, instead of memsets; where every row is a sequence's, it does not run."""
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", True)
+    for pad, launched in ((3, 1), (0, 0)):
+        kernel_on.preps.clear()
+        q, k, v, cu_q, cu_k = varlen_inputs([5, 17], [7, 17], pad_q=pad, seed=5)
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 17, return_attn_probs=True)
+        check_varlen(out, lse, *varlen_reference(q, k, v, cu_q, cu_k, [5, 17], [7, 17], False))
+        assert len(kernel_on.preps) == launched
 
 
 def test_varlen_without_a_host_read_checks_shapes_on_the_host(kernel_on, monkeypatch):

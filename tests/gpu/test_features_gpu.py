@@ -632,15 +632,20 @@ VARLEN_KERNEL_CASES = [  # (lens_q, lens_k, used_q or None, used_k or None, Case
 ]
 
 
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_fill", "prep_kernel"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("case", VARLEN_KERNEL_CASES, ids=lambda x: case_id(x[4]))
-def test_varlen_kernel_forward(case, num_splits, monkeypatch):
+def test_varlen_kernel_forward(case, num_splits, prep, monkeypatch):
     """flash_attn_varlen_func on the varlen kernel: one launch; each sequence's out and lse against the
     reference of that sequence alone (_ref.check_fwd, FA3's rule); rows no sequence uses: out 0, lse -inf.
     Without unused rows nothing is zeroed first, so a row the kernel leaves unwritten is NaN (poisoned).
     num_splits 3: split-KV on a packed q (the unpacked epilogue's fp32 partials, the sink in split 0 alone),
-    merged by the combine kernel."""
+    merged by the combine kernel. ``prep``: core.VARLEN_PREP_KERNEL on (the varlen_prep kernel checks the offsets
+    and fills the rows of no sequence: out and lse start poisoned) or off (torch checks, memsets)."""
     lens_q, lens_k, used_q, used_k, c, pad = case
+    if prep and variant_missing("varlen_prep", {}):
+        pytest.skip(variant_missing("varlen_prep", {}))
+    monkeypatch.setattr(flashgen.core, "VARLEN_PREP_KERNEL", prep)
     uq, uk = used_q or lens_q, used_k or lens_k
     key = {"dtype": DTYPE_NAMES[c.dtype], "head_dim": c.d, "head_dim_v": c.head_dim_v, "softcap": c.softcap > 0,
            "varlen": True}
@@ -912,6 +917,45 @@ def test_varlen_kernel_backward_no_sequence_has_a_key(monkeypatch):
     assert len(launches) == 20 and all(x is not None for x in launches), "not the varlen backward"
 
 
+@pytest.mark.parametrize("with_used", [False, True], ids=["offsets", "seqused_q"])
+def test_varlen_prep_kernel_fills_exactly_the_rows_of_no_sequence(with_used):
+    """The varlen_prep kernel (flashgen.varlen_prep.varlen_prepare, through interface._varlen_prep_launch) on
+    NaN-filled out / lse: every row of no sequence (past the last offset; with seqused_q, also each sequence's rows
+    past its used ones) becomes out 0 / lse -inf, every other row keeps its NaN (nothing else is written). 1100
+    sequences (more than CTA 0's 256 checking threads), every seventh empty, 37 rows past the last offset, more rows
+    than the grid has warps (the grid-stride loop), a row of 3 x 72 bf16 (432 bytes: 27 16-byte stores). A
+    check-only launch writes nothing. Valid offsets: no assert."""
+    from flashgen import interface
+
+    why = variant_missing("varlen_prep", {})
+    if why:
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(11)
+    batch, heads, dv = 1100, 3, 72
+    lens = torch.randint(1, 40, (batch,), generator=g)
+    lens[::7] = 0
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    total = int(cu[-1]) + 37
+    used = (lens.float() * torch.rand(batch, generator=g)).long() if with_used else lens
+    unused = torch.ones(total, dtype=torch.bool)
+    for b in range(batch):
+        unused[int(cu[b]):int(cu[b]) + int(used[b])] = False
+    seqlens = (cu.to(torch.int32).to("cuda"), cu.to(torch.int32).to("cuda"),
+               used.to(torch.int32).to("cuda") if with_used else None, None)
+    out = torch.full((total, heads, dv), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((heads, total), float("nan"), dtype=torch.float32, device="cuda")
+    longest, dev = int(lens.max()), torch.cuda.current_device()
+    interface._varlen_prep_launch(seqlens, batch, total, total, longest, longest, None, dev)
+    torch.cuda.synchronize()
+    assert out.isnan().all() and lse.isnan().all(), "a check-only launch wrote"
+    interface._varlen_prep_launch(seqlens, batch, total, total, longest, longest, (out, lse), dev)
+    torch.cuda.synchronize()
+    unused = unused.to("cuda")
+    assert int(unused.sum()) >= 37
+    assert not out[unused].any() and bool((lse[:, unused] == -math.inf).all()), "a row of no sequence not filled"
+    assert out[~unused].isnan().all() and lse[:, ~unused].isnan().all(), "a sequence's row written"
+
+
 _BAD_OFFSETS_CHILD = """
 import torch, flashgen
 g = torch.Generator(device="cuda").manual_seed(3)
@@ -929,18 +973,22 @@ except Exception as e:  # (torch's RuntimeError at the synchronisation, or a lat
 """
 
 
+@pytest.mark.parametrize("prep", ["0", "1"], ids=["torch_checks", "prep_kernel"])
 @pytest.mark.parametrize("bad,fragment", BAD_VARLEN_OFFSETS)
-def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fragment):
+def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fragment, prep):
     """Eager flash_attn_varlen_func with GPU offsets and core.VARLEN_NO_HOST_READ on (as under torch.compile and CUDA
-    graphs) reads them on the GPU: FA3's contract broken is a device-side assert (torch._assert_async) whose message
-    names the argument, raised at the next synchronisation. In a child interpreter (an assert loses
-    the CUDA context)."""
+    graphs) reads them on the GPU: FA3's contract broken is a device-side assert (torch._assert_async, or with
+    core.VARLEN_PREP_KERNEL the varlen_prep kernel's assert) whose message names the argument, raised at the next
+    synchronisation. In a child interpreter (an assert loses the CUDA context)."""
     import os
     import subprocess
     import sys
 
+    if prep == "1" and variant_missing("varlen_prep", {}):
+        pytest.skip(variant_missing("varlen_prep", {}))
     r = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_CHILD.format(bad=bad)], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "FLASHGEN_VARLEN_NO_HOST_READ": "1"})
+                       timeout=120, env={**os.environ, "FLASHGEN_VARLEN_NO_HOST_READ": "1",
+                                         "FLASHGEN_VARLEN_PREP_KERNEL": prep})
     text = r.stdout + r.stderr
     assert "raised:" in r.stdout, f"no error for {bad}: {text[-2000:]}"
     assert fragment in text, f"the device assert for {bad} does not name the argument ({fragment!r}): {text[-2000:]}"
@@ -1094,13 +1142,18 @@ def _refill(dst: tuple, src: tuple) -> None:
             a.copy_(b)
 
 
-def test_varlen_kernel_cuda_graph_replays_new_offsets(monkeypatch):
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_fill", "prep_kernel"])
+def test_varlen_kernel_cuda_graph_replays_new_offsets(prep, monkeypatch):
     """A forward of flash_attn_varlen_func with GPU offsets captured in a CUDA graph (no host read: the offsets
-    checked by torch._assert_async), replayed after new offsets (other lengths, the same count and total) and new
-    values are copied into the static tensors: each sequence's out and lse pass FA3's rule, rows past the last
-    offsets are 0 / -inf. bf16 hd128 causal; fp16 hd64 with a window and seqused_k."""
+    checked by torch._assert_async, or with ``prep`` by the varlen_prep kernel, which also fills the rows of no
+    sequence of the new offsets at each replay), replayed after new offsets (other lengths, the same count and
+    total) and new values are copied into the static tensors: each sequence's out and lse pass FA3's rule, rows
+    past the last offsets are 0 / -inf. bf16 hd128 causal; fp16 hd64 with a window and seqused_k."""
     cases = [(Case(4, 0, 0, 8, 2, 128, BF16, causal=True), ([300, 17, 129, 64], [5, 400, 100, 5]), False),
              (Case(3, 0, 0, 4, 1, 64, FP16, window=(40, 7)), ([100, 1, 250], [200, 150, 1]), True)]
+    if prep and variant_missing("varlen_prep", {}):
+        pytest.skip(variant_missing("varlen_prep", {}))
+    monkeypatch.setattr(flashgen.core, "VARLEN_PREP_KERNEL", prep)
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
     for c, (lens_a, lens_b), used in cases:
         if not _no_host_read_built(c, backward=False):

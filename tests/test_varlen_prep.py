@@ -1,0 +1,116 @@
+"""The varlen_prep family (generator/families/varlen_prep.py, templates/varlen_prep.cu.j2, runtime/varlen_prep.py):
+its config, its real compile (0 spills, the asserts kept, every message in the SASS's kernel), and the launch's
+argument checks, grid and params. The kernel itself runs in tests/gpu/test_features_gpu.py."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from fgutil import REPO  # noqa: E402
+
+from flashgen import varlen_prep  # noqa: E402
+from flashgen.generator import sass  # noqa: E402
+from flashgen.generator.build import build  # noqa: E402
+from flashgen.generator.config import load_variants, select  # noqa: E402
+from flashgen.generator.families.varlen_prep import PARAMS, contract_messages  # noqa: E402
+from flashgen.generator.project import Project  # noqa: E402
+from flashgen.generator.toolchain import find_cuobjdump  # noqa: E402
+
+
+def test_config_is_one_default_variant_of_an_empty_dispatch_key():
+    vs = [v for v in load_variants(Project(REPO)) if v.family == "varlen_prep"]
+    assert len(vs) == 1 and vs[0].name.startswith("varlen_prep_t256_") and vs[0].params["threads"] == 256
+
+
+def test_messages_name_each_argument_in_the_torch_paths_order():
+    ms = contract_messages()
+    assert len(ms) == 6
+    for i, arg in enumerate(("cu_seqlens_q", "seqused_q", "max_seqlen_q", "cu_seqlens_k", "seqused_k",
+                             "max_seqlen_k")):
+        assert ms[i].startswith(f"flashgen: {arg} "), (i, ms[i])
+
+
+@pytest.mark.slow
+def test_real_compile_keeps_the_asserts_without_spills(tmp_path):
+    """nvcc with the build's -DNDEBUG: the template undefines it, so the kernel calls __assertfail (the
+    manifest's SASS requirement CALL, checked by flashgen.generator.sass) and its source asserts each message;
+    0 spill bytes."""
+    find_cuobjdump()
+    proj = Project(REPO, build_override=tmp_path)
+    pick = select(load_variants(proj), "varlen_prep_*")
+    res = build(proj, pick, jobs=1, log=lambda line: None)
+    assert res.failed == [], res.failed
+    manifest = json.loads(proj.manifest_path.read_text())
+    (rec,) = [v for v in manifest["variants"] if v["family"] == "varlen_prep"]
+    (k,) = rec["kernels"]
+    assert k["spill_bytes"] == 0 and k["stack_bytes"] == 0 and "CALL" in k["sass"]
+    ops = sass.check_manifest(str(proj.manifest_path))
+    assert "CALL" in ops[k["symbol"]] and "STG" in ops[k["symbol"]]
+    src = (proj.src_dir / f"{rec['name']}.cu").read_text()
+    for i, m in enumerate(contract_messages()):
+        assert f'assert(!(bad & (1u << {i})) && "{m}");' in src
+
+
+class _Recorder:
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, kernel, grid, maps, params, stream, device):
+        self.launches.append((grid, params, stream, device))
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+    """varlen_prep's launch without a GPU: a fake variant of 256 threads, 132 SMs, launches recorded."""
+    from flashgen.manifest import Variant
+
+    rec = _Recorder()
+    var = Variant(name="varlen_prep_t256_fake", family="varlen_prep", params={"threads": 256}, dispatch={},
+                  kernels=())
+    monkeypatch.setattr(varlen_prep, "_plans", {})
+    monkeypatch.setattr(varlen_prep.dispatch, "select_variant", lambda family, key: var)
+    monkeypatch.setattr(varlen_prep.launch, "get_kernel", lambda v, role, device: ("kernel", role))
+    monkeypatch.setattr(varlen_prep.launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(varlen_prep.launch, "launch", rec.launch)
+    return rec
+
+
+def _call(**kw):
+    args = dict(cu_seqlens_q=0x1000, cu_seqlens_k=0x2000, seqused_q=0, seqused_k=0x3000, batch=3, total_q=100,
+                total_k=90, max_seqlen_q=40, max_seqlen_k=50, out=0x10000, out_row_bytes=432, lse=0x20000, heads=3,
+                stream=7, device=0)
+    args.update(kw)
+    return varlen_prep.varlen_prepare(**args)
+
+
+def test_launch_packs_every_field_and_sizes_the_grid(fake_launch):
+    var = _call()
+    assert var.name == "varlen_prep_t256_fake"
+    ((grid, params, stream, device),) = fake_launch.launches
+    assert grid == (13, 1, 1) and stream == 7 and device == 0  # 100 rows / 8 warps per CTA
+    assert set(params) == {f.name for f in PARAMS.fields}
+    assert params["seqused_k"] == 0x3000 and params["out_row_bytes"] == 432 and params["heads"] == 3
+    _call(total_q=10**6)
+    _call(out=0, out_row_bytes=0, lse=0)
+    (g_big, _, _, _), (g_check, p_check, _, _) = (x for x in fake_launch.launches[1:])
+    assert g_big == (264, 1, 1)  # at most 2 CTAs per SM: the fill is a grid-stride loop
+    assert g_check == (1, 1, 1) and p_check["out"] == 0 and p_check["lse"] == 0  # check only: CTA 0
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(batch=0), "batch 0"),
+    (dict(total_q=2**31), "total_q"),
+    (dict(heads=-1), "heads"),
+    (dict(cu_seqlens_k=0), "cu_seqlens_q and cu_seqlens_k are required"),
+    (dict(out_row_bytes=100), "16-byte aligned rows"),
+    (dict(out=0x10008), "16-byte aligned rows"),
+    (dict(lse=0), "16-byte aligned rows and an lse"),
+])
+def test_launch_refuses_what_the_kernel_cannot_take(fake_launch, kw, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        _call(**kw)
+    assert fake_launch.launches == []
