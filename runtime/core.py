@@ -167,9 +167,9 @@ VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "1") == "1"
 # Where the varlen forward's offsets are not read on the host (above), one launch of the varlen_prep kernel
 # (runtime/varlen_prep.py) checks them on the GPU and fills out / lse's rows of no sequence, instead of about 20 torch
 # ops (interface._check_offsets_on_device) and memsets of the whole out and lse (session 2026-12-05 (7); session 5's
-# profile put those at 36 of the 148 us of GPU time of a 16-document forward, and on the CPU stub the host time of
-# the call falls from 128 to about 80 us). Off until its GPU tests pass (test_features_gpu.py's varlen_prep cases);
-# FLASHGEN_VARLEN_PREP_KERNEL=1 turns it on.
+# profile put those at 36 of the 148 us of GPU time of a 16-document forward; scripts/overhead_cpu_stub.py, two runs:
+# host time of that forward 170-176 -> 84 us, of a training step over it 380-395 -> 272 us). Off until its GPU tests
+# pass (test_features_gpu.py's prep cases); FLASHGEN_VARLEN_PREP_KERNEL=1 turns it on.
 VARLEN_PREP_KERNEL = os.environ.get("FLASHGEN_VARLEN_PREP_KERNEL", "0") == "1"
 
 
