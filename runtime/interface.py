@@ -1279,10 +1279,9 @@ def _check_offsets_on_device(cu_q, cu_k, seqused_q, seqused_k, total_q: int, tot
         torch._assert_async((lens <= longest).all(), next(messages))
 
 
-@torch.compiler.assume_constant_result
 def _varlen_prep_on() -> bool:
     """Whether the varlen_prep kernel checks the offsets and fills out / lse before the varlen forward
-    (core.VARLEN_PREP_KERNEL and its variant built; a constant under torch.compile)."""
+    (core.VARLEN_PREP_KERNEL and its variant built). Asked inside the varlen op (never traced by torch.compile)."""
     return _core.VARLEN_PREP_KERNEL and _core.variant_built(_varlen_prep.FAMILY, {})
 
 
