@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--profile", action="store_true", help="cProfile flash_attn_func instead of timing")
+    ap.add_argument("--only", default="", help="only the calls whose name contains this text")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as kdir:
         write_manifest(kdir)
@@ -304,6 +305,7 @@ def main(argv=None) -> int:
         fns["flash_attn_varlen_func forward + backward, 16 documents, varlen kernels + prep kernel"] = \
             lambda: train_step(True, True)
         fns["flash_attn_varlen_func forward + backward, 16 documents, composed"] = lambda: train_step(False)
+        fns = {name: fn for name, fn in fns.items() if a.only in name}
         if a.profile:
             import cProfile
             import pstats
