@@ -168,9 +168,12 @@ VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "1") == "1"
 # (runtime/varlen_prep.py) checks them on the GPU and fills out / lse's rows of no sequence, instead of about 20 torch
 # ops (interface._check_offsets_on_device) and memsets of the whole out and lse (session 2026-12-05 (7); session 5's
 # profile put those at 36 of the 148 us of GPU time of a 16-document forward; scripts/overhead_cpu_stub.py, two runs:
-# host time of that forward 170-176 -> 84 us, of a training step over it 380-395 -> 272 us). Off until its GPU tests
-# pass (test_features_gpu.py's prep cases); FLASHGEN_VARLEN_PREP_KERNEL=1 turns it on.
-VARLEN_PREP_KERNEL = os.environ.get("FLASHGEN_VARLEN_PREP_KERNEL", "0") == "1"
+# host time of that forward 170-176 -> 84 us, of a training step over it 380-395 -> 272 us). On an H100 (same
+# session, scripts/varlen_gpu_time.py twice, docs/results/varlen_prep_h100/): the 16-document forward's GPU time
+# 155 -> 107 us and host time 487-494 -> 207-211 us, a training step's GPU time 662 -> 608-609 us; the kernel itself
+# 2 us. On by default since its GPU tests passed there (test_features_gpu.py's prep cases, compute-sanitizer clean);
+# FLASHGEN_VARLEN_PREP_KERNEL=0 turns it off (the torch checks and memsets).
+VARLEN_PREP_KERNEL = os.environ.get("FLASHGEN_VARLEN_PREP_KERNEL", "1") == "1"
 
 
 # num_splits 0 ("chosen", flash_attn_with_kvcache's default) lets varlen_num_splits (FA3's heuristic) split the keys

@@ -5,9 +5,9 @@ the ``varlen_prep`` kernel (generator/families/varlen_prep.py, templates/varlen_
 capture) cannot check FA3's varlen contract on the host, nor know which rows of out / lse belong to no sequence.
 One launch of this kernel, queued before the varlen forward on the same stream, does both: it asserts on the
 device, naming the argument, where the contract is broken (the rules of flashgen._validate.varlen_problems), and it
-writes 0 / -inf into out's / lse's rows of no sequence. Without it (``core.VARLEN_PREP_KERNEL`` off, or no variant
-built) the interface does the same with torch ops: about 20 small kernels and two memsets over the whole of out and
-lse. Nothing here imports torch.
+writes 0 / -inf into out's / lse's rows of no sequence. Without it (``core.VARLEN_PREP_KERNEL`` off:
+``FLASHGEN_VARLEN_PREP_KERNEL=0``, or no variant built) the interface does the same with torch ops: about 20 small
+kernels and two memsets over the whole of out and lse. Nothing here imports torch.
 """
 
 from __future__ import annotations

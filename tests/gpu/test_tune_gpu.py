@@ -103,7 +103,9 @@ def test_a_table_naming_another_tile_is_followed(built, fresh, tmp_path, monkeyp
     q = torch.randn(2, 700, 4, 128, device="cuda", dtype=torch.bfloat16)
     flashgen.flash_attn_func(q, q, q)
     torch.cuda.synchronize()
-    assert any(p.variant.name == other.name and k[-1] == tuning.seqlen_bucket(700) for k, p in core._plans.items())
+    # (core._plan's key ends (..., pack_gqa, bucket, varlen))
+    assert any(p.variant.name == other.name and k[-2:] == (tuning.seqlen_bucket(700), False)
+               for k, p in core._plans.items())
     monkeypatch.setenv("FLASHGEN_TUNE_TABLE", "off")
     _forget_plans(monkeypatch)
     assert _call(1000).name == default.name
