@@ -1382,8 +1382,9 @@ def flash_attn_varlen_func(
     How it runs: with every offset on q's GPU (eagerly while core.VARLEN_NO_HOST_READ is on, the default; under
     torch.compile; under CUDA-graph capture) nothing is read on the host where the varlen kernels serve the call,
     as in FA3 (:func:`_varlen_on_device`: ``torch.ops.flashgen.varlen_fwd``,
-    and ``varlen_bwd`` for gradients; the offsets' values checked on the GPU by ``torch._assert_async``, FA3's
-    max_seqlen_q / max_seqlen_k as the grids' sizes): ``fullgraph=True`` traces through it and a changing
+    and ``varlen_bwd`` for gradients; the offsets' values checked on the GPU, and the rows of no sequence filled, by
+    one launch of the varlen_prep kernel (``FLASHGEN_VARLEN_PREP_KERNEL=0``: ``torch._assert_async`` ops and
+    memsets); FA3's max_seqlen_q / max_seqlen_k as the grids' sizes): ``fullgraph=True`` traces through it and a changing
     max_seqlen does not recompile per value. Otherwise (CPU offsets, ``FLASHGEN_VARLEN_NO_HOST_READ=0``, a call the
     varlen ops do not serve) the offsets are read on the host and checked, a synchronisation when they are on the
     GPU (under torch.compile a graph break; under capture NotImplementedError; CPU offsets can be captured). With
