@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
+import flashgen.core  # noqa: E402,F401  (flashgen imports its submodules lazily: the tests patch flashgen.core)
 from _ref import (captured, kvcache_reference, logical_cache, variant_missing,  # noqa: E402  (tests/gpu on sys.path)
                   varlen_launches)
 
