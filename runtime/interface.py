@@ -929,6 +929,29 @@ def _key_bound(max_seqlen_k: int, lengths_read: bool, rows: int | None) -> int:
     return bound if rows is None else max(int(max_seqlen_k), min(bound, rows))
 
 
+_varlen_problems: dict = {}  # _varlen_checked's key -> _v.Problem; immutable values
+
+
+def _varlen_checked(q, k, v, packed_q: bool, packed_k: bool, window_size, softcap, sink) -> _v.Problem:
+    """:func:`_check_fwd` of a varlen kernel call's q, k, v, window, softcap and sink (a packed side as a batch of one,
+    then a padded side's first entry, so that the batches agree), kept per metadata key as flash_attn_func keeps its
+    checked calls (``_fwd_calls``: the checks read shapes, strides, dtypes and devices, never the data), so a
+    repeated call skips them (about a quarter of the varlen forward's host work on the CPU stub). Raises what
+    :func:`_check_fwd` raises, every call (a failure is not kept)."""
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k), v.shape,
+           v.stride(), v.dtype, _device_of(v), packed_q, packed_k, window, float(softcap),
+           None if sink is None else (sink.shape, sink.stride(), sink.dtype, _device_of(sink)))
+    p = _varlen_problems.get(key)
+    if p is None:
+        views = [t[None] if packed else t[:1] if packed_q or packed_k else t
+                 for t, packed in ((q, packed_q), (k, packed_k), (v, packed_k))]
+        _v.raise_problems(_v.window_size_problems(window_size))
+        p = _check_fwd(*views, *_v.window_pair(window_size), float(softcap), sink)
+        _launch.cache_put(_varlen_problems, key, p, _FWD_CALL_CACHE_MAX)
+    return p
+
+
 def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_seqlen_k: int, softmax_scale,
                    causal: bool, window_size, softcap: float, sink, fill: bool, problem: _v.Problem | None = None,
                    cache: tuple = (None, None, None), num_splits: int = 1, check_offsets: bool = False):
@@ -959,14 +982,7 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     kernel, merged by :func:`flash_attn_combine` into out / lse (every row: those of no sequence get 0 / -inf).
     Raises what :func:`_check_fwd` raises."""
     packed_q, packed_k = seqlens[0] is not None, seqlens[1] is not None
-    p = problem
-    if p is None:
-        # (for the checks of dtypes, heads, head dims, devices: a packed side as a batch of one, and then a
-        # padded side's first entry, so that the batches agree)
-        views = [t[None] if packed else t[:1] if packed_q or packed_k else t
-                 for t, packed in ((q, packed_q), (k, packed_k), (v, packed_k))]
-        _v.raise_problems(_v.window_size_problems(window_size))
-        p = _check_fwd(*views, *_v.window_pair(window_size), float(softcap), sink)
+    p = problem if problem is not None else _varlen_checked(q, k, v, packed_q, packed_k, window_size, softcap, sink)
     window = _v.window_pair(window_size)
     dev = p.device
     _check_device_capability(dev)

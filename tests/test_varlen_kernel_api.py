@@ -1370,3 +1370,27 @@ def test_varlen_eager_gradients_skip_the_dispatcher_and_check_the_calls_own_mask
     assert [c.get("varlen") is not None for c in bwd_kernel_on.calls] == [True]
     assert interface._varlen_variants_built("fp16", 64, 64, True, (-1, -1), False, True, (30, 30))
     assert not interface._varlen_variants_built("fp16", 64, 64, True, (-1, -1), False, True, None)
+
+
+def test_varlen_kernel_checks_are_kept_per_metadata(kernel_on, monkeypatch):
+    """interface._varlen_checked: a repeated varlen kernel call runs _check_fwd once per metadata key (shapes,
+    strides, dtypes, devices, packing, window, softcap, sink), as flash_attn_func's checked calls; another key checks
+    again, and a failing check raises on every call (no failure is kept)."""
+    from flashgen import interface
+
+    checks = []
+    real = interface._check_fwd
+    monkeypatch.setattr(interface, "_check_fwd", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    q, k, v, cu_q, cu_k = varlen_inputs([5, 17], [7, 17], seed=6)
+    for _ in range(3):
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 17, causal=True)
+    assert len(checks) == 1
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 17, window_size=(3, 0))  # another window: checked
+    flash_attn_varlen_func(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cu_q, cu_k, 17, 17, causal=True)
+    assert len(checks) == 3
+    ref, _ = varlen_reference(q, k, v, cu_q, cu_k, [5, 17], [7, 17], True)
+    assert (out.float() - ref).abs().max().item() <= 2e-3  # (the kept check's call runs as the first)
+    for _ in range(2):  # a bad sink (one logit per query head: 4, not 3) fails in _check_fwd each time
+        with pytest.raises(ValueError, match="learnable_sink"):
+            flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 17, causal=True, learnable_sink=torch.zeros(3))
+    assert len(checks) == 5
