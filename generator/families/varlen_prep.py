@@ -1,6 +1,7 @@
 """The ``varlen_prep`` family: one small kernel launched before the varlen forward where no one has read the
 offsets on the host (``flash_attn_varlen_func`` with GPU offsets: eagerly by default, under torch.compile, under
-CUDA-graph capture; FA3's varlen API, arXiv 2407.08608 §3 and hopper/flash_api.cpp's checks).
+CUDA-graph capture; FA3's varlen API, hopper/flash_api.cpp, which reads these offsets on the GPU and checks none of
+their values).
 
 It does two things in one launch, replacing about 20 small torch kernels (``torch._assert_async`` over the offsets)
 and two memsets (out 0, lse -inf over every row):
@@ -35,8 +36,6 @@ PARAMS = params_struct(
     ("batch", "i32"), ("total_q", "i32"), ("total_k", "i32"), ("max_seqlen_q", "i32"), ("max_seqlen_k", "i32"),
     ("heads", "i32"),
 )
-
-
 
 
 def contract_messages() -> tuple:
