@@ -941,7 +941,7 @@ def _varlen_checked(q, k, v, packed_q: bool, packed_k: bool, window_size, softca
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k), v.shape,
            v.stride(), v.dtype, _device_of(v), packed_q, packed_k, window, float(softcap),
-           None if sink is None else (sink.shape, sink.stride(), sink.dtype, _device_of(sink)))
+           _extras_key(sink, (None, None, None)))
     p = _varlen_problems.get(key)
     if p is None:
         views = [t[None] if packed else t[:1] if packed_q or packed_k else t
