@@ -45,8 +45,10 @@ import torch
 
 from . import _validate as _v
 from . import core as _core
-from .interface import (_attend, _capturing, _check_fwd, _device_of, _host_ints, _on_q_device, _out_dtype,
-                        _splits_arg, _varlen_kernel, _varlen_kernel_serves)
+from . import varlen_prep as _varlen_prep
+from .generator.families.varlen_prep import kvcache_messages
+from .interface import (_attend, _capturing, _check_fwd, _current_stream, _device_of, _host_ints, _on_q_device,
+                        _out_dtype, _splits_arg, _varlen_kernel, _varlen_kernel_serves, _varlen_prep_on)
 
 __all__ = ["flash_attn_with_kvcache", "get_scheduler_metadata", "apply_rotary"]
 
@@ -394,6 +396,81 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
+def _append_with_torch(lens, rows, pads, page_table, k, v, k_cache, v_cache, capacity: int):
+    """The kvcache kernel's work (:func:`_kvcache_prep_launch`) as torch ops, without a host read: the cache
+    arguments checked (torch._assert_async, the kernel's messages), k / v appended at positions lens[b] + i of entry
+    b's cache row or pages; returns the int32 key counts lens + n."""
+    messages = kvcache_messages()
+    batch, n = lens.shape[0], 0 if k is None else k.shape[1]
+    total = lens + n
+    torch._assert_async(((lens >= 0) & (total <= capacity)).all(), messages[0])
+    if rows is not None:
+        ok = ((rows >= 0) & (rows < k_cache.shape[0])).all()
+        if n:  # an append names each cache row once
+            ordered = rows.sort().values
+            ok = ok & (ordered[1:] != ordered[:-1]).all()
+        torch._assert_async(ok, messages[1])
+    if pads is not None:
+        torch._assert_async(((pads >= 0) & (pads <= total)).all(), messages[2])
+    paged = page_table is not None
+    if paged:  # the pages an entry uses (up to its last token's) name blocks of the caches
+        used = torch.arange(page_table.shape[1], device=lens.device)[None] * k_cache.shape[1] < total[:, None]
+        named = torch.where(used, page_table, 0)
+        torch._assert_async(((named >= 0) & (named < k_cache.shape[0])).all(), messages[3])
+    if n:
+        pos = lens.long()[:, None] + torch.arange(n, device=k_cache.device)
+        if paged:
+            ps = k_cache.shape[1]
+            entry = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n)
+            idx = (page_table.long()[entry, pos // ps], pos % ps)
+        else:
+            entry = torch.arange(batch, device=k_cache.device) if rows is None else rows.long()
+            idx = (entry[:, None].expand(batch, n), pos)
+        k_cache[idx] = k.to(k_cache.dtype)
+        v_cache[idx] = v.to(v_cache.dtype)
+    return total.to(torch.int32)
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    """Whether the kvcache kernel's 16-byte copies can address ``t`` (4-D, last dim contiguous): its address, its
+    first three byte strides and one head's row a multiple of 16 bytes."""
+    es = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.shape[-1] * es % 16 == 0
+            and all(s * es % 16 == 0 for s in t.stride()[:3]))
+
+
+def _kvcache_prep_serves(k_cache, v_cache, k, v, page_table, rows) -> bool:
+    """Whether the varlen_prep variant's kvcache kernel takes this step's checks and append (core.VARLEN_PREP_KERNEL,
+    its variant built, 16-byte aligned caches and new rows, a page table with contiguous rows, at most
+    KVCACHE_MAX_ROWS cache rows where an append must name distinct ones)."""
+    if not _varlen_prep_on():
+        return False
+    n = 0 if k is None else k.shape[1]
+    if rows is not None and n and k_cache.shape[0] > _varlen_prep.KVCACHE_MAX_ROWS:
+        return False
+    if page_table is not None and page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        return False
+    return all(_aligned16(t) for t in ((k_cache, v_cache, k, v) if n else (k_cache, v_cache)))
+
+
+def _kvcache_prep_launch(lens, seqlen_const: int, rows, pads, page_table, total, k, v, k_cache, v_cache,
+                         capacity: int, device: int) -> None:
+    """One launch of the kvcache kernel (:func:`flashgen.varlen_prep.kvcache_prepare`) on the current stream:
+    ``lens`` int32 (batch,) cache_seqlens or None (every entry at ``seqlen_const``); ``rows`` / ``pads`` int32
+    (batch,) cache_batch_idx / cache_leftpad or None; ``page_table`` int32 (batch, pages) or None; ``total`` the
+    int32 (batch,) seqused_k it writes; new ``k`` / ``v`` (batch, n, heads_k, d) in the caches' dtype, or None."""
+    es = k_cache.element_size()
+    ints = [None if t is None else t.contiguous() for t in (lens, rows, pads)]  # (referenced until enqueued)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    strides = lambda t: (0, 0, 0) if t is None else tuple(s * es for s in t.stride()[:3])  # noqa: E731
+    _varlen_prep.kvcache_prepare(
+        ptr(ints[0]), seqlen_const, ptr(ints[1]), ptr(ints[2]), ptr(page_table),
+        0 if page_table is None else page_table.stride(0), total.data_ptr(), ptr(k), ptr(v), strides(k), strides(v),
+        0 if k is None else k.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), strides(k_cache), strides(v_cache),
+        k_cache.shape[-1] * es, v_cache.shape[-1] * es, total.shape[0], k_cache.shape[2], capacity, k_cache.shape[0],
+        k_cache.shape[1] if page_table is not None else 0, _current_stream(device), device)
+
+
 def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,
                     softmax_scale, causal: bool, window_size, attention_chunk: int, softcap: float,
                     rotary_interleaved: bool, pack_gqa=None, cache_batch_idx=None, cache_leftpad=None,
@@ -443,9 +520,11 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         if not 0 <= length <= capacity - n:
             raise ValueError(f"flashgen: cache_seqlens {length} + {n} new tokens must fit the cache's {capacity} "
                              "positions")
-    lens = lengths("cache_seqlens", cache_seqlens, capacity)
     rows = None if cache_batch_idx is None else lengths("cache_batch_idx", cache_batch_idx, 0)
     pads = None if cache_leftpad is None else lengths("cache_leftpad", cache_leftpad, 0)
+    # (cache_seqlens as a tensor: the call's own; an int or None without a tensor made of it on the prep kernel's
+    # path, which takes it as a constant)
+    lens = lengths("cache_seqlens", cache_seqlens, capacity) if isinstance(cache_seqlens, torch.Tensor) else None
     problem = _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
                          *(None if d is None else d[:1] for d in descales))
     if not uniform and not (
@@ -463,7 +542,8 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                                   "capture")
     if rotary_cos is not None:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
-        start = lengths("rotary_seqlens", rotary_seqlens, 0) if rotary_seqlens is not None else lens
+        start = (lengths("rotary_seqlens", rotary_seqlens, 0) if rotary_seqlens is not None
+                 else lens if lens is not None else lengths("cache_seqlens", cache_seqlens, capacity))
         start = start.long().to(rotary_cos.device)[:, None]
         each = causal or any(x is not None and x >= 0 for x in window_size)
         steps = torch.arange(sq, device=rotary_cos.device) if each else torch.zeros(sq, dtype=torch.long,
@@ -479,35 +559,20 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         return _attend(q, k_cache[:batch, :length + n], v_cache[:batch, :length + n], softmax_scale, causal,
                        window_size, softcap, None, descales, pack_gqa, False, True, attention_chunk)
     # The values cannot be read here, so they are checked on the GPU: an error of the stream (a device-side
-    # assert), not a write to the wrong rows (a negative position would wrap around in the append).
-    total = lens + n
-    torch._assert_async(((lens >= 0) & (total <= capacity)).all(),
-                        f"flashgen: cache_seqlens + {n} new tokens must lie in [0, {capacity}] (the cache's positions)")
-    if rows is not None:
-        ok = ((rows >= 0) & (rows < k_cache.shape[0])).all()
-        if n:  # an append names each cache row once
-            ordered = rows.sort().values
-            ok = ok & (ordered[1:] != ordered[:-1]).all()
-        torch._assert_async(ok, f"flashgen: cache_batch_idx must name distinct rows of k_cache's {k_cache.shape[0]}")
-    if pads is not None:
-        torch._assert_async(((pads >= 0) & (pads <= total)).all(),
-                            "flashgen: cache_leftpad must lie between 0 and each entry's tokens")
-    if paged:  # the pages an entry uses (up to its last token's) name blocks of the caches
-        used = torch.arange(page_table.shape[1], device=q.device)[None] * k_cache.shape[1] < total[:, None]
-        named = torch.where(used, page_table, 0)
-        torch._assert_async(((named >= 0) & (named < k_cache.shape[0])).all(),
-                            f"flashgen: page_table's used entries must name blocks of k_cache's {k_cache.shape[0]}")
-    if n:
-        pos = lens.long()[:, None] + torch.arange(n, device=k_cache.device)
-        if paged:
-            ps = k_cache.shape[1]
-            entry = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n)
-            idx = (page_table.long()[entry, pos // ps], pos % ps)
-        else:
-            entry = torch.arange(batch, device=k_cache.device) if rows is None else rows.long()
-            idx = (entry[:, None].expand(batch, n), pos)
-        k_cache[idx] = k.to(k_cache.dtype)
-        v_cache[idx] = v.to(v_cache.dtype)
+    # assert), not a write to the wrong rows (a negative position would wrap around in the append). One launch of
+    # the varlen_prep variant's kvcache kernel checks, appends and writes the key counts where it serves the call;
+    # else torch ops do the same (the same messages: kvcache_messages()).
+    if _kvcache_prep_serves(k_cache, v_cache, k, v, page_table, rows):
+        if n and k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        total = torch.empty(batch, dtype=torch.int32, device=q.device)
+        const = capacity if cache_seqlens is None else 0 if lens is not None else int(cache_seqlens)
+        _kvcache_prep_launch(lens, const, rows, pads, page_table, total, k if n else None, v if n else None,
+                             k_cache, v_cache, capacity, _device_of(q)[1])
+    else:
+        if lens is None:
+            lens = lengths("cache_seqlens", cache_seqlens, capacity)
+        total = _append_with_torch(lens, rows, pads, page_table, k, v, k_cache, v_cache, capacity)
     whole = paged or rows is not None  # k / v's batch dim: pages or cache rows, not the entries
     res = _varlen_kernel(q, k_cache if whole else k_cache[:batch], v_cache if whole else v_cache[:batch],
                          (None, None, None, total.to(torch.int32)), batch, sq, capacity, softmax_scale, causal,

@@ -7,7 +7,12 @@ One launch of this kernel, queued before the varlen forward on the same stream, 
 device, naming the argument, where the contract is broken (the rules of flashgen._validate.varlen_problems), and it
 writes 0 / -inf into out's / lse's rows of no sequence. Without it (``core.VARLEN_PREP_KERNEL`` off:
 ``FLASHGEN_VARLEN_PREP_KERNEL=0``, or no variant built) the interface does the same with torch ops: about 20 small
-kernels and two memsets over the whole of out and lse. Nothing here imports torch.
+kernels and two memsets over the whole of out and lse.
+
+The same variant's ``kvcache`` kernel (:func:`kvcache_prepare`) does the like for a ``flash_attn_with_kvcache`` step
+whose lengths are not read on the host (kvcache._step_on_device): it checks the cache arguments on the device,
+appends the new k / v and writes the forward's seqused_k, in one launch instead of about 12-20 torch kernels.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -18,16 +23,20 @@ from . import dispatch
 from . import launch
 from .manifest import Variant
 
-__all__ = ["FAMILY", "varlen_prepare"]
+__all__ = ["FAMILY", "kvcache_prepare", "varlen_prepare", "KVCACHE_MAX_ROWS"]
 
 FAMILY = "varlen_prep"
 _INT32_MAX = 2**31 - 1
 _CTAS_PER_SM = 2  # the fill's grid: at most this many CTAs per SM (a grid-stride loop over the rows)
 
 
+KVCACHE_MAX_ROWS = 1 << 16  # the kvcache kernel's distinct-rows bitmap (families/varlen_prep.py KVCACHE_ROW_BITS)
+
+
 class _Plan(NamedTuple):
     variant: Variant
-    kernel: object  # launch.LoadedKernel
+    kernel: object  # launch.LoadedKernel: the role "main"
+    kvcache: object  # the role "kvcache"
     warps: int  # per CTA
     sms: int
 
@@ -41,8 +50,8 @@ def _plan(device: int) -> _Plan:
     plan = _plans.get(device)
     if plan is None:
         var = dispatch.select_variant(FAMILY, {})
-        kern = launch.get_kernel(var, "main", device)
-        plan = _Plan(var, kern, int(var.params["threads"]) // 32, launch.num_sms(device))
+        plan = _Plan(var, launch.get_kernel(var, "main", device), launch.get_kernel(var, "kvcache", device),
+                     int(var.params["threads"]) // 32, launch.num_sms(device))
         _plans[device] = plan
     return plan
 
@@ -98,4 +107,84 @@ def varlen_prepare(cu_seqlens_q: int, cu_seqlens_k: int, seqused_q: int, seqused
         "max_seqlen_k": max_seqlen_k, "heads": heads,
     }
     launch.launch(plan.kernel, (grid, 1, 1), (), params, stream, device)
+    return plan.variant
+
+
+def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int, cache_leftpad: int, page_table: int,
+                    page_table_stride: int, seqused_k: int, k_new: int, v_new: int, k_new_strides: tuple,
+                    v_new_strides: tuple, n_new: int, k_cache: int, v_cache: int, k_cache_strides: tuple,
+                    v_cache_strides: tuple, k_row_bytes: int, v_row_bytes: int, batch: int, heads_k: int,
+                    capacity: int, cache_blocks: int, page_size: int, stream: int, device: int) -> Variant:
+    """Launch the varlen_prep variant's ``kvcache`` kernel on ``stream``: one flash_attn_with_kvcache step's cache
+    arguments checked, its new k / v appended, its seqused_k written (FA3's kvcache semantics,
+    hopper/flash_api.cpp mha_fwd with k_new / v_new: entry b's new token i goes to position cache_seqlens[b] + i).
+
+    Args (device addresses as ints, 0 for none; strides in bytes):
+        cache_seqlens: int32 ``(batch,)`` tokens already in each entry's cache, or 0: every entry at
+            ``seqlen_const``.
+        cache_batch_idx, cache_leftpad: int32 ``(batch,)`` or 0. page_table: int32 ``(batch, pages)`` or 0, its rows
+            ``page_table_stride`` entries apart.
+        seqused_k: int32 ``(batch,)`` written: cache_seqlens + n_new.
+        k_new, v_new: the new ``(batch, n_new, heads_k, head_dim[_v])`` rows (0 when n_new is 0), with byte strides
+            (batch, token, head) ``k_new_strides`` / ``v_new_strides``; the last dim contiguous, in the caches'
+            dtype.
+        k_cache, v_cache: ``(cache_blocks, positions, heads_k, head_dim[_v])`` (cache rows, or pages of
+            ``page_size`` positions), byte strides (block, position, head).
+        k_row_bytes, v_row_bytes: bytes of one head's row (head_dim x element size).
+        capacity: each entry's positions (the cache's length, or pages x page_size).
+
+    Every address, stride and row size must be a multiple of 16 bytes (the copies are 16-byte vectors).
+
+    What the kernel does: CTA 0 asserts (a device-side assert naming the argument, the texts of
+    ``kvcache_messages()``) where a length plus n_new leaves [0, capacity], a cache_batch_idx row is out of range or
+    (with an append) named twice, a cache_leftpad is outside [0, the entry's tokens], or a used page's number is out
+    of range; every CTA copies the new rows, each copy checking its own row and page first (no write outside the
+    caches, whatever the arguments). The grid: one thread per 16-byte chunk, at most 2 CTAs per SM.
+
+    Returns the variant used.
+
+    Raises:
+        ValueError: arguments the kernel cannot take (sizes outside int32, misaligned addresses / strides / rows,
+            more than KVCACHE_MAX_ROWS cache rows with cache_batch_idx and an append, a page_size < 1 with pages).
+        flashgen.dispatch.MissingVariantError: no varlen_prep variant is built.
+        flashgen.launch.CudaError: the driver refuses the load or the launch.
+    """
+    problems = []
+    for name, n in (("batch", batch), ("n_new", n_new), ("heads_k", heads_k), ("capacity", capacity),
+                    ("cache_blocks", cache_blocks), ("page_size", page_size), ("page_table_stride", page_table_stride),
+                    ("seqlen_const", seqlen_const)):
+        if not -_INT32_MAX <= n <= _INT32_MAX:
+            problems.append(f"{name} {n} not in int32")
+    if batch < 1 or heads_k < 1 or n_new < 0 or not seqused_k:
+        problems.append(f"batch {batch}, heads_k {heads_k} (want >= 1), n_new {n_new} (want >= 0), seqused_k "
+                        f"0x{seqused_k:x} (required)")
+    if page_table and page_size < 1:
+        problems.append(f"page_size {page_size} with a page table")
+    if cache_batch_idx and n_new and cache_blocks > KVCACHE_MAX_ROWS:
+        problems.append(f"{cache_blocks} cache rows with cache_batch_idx and an append (at most {KVCACHE_MAX_ROWS})")
+    if n_new:
+        sixteen = (k_new, v_new, k_cache, v_cache, k_row_bytes, v_row_bytes, *k_new_strides, *v_new_strides,
+                   *k_cache_strides, *v_cache_strides)
+        if any(x % 16 for x in sixteen) or not (k_new and v_new and k_cache and v_cache) or min(
+                k_row_bytes, v_row_bytes) <= 0 or max(k_row_bytes, v_row_bytes) > _INT32_MAX:
+            problems.append("k / v / caches: addresses, byte strides and rows must be multiples of 16 bytes")
+    if problems:
+        raise ValueError("flashgen: kvcache_prepare: " + "; ".join(problems))
+    plan = _plan(device)
+    threads = plan.warps * 32
+    chunks = batch * n_new * heads_k * ((k_row_bytes + v_row_bytes) // 16)
+    grid = max(1, min(-(-chunks // threads), _CTAS_PER_SM * plan.sms))
+    params = {
+        "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
+        "page_table": page_table, "seqused_k": seqused_k, "k_new": k_new if n_new else 0,
+        "v_new": v_new if n_new else 0, "k_cache": k_cache, "v_cache": v_cache,
+        **{f"k_new_stride_{a}": int(x) for a, x in zip("bth", k_new_strides)},
+        **{f"v_new_stride_{a}": int(x) for a, x in zip("bth", v_new_strides)},
+        **{f"k_cache_stride_{a}": int(x) for a, x in zip("rth", k_cache_strides)},
+        **{f"v_cache_stride_{a}": int(x) for a, x in zip("rth", v_cache_strides)},
+        "k_row_bytes": k_row_bytes, "v_row_bytes": v_row_bytes, "batch": batch, "n_new": n_new, "heads_k": heads_k,
+        "seqlen_const": seqlen_const, "capacity": capacity, "cache_blocks": cache_blocks,
+        "page_size": page_size if page_table else 0, "page_table_stride": page_table_stride if page_table else 0,
+    }
+    launch.launch(plan.kvcache, (grid, 1, 1), (), params, stream, device)
     return plan.variant

@@ -14,7 +14,9 @@ SDPA does not. This script separates the two:
 The training steps (forward + backward over causal packed documents, varlen_bench.py's training table, the same
 lengths) come first: the varlen kernels with the host read of the offsets and without it (core.VARLEN_NO_HOST_READ),
 the padded groups, SDPA's nested tensors. Rows ending ", prep" run with core.VARLEN_PREP_KERNEL on (the varlen_prep
-kernel instead of the torch checks and memsets).
+kernel instead of the torch checks and memsets). The decode steps last: flash_attn_with_kvcache appending one token per
+entry with the lengths on the GPU (kvcache._step_on_device), the checks and the append by torch ops or, rows ending
+", prep", by the varlen_prep variant's kvcache kernel.
 
 Usage (a GPU): python scripts/varlen_gpu_time.py [--n 20]. Prints one markdown table.
 """
@@ -108,6 +110,39 @@ def main() -> None:
                 core.VARLEN_PREP_KERNEL = on == "prep"
                 row(name, path, fn, a.n)
     core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ, core.VARLEN_PREP_KERNEL = saved[0], saved[2], saved[4]
+    with torch.no_grad():
+        for name, step in decode_steps(a.seed):
+            for path, prep in (("decode step, torch append", False), ("decode step, prep", True)):
+                def fn(step=step, prep=prep):
+                    core.VARLEN_PREP_KERNEL = prep
+                    step()
+                row(name, path, fn, a.n)
+    core.VARLEN_PREP_KERNEL = saved[4]
+
+
+def decode_steps(seed: int):
+    """Decode steps with an append (one new token per entry, bf16, 32 query heads over 8 K/V heads of 128, causal,
+    lengths on the GPU): ``(name, step)`` for 8 and 64 caches of 4096 positions, unpaged and in pages of 64. Each
+    step writes the same positions (the lengths do not grow), so every repetition does the same work."""
+    import flashgen
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for batch, page in ((8, None), (64, None), (64, 64)):
+        cache = 4096
+        r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        q, k, v = r(batch, 1, 32, 128), r(batch, 1, 8, 128), r(batch, 1, 8, 128)
+        lens = torch.randint(1, cache - 1, (batch,), generator=g, device="cuda", dtype=torch.int32)
+        table = None
+        if page:
+            per = cache // page
+            table = torch.randperm(batch * per, generator=g, device="cuda").view(batch, per).int()
+            kc, vc = r(batch * per, page, 8, 128), r(batch * per, page, 8, 128)
+        else:
+            kc, vc = r(batch, cache, 8, 128), r(batch, cache, 8, 128)
+
+        def step(q=q, k=k, v=v, kc=kc, vc=vc, lens=lens, table=table):
+            return flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=table, causal=True)
+        yield f"decode {batch} caches of {cache}{f', pages of {page}' if page else ''}, +1 token", step
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import flashgen.core as core
 import flashgen.dispatch as dispatch
 import flashgen.dlpack_api as dlpack_api
 import flashgen.interface as interface
+import flashgen.kvcache as kvcache
 from flashgen import _validate as V
 from flashgen.interface import flash_attn_func
 from flashgen.manifest import Manifest, Variant
@@ -107,11 +108,18 @@ class FakeCore:
         self.selected = []
         self.served = []  # pack_gqa_served's arguments (flash_attn_func's pack_gqa=True hint)
         self.preps = []  # interface._varlen_prep_launch's calls: (seqlens, fill or None)
+        self.kvcache_preps = []  # kvcache._kvcache_prep_launch's calls: (lens, seqlen_const, rows, pads, page_table, n)
 
     def varlen_prep_launch(self, seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, fill, device):
         """As interface._varlen_prep_launch: recorded, then the kernel emulated (:func:`fake_varlen_prep`)."""
         self.preps.append((seqlens, fill))
         fake_varlen_prep(seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, fill)
+
+    def kvcache_prep_launch(self, lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache,
+                            capacity, device):
+        """As kvcache._kvcache_prep_launch: recorded, then the kernel emulated (:func:`fake_kvcache_prep`)."""
+        self.kvcache_preps.append((lens, seqlen_const, rows, pads, page_table, 0 if k is None else k.shape[1]))
+        fake_kvcache_prep(lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache, capacity)
 
     def pack_gqa_served(self, dtype, head_dim, head_dim_v, causal, window_size, seqlen_q, seqlen_k, softcap, heads,
                         heads_k, device):
@@ -274,6 +282,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(core, "pack_gqa_served", fc.pack_gqa_served)
     monkeypatch.setattr(interface, "_combine_launch", _fake_combine_launch)
     monkeypatch.setattr(interface, "_varlen_prep_launch", fc.varlen_prep_launch)
+    monkeypatch.setattr(kvcache, "_kvcache_prep_launch", fc.kvcache_prep_launch)
     monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)  # (an H100 SXM's: split-KV's heuristic)
     return fc
 
@@ -307,6 +316,38 @@ def fake_varlen_prep(seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_
             unused[cu_q[b]:cu_q[b] + (cu_q[b + 1] - cu_q[b] if used_q is None else used_q[b])] = False
         out[unused] = 0
         lse[:, unused] = -math.inf
+
+
+def fake_kvcache_prep(lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache, capacity) -> None:
+    """The varlen_prep variant's kvcache kernel emulated (templates/varlen_prep.cu.j2): the cache arguments checked in
+    the kernel's order (a broken one a RuntimeError with the kernel's assert message, kvcache_messages()), then the
+    new rows copied to positions lens[b] + i of entry b's cache row or pages, and total = lens + n. Reads device
+    memory through numpy, as the kernel does (tests that forbid host reads patch Tensor.tolist / item)."""
+    from flashgen.generator.families.varlen_prep import kvcache_messages
+
+    messages = kvcache_messages()
+    batch, n = total.shape[0], 0 if k is None else k.shape[1]
+    host = lambda t: None if t is None else t.numpy().tolist()  # noqa: E731
+    ls = host(lens) if lens is not None else [seqlen_const] * batch
+    rs, ps, table = host(rows), host(pads), host(page_table)
+    blocks, size = k_cache.shape[0], k_cache.shape[1]
+    if not all(0 <= x <= capacity - n for x in ls):
+        raise RuntimeError(messages[0])
+    if rs is not None and (not all(0 <= r < blocks for r in rs) or (n and len(set(rs)) < batch)):
+        raise RuntimeError(messages[1])
+    if ps is not None and not all(0 <= p <= x + n for p, x in zip(ps, ls)):
+        raise RuntimeError(messages[2])
+    if table is not None and not all(0 <= table[b][g] < blocks for b in range(batch) for g in range(len(table[b]))
+                                     if g * size < ls[b] + n):
+        raise RuntimeError(messages[3])
+    for b in range(batch):
+        for i in range(n):
+            pos = ls[b] + i
+            blk, slot = (table[b][pos // size], pos % size) if table is not None else (
+                rs[b] if rs is not None else b, pos)
+            k_cache[blk, slot] = k[b, i]
+            v_cache[blk, slot] = v[b, i]
+    total.copy_(torch.tensor([x + n for x in ls], dtype=torch.int32))
 
 
 def _fake_combine_launch(out_partial, lse_partial, out, lse, problem) -> None:

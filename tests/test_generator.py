@@ -30,7 +30,7 @@ BWD_NAME_RE = re.compile(r"^bwd_(bf16|fp16)_hd\d+_(causal|noncausal|local)_(soft
 QUANT_NAME_RE = re.compile(r"^quant_(bf16|fp16)_b\d_[0-9a-f]{8}$")
 PREP_NAME_RE = re.compile(r"^varlen_prep_t(128|256)_[0-9a-f]{8}$")
 ROLES = {"fwd": ["main"], "combine": ["main"], "bwd": ["pre", "main", "post"], "quant": ["amax", "quant"],
-         "varlen_prep": ["main"]}
+         "varlen_prep": ["main", "kvcache"]}
 
 # ------------------------------------------------------------------------------------- naming
 

@@ -152,9 +152,10 @@ def test_kvcache(kvcache, emulated, monkeypatch, seqlen_q, seqlen_k):
             with monkeypatch.context() as m:
                 kvcache["test_kvcache_varlen_kernel_split_kv_mha"](seqlen_q, causal, local, m)
             for layout in ("batch_idx", "page16", "page128"):
-                with monkeypatch.context() as m:
-                    kvcache["test_kvcache_varlen_kernel_cache_layouts"](seqlen_q, 1024 if seqlen_k == 800 else seqlen_k,
-                                                                        layout, causal, local, m)
+                for prep in (False, True):
+                    with monkeypatch.context() as m:
+                        kvcache["test_kvcache_varlen_kernel_cache_layouts"](
+                            seqlen_q, 1024 if seqlen_k == 800 else seqlen_k, layout, causal, local, prep, m)
             if rotary:
                 for page in (None, 16):
                     with monkeypatch.context() as m:

@@ -278,13 +278,17 @@ def test_kvcache_paged_leftpad_batch_idx(kernel_on, kw, kernel, causal, window):
 
 
 # ------------------------------------------------------------------------- kvcache under CUDA-graph capture
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_append", "prep_kernel"])
 @pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (7, 3))])
-def test_kvcache_step_on_device_reads_no_length_on_the_host(kernel_on, monkeypatch, rotary, causal, window):
+def test_kvcache_step_on_device_reads_no_length_on_the_host(kernel_on, monkeypatch, rotary, causal, window, prep):
     """kvcache._step_on_device (flash_attn_with_kvcache under CUDA-graph capture): the lengths stay tensors (a
-    read of one on the host fails here), the append and q's rotary are tensor ops, then one varlen launch with
-    seqused_k = cache_seqlens + new and the cache's capacity as max_seqlen_k; the result is FA3's."""
+    read of one on the host fails here), q's rotary is tensor ops, the checks, the append and seqused_k =
+    cache_seqlens + new are tensor ops or (``prep``) one launch of the kvcache kernel (emulated), then one varlen
+    launch with the cache's capacity as max_seqlen_k; the result is FA3's."""
     from flashgen import kvcache
+
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", prep)
 
     q, k, v, kc, vc, _ = make(batch=4, sq=3, cache_len=40, new=2, seed=11)
     lens = [5, 0, 30, 17]
@@ -310,6 +314,7 @@ def test_kvcache_step_on_device_reads_no_length_on_the_host(kernel_on, monkeypat
     assert torch.equal(got_v, vref)
     assert torch.allclose(got_k.float(), kref.float(), atol=1e-3) if rotary else torch.equal(got_k, kref)
     assert torch.equal(kc[4:], kc0[4:])  # rows past the batch untouched
+    assert len(kernel_on.kvcache_preps) == int(prep)
 
 
 @pytest.mark.parametrize("page", [None, 8])
@@ -334,11 +339,15 @@ def test_decode_steps_of_growing_caches_share_one_launch_key(kernel_on, page):
     assert len(metas) == 1
 
 
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_append", "prep_kernel"])
 @pytest.mark.parametrize("cache", ["page8", "rows", "leftpad", "rows+leftpad"])
-def test_kvcache_step_on_device_with_a_cache_layout(kernel_on, monkeypatch, cache):
+def test_kvcache_step_on_device_with_a_cache_layout(kernel_on, monkeypatch, cache, prep):
     """Under capture, a paged cache, cache_batch_idx and cache_leftpad (tensors on q's device) are one varlen launch
-    with no length read on the host: the append goes to each entry's row or pages, the result is FA3's."""
+    with no length read on the host: the append goes to each entry's row or pages (torch ops, or with ``prep`` the
+    kvcache kernel, emulated), the result is FA3's."""
     from flashgen import kvcache
+
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", prep)
 
     page = 8 if cache == "page8" else None
     q, k, v, kc, vc, table = make(batch=3, sq=2, cache_len=40, new=2, page=page, seed=13)
@@ -359,6 +368,7 @@ def test_kvcache_step_on_device_with_a_cache_layout(kernel_on, monkeypatch, cach
     (call,) = kernel_on.calls
     # the cache's capacity (40 positions: its rows or its pages'), as the bound (64 capped at the capacity)
     assert bool(call["varlen"].page_table) == (page is not None) and call["varlen"].max_seqlen_k == 40
+    assert [p[-1] for p in kernel_on.kvcache_preps] == ([2] if prep else [])  # (one launch, 2 new tokens)
 
 
 def test_kvcache_page_numbers_are_checked_before_any_write(kernel_on):
@@ -379,10 +389,15 @@ def test_kvcache_page_numbers_are_checked_before_any_write(kernel_on):
     assert len(kernel_on.calls) == 1
 
 
-def test_kvcache_step_on_device_refuses_what_the_kernel_does_not_serve_and_checks_on_the_device(kernel_on):
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_checks", "prep_kernel"])
+def test_kvcache_step_on_device_refuses_what_the_kernel_does_not_serve_and_checks_on_the_device(kernel_on, monkeypatch,
+                                                                                                prep):
     """Pages of 4 rows are refused before the append (NotImplementedError); a cache row named twice by an append and
-    a used page out of range are errors of the stream (torch._assert_async, at once on the CPU), before any write."""
+    a used page out of range are errors of the stream (torch._assert_async, at once on the CPU; ``prep``: the
+    kvcache kernel's asserts, emulated), before the attention (the torch path: before any write)."""
     from flashgen import kvcache
+
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", prep)
 
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)
     q, k, v, kc, vc, table = make(batch=2, sq=1, cache_len=16, new=1, page=4, seed=2)
@@ -408,6 +423,7 @@ def test_kvcache_step_on_device_refuses_what_the_kernel_does_not_serve_and_check
     kvcache._step_on_device(q, kc, vc, k, v, None, None, i32([3, 4]), None, (None, None, None), None, True,
                             (-1, -1), 0, 0.0, True, None, None, None, bad)
     assert len(kernel_on.calls) == 1
+    assert len(kernel_on.kvcache_preps) == (3 if prep else 0)  # (the kernel's launches: the two broken, the good one)
 
 
 def test_kvcache_step_on_device_needs_the_varlen_kernel(fake_gpu, monkeypatch):
@@ -519,15 +535,18 @@ def test_varlen_forward_refuses_a_padded_side_shorter_than_its_max_seqlen(kernel
             core._varlen_operands(*operands, core.Varlen(0, 0, 0, 0, 2, max_q, max_k), (None, None, None), None)
 
 
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_checks", "prep_kernel"])
 @pytest.mark.parametrize("lens", [[3, -1], [3, 16]])
-def test_kvcache_step_on_device_checks_the_lengths_on_the_device(kernel_on, lens):
+def test_kvcache_step_on_device_checks_the_lengths_on_the_device(kernel_on, monkeypatch, lens, prep):
     """Lengths below 0 or past the cache (with the new token) are an error of the stream (torch._assert_async, raised at
-    once on the CPU), before anything is written: not a write to other rows of the cache."""
+    once on the CPU; ``prep``: the kvcache kernel's assert, emulated), before anything is written: not a write to
+    other rows of the cache."""
     from flashgen import kvcache
 
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", prep)
     q, k, v, kc, vc, _ = make(batch=2, sq=1, cache_len=16, new=1, seed=2)
     kc0 = kc.clone()
-    with pytest.raises(RuntimeError, match="cache_seqlens \\+ 1 new tokens must lie in \\[0, 16\\]"):
+    with pytest.raises(RuntimeError, match="cache_seqlens \\+ the new tokens must lie between 0 and the cache's"):
         kvcache._step_on_device(q, kc, vc, k, v, None, None, torch.tensor(lens, dtype=torch.int32), None,
                                 (None, None, None), None, True, (-1, -1), 0, 0.0, True)
     assert torch.equal(kc, kc0) and kernel_on.calls == []

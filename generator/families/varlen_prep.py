@@ -17,8 +17,24 @@ and two memsets (out 0, lse -inf over every row):
   (heads x head_dim_v x element size, a multiple of 16) written as 16-byte zeros, so the dtype is not an axis and
   one variant serves every call.
 
-Template: templates/varlen_prep.cu.j2, one kernel (role ``main``), no tensor maps, no shared memory but one word.
-API: runtime/varlen_prep.py (``varlen_prepare``), called by interface._varlen_kernel.
+A second kernel (role ``kvcache``) prepares a ``flash_attn_with_kvcache`` step whose lengths are not read on the host
+(kvcache._step_on_device: CUDA-graph capture, and eager calls by default), replacing about 12-20 small torch kernels
+(asserts, index arithmetic, two index_put) with one launch:
+
+- **checks** the step's cache arguments (CTA 0; :func:`kvcache_messages`, the same texts as the torch path's):
+  cache_seqlens + the new tokens within the cache's positions, cache_batch_idx rows in range and (with an append)
+  distinct, cache_leftpad between 0 and each entry's tokens, the used pages' numbers in range;
+- **appends** the new k / v rows into the cache (every CTA, 16-byte copies; entry b's token i at position
+  cache_seqlens[b] + i of its cache row or page), each copy guarded by its own range checks, so a broken argument is
+  an assert, never a write outside the cache;
+- **writes seqused_k** = cache_seqlens + the new tokens (the varlen forward's key counts).
+k / v are copied byte for byte (the caller converts a dtype that differs from the cache's first), so the dtype is
+not an axis either.
+
+Template: templates/varlen_prep.cu.j2, two kernels (roles ``main`` and ``kvcache``), no tensor maps, static shared
+memory only (one word; the kvcache kernel's bitmap of cache rows, ``KVCACHE_ROW_BITS`` bits).
+API: runtime/varlen_prep.py (``varlen_prepare``, ``kvcache_prepare``), called by interface._varlen_kernel and
+kvcache._step_on_device.
 """
 from __future__ import annotations
 
@@ -37,6 +53,30 @@ PARAMS = params_struct(
     ("heads", "i32"),
 )
 
+# The kvcache kernel's arguments. Byte strides of k / v (batch, new token, head) and of the caches (row or page,
+# position, head); rows of k_row_bytes / v_row_bytes (multiples of 16, as every stride and base address).
+KVCACHE_PARAMS = params_struct(
+    "KvcachePrepParams",
+    # int32 on the launch's device: cache_seqlens (batch,) or nullptr (every entry at seqlen_const);
+    # cache_batch_idx, cache_leftpad (batch,) or nullptr; page_table (batch, pages) rows page_table_stride apart
+    ("cache_seqlens", "ptr", "const int*"), ("cache_batch_idx", "ptr", "const int*"),
+    ("cache_leftpad", "ptr", "const int*"), ("page_table", "ptr", "const int*"),
+    ("seqused_k", "ptr", "int*"),  # (batch,) out: cache_seqlens + n
+    ("k_new", "ptr", "const char*"), ("v_new", "ptr", "const char*"),  # nullptr when n = 0
+    ("k_cache", "ptr", "char*"), ("v_cache", "ptr", "char*"),
+    ("k_new_stride_b", "i64"), ("k_new_stride_t", "i64"), ("k_new_stride_h", "i64"),
+    ("v_new_stride_b", "i64"), ("v_new_stride_t", "i64"), ("v_new_stride_h", "i64"),
+    ("k_cache_stride_r", "i64"), ("k_cache_stride_t", "i64"), ("k_cache_stride_h", "i64"),
+    ("v_cache_stride_r", "i64"), ("v_cache_stride_t", "i64"), ("v_cache_stride_h", "i64"),
+    ("k_row_bytes", "i32"), ("v_row_bytes", "i32"),
+    ("batch", "i32"), ("n_new", "i32"), ("heads_k", "i32"),
+    ("seqlen_const", "i32"),  # every entry's cache_seqlens when the pointer is null
+    ("capacity", "i32"),  # each entry's positions: the cache's length, or pages x page_size
+    ("cache_blocks", "i32"),  # k_cache's dim 0: cache rows, or pages with a page table
+    ("page_size", "i32"), ("page_table_stride", "i32"),
+)
+KVCACHE_ROW_BITS = 1 << 16  # the distinct-rows check's shared bitmap (8 KB): caches of at most this many rows
+
 
 def contract_messages() -> tuple:
     """The messages of FA3's varlen contract broken, one per rule, in the order the kernel checks them (its problem
@@ -52,14 +92,30 @@ def contract_messages() -> tuple:
     return tuple(out)
 
 
+def kvcache_messages() -> tuple:
+    """The messages of a kvcache step's broken arguments, in the kvcache kernel's bit order (bit i is message i):
+    lengths, batch_idx, leftpad, pages. The kernel asserts with them; kvcache._step_on_device's torch path raises
+    the same ones."""
+    out = ("flashgen: cache_seqlens + the new tokens must lie between 0 and the cache's positions (k_cache's "
+           "capacity)",
+           "flashgen: cache_batch_idx must name distinct rows of k_cache (each in [0, k_cache.shape[0]))",
+           "flashgen: cache_leftpad must lie between 0 and each entry's tokens",
+           "flashgen: page_table's used entries must name blocks of k_cache (each in [0, k_cache.shape[0]))")
+    assert not any(c in m for m in out for c in '"\\'), "the messages are C string literals in the template"
+    return out
+
+
 class VarlenPrepFamily(Family):
     def resources(self, params):
-        """threads, the asserts' messages (:func:`contract_messages`); no dynamic shared memory."""
-        return dict(threads=int(params["threads"]), messages=contract_messages(), smem={}, smem_bytes=0)
+        """threads, the asserts' messages (:func:`contract_messages`, :func:`kvcache_messages`), the kvcache kernel's
+        row bitmap; no dynamic shared memory."""
+        return dict(threads=int(params["threads"]), messages=contract_messages(), kvcache_messages=kvcache_messages(),
+                    row_bits=KVCACHE_ROW_BITS, smem={}, smem_bytes=0)
 
     def kernels(self, params, resources):
         # SASS: the stores of the fill (STG) and the asserts' calls of __assertfail (CALL: not compiled out)
-        return [KernelSpec("main", resources["threads"], 0, PARAMS, sass=("STG", "CALL"))]
+        return [KernelSpec("main", resources["threads"], 0, PARAMS, sass=("STG", "CALL")),
+                KernelSpec("kvcache", resources["threads"], 0, KVCACHE_PARAMS, sass=("LDG", "STG", "CALL", "ATOMS"))]
 
     def name_parts(self, p):
         return [f"t{p['threads']}"]
@@ -67,7 +123,8 @@ class VarlenPrepFamily(Family):
 
 FAMILY = VarlenPrepFamily(
     name="varlen_prep",
-    doc="varlen offsets checked on the GPU and out / lse rows of no sequence filled (before the varlen forward)",
+    doc="varlen offsets checked on the GPU and out / lse rows of no sequence filled (before the varlen forward); "
+        "a kvcache step's arguments checked, its new k / v appended and seqused_k written",
     keys=(
         Key("threads", int, "knob", allowed=(128, 256), default=256, doc="threads per CTA"),
     ),

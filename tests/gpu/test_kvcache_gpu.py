@@ -69,9 +69,15 @@ def test_kvcache_varlen_kernel_softcap(seqlen_q, seqlen_k, page_size, causal, lo
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (1, 512), (3, 1024), (64, 768), (128, 128), (256, 512)])
 @pytest.mark.parametrize("layout", ["batch_idx", "page16", "page128"])
 @pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
-def test_kvcache_varlen_kernel_cache_layouts(seqlen_q, seqlen_k, layout, causal, local, monkeypatch):
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_append", "prep_kernel"])
+def test_kvcache_varlen_kernel_cache_layouts(seqlen_q, seqlen_k, layout, causal, local, prep, monkeypatch):
     """The varlen kernel over cache_batch_idx's rows (a cache of more rows than entries) and over paged caches
-    (pages of 16 and 128 rows, read box by box: fwd.cu.j2 load_kv), GQA: one launch each."""
+    (pages of 16 and 128 rows, read box by box: fwd.cu.j2 load_kv), GQA: one launch each. The step's checks and
+    append by torch ops or (``prep``, core.VARLEN_PREP_KERNEL) by the varlen_prep variant's kvcache kernel: the
+    caches after the call are the reference's bit for bit (NaN where no entry's tokens are)."""
+    if prep and variant_missing("varlen_prep", {}):
+        pytest.skip(variant_missing("varlen_prep", {}))
+    monkeypatch.setattr(flashgen.core, "VARLEN_PREP_KERNEL", prep)
     launches = count_launches(monkeypatch)
     page = {"page16": 16, "page128": 128}.get(layout)
     check_kvcache(seqlen_q, seqlen_k, page, "interleaved", causal, local, "gqa", leftpad_on=page is None,
@@ -213,10 +219,15 @@ def assert_same_cache(got_k, got_v, kref, vref, rotary) -> None:
 
 @pytest.mark.parametrize("rotary", [None, "interleaved"])
 @pytest.mark.parametrize("mha_type", ["gqa", "mqa"])
-def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, monkeypatch):
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_append", "prep_kernel"])
+def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, prep, monkeypatch):
     """A decode step (one query, one new key per entry, causal) captured in a CUDA graph with the varlen kernel
     switched on (kvcache._step_on_device: no length read on the host), then replayed for other cache_seqlens
-    written into the same tensor: each replay's out and caches against the reference of those lengths."""
+    written into the same tensor: each replay's out and caches against the reference of those lengths. The append
+    by torch ops or (``prep``) by the kvcache kernel, captured too."""
+    if prep and variant_missing("varlen_prep", {}):
+        pytest.skip(variant_missing("varlen_prep", {}))
+    monkeypatch.setattr(flashgen.core, "VARLEN_PREP_KERNEL", prep)
     d, batch, heads, cache = 128, 5, 8, 512
     heads_k = {"gqa": 2, "mqa": 1}[mha_type]
     key = {"dtype": "bf16", "head_dim": d, "head_dim_v": d, "causal": False, "local": False, "softcap": False,
@@ -290,3 +301,62 @@ def decode_inputs(batch, heads, heads_k, d, cache, seed):
     r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     return g, (r(batch, 1, heads, d), r(batch, 1, heads_k, d), r(batch, 1, heads_k, d), r(batch, cache, heads_k, d),
                r(batch, cache, heads_k, d))
+
+
+# A decode step with one broken cache argument, in a child interpreter (a device-side assert loses the CUDA context):
+# 3 entries, caches of 64 positions (pages of 16 for "table"), one new token each.
+_BAD_STEP_CHILD = """
+import torch, flashgen
+g = torch.Generator(device="cuda").manual_seed(5)
+r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")
+bad = {bad!r}
+paged = "table" in bad
+kc, vc = (r(12, 16, 2, 128) if paged else r(4, 64, 2, 128) for _ in range(2))
+kw = dict(cache_seqlens=i32(bad.get("lens", [3, 10, 40])))
+if paged:
+    kw["page_table"] = i32(bad["table"])
+if "rows" in bad:
+    kw["cache_batch_idx"] = i32(bad["rows"])
+if "pads" in bad:
+    kw["cache_leftpad"] = i32(bad["pads"])
+try:
+    flashgen.flash_attn_with_kvcache(r(3, 1, 4, 128), kc, vc, r(3, 1, 2, 128), r(3, 1, 2, 128), causal=True, **kw)
+    torch.cuda.synchronize()
+    print("no error")
+except Exception as e:  # (torch's RuntimeError at the synchronisation, or a later launch's CUDA error)
+    print("raised:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+"""
+BAD_STEPS = [
+    ({"lens": [3, -1, 40]}, "cache_seqlens + the new tokens"),
+    ({"lens": [3, 64, 40]}, "cache_seqlens + the new tokens"),
+    ({"rows": [0, 4, 1]}, "cache_batch_idx must name distinct rows"),
+    ({"rows": [2, 0, 2]}, "cache_batch_idx must name distinct rows"),
+    ({"pads": [0, 12, 2]}, "cache_leftpad must lie between 0"),
+    ({"table": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 12, 10, 11]]}, "page_table's used entries"),
+]
+
+
+@pytest.mark.parametrize("prep", ["0", "1"], ids=["torch_checks", "prep_kernel"])
+@pytest.mark.parametrize("bad,fragment", BAD_STEPS)
+def test_kvcache_bad_gpu_arguments_are_a_device_assert_naming_the_argument(bad, fragment, prep):
+    """An eager decode step with its lengths on the GPU (kvcache._step_on_device: no host read) checks the cache
+    arguments on the GPU: a length past the cache or below 0, a cache_batch_idx row out of range or named twice, a
+    left padding past the entry's tokens, a used page out of range are a device-side assert (torch._assert_async, or
+    with core.VARLEN_PREP_KERNEL the kvcache kernel's) whose message names the argument, raised at the next
+    synchronisation. In a child interpreter (an assert loses the CUDA context)."""
+    import os
+    import subprocess
+    import sys
+
+    key = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
+           "varlen": True}
+    why = variant_missing("fwd", key) or (prep == "1" and variant_missing("varlen_prep", {}))
+    if why:
+        pytest.skip(why)
+    r = subprocess.run([sys.executable, "-c", _BAD_STEP_CHILD.format(bad=bad)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "FLASHGEN_VARLEN_NO_HOST_READ": "1",
+                                         "FLASHGEN_VARLEN_PREP_KERNEL": prep})
+    text = r.stdout + r.stderr
+    assert "raised:" in r.stdout, f"no error for {bad}: {text[-2000:]}"
+    assert fragment in text, f"the device assert for {bad} does not name the argument ({fragment!r}): {text[-2000:]}"
