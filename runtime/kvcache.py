@@ -486,9 +486,12 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     table), one :func:`flashgen.flash_attn_func` call on the cache's first rows (any dtype and variant that call
     serves); otherwise one launch of the varlen kernel with ``seqused_k = cache_seqlens + seqlen_new``, the
     cache's capacity as max_seqlen_k and the cache arguments as they are. Shapes and host-known lengths are
-    checked on the host, tensors' values on the GPU (``torch._assert_async``: lengths, cache rows, left padding
-    and the used pages' numbers out of range, or a cache row named twice by an append, are an error of the
-    stream, not a write to other rows). NotImplementedError, before anything is written, where the varlen
+    checked on the host, tensors' values on the GPU (lengths, cache rows, left padding and the used pages' numbers
+    out of range, or a cache row named twice by an append, are an error of the stream, not a write to other rows).
+    On that varlen path the checks, the append and seqused_k are one launch of the varlen_prep variant's kvcache
+    kernel (:func:`_kvcache_prep_launch`, where :func:`_kvcache_prep_serves`: core.VARLEN_PREP_KERNEL, 16-byte
+    aligned rows), else torch ops (:func:`_append_with_torch`: ``torch._assert_async`` and index_put), with the
+    same messages. NotImplementedError, before anything is written, where the varlen
     kernel is needed and does not serve the call (switched off, FP8, attention_chunk, softcap while
     core.VARLEN_SOFTCAP is off, no variant built, pages of a size not a multiple of 8 or with cache_leftpad).
     Returns ``(out, lse)``."""

@@ -80,6 +80,7 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
                                   "params": k.params.layout()}
                                  for k in bwd_mod.FAMILY.kernels(bparams, bwd_mod.FAMILY.resources(bparams))]})
     # and the varlen_prep kernel (the offsets checked and out / lse filled where they are not read on the host)
+    from flashgen.generator.families.varlen_prep import KVCACHE_PARAMS
     from flashgen.generator.families.varlen_prep import PARAMS as PREP_PARAMS
 
     prep = {"name": "varlen_prep_stub", "key": "4" * 64, "family": "varlen_prep",
@@ -87,7 +88,10 @@ def write_manifest(folder: str, cluster=(1, 1, 1)) -> None:
             "fatbin": "fatbin/varlen_prep_stub.fatbin", "sha256": "0" * 64,
             "kernels": [{"role": "main", "symbol": "flashgen_varlen_prep_stub_main", "threads": 256,
                          "cluster": [1, 1, 1], "smem_bytes": 0, "registers": 40, "spill_bytes": 0, "stack_bytes": 0,
-                         "tensor_maps": [], "sass": [], "params": PREP_PARAMS.layout()}]}
+                         "tensor_maps": [], "sass": [], "params": PREP_PARAMS.layout()},
+                        {"role": "kvcache", "symbol": "flashgen_varlen_prep_stub_kvcache", "threads": 256,
+                         "cluster": [1, 1, 1], "smem_bytes": 0, "registers": 32, "spill_bytes": 0, "stack_bytes": 0,
+                         "tensor_maps": [], "sass": [], "params": KVCACHE_PARAMS.layout()}]}
     causal = json.loads(json.dumps(rec).replace("hd128_stub", "hd128_causal_stub"))
     causal["params"]["causal"] = causal["dispatch"]["causal"] = True
     causal_varlen = json.loads(json.dumps(varlen).replace("hd128_varlen_stub", "hd128_causal_varlen_stub"))
@@ -241,22 +245,29 @@ def main(argv=None) -> int:
 
         kn, vn = (torch.randn(64, 1, 8, 128, dtype=torch.bfloat16) for _ in range(2))
 
-        def decode(on: bool):  # one new token per entry appended (the same positions every call), then attention
+        def decode(on: bool, prep: bool = False):  # one new token per entry appended (the same positions every call),
+            # then attention; prep: the checks and the append by the kvcache kernel (core.VARLEN_PREP_KERNEL), else by
+            # torch ops (index_put: real CPU copies here, of 64 x 8 x 128 elements, which a GPU would only queue)
             core.VARLEN_KERNEL = on
+            core.VARLEN_PREP_KERNEL = prep
             return flash_attn_with_kvcache(qd, kc, vc, kn, vn, cache_seqlens=lens, causal=True)
 
         fns["flash_attn_with_kvcache, 64 entries, varlen kernel"] = lambda: decode(True)
+        fns["flash_attn_with_kvcache, 64 entries, varlen kernel + kvcache prep kernel"] = lambda: decode(True, True)
         fns["flash_attn_with_kvcache, 64 entries, composed"] = lambda: decode(False)
         # the same caches as pages of 16 rows (kernel only: the composed path's per-entry gathers are real copies on
         # the CPU, which a GPU would only queue, so its time here would not be host time)
         kp, vp = (c.view(64 * 64, 16, 8, 128) for c in (kc, vc))
         table = torch.randperm(64 * 64, generator=torch.Generator().manual_seed(0)).view(64, 64).to(torch.int32)
 
-        def decode_paged():
+        def decode_paged(prep: bool = False):
             core.VARLEN_KERNEL = True
+            core.VARLEN_PREP_KERNEL = prep
             return flash_attn_with_kvcache(qd, kp, vp, kn, vn, cache_seqlens=lens, page_table=table, causal=True)
 
         fns["flash_attn_with_kvcache, 64 entries, paged (16 rows), varlen kernel"] = decode_paged
+        fns["flash_attn_with_kvcache, 64 entries, paged (16 rows), varlen kernel + kvcache prep kernel"] = \
+            lambda: decode_paged(True)
 
         def decode_split():  # 8 long caches: split-KV (4 splits) and the combine's launch
             core.VARLEN_KERNEL = True
