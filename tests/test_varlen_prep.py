@@ -16,7 +16,8 @@ from flashgen import varlen_prep  # noqa: E402
 from flashgen.generator import sass  # noqa: E402
 from flashgen.generator.build import build  # noqa: E402
 from flashgen.generator.config import load_variants, select  # noqa: E402
-from flashgen.generator.families.varlen_prep import PARAMS, contract_messages  # noqa: E402
+from flashgen.generator.families.varlen_prep import (KVCACHE_PARAMS, PARAMS, contract_messages,  # noqa: E402
+                                                    kvcache_messages)
 from flashgen.generator.project import Project  # noqa: E402
 from flashgen.generator.toolchain import find_cuobjdump  # noqa: E402
 
@@ -32,6 +33,8 @@ def test_messages_name_each_argument_in_the_torch_paths_order():
     for i, arg in enumerate(("cu_seqlens_q", "seqused_q", "max_seqlen_q", "cu_seqlens_k", "seqused_k",
                              "max_seqlen_k")):
         assert ms[i].startswith(f"flashgen: {arg} "), (i, ms[i])
+    ms = kvcache_messages()
+    assert [m.split()[1] for m in ms] == ["cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table's"]
 
 
 @pytest.mark.slow
@@ -46,21 +49,25 @@ def test_real_compile_keeps_the_asserts_without_spills(tmp_path):
     assert res.failed == [], res.failed
     manifest = json.loads(proj.manifest_path.read_text())
     (rec,) = [v for v in manifest["variants"] if v["family"] == "varlen_prep"]
-    (k,) = rec["kernels"]
-    assert k["spill_bytes"] == 0 and k["stack_bytes"] == 0 and "CALL" in k["sass"]
+    assert [k["role"] for k in rec["kernels"]] == ["main", "kvcache"]
     ops = sass.check_manifest(str(proj.manifest_path))
-    assert "CALL" in ops[k["symbol"]] and "STG" in ops[k["symbol"]]
+    for k in rec["kernels"]:  # (the kvcache kernel: its copies' loads and stores, the distinct-rows bitmap's ATOMS)
+        assert k["spill_bytes"] == 0 and k["stack_bytes"] == 0 and "CALL" in k["sass"]
+        have = set(ops[k["symbol"]])
+        assert {"CALL", "STG"} <= have and (k["role"] == "main" or {"LDG", "ATOMS"} <= have)
     src = (proj.src_dir / f"{rec['name']}.cu").read_text()
-    for i, m in enumerate(contract_messages()):
-        assert f'assert(!(bad & (1u << {i})) && "{m}");' in src
+    for i, m in enumerate(contract_messages() + kvcache_messages()):
+        assert f'assert(!(bad & (1u << {i % 6 if i < 6 else i - 6})) && "{m}");' in src
 
 
 class _Recorder:
     def __init__(self):
         self.launches = []
+        self.kernels = []
 
     def launch(self, kernel, grid, maps, params, stream, device):
         self.launches.append((grid, params, stream, device))
+        self.kernels.append(kernel)
 
 
 @pytest.fixture
@@ -89,7 +96,7 @@ def _call(**kw):
 
 def test_launch_packs_every_field_and_sizes_the_grid(fake_launch):
     var = _call()
-    assert var.name == "varlen_prep_t256_fake"
+    assert var.name == "varlen_prep_t256_fake" and fake_launch.kernels == [("kernel", "main")]
     ((grid, params, stream, device),) = fake_launch.launches
     assert grid == (13, 1, 1) and stream == 7 and device == 0  # 100 rows / 8 warps per CTA
     assert set(params) == {f.name for f in PARAMS.fields}
@@ -113,4 +120,50 @@ def test_launch_packs_every_field_and_sizes_the_grid(fake_launch):
 def test_launch_refuses_what_the_kernel_cannot_take(fake_launch, kw, fragment):
     with pytest.raises(ValueError, match=fragment):
         _call(**kw)
+    assert fake_launch.launches == []
+
+
+def _kv(**kw):
+    """kvcache_prepare's arguments for 3 entries, 2 new tokens, 2 K/V heads of 128 bf16 (256-byte rows), unpaged."""
+    args = dict(cache_seqlens=0x1000, seqlen_const=0, cache_batch_idx=0, cache_leftpad=0, page_table=0,
+                page_table_stride=0, seqused_k=0x2000, k_new=0x10000, v_new=0x20000, k_new_strides=(1024, 512, 256),
+                v_new_strides=(1024, 512, 256), n_new=2, k_cache=0x100000, v_cache=0x200000,
+                k_cache_strides=(65536, 512, 256), v_cache_strides=(65536, 512, 256), k_row_bytes=256,
+                v_row_bytes=256, batch=3, heads_k=2, capacity=128, cache_blocks=4, page_size=0, stream=7, device=0)
+    args.update(kw)
+    return varlen_prep.kvcache_prepare(**args)
+
+
+def test_kvcache_launch_packs_every_field_and_sizes_the_grid(fake_launch):
+    """One thread per 16-byte chunk of the new rows (3 x 2 x 2 rows of (256 + 256) / 16 chunks = 384 threads: 2 CTAs
+    of 256), at most 2 CTAs per SM; the kvcache kernel (role "kvcache"); every KvcachePrepParams field given."""
+    _kv()
+    ((grid, params, stream, device),) = fake_launch.launches
+    assert grid == (2, 1, 1) and stream == 7 and device == 0
+    assert set(params) == {f.name for f in KVCACHE_PARAMS.fields}
+    assert params["k_cache_stride_r"] == 65536 and params["v_new_stride_h"] == 256 and params["n_new"] == 2
+    assert params["page_size"] == 0 and params["page_table_stride"] == 0  # (no page table: not read)
+    _kv(batch=4096)
+    _kv(n_new=0, k_new=0, v_new=0)
+    _kv(page_table=0x3000, page_table_stride=8, page_size=16, cache_blocks=40)
+    (g_big, _, _, _), (g_none, p_none, _, _), (_, p_paged, _, _) = fake_launch.launches[1:]
+    assert g_big == (264, 1, 1) and g_none == (1, 1, 1) and p_none["k_new"] == 0  # checks + seqused_k only
+    assert (p_paged["page_size"], p_paged["page_table_stride"]) == (16, 8)
+    assert fake_launch.kernels == [("kernel", "kvcache")] * 4  # (the fake get_kernel's value for the role)
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(batch=0), "batch 0"),
+    (dict(seqused_k=0), "seqused_k"),
+    (dict(n_new=-1), "n_new -1"),
+    (dict(page_table=0x3000, page_size=0), "page_size 0 with a page table"),
+    (dict(cache_batch_idx=0x4000, cache_blocks=(1 << 16) + 1), "cache rows with cache_batch_idx"),
+    (dict(k_row_bytes=136), "multiples of 16 bytes"),
+    (dict(v_new=0x20008), "multiples of 16 bytes"),
+    (dict(k_cache_strides=(65536, 520, 256)), "multiples of 16 bytes"),
+    (dict(capacity=2**31), "capacity"),
+])
+def test_kvcache_launch_refuses_what_the_kernel_cannot_take(fake_launch, kw, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        _kv(**kw)
     assert fake_launch.launches == []
