@@ -47,8 +47,10 @@ from . import _validate as _v
 from . import core as _core
 from . import varlen_prep as _varlen_prep
 from .generator.families.varlen_prep import kvcache_messages
-from .interface import (_attend, _capturing, _check_fwd, _current_stream, _device_of, _host_ints, _on_q_device,
-                        _out_dtype, _splits_arg, _varlen_kernel, _varlen_kernel_serves, _varlen_prep_on)
+from . import launch as _launch
+from .interface import (_FWD_CALL_CACHE_MAX, _attend, _capturing, _check_fwd, _current_stream, _device_of, _extras_key,
+                        _host_ints, _on_q_device, _out_dtype, _splits_arg, _varlen_kernel, _varlen_kernel_serves,
+                        _varlen_prep_on)
 
 __all__ = ["flash_attn_with_kvcache", "get_scheduler_metadata", "apply_rotary"]
 
@@ -471,6 +473,26 @@ def _kvcache_prep_launch(lens, seqlen_const: int, rows, pads, page_table, total,
         k_cache.shape[1] if page_table is not None else 0, _current_stream(device), device)
 
 
+_step_problems: dict = {}  # _step_checked's key -> _v.Problem; immutable values
+
+
+def _step_checked(q, k_cache, v_cache, window_size, softcap, descales: tuple) -> _v.Problem:
+    """:func:`_check_fwd` of a step's q, caches, window, softcap and descales (q's first entry against the caches'
+    first row, no key: the lengths are checked on the GPU), kept per metadata key as flash_attn_func keeps its checked
+    calls (the checks read shapes, strides, dtypes and devices, never the data), so a decode loop's repeated step
+    skips them. Raises what :func:`_check_fwd` raises, every call (a failure is not kept)."""
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    key = (q.shape, q.stride(), q.dtype, _device_of(q), k_cache.shape, k_cache.stride(), k_cache.dtype,
+           _device_of(k_cache), v_cache.shape, v_cache.stride(), v_cache.dtype, _device_of(v_cache), window,
+           float(softcap), _extras_key(None, descales))
+    p = _step_problems.get(key)
+    if p is None:
+        p = _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
+                       *(None if d is None else d[:1] for d in descales))
+        _launch.cache_put(_step_problems, key, p, _FWD_CALL_CACHE_MAX)
+    return p
+
+
 def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,
                     softmax_scale, causal: bool, window_size, attention_chunk: int, softcap: float,
                     rotary_interleaved: bool, pack_gqa=None, cache_batch_idx=None, cache_leftpad=None,
@@ -528,8 +550,7 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # (cache_seqlens as a tensor: the call's own; an int or None without a tensor made of it on the prep kernel's
     # path, which takes it as a constant)
     lens = lengths("cache_seqlens", cache_seqlens, capacity) if isinstance(cache_seqlens, torch.Tensor) else None
-    problem = _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
-                         *(None if d is None else d[:1] for d in descales))
+    problem = _step_checked(q, k_cache, v_cache, window_size, softcap, descales)
     if not uniform and not (
             (not paged or (k_cache.shape[1] % 8 == 0 and pads is None))
             and _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True,

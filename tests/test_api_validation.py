@@ -274,6 +274,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(interface, "_current_stream", lambda device: 1234)
     monkeypatch.setattr(interface, "_fwd_calls", {})
     monkeypatch.setattr(interface, "_varlen_problems", {})
+    monkeypatch.setattr(kvcache, "_step_problems", {})
     monkeypatch.setattr(core, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(core, "select_variant", fc.select_variant)
     monkeypatch.setattr(core, "attention_forward", fc.attention_forward)

@@ -1413,3 +1413,29 @@ def test_varlen_kernel_checks_are_kept_per_metadata(kernel_on, monkeypatch):
         with pytest.raises(ValueError, match="learnable_sink"):
             flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 17, causal=True, learnable_sink=torch.zeros(3))
     assert len(checks) == 5
+
+
+def test_kvcache_step_checks_are_kept_per_metadata(kernel_on, monkeypatch):
+    """kvcache._step_checked: a decode loop's repeated step runs _check_fwd once per metadata key (shapes, strides,
+    dtypes, devices, window, softcap, descales), another layout or window is another key, and a failed check is
+    raised every call (not kept)."""
+    from flashgen import kvcache
+
+    real, calls = kvcache._check_fwd, []
+    monkeypatch.setattr(kvcache, "_check_fwd", lambda *a: calls.append(a) or real(*a))
+    q, k, v, kc, vc, _ = make(batch=2, sq=1, cache_len=16, new=1, seed=2)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    step = lambda window, qq=q: kvcache._step_on_device(qq, kc, vc, k, v, None, None, lens, None,  # noqa: E731
+                                                        (None, None, None), None, True, window, 0, 0.0, True)
+    for _ in range(3):
+        lens.sub_(1)  # (the same positions again: the lengths do not matter to the checks)
+        step((-1, -1))
+        lens.add_(1)
+    assert len(calls) == 1
+    step((5, 0))
+    step(list((5, 0)))  # (a list window: the same key as the tuple)
+    assert len(calls) == 2
+    for _ in range(3):  # fp32 q: refused, every time
+        with pytest.raises(TypeError, match="q must have dtype"):
+            step((-1, -1), q.float())
+    assert len(calls) == 5 and len(kernel_on.calls) == 5
