@@ -610,3 +610,19 @@ def check_quantized(got, q, k, v, incoherent: bool, block_quant: bool, signs, ma
             assert dist.max().item() <= 1, f"{name}: an element is {dist.max().item()} e4m3 codes off"
             frac = dist.float().mean().item()
             assert frac <= bound, f"{name}: {frac:.2e} of the elements one code off (bound {bound})"
+
+
+def assert_child_asserts(code: str, fragment: str, env: dict, what) -> None:
+    """Run ``code`` in a child interpreter (a device-side assert loses the CUDA context, so tests that provoke one
+    run it there) with ``env`` added to the environment: the child must print ``raised:`` (it catches the error at
+    its synchronisation and prints it) and its output must contain ``fragment`` (the assert's message names the
+    argument). ``what`` names the case in the failure message."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env})
+    text = r.stdout + r.stderr
+    assert "raised:" in r.stdout, f"no error for {what}: {text[-2000:]}"
+    assert fragment in text, f"the device assert for {what} does not name the argument ({fragment!r}): {text[-2000:]}"

@@ -47,6 +47,7 @@ import flashgen  # noqa: E402
 from flashgen.core import chunk_pieces, mask_spec  # noqa: E402
 from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     BAD_VARLEN_OFFSETS,
+    assert_child_asserts,
     DTYPE_NAMES,
     attention_ref,
     bitwise_equal,
@@ -980,18 +981,10 @@ def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fra
     graphs) reads them on the GPU: FA3's contract broken is a device-side assert (torch._assert_async, or with
     core.VARLEN_PREP_KERNEL the varlen_prep kernel's assert) whose message names the argument, raised at the next
     synchronisation. In a child interpreter (an assert loses the CUDA context)."""
-    import os
-    import subprocess
-    import sys
-
     if prep == "1" and variant_missing("varlen_prep", {}):
         pytest.skip(variant_missing("varlen_prep", {}))
-    r = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_CHILD.format(bad=bad)], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "FLASHGEN_VARLEN_NO_HOST_READ": "1",
-                                         "FLASHGEN_VARLEN_PREP_KERNEL": prep})
-    text = r.stdout + r.stderr
-    assert "raised:" in r.stdout, f"no error for {bad}: {text[-2000:]}"
-    assert fragment in text, f"the device assert for {bad} does not name the argument ({fragment!r}): {text[-2000:]}"
+    assert_child_asserts(_BAD_OFFSETS_CHILD.format(bad=bad), fragment,
+                         {"FLASHGEN_VARLEN_NO_HOST_READ": "1", "FLASHGEN_VARLEN_PREP_KERNEL": prep}, bad)
 
 
 @pytest.mark.parametrize("host_read", [True, False], ids=["host_read", "no_host_read"])
