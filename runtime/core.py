@@ -172,7 +172,11 @@ VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "1") == "1"
 # session, scripts/varlen_gpu_time.py twice, docs/results/varlen_prep_h100/): the 16-document forward's GPU time
 # 155 -> 107 us and host time 487-494 -> 207-211 us, a training step's GPU time 662 -> 608-609 us; the kernel itself
 # 2 us. On by default since its GPU tests passed there (test_features_gpu.py's prep cases, compute-sanitizer clean);
-# FLASHGEN_VARLEN_PREP_KERNEL=0 turns it off (the torch checks and memsets).
+# FLASHGEN_VARLEN_PREP_KERNEL=0 turns it off (the torch checks and memsets). The same switch serves the variant's
+# kvcache kernel (session 2026-12-05 (8)): a flash_attn_with_kvcache step without a host read (kvcache._step_on_device)
+# checks its cache arguments, appends k / v and writes seqused_k in one launch instead of about 12-20 torch ops
+# (H200, varlen_gpu_time.py twice: a decode step of 64 caches 198-202 -> 182 us of GPU time, 262 -> 225 us paged;
+# its GPU tests passed there, docs/results/kvcache_prep_h200/); off, kvcache._append_with_torch does the same.
 VARLEN_PREP_KERNEL = os.environ.get("FLASHGEN_VARLEN_PREP_KERNEL", "1") == "1"
 
 
