@@ -184,3 +184,23 @@ def test_gpu_tests_find_the_default_forward_variants():
     assert missing == []
     key = _module("test_tune_gpu")["KEY"]
     assert any(v.family == "fwd" and v.dispatch == key for v in variants)
+
+
+def test_child_interpreters_run_at_once_and_are_checked():
+    """_ref.start_child / assert_child_asserts (the device-assert tests' child interpreters): children started first
+    run at the same time (four of 1.5 s each take well under their 6 s sum), each is read once, and a child that
+    raised nothing or whose output lacks the fragment fails the check."""
+    import time
+
+    code = "import time; time.sleep(1.5); print('raised: RuntimeError flashgen: {name} must be fine')"
+    t = time.perf_counter()
+    for i in range(4):
+        _ref.start_child(code.format(name=f"arg{i}"), {"FLASHGEN_TEST_CHILD": str(i)})
+    for i in range(4):
+        _ref.assert_child_asserts(code.format(name=f"arg{i}"), f"arg{i} must be fine", {"FLASHGEN_TEST_CHILD": str(i)},
+                                  i)
+    assert time.perf_counter() - t < 4.5 and not _ref._children
+    with pytest.raises(AssertionError, match="no error for quiet"):
+        _ref.assert_child_asserts("print('fine')", "x", {}, "quiet")
+    with pytest.raises(AssertionError, match="does not name the argument"):
+        _ref.assert_child_asserts("print('raised: RuntimeError other')", "cache_seqlens", {}, "wrong")

@@ -612,17 +612,43 @@ def check_quantized(got, q, k, v, incoherent: bool, block_quant: bool, signs, ma
             assert frac <= bound, f"{name}: {frac:.2e} of the elements one code off (bound {bound})"
 
 
-def assert_child_asserts(code: str, fragment: str, env: dict, what) -> None:
-    """Run ``code`` in a child interpreter (a device-side assert loses the CUDA context, so tests that provoke one
-    run it there) with ``env`` added to the environment: the child must print ``raised:`` (it catches the error at
-    its synchronisation and prints it) and its output must contain ``fragment`` (the assert's message names the
-    argument). ``what`` names the case in the failure message."""
+_children: dict = {}  # start_child's key -> its running subprocess.Popen, until assert_child_asserts reads it
+
+
+def _child_key(code: str, env: dict) -> tuple:
+    return code, tuple(sorted(env.items()))
+
+
+def start_child(code: str, env: dict) -> None:
+    """Start ``code`` in a child interpreter with ``env`` added to the environment, unless one is already running for
+    them. Tests that provoke device asserts (each needs a fresh CUDA context) start all their cases' children first,
+    from a module fixture, so that the children's start-up (torch, flashgen, a CUDA context: 10-15 s each on a fresh
+    H200) overlaps instead of adding up."""
     import os
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, **env})
-    text = r.stdout + r.stderr
-    assert "raised:" in r.stdout, f"no error for {what}: {text[-2000:]}"
+    key = _child_key(code, env)
+    if key not in _children:
+        _children[key] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+
+
+def assert_child_asserts(code: str, fragment: str, env: dict, what) -> None:
+    """The child interpreter of ``code`` and ``env`` (:func:`start_child`; started here if it was not): it must print
+    ``raised:`` (it catches the error at its synchronisation and prints it) and its output must contain ``fragment``
+    (the assert's message names the argument). ``what`` names the case in the failure message. A child still running
+    after 180 s is killed and fails the test."""
+    import subprocess
+
+    start_child(code, env)
+    proc = _children.pop(_child_key(code, env))
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the child for {what} ran past 180 s: {(out + err)[-2000:]}") from None
+    text = out + err
+    assert "raised:" in out, f"no error for {what}: {text[-2000:]}"
     assert fragment in text, f"the device assert for {what} does not name the argument ({fragment!r}): {text[-2000:]}"

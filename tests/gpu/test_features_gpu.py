@@ -59,6 +59,7 @@ from _ref import (  # noqa: E402  (tests/gpu is on sys.path: conftest.py)
     make_qkv,
     poison_cached_blocks,
     randn,
+    start_child,
     variant_missing,
     varlen_kernels_on,
     varlen_launches,
@@ -974,17 +975,29 @@ except Exception as e:  # (torch's RuntimeError at the synchronisation, or a lat
 """
 
 
+def _bad_offsets_env(prep: str) -> dict:
+    return {"FLASHGEN_VARLEN_NO_HOST_READ": "1", "FLASHGEN_VARLEN_PREP_KERNEL": prep}
+
+
+@pytest.fixture(scope="module")
+def bad_offsets_children():
+    """Every case's child interpreter started at once (their start-up overlaps: _ref.start_child)."""
+    for prep in ("0", "1"):
+        if prep == "0" or not variant_missing("varlen_prep", {}):
+            for bad, _ in BAD_VARLEN_OFFSETS:
+                start_child(_BAD_OFFSETS_CHILD.format(bad=bad), _bad_offsets_env(prep))
+
+
 @pytest.mark.parametrize("prep", ["0", "1"], ids=["torch_checks", "prep_kernel"])
 @pytest.mark.parametrize("bad,fragment", BAD_VARLEN_OFFSETS)
-def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fragment, prep):
+def test_varlen_bad_gpu_offsets_are_a_device_assert_naming_the_argument(bad, fragment, prep, bad_offsets_children):
     """Eager flash_attn_varlen_func with GPU offsets and core.VARLEN_NO_HOST_READ on (as under torch.compile and CUDA
     graphs) reads them on the GPU: FA3's contract broken is a device-side assert (torch._assert_async, or with
     core.VARLEN_PREP_KERNEL the varlen_prep kernel's assert) whose message names the argument, raised at the next
     synchronisation. In a child interpreter (an assert loses the CUDA context)."""
     if prep == "1" and variant_missing("varlen_prep", {}):
         pytest.skip(variant_missing("varlen_prep", {}))
-    assert_child_asserts(_BAD_OFFSETS_CHILD.format(bad=bad), fragment,
-                         {"FLASHGEN_VARLEN_NO_HOST_READ": "1", "FLASHGEN_VARLEN_PREP_KERNEL": prep}, bad)
+    assert_child_asserts(_BAD_OFFSETS_CHILD.format(bad=bad), fragment, _bad_offsets_env(prep), bad)
 
 
 @pytest.mark.parametrize("host_read", [True, False], ids=["host_read", "no_host_read"])

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 import flashgen  # noqa: E402
 import flashgen.core  # noqa: E402,F401  (flashgen imports its submodules lazily: the tests patch flashgen.core)
 from _ref import (  # noqa: E402  (tests/gpu on sys.path)
-    assert_child_asserts, captured, kvcache_reference, logical_cache, variant_missing, varlen_launches)
+    assert_child_asserts, captured, kvcache_reference, logical_cache, start_child, variant_missing, varlen_launches)
 
 pytestmark = pytest.mark.gpu
 
@@ -337,18 +337,32 @@ BAD_STEPS = [
 ]
 
 
+BAD_STEP_KEY = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
+                "varlen": True}
+
+
+def _bad_step_env(prep: str) -> dict:
+    return {"FLASHGEN_VARLEN_NO_HOST_READ": "1", "FLASHGEN_VARLEN_PREP_KERNEL": prep}
+
+
+@pytest.fixture(scope="module")
+def bad_step_children():
+    """Every case's child interpreter started at once (their start-up overlaps: _ref.start_child)."""
+    for prep in ("0", "1"):
+        if not variant_missing("fwd", BAD_STEP_KEY) and (prep == "0" or not variant_missing("varlen_prep", {})):
+            for bad, _ in BAD_STEPS:
+                start_child(_BAD_STEP_CHILD.format(bad=bad), _bad_step_env(prep))
+
+
 @pytest.mark.parametrize("prep", ["0", "1"], ids=["torch_checks", "prep_kernel"])
 @pytest.mark.parametrize("bad,fragment", BAD_STEPS)
-def test_kvcache_bad_gpu_arguments_are_a_device_assert_naming_the_argument(bad, fragment, prep):
+def test_kvcache_bad_gpu_arguments_are_a_device_assert_naming_the_argument(bad, fragment, prep, bad_step_children):
     """An eager decode step with its lengths on the GPU (kvcache._step_on_device: no host read) checks the cache
     arguments on the GPU: a length past the cache or below 0, a cache_batch_idx row out of range or named twice, a
     left padding past the entry's tokens, a used page out of range are a device-side assert (torch._assert_async, or
     with core.VARLEN_PREP_KERNEL the kvcache kernel's) whose message names the argument, raised at the next
     synchronisation. In a child interpreter (an assert loses the CUDA context)."""
-    key = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
-           "varlen": True}
-    why = variant_missing("fwd", key) or (prep == "1" and variant_missing("varlen_prep", {}))
+    why = variant_missing("fwd", BAD_STEP_KEY) or (prep == "1" and variant_missing("varlen_prep", {}))
     if why:
         pytest.skip(why)
-    assert_child_asserts(_BAD_STEP_CHILD.format(bad=bad), fragment,
-                         {"FLASHGEN_VARLEN_NO_HOST_READ": "1", "FLASHGEN_VARLEN_PREP_KERNEL": prep}, bad)
+    assert_child_asserts(_BAD_STEP_CHILD.format(bad=bad), fragment, _bad_step_env(prep), bad)
