@@ -45,9 +45,9 @@ import torch
 
 from . import _validate as _v
 from . import core as _core
+from . import launch as _launch
 from . import varlen_prep as _varlen_prep
 from .generator.families.varlen_prep import kvcache_messages
-from . import launch as _launch
 from .interface import (_FWD_CALL_CACHE_MAX, _attend, _capturing, _check_fwd, _current_stream, _device_of, _extras_key,
                         _host_ints, _on_q_device, _out_dtype, _splits_arg, _varlen_kernel, _varlen_kernel_serves,
                         _varlen_prep_on)
@@ -549,7 +549,8 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     pads = None if cache_leftpad is None else lengths("cache_leftpad", cache_leftpad, 0)
     # (cache_seqlens as a tensor: the call's own; an int or None without a tensor made of it on the prep kernel's
     # path, which takes it as a constant)
-    lens = lengths("cache_seqlens", cache_seqlens, capacity) if isinstance(cache_seqlens, torch.Tensor) else None
+    lens = None if cache_seqlens is None or _v._is_int(cache_seqlens) else lengths("cache_seqlens", cache_seqlens,
+                                                                                   capacity)
     problem = _step_checked(q, k_cache, v_cache, window_size, softcap, descales)
     if not uniform and not (
             (not paged or (k_cache.shape[1] % 8 == 0 and pads is None))

@@ -1439,3 +1439,18 @@ def test_kvcache_step_checks_are_kept_per_metadata(kernel_on, monkeypatch):
         with pytest.raises(TypeError, match="q must have dtype"):
             step((-1, -1), q.float())
     assert len(calls) == 5 and len(kernel_on.calls) == 5
+
+
+def test_kvcache_step_on_device_refuses_lengths_that_are_not_an_int32_tensor(kernel_on):
+    """cache_seqlens as a list (or an int64 tensor) under the no-host-read path: the ValueError naming it, before
+    anything is written (an int or None is one length for every entry: the flash_attn_func path)."""
+    from flashgen import kvcache
+
+    q, k, v, kc, vc, _ = make(batch=2, sq=1, cache_len=16, new=1, seed=2)
+    kc0 = kc.clone()
+    rows = torch.tensor([1, 0], dtype=torch.int32)
+    for lens in ([3, 4], torch.tensor([3, 4])):
+        with pytest.raises(ValueError, match="cache_seqlens must be an int32 \\(2,\\) tensor"):
+            kvcache._step_on_device(q, kc, vc, k, v, None, None, lens, None, (None, None, None), None, True,
+                                    (-1, -1), 0, 0.0, True, None, rows)
+    assert torch.equal(kc, kc0) and kernel_on.calls == [] and kernel_on.kvcache_preps == []
