@@ -21,6 +21,8 @@
 #   bash scripts/device_check.sh tests     the host overhead per call (flash_attn_func, core launch, SDPA), then every GPU test
 #                                          (TESTS_K: only those matching -k, e.g. TESTS_K=chunk for attention_chunk's)
 #                                          (TESTS: files, default tests/gpu; a cold machine runs about half the suite in one call)
+#                                          (the tests' timeout: TEST_TIMEOUT, capped by CALL_LIMIT, default 560 s from the start,
+#                                          so that the call ends inside the tool's 600 s; the PASSED / FAILED count of the log last)
 #                                          (BUILD_ALL=0, any mode: the default build set only, without the tune
 #                                          candidates; over all 310 variants the suite ran past 450 s on an H200,
 #                                          session 2026-12-04, against 114-164 s in earlier sessions' calls)
@@ -145,6 +147,10 @@ f8_alternate() {
 
 mode=${1:-test}
 out=${OUT:-/tmp/flashgen-out}
+# A call that runs past the device tool's 600 s limit costs all of it and loses what comes after; CALL_LIMIT (default
+# 560 s from this script's start, bash's SECONDS) caps the test run's timeout (`cap N`: N, or less where the call's
+# time left minus 20 s is less; at least 30), so that a slow test file ends with its log and summary, not the call.
+cap() { local left=$(( ${CALL_LIMIT:-560} - SECONDS - 20 )); [ "$left" -lt 30 ] && left=30; echo $(( $1 < left ? $1 : left )); }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
@@ -338,8 +344,10 @@ tests)
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m().items()})"
   # (-v: the log names every test, so a run cut off by the call's limit shows how far it got; session 2026-12-05 (6)'s
   # cold H100 reached 48 % of the suite in the 600 s with -q, and its log could not say which files)
-  timeout "${TEST_TIMEOUT:-510}" python3 -m pytest -v -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/gpu} 2>&1 \
-    | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+  timeout "$(cap "${TEST_TIMEOUT:-510}")" python3 -m pytest -v -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} \
+    ${TESTS:-tests/gpu} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+  # (cut by the timeout: no summary line; count what the -v log shows)
+  echo "tests logged: $(grep -c ' PASSED' "$out/test.log") passed, $(grep -cE ' (FAILED|ERROR)' "$out/test.log") failed or errors"
   ;;
 varlen)
   # the varlen kernels (core.Varlen; the backward's core.BwdVarlen, off by default until its tests pass). First the
