@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from . import dispatch
 from . import launch
+from .generator.families.varlen_prep import KVCACHE_ROW_BITS
 from .manifest import Variant
 
 __all__ = ["FAMILY", "kvcache_prepare", "varlen_prepare", "KVCACHE_MAX_ROWS"]
@@ -30,7 +31,8 @@ _INT32_MAX = 2**31 - 1
 _CTAS_PER_SM = 2  # the fill's grid: at most this many CTAs per SM (a grid-stride loop over the rows)
 
 
-KVCACHE_MAX_ROWS = 1 << 16  # the kvcache kernel's distinct-rows bitmap (families/varlen_prep.py KVCACHE_ROW_BITS)
+# the kvcache kernel's distinct-rows bitmap: caches of at most this many rows where an append names cache_batch_idx
+KVCACHE_MAX_ROWS = KVCACHE_ROW_BITS
 
 
 class _Plan(NamedTuple):
