@@ -18,7 +18,7 @@ kernel instead of the torch checks and memsets). The decode steps last: flash_at
 entry with the lengths on the GPU (kvcache._step_on_device), the checks and the append by torch ops or, rows ending
 ", prep", by the varlen_prep variant's kvcache kernel.
 
-Usage (a GPU): python scripts/varlen_gpu_time.py [--n 20]. Prints one markdown table.
+Usage (a GPU): python scripts/varlen_gpu_time.py [--n 20] [--decode-only]. Prints one markdown table.
 """
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-only", action="store_true", help="only the decode steps (the kvcache kernel's rows)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     cases = forward_cases(rng, a.seed)  # varlen_bench.py's workloads, the same lengths (its training cases next)
@@ -87,7 +88,7 @@ def main() -> None:
     # (", prep": core.VARLEN_PREP_KERNEL on, the varlen_prep kernel instead of the torch checks and memsets)
     saved = (core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK,
              core.VARLEN_PREP_KERNEL)
-    for n_docs, tokens in ((16, 8192), (64, 16384), (256, 16384)):
+    for n_docs, tokens in () if a.decode_only else ((16, 8192), (64, 16384), (256, 16384)):
         kernels, kernels_dev, grouped, _per_run, sdpa, _flops, name, leaves = train_case(rng, n_docs, tokens)
         for path, step, prep in (("train: varlen kernels", kernels, False),
                                  ("train: kernels, no host read", kernels_dev, False),
@@ -101,7 +102,7 @@ def main() -> None:
             row(name, path, fn, a.n)
     core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK = saved[:4]
     with torch.no_grad():
-        for run, sdpa, _flops, name in cases:
+        for run, sdpa, _flops, name in () if a.decode_only else cases:
             for path, fn, on in (("varlen kernel", run, True), ("varlen kernel, no host read", run, "dev"),
                                  ("varlen kernel, no host read, prep", run, "prep"),
                                  ("composed", run, False), ("SDPA", sdpa, True)):
