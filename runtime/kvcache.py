@@ -39,7 +39,7 @@ Semantics (FA3's hopper/flash_attn_interface.py and test_flash_attn.py::test_fla
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -455,22 +455,56 @@ def _kvcache_prep_serves(k_cache, v_cache, k, v, page_table, rows) -> bool:
     return all(_aligned16(t) for t in ((k_cache, v_cache, k, v) if n else (k_cache, v_cache)))
 
 
+_COS_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kvcache kernel's rotary_cos_dtype
+
+
+class _Rope(NamedTuple):
+    """A step's rotary for the kvcache kernel: q (batch, seqlen_q, heads, d) and the q_rot it writes (contiguous,
+    q's shape); cos / sin contiguous (seqlen_ro, rotary_dim / 2); starts int32 (batch,) rotary_seqlens or None
+    (cache_seqlens); interleaved pairs or halves; each: q's row i at start + i."""
+    q: torch.Tensor
+    q_rot: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    starts: Optional[torch.Tensor]
+    interleaved: bool
+    each: bool
+
+
+def _rotary_in_kernel(q, k, k_cache, cos, sin) -> bool:
+    """Whether the kvcache kernel can rotate this step's q and new keys (its launch already serving the step): q,
+    the new k and the cache of one 16-bit dtype, q 16-byte aligned, cos / sin of one dtype among fp32 / fp16 / bf16
+    on q's device."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype and k.dtype == k_cache.dtype
+            and _aligned16(q) and cos.dtype == sin.dtype and cos.dtype in _COS_DTYPES and cos.device == q.device
+            and sin.device == q.device)
+
+
 def _kvcache_prep_launch(lens, seqlen_const: int, rows, pads, page_table, total, k, v, k_cache, v_cache,
-                         capacity: int, device: int) -> None:
+                         capacity: int, device: int, rope: Optional[_Rope] = None) -> None:
     """One launch of the kvcache kernel (:func:`flashgen.varlen_prep.kvcache_prepare`) on the current stream:
     ``lens`` int32 (batch,) cache_seqlens or None (every entry at ``seqlen_const``); ``rows`` / ``pads`` int32
     (batch,) cache_batch_idx / cache_leftpad or None; ``page_table`` int32 (batch, pages) or None; ``total`` the
-    int32 (batch,) seqused_k it writes; new ``k`` / ``v`` (batch, n, heads_k, d) in the caches' dtype, or None."""
+    int32 (batch,) seqused_k it writes; new ``k`` / ``v`` (batch, n, heads_k, d) in the caches' dtype, or None;
+    ``rope`` (:class:`_Rope`) or None: the new keys rotated as they are appended, q rotated into rope.q_rot."""
     es = k_cache.element_size()
     ints = [None if t is None else t.contiguous() for t in (lens, rows, pads)]  # (referenced until enqueued)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     strides = lambda t: (0, 0, 0) if t is None else tuple(s * es for s in t.stride()[:3])  # noqa: E731
+    rotary = None
+    if rope is not None:
+        starts = None if rope.starts is None else rope.starts.contiguous()
+        rotary = _varlen_prep.KvcacheRotary(
+            rope.q.data_ptr(), rope.q_rot.data_ptr(), strides(rope.q), rope.q.shape[-1] * es, rope.q.shape[1],
+            rope.q.shape[2], rope.cos.data_ptr(), rope.sin.data_ptr(), _COS_DTYPES[rope.cos.dtype], ptr(starts),
+            2 * rope.cos.shape[1], rope.cos.shape[0], bool(rope.interleaved), k_cache.dtype == torch.bfloat16,
+            bool(rope.each))
     _varlen_prep.kvcache_prepare(
         ptr(ints[0]), seqlen_const, ptr(ints[1]), ptr(ints[2]), ptr(page_table),
         0 if page_table is None else page_table.stride(0), total.data_ptr(), ptr(k), ptr(v), strides(k), strides(v),
         0 if k is None else k.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), strides(k_cache), strides(v_cache),
         k_cache.shape[-1] * es, v_cache.shape[-1] * es, total.shape[0], k_cache.shape[2], capacity, k_cache.shape[0],
-        k_cache.shape[1] if page_table is not None else 0, _current_stream(device), device)
+        k_cache.shape[1] if page_table is not None else 0, _current_stream(device), device, rotary)
 
 
 _step_problems: dict = {}  # _step_checked's key -> _v.Problem; immutable values
@@ -565,18 +599,28 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                                   "built; pages of a multiple of 8 rows, "
                                   "without cache_leftpad); otherwise it reads the lengths on the host, outside a "
                                   "capture")
+    prep = not uniform and _kvcache_prep_serves(k_cache, v_cache, k, v, page_table, rows)
+    rope = None  # (the kvcache kernel's rotary)
     if rotary_cos is not None:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
-        start = (lengths("rotary_seqlens", rotary_seqlens, 0) if rotary_seqlens is not None
-                 else lens if lens is not None else lengths("cache_seqlens", cache_seqlens, capacity))
-        start = start.long().to(rotary_cos.device)[:, None]
         each = causal or any(x is not None and x >= 0 for x in window_size)
-        steps = torch.arange(sq, device=rotary_cos.device) if each else torch.zeros(sq, dtype=torch.long,
-                                                                                      device=rotary_cos.device)
-        q = apply_rotary(q, rotary_cos, rotary_sin, start + steps, rotary_interleaved)
-        if n:
-            k = apply_rotary(k, rotary_cos, rotary_sin, start + torch.arange(n, device=rotary_cos.device),
-                             rotary_interleaved)
+        starts = None if rotary_seqlens is None else lengths("rotary_seqlens", rotary_seqlens, 0)
+        if prep and _rotary_in_kernel(q, k, k_cache, rotary_cos, rotary_sin):
+            rope = _Rope(q, torch.empty(q.shape, dtype=q.dtype, device=q.device), rotary_cos.contiguous(),
+                         rotary_sin.contiguous(), starts, rotary_interleaved, each)
+        else:  # torch ops: the positions checked (the kernel's message), then both rotations
+            start = (starts if starts is not None else lens if lens is not None
+                     else lengths("cache_seqlens", cache_seqlens, capacity))
+            start = start.long().to(rotary_cos.device)[:, None]
+            rows_ro = max(n, sq if each else 1)  # the positions start, ..., start + rows_ro - 1
+            torch._assert_async(((start >= 0) & (start + rows_ro <= rotary_cos.shape[0])).all(),
+                                kvcache_messages()[4])
+            steps = torch.arange(sq, device=rotary_cos.device) if each else torch.zeros(sq, dtype=torch.long,
+                                                                                          device=rotary_cos.device)
+            q = apply_rotary(q, rotary_cos, rotary_sin, start + steps, rotary_interleaved)
+            if n:
+                k = apply_rotary(k, rotary_cos, rotary_sin, start + torch.arange(n, device=rotary_cos.device),
+                                 rotary_interleaved)
     if uniform:  # the append a slice, the attention one call on the cache's first length + n rows
         if n:
             k_cache[:batch, length:length + n] = k.to(k_cache.dtype)
@@ -587,13 +631,15 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # assert), not a write to the wrong rows (a negative position would wrap around in the append). One launch of
     # the varlen_prep variant's kvcache kernel checks, appends and writes the key counts where it serves the call;
     # else torch ops do the same (the same messages: kvcache_messages()).
-    if _kvcache_prep_serves(k_cache, v_cache, k, v, page_table, rows):
+    if prep:
         if n and k.dtype != k_cache.dtype:
             k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         total = torch.empty(batch, dtype=torch.int32, device=q.device)
         const = capacity if cache_seqlens is None else 0 if lens is not None else int(cache_seqlens)
         _kvcache_prep_launch(lens, const, rows, pads, page_table, total, k if n else None, v if n else None,
-                             k_cache, v_cache, capacity, _device_of(q)[1])
+                             k_cache, v_cache, capacity, _device_of(q)[1], rope)
+        if rope is not None:
+            q = rope.q_rot
     else:
         if lens is None:
             lens = lengths("cache_seqlens", cache_seqlens, capacity)

@@ -24,7 +24,7 @@ from . import launch
 from .generator.families.varlen_prep import KVCACHE_ROW_BITS
 from .manifest import Variant
 
-__all__ = ["FAMILY", "kvcache_prepare", "varlen_prepare", "KVCACHE_MAX_ROWS"]
+__all__ = ["FAMILY", "kvcache_prepare", "varlen_prepare", "KvcacheRotary", "KVCACHE_MAX_ROWS"]
 
 FAMILY = "varlen_prep"
 _INT32_MAX = 2**31 - 1
@@ -33,6 +33,55 @@ _CTAS_PER_SM = 2  # the fill's grid: at most this many CTAs per SM (a grid-strid
 
 # the kvcache kernel's distinct-rows bitmap: caches of at most this many rows where an append names cache_batch_idx
 KVCACHE_MAX_ROWS = KVCACHE_ROW_BITS
+
+
+class KvcacheRotary(NamedTuple):
+    """The kvcache kernel's rotary arguments (FA3's rotary_cos / rotary_sin; device addresses as ints, strides in
+    bytes): q ``(batch, seqlen_q, heads, q_row_bytes / 2)`` in the caches' 16-bit dtype (``bf16`` or fp16) with byte
+    strides ``q_strides`` (batch, row, head), rotated into ``q_rot`` (contiguous, q's shape); ``cos`` / ``sin``
+    contiguous ``(seqlen_ro, rotary_dim / 2)`` of ``cos_dtype`` (0 fp32, 1 fp16, 2 bf16); ``rotary_seqlens`` int32
+    ``(batch,)`` each entry's first position, or 0 (cache_seqlens); ``interleaved`` pairs (else halves); ``each``:
+    q's row i at start + i (causal or local), else every row at start."""
+    q: int
+    q_rot: int
+    q_strides: tuple
+    q_row_bytes: int
+    seqlen_q: int
+    heads: int
+    cos: int
+    sin: int
+    cos_dtype: int
+    rotary_seqlens: int
+    rotary_dim: int
+    seqlen_ro: int
+    interleaved: bool
+    bf16: bool
+    each: bool
+
+
+_NO_ROTARY = {"q": 0, "q_rot": 0, "rotary_cos": 0, "rotary_sin": 0, "rotary_seqlens": 0, "q_stride_b": 0,
+              "q_stride_t": 0, "q_stride_h": 0, "q_row_bytes": 0, "seqlen_q": 0, "heads": 0, "rotary_dim": 0,
+              "seqlen_ro": 0, "rotary_flags": 0, "rotary_cos_dtype": 0}
+
+
+def _rotary_params(r: KvcacheRotary, k_row_bytes: int, n_new: int, problems: list) -> dict:
+    """KvcachePrepParams' rotary fields of ``r`` (appending what the kernel cannot take to ``problems``)."""
+    for name, n in (("seqlen_q", r.seqlen_q), ("heads", r.heads), ("seqlen_ro", r.seqlen_ro),
+                    ("q_row_bytes", r.q_row_bytes)):
+        if not 1 <= n <= _INT32_MAX:
+            problems.append(f"rotary {name} {n} (want 1 to 2^31 - 1)")
+    if r.rotary_dim < 16 or r.rotary_dim % 16 or 2 * r.rotary_dim > min(r.q_row_bytes, k_row_bytes if n_new else
+                                                                           r.q_row_bytes):
+        problems.append(f"rotary_dim {r.rotary_dim} (want a multiple of 16 up to head_dim)")
+    if any(x % 16 for x in (r.q, r.q_rot, r.q_row_bytes, *r.q_strides)) or not (r.q and r.q_rot and r.cos and r.sin):
+        problems.append("rotary q / q_rot: addresses and byte strides must be multiples of 16 bytes, cos and sin "
+                        "given")
+    if r.cos_dtype not in (0, 1, 2):
+        problems.append(f"rotary cos_dtype {r.cos_dtype} (want 0 fp32, 1 fp16, 2 bf16)")
+    return {"q": r.q, "q_rot": r.q_rot, "rotary_cos": r.cos, "rotary_sin": r.sin, "rotary_seqlens": r.rotary_seqlens,
+            **{f"q_stride_{a}": int(x) for a, x in zip("bth", r.q_strides)}, "q_row_bytes": r.q_row_bytes,
+            "seqlen_q": r.seqlen_q, "heads": r.heads, "rotary_dim": r.rotary_dim, "seqlen_ro": r.seqlen_ro,
+            "rotary_flags": int(r.interleaved) | 2 * int(r.bf16) | 4 * int(r.each), "rotary_cos_dtype": r.cos_dtype}
 
 
 class _Plan(NamedTuple):
@@ -116,7 +165,8 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
                     page_table_stride: int, seqused_k: int, k_new: int, v_new: int, k_new_strides: tuple,
                     v_new_strides: tuple, n_new: int, k_cache: int, v_cache: int, k_cache_strides: tuple,
                     v_cache_strides: tuple, k_row_bytes: int, v_row_bytes: int, batch: int, heads_k: int,
-                    capacity: int, cache_blocks: int, page_size: int, stream: int, device: int) -> Variant:
+                    capacity: int, cache_blocks: int, page_size: int, stream: int, device: int,
+                    rotary: KvcacheRotary | None = None) -> Variant:
     """Launch the varlen_prep variant's ``kvcache`` kernel on ``stream``: one flash_attn_with_kvcache step's cache
     arguments checked, its new k / v appended, its seqused_k written (FA3's kvcache semantics,
     hopper/flash_api.cpp mha_fwd with k_new / v_new: entry b's new token i goes to position cache_seqlens[b] + i).
@@ -134,14 +184,19 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
             ``page_size`` positions), byte strides (block, position, head).
         k_row_bytes, v_row_bytes: bytes of one head's row (head_dim x element size).
         capacity: each entry's positions (the cache's length, or pages x page_size).
+        rotary: :class:`KvcacheRotary` or None: the new keys' first rotary_dim dims rotated as they are appended (at
+            positions start_b + i, start_b = rotary_seqlens[b] or cache_seqlens[b]) and q rotated into q_rot (FA3's
+            apply_rotary_emb: interleaved pairs or halves, in float32, each product and sum rounded as torch's
+            separate kernels round them, the result rounded to the dtype once).
 
     Every address, stride and row size must be a multiple of 16 bytes (the copies are 16-byte vectors).
 
     What the kernel does: CTA 0 asserts (a device-side assert naming the argument, the texts of
     ``kvcache_messages()``) where a length plus n_new leaves [0, capacity], a cache_batch_idx row is out of range or
-    (with an append) named twice, a cache_leftpad is outside [0, the entry's tokens], or a used page's number is out
-    of range; every CTA copies the new rows, each copy checking its own row and page first (no write outside the
-    caches, whatever the arguments). The grid: one thread per 16-byte chunk, at most 2 CTAs per SM.
+    (with an append) named twice, a cache_leftpad is outside [0, the entry's tokens], a used page's number is out
+    of range, or (rotary) an entry's positions leave rotary_cos's rows; every CTA copies the new rows (and rotates
+    q), each copy checking its own row, page and rotary position first (no write outside the caches and no read
+    outside the tables, whatever the arguments). The grid: one thread per 16-byte chunk, at most 2 CTAs per SM.
 
     Returns the variant used.
 
@@ -170,11 +225,14 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
         if any(x % 16 for x in sixteen) or not (k_new and v_new and k_cache and v_cache) or min(
                 k_row_bytes, v_row_bytes) <= 0 or max(k_row_bytes, v_row_bytes) > _INT32_MAX:
             problems.append("k / v / caches: addresses, byte strides and rows must be multiples of 16 bytes")
+    rope = _NO_ROTARY if rotary is None else _rotary_params(rotary, k_row_bytes, n_new, problems)
     if problems:
         raise ValueError("flashgen: kvcache_prepare: " + "; ".join(problems))
     plan = _plan(device)
     threads = plan.warps * 32
     chunks = batch * n_new * heads_k * ((k_row_bytes + v_row_bytes) // 16)
+    if rotary is not None:
+        chunks += batch * rotary.seqlen_q * rotary.heads * (rotary.q_row_bytes // 16)
     grid = max(1, min(-(-chunks // threads), _CTAS_PER_SM * plan.sms))
     params = {
         "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
@@ -187,6 +245,7 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
         "k_row_bytes": k_row_bytes, "v_row_bytes": v_row_bytes, "batch": batch, "n_new": n_new, "heads_k": heads_k,
         "seqlen_const": seqlen_const, "capacity": capacity, "cache_blocks": cache_blocks,
         "page_size": page_size if page_table else 0, "page_table_stride": page_table_stride if page_table else 0,
+        **rope,
     }
     launch.launch(plan.kvcache, (grid, 1, 1), (), params, stream, device)
     return plan.variant

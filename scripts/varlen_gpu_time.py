@@ -123,12 +123,13 @@ def main() -> None:
 
 def decode_steps(seed: int):
     """Decode steps with an append (one new token per entry, bf16, 32 query heads over 8 K/V heads of 128, causal,
-    lengths on the GPU): ``(name, step)`` for 8 and 64 caches of 4096 positions, unpaged and in pages of 64. Each
-    step writes the same positions (the lengths do not grow), so every repetition does the same work."""
+    lengths on the GPU): ``(name, step)`` for 8 and 64 caches of 4096 positions, unpaged and in pages of 64, and 64
+    caches with rotary (Llama's: every dim, halves, bf16 tables). Each step writes the same positions (the lengths do
+    not grow), so every repetition does the same work."""
     import flashgen
 
     g = torch.Generator(device="cuda").manual_seed(seed)
-    for batch, page in ((8, None), (64, None), (64, 64)):
+    for batch, page, rotary in ((8, None, False), (64, None, False), (64, 64, False), (64, None, True)):
         cache = 4096
         r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
         q, k, v = r(batch, 1, 32, 128), r(batch, 1, 8, 128), r(batch, 1, 8, 128)
@@ -141,9 +142,17 @@ def decode_steps(seed: int):
         else:
             kc, vc = r(batch, cache, 8, 128), r(batch, cache, 8, 128)
 
-        def step(q=q, k=k, v=v, kc=kc, vc=vc, lens=lens, table=table):
-            return flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=table, causal=True)
-        yield f"decode {batch} caches of {cache}{f', pages of {page}' if page else ''}, +1 token", step
+        rope = {}
+        if rotary:
+            angle = torch.rand(cache, 64, generator=g, device="cuda") * 6.283
+            rope = dict(rotary_cos=torch.cos(angle).bfloat16(), rotary_sin=torch.sin(angle).bfloat16(),
+                        rotary_interleaved=False)
+
+        def step(q=q, k=k, v=v, kc=kc, vc=vc, lens=lens, table=table, rope=rope):
+            return flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=table, causal=True,
+                                                    **rope)
+        yield (f"decode {batch} caches of {cache}{f', pages of {page}' if page else ''}{', rotary' if rotary else ''}"
+               ", +1 token"), step
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ class FakeCore:
         self.served = []  # pack_gqa_served's arguments (flash_attn_func's pack_gqa=True hint)
         self.preps = []  # interface._varlen_prep_launch's calls: (seqlens, fill or None)
         self.kvcache_preps = []  # kvcache._kvcache_prep_launch's calls: (lens, seqlen_const, rows, pads, page_table, n)
+        self.kvcache_ropes = []  # and whether each rotated (a rope given)
 
     def varlen_prep_launch(self, seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, fill, device):
         """As interface._varlen_prep_launch: recorded, then the kernel emulated (:func:`fake_varlen_prep`)."""
@@ -116,10 +117,11 @@ class FakeCore:
         fake_varlen_prep(seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, fill)
 
     def kvcache_prep_launch(self, lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache,
-                            capacity, device):
+                            capacity, device, rope=None):
         """As kvcache._kvcache_prep_launch: recorded, then the kernel emulated (:func:`fake_kvcache_prep`)."""
         self.kvcache_preps.append((lens, seqlen_const, rows, pads, page_table, 0 if k is None else k.shape[1]))
-        fake_kvcache_prep(lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache, capacity)
+        self.kvcache_ropes.append(rope is not None)
+        fake_kvcache_prep(lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache, capacity, rope)
 
     def pack_gqa_served(self, dtype, head_dim, head_dim_v, causal, window_size, seqlen_q, seqlen_k, softcap, heads,
                         heads_k, device):
@@ -319,11 +321,16 @@ def fake_varlen_prep(seqlens, batch, total_q, total_k, max_seqlen_q, max_seqlen_
         lse[:, unused] = -math.inf
 
 
-def fake_kvcache_prep(lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache, capacity) -> None:
+def fake_kvcache_prep(lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache, capacity,
+                      rope=None) -> None:
     """The varlen_prep variant's kvcache kernel emulated (templates/varlen_prep.cu.j2): the cache arguments checked in
     the kernel's order (a broken one a RuntimeError with the kernel's assert message, kvcache_messages()), then the
-    new rows copied to positions lens[b] + i of entry b's cache row or pages, and total = lens + n. Reads device
-    memory through numpy, as the kernel does (tests that forbid host reads patch Tensor.tolist / item)."""
+    new rows copied to positions lens[b] + i of entry b's cache row or pages (rotated first with a ``rope``,
+    kvcache._Rope, which also gets q rotated into rope.q_rot: kvcache.apply_rotary at the kernel's positions), and
+    total = lens + n. Reads device memory through numpy, as the kernel does (tests that forbid host reads patch
+    Tensor.tolist / item)."""
+    from flashgen.kvcache import apply_rotary
+
     from flashgen.generator.families.varlen_prep import kvcache_messages
 
     messages = kvcache_messages()
@@ -341,6 +348,16 @@ def fake_kvcache_prep(lens, seqlen_const, rows, pads, page_table, total, k, v, k
     if table is not None and not all(0 <= table[b][g] < blocks for b in range(batch) for g in range(len(table[b]))
                                      if g * size < ls[b] + n):
         raise RuntimeError(messages[3])
+    if rope is not None:
+        starts = host(rope.starts) if rope.starts is not None else ls
+        sq = rope.q.shape[1]
+        if not all(0 <= x and x + max(n, sq if rope.each else 1) <= rope.cos.shape[0] for x in starts):
+            raise RuntimeError(messages[4])
+        start = torch.tensor(starts, dtype=torch.long)[:, None]
+        steps = torch.arange(sq) if rope.each else torch.zeros(sq, dtype=torch.long)
+        rope.q_rot.copy_(apply_rotary(rope.q, rope.cos, rope.sin, start + steps, rope.interleaved))
+        if n:
+            k = apply_rotary(k, rope.cos, rope.sin, start + torch.arange(n), rope.interleaved)
     for b in range(batch):
         for i in range(n):
             pos = ls[b] + i

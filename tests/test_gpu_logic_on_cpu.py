@@ -163,6 +163,13 @@ def test_kvcache(kvcache, emulated, monkeypatch, seqlen_q, seqlen_k):
                                                                       page, causal, local, m)
 
 
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("layout", ["rows", "pages"])
+def test_kvcache_rotary_in_the_kernel(kvcache, emulated, monkeypatch, interleaved, layout):
+    with monkeypatch.context() as m:
+        kvcache["test_kvcache_rotary_in_the_kernel_is_the_torch_paths"]("bf16", "fp32", interleaved, layout, m)
+
+
 def test_gpu_tests_find_the_default_forward_variants():
     """The forward GPU tests skip a case whose variant is not built (test_fwd_gpu.built, test_tune_gpu.KEY): their
     dispatch keys must be the family's, or every case skips as MISSING on a GPU that has them all. (From session

@@ -315,6 +315,7 @@ def test_kvcache_step_on_device_reads_no_length_on_the_host(kernel_on, monkeypat
     assert torch.allclose(got_k.float(), kref.float(), atol=1e-3) if rotary else torch.equal(got_k, kref)
     assert torch.equal(kc[4:], kc0[4:])  # rows past the batch untouched
     assert len(kernel_on.kvcache_preps) == int(prep)
+    assert kernel_on.kvcache_ropes == ([rotary is not None] if prep else [])  # (the kernel rotates where it runs)
 
 
 @pytest.mark.parametrize("page", [None, 8])
@@ -550,6 +551,30 @@ def test_kvcache_step_on_device_checks_the_lengths_on_the_device(kernel_on, monk
         kvcache._step_on_device(q, kc, vc, k, v, None, None, torch.tensor(lens, dtype=torch.int32), None,
                                 (None, None, None), None, True, (-1, -1), 0, 0.0, True)
     assert torch.equal(kc, kc0) and kernel_on.calls == []
+
+
+@pytest.mark.parametrize("prep", [False, True], ids=["torch_checks", "prep_kernel"])
+@pytest.mark.parametrize("starts,causal", [([3, -1], True), ([3, 62], True), ([3, 63], False), ([62, 2], True)])
+def test_kvcache_step_on_device_checks_the_rotary_positions_on_the_device(kernel_on, monkeypatch, starts, causal,
+                                                                        prep):
+    """Rotary positions (rotary_seqlens, here up to its last new key or, causal, q row; 64 rows of rotary_cos) below
+    0 or past the table are an error of the stream naming the argument, on both paths (torch._assert_async; the
+    kvcache kernel's assert, emulated), before anything is written; the last fitting start passes."""
+    from flashgen import kvcache
+
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", prep)
+    q, k, v, kc, vc, _ = make(batch=2, sq=3, cache_len=16, new=2, seed=2)
+    angle = torch.rand(64, 8, generator=torch.Generator().manual_seed(3))
+    cos, sin = torch.cos(angle).half(), torch.sin(angle).half()
+    kc0 = kc.clone()
+    call = lambda s: kvcache._step_on_device(  # noqa: E731
+        q, kc, vc, k, v, cos, sin, torch.tensor([4, 5], dtype=torch.int32), torch.tensor(s, dtype=torch.int32),
+        (None, None, None), None, causal, (-1, -1), 0, 0.0, True)
+    with pytest.raises(RuntimeError, match="rotary positions .* must lie within rotary_cos's rows"):
+        call(starts)
+    assert torch.equal(kc, kc0) and kernel_on.calls == []
+    call([3, 64 - (3 if causal else 2)])  # (the last rows of the table: fits)
+    assert len(kernel_on.calls) == 1 and kernel_on.kvcache_ropes == ([True, True] if prep else [])
 
 
 # ------------------------------------------------------------------------- split-KV (flash-decoding)

@@ -34,7 +34,7 @@ def test_messages_name_each_argument_in_the_torch_paths_order():
                              "max_seqlen_k")):
         assert ms[i].startswith(f"flashgen: {arg} "), (i, ms[i])
     ms = kvcache_messages()
-    assert [m.split()[1] for m in ms] == ["cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table's"]
+    assert [m.split()[1] for m in ms] == ["cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table's", "rotary"]
 
 
 @pytest.mark.slow

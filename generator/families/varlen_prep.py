@@ -27,9 +27,12 @@ A second kernel (role ``kvcache``) prepares a ``flash_attn_with_kvcache`` step w
 - **appends** the new k / v rows into the cache (every CTA, 16-byte copies; entry b's token i at position
   cache_seqlens[b] + i of its cache row or page), each copy guarded by its own range checks, so a broken argument is
   an assert, never a write outside the cache;
-- **writes seqused_k** = cache_seqlens + the new tokens (the varlen forward's key counts).
+- **writes seqused_k** = cache_seqlens + the new tokens (the varlen forward's key counts);
+- **rotary** (FA3's ``rotary_cos`` / ``rotary_sin``, where the call has them): the appended keys' first rotary_dim
+  dims rotated at their positions on the way into the cache, and q rotated into a new tensor (interleaved pairs or
+  halves, in float32 rounded once, the arithmetic of kvcache.apply_rotary), replacing about 28 torch kernels.
 k / v are copied byte for byte (the caller converts a dtype that differs from the cache's first), so the dtype is
-not an axis either.
+not an axis either (rotary reads a flag: fp16 or bf16).
 
 Template: templates/varlen_prep.cu.j2, two kernels (roles ``main`` and ``kvcache``), no tensor maps, static shared
 memory only (one word; the kvcache kernel's bitmap of cache rows, ``KVCACHE_ROW_BITS`` bits).
@@ -74,6 +77,17 @@ KVCACHE_PARAMS = params_struct(
     ("capacity", "i32"),  # each entry's positions: the cache's length, or pages x page_size
     ("cache_blocks", "i32"),  # k_cache's dim 0: cache rows, or pages with a page table
     ("page_size", "i32"), ("page_table_stride", "i32"),
+    # rotary (rotary_dim 0: none): q (batch, seqlen_q, heads, q_row_bytes / 2 16-bit elements), byte strides
+    # (batch, row, head), rotated into q_rot (contiguous, q's shape); the new keys rotated as they are appended;
+    # rotary_cos / rotary_sin contiguous (seqlen_ro, rotary_dim / 2) of rotary_cos_dtype (0 fp32, 1 fp16, 2 bf16);
+    # rotary_seqlens int32 (batch,) each entry's first position, or nullptr: cache_seqlens;
+    # rotary_flags: 1 interleaved pairs (else halves), 2 bf16 data (else fp16), 4 q's rows each at its own position
+    ("q", "ptr", "const char*"), ("q_rot", "ptr", "char*"),
+    ("rotary_cos", "ptr", "const char*"), ("rotary_sin", "ptr", "const char*"),
+    ("rotary_seqlens", "ptr", "const int*"),
+    ("q_stride_b", "i64"), ("q_stride_t", "i64"), ("q_stride_h", "i64"),
+    ("q_row_bytes", "i32"), ("seqlen_q", "i32"), ("heads", "i32"),
+    ("rotary_dim", "i32"), ("seqlen_ro", "i32"), ("rotary_flags", "i32"), ("rotary_cos_dtype", "i32"),
 )
 KVCACHE_ROW_BITS = 1 << 16  # the distinct-rows check's shared bitmap (8 KB): caches of at most this many rows
 
@@ -94,13 +108,15 @@ def contract_messages() -> tuple:
 
 def kvcache_messages() -> tuple:
     """The messages of a kvcache step's broken arguments, in the kvcache kernel's bit order (bit i is message i):
-    lengths, batch_idx, leftpad, pages. The kernel asserts with them; kvcache._step_on_device's torch path raises
-    the same ones."""
+    lengths, batch_idx, leftpad, pages, rotary positions. The kernel asserts with them; kvcache._step_on_device's
+    torch path raises the same ones."""
     out = ("flashgen: cache_seqlens + the new tokens must lie between 0 and the cache's positions (k_cache's "
            "capacity)",
            "flashgen: cache_batch_idx must name distinct rows of k_cache (each in [0, k_cache.shape[0]))",
            "flashgen: cache_leftpad must lie between 0 and each entry's tokens",
-           "flashgen: page_table's used entries must name blocks of k_cache (each in [0, k_cache.shape[0]))")
+           "flashgen: page_table's used entries must name blocks of k_cache (each in [0, k_cache.shape[0]))",
+           "flashgen: rotary positions (rotary_seqlens, else cache_seqlens, up to the last new token or q row) must "
+           "lie within rotary_cos's rows")
     assert not any(c in m for m in out for c in '"\\'), "the messages are C string literals in the template"
     return out
 

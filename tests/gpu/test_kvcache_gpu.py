@@ -267,6 +267,55 @@ def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, prep, monkeypatch
                           logical_cache(vc, None, list(range(batch)), batch), kref, vref, rotary)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("cos_dtype", ["fp32", "same"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("layout", ["rows", "pages"])
+def test_kvcache_rotary_in_the_kernel_is_the_torch_paths(dtype, cos_dtype, interleaved, layout, monkeypatch):
+    """A decode step with rotary (96 of 128 dims rotated, rotary_seqlens apart from cache_seqlens, 3 new keys and 3
+    causal q rows per entry) on the kvcache kernel (q and the new keys rotated in it) and on torch ops
+    (kvcache.apply_rotary): the same bits in out, lse and both caches. The kernel rounds each product and sum in
+    float32 as torch's kernels do, so nothing may differ."""
+    if variant_missing("varlen_prep", {}):
+        pytest.skip(variant_missing("varlen_prep", {}))
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    key = {"dtype": dtype, "head_dim": 128, "head_dim_v": 128, "causal": True, "local": False, "softcap": False,
+           "varlen": True}
+    if variant_missing("fwd", key):
+        pytest.skip(variant_missing("fwd", key))
+    g = torch.Generator(device="cuda").manual_seed(13)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(dt)  # noqa: E731
+    batch, heads, heads_k, cache, page = 4, 8, 2, 256, 16
+    q, k, v = r(batch, 3, heads, 128), r(batch, 3, heads_k, 128), r(batch, 3, heads_k, 128)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    kw = dict(cache_seqlens=i32([0, 77, 250, 131]), rotary_seqlens=i32([5, 0, 300, 97]), causal=True,
+              rotary_interleaved=interleaved, return_softmax_lse=True)
+    if layout == "pages":
+        kc, vc = r(batch * cache // page, page, heads_k, 128), r(batch * cache // page, page, heads_k, 128)
+        kw["page_table"] = torch.randperm(batch * cache // page, generator=g, device="cuda").view(batch, -1).int()
+    else:
+        kc, vc = r(batch, cache, heads_k, 128), r(batch, cache, heads_k, 128)
+    angle = torch.rand(310, 48, generator=g, device="cuda") * 2 * math.pi
+    tdt = torch.float32 if cos_dtype == "fp32" else dt
+    kw.update(rotary_cos=torch.cos(angle).to(tdt), rotary_sin=torch.sin(angle).to(tdt))
+    import flashgen.kvcache as kvm
+
+    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
+    monkeypatch.setattr(flashgen.core, "VARLEN_NO_HOST_READ", True)  # (the default: lengths on the GPU stay there)
+    launched, real = [], kvm._kvcache_prep_launch  # (whether each kvcache kernel launch rotated)
+    monkeypatch.setattr(kvm, "_kvcache_prep_launch", lambda *a: launched.append(a[12] is not None) or real(*a))
+    got = {}
+    for prep in (False, True):
+        monkeypatch.setattr(flashgen.core, "VARLEN_PREP_KERNEL", prep)
+        kcp, vcp = kc.clone(), vc.clone()
+        out, lse = flashgen.flash_attn_with_kvcache(q, kcp, vcp, k, v, **kw)
+        got[prep] = (out, lse, kcp, vcp)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), got[False], got[True]):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+    assert launched == [True] and not torch.equal(got[True][2], kc)  # (the kernel rotated; the append happened)
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_kvcache_one_length_in_a_cuda_graph(kernel, monkeypatch):
     """A decode step with cache_seqlens an int (every entry at one length) captured in a CUDA graph, with the varlen
@@ -320,6 +369,9 @@ if "rows" in bad:
     kw["cache_batch_idx"] = i32(bad["rows"])
 if "pads" in bad:
     kw["cache_leftpad"] = i32(bad["pads"])
+if "ro" in bad:  # rotary over 64 of 128 dims, a table of 50 positions
+    t = torch.rand(50, 32, generator=g, device="cuda")
+    kw.update(rotary_cos=torch.cos(t).bfloat16(), rotary_sin=torch.sin(t).bfloat16(), rotary_seqlens=i32(bad["ro"]))
 try:
     flashgen.flash_attn_with_kvcache(r(3, 1, 4, 128), kc, vc, r(3, 1, 2, 128), r(3, 1, 2, 128), causal=True, **kw)
     torch.cuda.synchronize()
@@ -334,6 +386,7 @@ BAD_STEPS = [
     ({"rows": [2, 0, 2]}, "cache_batch_idx must name distinct rows"),
     ({"pads": [0, 12, 2]}, "cache_leftpad must lie between 0"),
     ({"table": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 12, 10, 11]]}, "page_table's used entries"),
+    ({"ro": [3, 50, 2]}, "rotary positions"),
 ]
 
 
@@ -359,7 +412,8 @@ def bad_step_children():
 def test_kvcache_bad_gpu_arguments_are_a_device_assert_naming_the_argument(bad, fragment, prep, bad_step_children):
     """An eager decode step with its lengths on the GPU (kvcache._step_on_device: no host read) checks the cache
     arguments on the GPU: a length past the cache or below 0, a cache_batch_idx row out of range or named twice, a
-    left padding past the entry's tokens, a used page out of range are a device-side assert (torch._assert_async, or
+    left padding past the entry's tokens, a used page out of range, a rotary position past rotary_cos's rows are a
+    device-side assert (torch._assert_async, or
     with core.VARLEN_PREP_KERNEL the kvcache kernel's) whose message names the argument, raised at the next
     synchronisation. In a child interpreter (an assert loses the CUDA context)."""
     why = variant_missing("fwd", BAD_STEP_KEY) or (prep == "1" and variant_missing("varlen_prep", {}))
