@@ -178,6 +178,10 @@ VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "1") == "1"
 # (H200, varlen_gpu_time.py twice: a decode step of 64 caches 198-202 -> 182 us of GPU time, 262 -> 225 us paged;
 # its GPU tests passed there, docs/results/kvcache_prep_h200/); off, kvcache._append_with_torch does the same.
 VARLEN_PREP_KERNEL = os.environ.get("FLASHGEN_VARLEN_PREP_KERNEL", "1") == "1"
+# Rotary in that kvcache kernel (session 2026-12-06 (9)): with rotary_cos / rotary_sin, q and the new keys rotated in
+# the same launch (the torch path's float32 arithmetic, each product and sum rounded alone: the same bits) instead of
+# about 28 torch ops (kvcache.apply_rotary twice). FLASHGEN_KVCACHE_ROTARY_KERNEL=1 turns it on.
+KVCACHE_ROTARY_KERNEL = os.environ.get("FLASHGEN_KVCACHE_ROTARY_KERNEL", "0") == "1"
 
 
 # num_splits 0 ("chosen", flash_attn_with_kvcache's default) lets varlen_num_splits (FA3's heuristic) split the keys

@@ -472,10 +472,10 @@ class _Rope(NamedTuple):
 
 
 def _rotary_in_kernel(q, k, k_cache, cos, sin) -> bool:
-    """Whether the kvcache kernel can rotate this step's q and new keys (its launch already serving the step): q,
-    the new k and the cache of one 16-bit dtype, q 16-byte aligned, cos / sin of one dtype among fp32 / fp16 / bf16
-    on q's device."""
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype and k.dtype == k_cache.dtype
+    """Whether the kvcache kernel rotates this step's q and new keys (its launch already serving the step):
+    core.KVCACHE_ROTARY_KERNEL, q, the new k and the cache of one 16-bit dtype, q 16-byte aligned, cos / sin of one
+    dtype among fp32 / fp16 / bf16 on q's device."""
+    return (_core.KVCACHE_ROTARY_KERNEL and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype and k.dtype == k_cache.dtype
             and _aligned16(q) and cos.dtype == sin.dtype and cos.dtype in _COS_DTYPES and cos.device == q.device
             and sin.device == q.device)
 

@@ -289,6 +289,7 @@ def test_kvcache_step_on_device_reads_no_length_on_the_host(kernel_on, monkeypat
     from flashgen import kvcache
 
     monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", prep)
+    monkeypatch.setattr(core, "KVCACHE_ROTARY_KERNEL", True)
 
     q, k, v, kc, vc, _ = make(batch=4, sq=3, cache_len=40, new=2, seed=11)
     lens = [5, 0, 30, 17]
@@ -563,6 +564,7 @@ def test_kvcache_step_on_device_checks_the_rotary_positions_on_the_device(kernel
     from flashgen import kvcache
 
     monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", prep)
+    monkeypatch.setattr(core, "KVCACHE_ROTARY_KERNEL", True)
     q, k, v, kc, vc, _ = make(batch=2, sq=3, cache_len=16, new=2, seed=2)
     angle = torch.rand(64, 8, generator=torch.Generator().manual_seed(3))
     cos, sin = torch.cos(angle).half(), torch.sin(angle).half()
@@ -575,6 +577,9 @@ def test_kvcache_step_on_device_checks_the_rotary_positions_on_the_device(kernel
     assert torch.equal(kc, kc0) and kernel_on.calls == []
     call([3, 64 - (3 if causal else 2)])  # (the last rows of the table: fits)
     assert len(kernel_on.calls) == 1 and kernel_on.kvcache_ropes == ([True, True] if prep else [])
+    monkeypatch.setattr(core, "KVCACHE_ROTARY_KERNEL", False)  # (the switch off: torch ops rotate, the kernel appends)
+    call([3, 5])
+    assert len(kernel_on.calls) == 2 and kernel_on.kvcache_ropes == ([True, True, False] if prep else [])
 
 
 # ------------------------------------------------------------------------- split-KV (flash-decoding)

@@ -228,6 +228,7 @@ def test_kvcache_decode_step_in_a_cuda_graph(rotary, mha_type, prep, monkeypatch
     if prep and variant_missing("varlen_prep", {}):
         pytest.skip(variant_missing("varlen_prep", {}))
     monkeypatch.setattr(flashgen.core, "VARLEN_PREP_KERNEL", prep)
+    monkeypatch.setattr(flashgen.core, "KVCACHE_ROTARY_KERNEL", prep)
     d, batch, heads, cache = 128, 5, 8, 512
     heads_k = {"gqa": 2, "mqa": 1}[mha_type]
     key = {"dtype": "bf16", "head_dim": d, "head_dim_v": d, "causal": False, "local": False, "softcap": False,
@@ -302,6 +303,7 @@ def test_kvcache_rotary_in_the_kernel_is_the_torch_paths(dtype, cos_dtype, inter
 
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
     monkeypatch.setattr(flashgen.core, "VARLEN_NO_HOST_READ", True)  # (the default: lengths on the GPU stay there)
+    monkeypatch.setattr(flashgen.core, "KVCACHE_ROTARY_KERNEL", True)
     launched, real = [], kvm._kvcache_prep_launch  # (whether each kvcache kernel launch rotated)
     monkeypatch.setattr(kvm, "_kvcache_prep_launch", lambda *a: launched.append(a[12] is not None) or real(*a))
     got = {}
@@ -395,7 +397,8 @@ BAD_STEP_KEY = {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": T
 
 
 def _bad_step_env(prep: str) -> dict:
-    return {"FLASHGEN_VARLEN_NO_HOST_READ": "1", "FLASHGEN_VARLEN_PREP_KERNEL": prep}
+    return {"FLASHGEN_VARLEN_NO_HOST_READ": "1", "FLASHGEN_VARLEN_PREP_KERNEL": prep,
+            "FLASHGEN_KVCACHE_ROTARY_KERNEL": prep}
 
 
 @pytest.fixture(scope="module")
