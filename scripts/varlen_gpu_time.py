@@ -112,13 +112,18 @@ def main() -> None:
                 row(name, path, fn, a.n)
     core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ, core.VARLEN_PREP_KERNEL = saved[0], saved[2], saved[4]
     with torch.no_grad():
+        rotary_kernel = core.KVCACHE_ROTARY_KERNEL
         for name, step in decode_steps(a.seed):
-            for path, prep in (("decode step, torch append", False), ("decode step, prep", True)):
-                def fn(step=step, prep=prep):
+            paths = [("decode step, torch append", False, False), ("decode step, prep", True, False)]
+            if "rotary" in name:  # (", rotary in prep": core.KVCACHE_ROTARY_KERNEL, q and k rotated in that kernel)
+                paths.append(("decode step, prep, rotary in prep", True, True))
+            for path, prep, rot in paths:
+                def fn(step=step, prep=prep, rot=rot):
                     core.VARLEN_PREP_KERNEL = prep
+                    core.KVCACHE_ROTARY_KERNEL = rot
                     step()
                 row(name, path, fn, a.n)
-    core.VARLEN_PREP_KERNEL = saved[4]
+    core.VARLEN_PREP_KERNEL, core.KVCACHE_ROTARY_KERNEL = saved[4], rotary_kernel
 
 
 def decode_steps(seed: int):
