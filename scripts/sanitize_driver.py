@@ -285,12 +285,51 @@ def fwd_varlen_case(layout: str, seed: int) -> None:
         core.VARLEN_KERNEL = False
 
 
+def kvcache_rotary_case(interleaved: bool, seed: int) -> None:
+    """A decode step with an append and rotary (pages of 16, 96 of 128 dims, 2 new keys and 2 causal q rows an
+    entry) with the rotation in the kvcache kernel and by torch ops: the same out and caches, bit for bit."""
+    import flashgen.core as core
+
+    batch, h, hk, d, page, per = 3, 8, 2, 128, 16, 8
+    dtype = torch.bfloat16
+    q, k, v = (randn(batch, 2, n, d, seed=seed + i, dtype=dtype).cuda() for i, n in enumerate((h, hk, hk)))
+    kc, vc = (randn(batch * per, page, hk, d, seed=seed + 5 + i, dtype=dtype).cuda() for i in range(2))
+    table = torch.randperm(batch * per, generator=torch.Generator().manual_seed(seed)).view(batch, per)
+    angle = torch.rand(200, 48, generator=torch.Generator().manual_seed(seed))
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    kw = dict(cache_seqlens=i32([0, 70, 126]), rotary_seqlens=i32([3, 150, 9]), page_table=table.int().cuda(),
+              rotary_cos=torch.cos(angle).cuda(), rotary_sin=torch.sin(angle).cuda(), causal=True,
+              rotary_interleaved=interleaved)
+    saved = (core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ, core.VARLEN_PREP_KERNEL, core.KVCACHE_ROTARY_KERNEL)
+    got = []
+    try:
+        core.VARLEN_KERNEL = core.VARLEN_NO_HOST_READ = core.VARLEN_PREP_KERNEL = True
+        for rot in (False, True):
+            core.KVCACHE_ROTARY_KERNEL = rot
+            kcr, vcr = kc.clone(), vc.clone()
+            got.append((flashgen.flash_attn_with_kvcache(q, kcr, vcr, k, v, **kw), kcr, vcr))
+    finally:
+        core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ, core.VARLEN_PREP_KERNEL, core.KVCACHE_ROTARY_KERNEL = saved
+    for a, b, name in zip(got[0], got[1], ("out", "k_cache", "v_cache")):
+        if not torch.equal(a, b):
+            raise AssertionError(f"kvcache rotary: {name} differs between the kernel and torch ops")
+
+
 def fwd_varlen_cases():
     """The varlen kernel: packed sequences, and KV caches whose unused rows were never written."""
     if built("fwd", {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "varlen": True}):
         for i, layout in enumerate(("packed", "cache", "rows", "paged")):
             yield f"fwd varlen {layout} bf16 d128 causal h8/2", \
                 lambda layout=layout, i=i: fwd_varlen_case(layout, seed=400 + 10 * i)
+
+
+def varlen_prep_cases():
+    """The varlen_prep variant's kvcache kernel with an append and rotary (its main kernel runs in the fwd family's
+    varlen cases, on by default)."""
+    if built("fwd", {"dtype": "bf16", "head_dim": 128, "head_dim_v": 128, "causal": True, "varlen": True}):
+        for interleaved in (True, False):
+            yield f"varlen kvcache append rotary {'interleaved' if interleaved else 'halves'} bf16 d128", \
+                lambda interleaved=interleaved: kvcache_rotary_case(interleaved, seed=470)
 
 
 def fwd_fp8_case(d: int, causal: bool, seed: int) -> None:
@@ -347,7 +386,7 @@ def quant_cases():
 #: family -> generator of (name, case); every family in the manifest needs an entry.
 CASES = {"fwd": lambda: (*fwd_cases(), *fwd_packed_cases(), *fwd_fp8_cases(), *fwd_varlen_cases()), "bwd": bwd_cases,
          "combine": combine_cases,
-         "quant": quant_cases}
+         "quant": quant_cases, "varlen_prep": varlen_prep_cases}
 
 
 def main() -> int:
