@@ -180,8 +180,12 @@ VARLEN_NO_HOST_READ = os.environ.get("FLASHGEN_VARLEN_NO_HOST_READ", "1") == "1"
 VARLEN_PREP_KERNEL = os.environ.get("FLASHGEN_VARLEN_PREP_KERNEL", "1") == "1"
 # Rotary in that kvcache kernel (session 2026-12-06 (9)): with rotary_cos / rotary_sin, q and the new keys rotated in
 # the same launch (the torch path's float32 arithmetic, each product and sum rounded alone: the same bits) instead of
-# about 28 torch ops (kvcache.apply_rotary twice). FLASHGEN_KVCACHE_ROTARY_KERNEL=1 turns it on.
-KVCACHE_ROTARY_KERNEL = os.environ.get("FLASHGEN_KVCACHE_ROTARY_KERNEL", "0") == "1"
+# about 28 torch ops (kvcache.apply_rotary twice). H100, varlen_gpu_time.py twice, a decode step of 64 caches of 4096
+# with Llama's rotary: 305-306 -> 235.4-235.5 us of GPU time, 761-766 -> 250 us of host time; test_kvcache_gpu.py
+# passed with it on (857 tests, the rotations bit for bit against torch ops), memcheck clean
+# (docs/results/kvcache_rotary_h100/). On by default; FLASHGEN_KVCACHE_ROTARY_KERNEL=0 turns it off (torch ops rotate,
+# the kernel appends).
+KVCACHE_ROTARY_KERNEL = os.environ.get("FLASHGEN_KVCACHE_ROTARY_KERNEL", "1") == "1"
 
 
 # num_splits 0 ("chosen", flash_attn_with_kvcache's default) lets varlen_num_splits (FA3's heuristic) split the keys
