@@ -475,9 +475,9 @@ def _rotary_in_kernel(q, k, k_cache, cos, sin) -> bool:
     """Whether the kvcache kernel rotates this step's q and new keys (its launch already serving the step):
     core.KVCACHE_ROTARY_KERNEL, q, the new k and the cache of one 16-bit dtype, q 16-byte aligned, cos / sin of one
     dtype among fp32 / fp16 / bf16 on q's device."""
-    return (_core.KVCACHE_ROTARY_KERNEL and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype and k.dtype == k_cache.dtype
-            and _aligned16(q) and cos.dtype == sin.dtype and cos.dtype in _COS_DTYPES and cos.device == q.device
-            and sin.device == q.device)
+    return (_core.KVCACHE_ROTARY_KERNEL and q.dtype in (torch.float16, torch.bfloat16)
+            and q.dtype == k_cache.dtype == k.dtype and _aligned16(q) and cos.dtype == sin.dtype
+            and cos.dtype in _COS_DTYPES and cos.device == q.device and sin.device == q.device)
 
 
 def _kvcache_prep_launch(lens, seqlen_const: int, rows, pads, page_table, total, k, v, k_cache, v_cache,

@@ -202,7 +202,9 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
 
     Raises:
         ValueError: arguments the kernel cannot take (sizes outside int32, misaligned addresses / strides / rows,
-            more than KVCACHE_MAX_ROWS cache rows with cache_batch_idx and an append, a page_size < 1 with pages).
+            more than KVCACHE_MAX_ROWS cache rows with cache_batch_idx and an append, a page_size < 1 with pages;
+            with ``rotary``: a rotary_dim that is not a multiple of 16 up to head_dim, misaligned q / q_rot, an
+            unknown cos_dtype, sizes outside int32).
         flashgen.dispatch.MissingVariantError: no varlen_prep variant is built.
         flashgen.launch.CudaError: the driver refuses the load or the launch.
     """

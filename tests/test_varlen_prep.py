@@ -168,3 +168,45 @@ def test_kvcache_launch_refuses_what_the_kernel_cannot_take(fake_launch, kw, fra
     with pytest.raises(ValueError, match=fragment):
         _kv(**kw)
     assert fake_launch.launches == []
+
+
+def _rope(**kw):
+    """A KvcacheRotary for _kv's 3 entries: q of 2 rows x 4 heads of 128 bf16 (256-byte rows), 64 rotary dims, a
+    table of 100 fp32 rows, interleaved, each row at its own position."""
+    args = dict(q=0x30000, q_rot=0x40000, q_strides=(2048, 1024, 256), q_row_bytes=256, seqlen_q=2, heads=4,
+                cos=0x50000, sin=0x60000, cos_dtype=0, rotary_seqlens=0, rotary_dim=64, seqlen_ro=100,
+                interleaved=True, bf16=True, each=True)
+    args.update(kw)
+    return varlen_prep.KvcacheRotary(**args)
+
+
+def test_kvcache_launch_packs_the_rotary_fields(fake_launch):
+    """With rotary: the rotary fields packed (flags: 1 interleaved | 2 bf16 | 4 each), q's chunks added to the grid
+    (384 append threads + 3 x 2 x 4 rows of 16 chunks = 768: 3 CTAs); without: every rotary field 0 (rotary_dim 0:
+    none)."""
+    _kv(rotary=_rope())
+    _kv()
+    (grid, params, _, _), (_, plain, _, _) = fake_launch.launches
+    assert grid == (3, 1, 1) and set(params) == {f.name for f in KVCACHE_PARAMS.fields}
+    assert (params["rotary_dim"], params["seqlen_ro"], params["rotary_flags"], params["rotary_cos_dtype"]) == (
+        64, 100, 7, 0)
+    assert (params["q"], params["q_rot"], params["q_stride_t"], params["heads"], params["seqlen_q"]) == (
+        0x30000, 0x40000, 1024, 4, 2)
+    _kv(rotary=_rope(interleaved=False, bf16=False, each=False, cos_dtype=2, rotary_seqlens=0x7000))
+    assert fake_launch.launches[-1][1]["rotary_flags"] == 0 and fake_launch.launches[-1][1]["rotary_seqlens"] == 0x7000
+    assert plain["rotary_dim"] == 0 and plain["q"] == 0 and plain["rotary_flags"] == 0
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    (dict(rotary_dim=8), "rotary_dim 8"),
+    (dict(rotary_dim=144), "rotary_dim 144"),  # (past head_dim 128)
+    (dict(q=0x30008), "multiples of 16 bytes"),
+    (dict(q_strides=(2048, 1000, 256)), "multiples of 16 bytes"),
+    (dict(cos=0), "cos and sin given"),
+    (dict(cos_dtype=3), "cos_dtype 3"),
+    (dict(seqlen_ro=0), "seqlen_ro 0"),
+])
+def test_kvcache_launch_refuses_rotary_the_kernel_cannot_take(fake_launch, kw, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        _kv(rotary=_rope(**kw))
+    assert fake_launch.launches == []
