@@ -460,7 +460,7 @@ _COS_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kvc
 
 class _Rope(NamedTuple):
     """A step's rotary for the kvcache kernel: q (batch, seqlen_q, heads, d) and the q_rot it writes (contiguous,
-    q's shape); cos / sin contiguous (seqlen_ro, rotary_dim / 2); starts int32 (batch,) rotary_seqlens or None
+    q's shape); cos / sin contiguous 16-byte aligned (seqlen_ro, rotary_dim / 2); starts int32 (batch,) rotary_seqlens or None
     (cache_seqlens); interleaved pairs or halves; each: q's row i at start + i."""
     q: torch.Tensor
     q_rot: torch.Tensor
@@ -473,11 +473,12 @@ class _Rope(NamedTuple):
 
 def _rotary_in_kernel(q, k, k_cache, cos, sin) -> bool:
     """Whether the kvcache kernel rotates this step's q and new keys (its launch already serving the step):
-    core.KVCACHE_ROTARY_KERNEL, q, the new k and the cache of one 16-bit dtype, q 16-byte aligned, cos / sin of one
-    dtype among fp32 / fp16 / bf16 on q's device."""
+    core.KVCACHE_ROTARY_KERNEL, q, the new k and the cache of one 16-bit dtype, q 16-byte aligned, contiguous cos /
+    sin of one dtype among fp32 / fp16 / bf16 on q's device, 16-byte aligned (the kernel's vector loads)."""
     return (_core.KVCACHE_ROTARY_KERNEL and q.dtype in (torch.float16, torch.bfloat16)
             and q.dtype == k_cache.dtype == k.dtype and _aligned16(q) and cos.dtype == sin.dtype
-            and cos.dtype in _COS_DTYPES and cos.device == q.device and sin.device == q.device)
+            and cos.dtype in _COS_DTYPES and cos.device == q.device and sin.device == q.device
+            and cos.is_contiguous() and sin.is_contiguous() and cos.data_ptr() % 16 == 0 and sin.data_ptr() % 16 == 0)
 
 
 def _kvcache_prep_launch(lens, seqlen_const: int, rows, pads, page_table, total, k, v, k_cache, v_cache,
@@ -605,9 +606,10 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
         each = causal or any(x is not None and x >= 0 for x in window_size)
         starts = None if rotary_seqlens is None else lengths("rotary_seqlens", rotary_seqlens, 0)
-        if prep and _rotary_in_kernel(q, k, k_cache, rotary_cos, rotary_sin):
-            rope = _Rope(q, torch.empty(q.shape, dtype=q.dtype, device=q.device), rotary_cos.contiguous(),
-                         rotary_sin.contiguous(), starts, rotary_interleaved, each)
+        cos, sin = rotary_cos.contiguous(), rotary_sin.contiguous()  # (copies where a view is strided)
+        if prep and _rotary_in_kernel(q, k, k_cache, cos, sin):
+            rope = _Rope(q, torch.empty(q.shape, dtype=q.dtype, device=q.device), cos, sin, starts,
+                         rotary_interleaved, each)
         else:  # torch ops: the positions checked (the kernel's message), then both rotations
             start = (starts if starts is not None else lens if lens is not None
                      else lengths("cache_seqlens", cache_seqlens, capacity))

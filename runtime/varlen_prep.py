@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from . import dispatch
 from . import launch
-from .generator.families.varlen_prep import KVCACHE_ROW_BITS
+from .generator.families.varlen_prep import KVCACHE_CTAS_PER_SM, KVCACHE_ROW_BITS
 from .manifest import Variant
 
 __all__ = ["FAMILY", "kvcache_prepare", "varlen_prepare", "KvcacheRotary", "KVCACHE_MAX_ROWS"]
@@ -39,7 +39,7 @@ class KvcacheRotary(NamedTuple):
     """The kvcache kernel's rotary arguments (FA3's rotary_cos / rotary_sin; device addresses as ints, strides in
     bytes): q ``(batch, seqlen_q, heads, q_row_bytes / 2)`` in the caches' 16-bit dtype (``bf16`` or fp16) with byte
     strides ``q_strides`` (batch, row, head), rotated into ``q_rot`` (contiguous, q's shape); ``cos`` / ``sin``
-    contiguous ``(seqlen_ro, rotary_dim / 2)`` of ``cos_dtype`` (0 fp32, 1 fp16, 2 bf16); ``rotary_seqlens`` int32
+    contiguous 16-byte aligned ``(seqlen_ro, rotary_dim / 2)`` of ``cos_dtype`` (0 fp32, 1 fp16, 2 bf16); ``rotary_seqlens`` int32
     ``(batch,)`` each entry's first position, or 0 (cache_seqlens); ``interleaved`` pairs (else halves); ``each``:
     q's row i at start + i (causal or local), else every row at start."""
     q: int
@@ -73,9 +73,10 @@ def _rotary_params(r: KvcacheRotary, k_row_bytes: int, n_new: int, problems: lis
     if r.rotary_dim < 16 or r.rotary_dim % 16 or 2 * r.rotary_dim > min(r.q_row_bytes, k_row_bytes if n_new else
                                                                            r.q_row_bytes):
         problems.append(f"rotary_dim {r.rotary_dim} (want a multiple of 16 up to head_dim)")
-    if any(x % 16 for x in (r.q, r.q_rot, r.q_row_bytes, *r.q_strides)) or not (r.q and r.q_rot and r.cos and r.sin):
-        problems.append("rotary q / q_rot: addresses and byte strides must be multiples of 16 bytes, cos and sin "
-                        "given")
+    if any(x % 16 for x in (r.q, r.q_rot, r.q_row_bytes, r.cos, r.sin, *r.q_strides)) or not (
+            r.q and r.q_rot and r.cos and r.sin):
+        problems.append("rotary q / q_rot / cos / sin: addresses and byte strides must be multiples of 16 bytes, cos "
+                        "and sin given")
     if r.cos_dtype not in (0, 1, 2):
         problems.append(f"rotary cos_dtype {r.cos_dtype} (want 0 fp32, 1 fp16, 2 bf16)")
     return {"q": r.q, "q_rot": r.q_rot, "rotary_cos": r.cos, "rotary_sin": r.sin, "rotary_seqlens": r.rotary_seqlens,
@@ -196,14 +197,14 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
     (with an append) named twice, a cache_leftpad is outside [0, the entry's tokens], a used page's number is out
     of range, or (rotary) an entry's positions leave rotary_cos's rows; every CTA copies the new rows (and rotates
     q), each copy checking its own row, page and rotary position first (no write outside the caches and no read
-    outside the tables, whatever the arguments). The grid: one thread per 16-byte chunk, at most 2 CTAs per SM.
+    outside the tables, whatever the arguments). The grid: one thread per 16-byte chunk, at most 4 CTAs per SM.
 
     Returns the variant used.
 
     Raises:
         ValueError: arguments the kernel cannot take (sizes outside int32, misaligned addresses / strides / rows,
             more than KVCACHE_MAX_ROWS cache rows with cache_batch_idx and an append, a page_size < 1 with pages;
-            with ``rotary``: a rotary_dim that is not a multiple of 16 up to head_dim, misaligned q / q_rot, an
+            with ``rotary``: a rotary_dim that is not a multiple of 16 up to head_dim, misaligned q / q_rot / tables, an
             unknown cos_dtype, sizes outside int32).
         flashgen.dispatch.MissingVariantError: no varlen_prep variant is built.
         flashgen.launch.CudaError: the driver refuses the load or the launch.
@@ -235,7 +236,7 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
     chunks = batch * n_new * heads_k * ((k_row_bytes + v_row_bytes) // 16)
     if rotary is not None:
         chunks += batch * rotary.seqlen_q * rotary.heads * (rotary.q_row_bytes // 16)
-    grid = max(1, min(-(-chunks // threads), _CTAS_PER_SM * plan.sms))
+    grid = max(1, min(-(-chunks // threads), KVCACHE_CTAS_PER_SM * plan.sms))
     params = {
         "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
         "page_table": page_table, "seqused_k": seqused_k, "k_new": k_new if n_new else 0,

@@ -16,7 +16,7 @@ lengths) come first: the varlen kernels with the host read of the offsets and wi
 the padded groups, SDPA's nested tensors. Rows ending ", prep" run with core.VARLEN_PREP_KERNEL on (the varlen_prep
 kernel instead of the torch checks and memsets). The decode steps last: flash_attn_with_kvcache appending one token per
 entry with the lengths on the GPU (kvcache._step_on_device), the checks and the append by torch ops or, rows ending
-", prep", by the varlen_prep variant's kvcache kernel.
+", prep", by the varlen_prep variant's kvcache kernel; then two prefill steps (1024 tokens into each of 8 caches).
 
 Usage (a GPU): python scripts/varlen_gpu_time.py [--n 20] [--decode-only]. Prints one markdown table.
 """
@@ -34,7 +34,8 @@ from varlen_bench import forward_cases, train_case
 
 
 def gpu_us(fn, n: int) -> tuple[float, str]:
-    """Device microseconds per call (every CUDA event of n calls / n) and the three costliest kernels."""
+    """Device microseconds per call (every CUDA event of n calls / n), the three costliest kernels and the varlen_prep
+    variant's kernels wherever they rank (as ``prep:<role>``)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -48,7 +49,8 @@ def gpu_us(fn, n: int) -> tuple[float, str]:
     if not per:  # (a profiler without CUDA activity: no figure rather than 0)
         raise RuntimeError("torch.profiler recorded no CUDA event (CUPTI unavailable?)")
     top = sorted(per.items(), key=lambda kv: -kv[1])[:3]
-    return sum(per.values()), "; ".join(f"{name[:40]} {us:.0f}" for name, us in top)
+    top += [(f"prep:{name.rsplit('_', 1)[-1]}", us) for name, us in per.items() if "varlen_prep" in name]
+    return sum(per.values()), "; ".join(f"{name[:40]} {us:.1f}" for name, us in top)
 
 
 def host_us(fn, n: int) -> float:
@@ -87,7 +89,7 @@ def main() -> None:
 
     # (", prep": core.VARLEN_PREP_KERNEL on, the varlen_prep kernel instead of the torch checks and memsets)
     saved = (core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK,
-             core.VARLEN_PREP_KERNEL)
+             getattr(core, "VARLEN_PREP_KERNEL", False))  # (an older tree, as varlenab's old side, may lack it)
     for n_docs, tokens in () if a.decode_only else ((16, 8192), (64, 16384), (256, 16384)):
         kernels, kernels_dev, grouped, _per_run, sdpa, _flops, name, leaves = train_case(rng, n_docs, tokens)
         for path, step, prep in (("train: varlen kernels", kernels, False),
@@ -112,11 +114,12 @@ def main() -> None:
                 row(name, path, fn, a.n)
     core.VARLEN_KERNEL, core.VARLEN_NO_HOST_READ, core.VARLEN_PREP_KERNEL = saved[0], saved[2], saved[4]
     with torch.no_grad():
-        rotary_kernel = core.KVCACHE_ROTARY_KERNEL
+        rotary_kernel = getattr(core, "KVCACHE_ROTARY_KERNEL", False)
         for name, step in decode_steps(a.seed):
-            paths = [("decode step, torch append", False, False), ("decode step, prep", True, False)]
+            kind = name.split()[0]  # decode or prefill
+            paths = [(f"{kind} step, torch append", False, False), (f"{kind} step, prep", True, False)]
             if "rotary" in name:  # (", rotary in prep": core.KVCACHE_ROTARY_KERNEL, q and k rotated in that kernel)
-                paths.append(("decode step, prep, rotary in prep", True, True))
+                paths.append((f"{kind} step, prep, rotary in prep", True, True))
             for path, prep, rot in paths:
                 def fn(step=step, prep=prep, rot=rot):
                     core.VARLEN_PREP_KERNEL = prep
@@ -129,16 +132,18 @@ def main() -> None:
 def decode_steps(seed: int):
     """Decode steps with an append (one new token per entry, bf16, 32 query heads over 8 K/V heads of 128, causal,
     lengths on the GPU): ``(name, step)`` for 8 and 64 caches of 4096 positions, unpaged and in pages of 64, and 64
-    caches with rotary (Llama's: every dim, halves, bf16 tables). Each step writes the same positions (the lengths do
-    not grow), so every repetition does the same work."""
+    caches with rotary (Llama's: every dim, halves, bf16 tables); then prefill steps, 1024 new tokens (and q rows)
+    into each of 8 caches, without and with rotary. Each step writes the same positions (the lengths do not grow),
+    so every repetition does the same work."""
     import flashgen
 
     g = torch.Generator(device="cuda").manual_seed(seed)
-    for batch, page, rotary in ((8, None, False), (64, None, False), (64, 64, False), (64, None, True)):
+    for batch, page, rotary, new in ((8, None, False, 1), (64, None, False, 1), (64, 64, False, 1),
+                                     (64, None, True, 1), (8, None, False, 1024), (8, None, True, 1024)):
         cache = 4096
         r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-        q, k, v = r(batch, 1, 32, 128), r(batch, 1, 8, 128), r(batch, 1, 8, 128)
-        lens = torch.randint(1, cache - 1, (batch,), generator=g, device="cuda", dtype=torch.int32)
+        q, k, v = r(batch, new, 32, 128), r(batch, new, 8, 128), r(batch, new, 8, 128)
+        lens = torch.randint(1, cache - new, (batch,), generator=g, device="cuda", dtype=torch.int32)
         table = None
         if page:
             per = cache // page
@@ -156,8 +161,8 @@ def decode_steps(seed: int):
         def step(q=q, k=k, v=v, kc=kc, vc=vc, lens=lens, table=table, rope=rope):
             return flashgen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=table, causal=True,
                                                     **rope)
-        yield (f"decode {batch} caches of {cache}{f', pages of {page}' if page else ''}{', rotary' if rotary else ''}"
-               ", +1 token"), step
+        yield (f"{'decode' if new == 1 else 'prefill'} {batch} caches of {cache}{f', pages of {page}' if page else ''}"
+               f"{', rotary' if rotary else ''}, +{new} token{'s' if new > 1 else ''}"), step
 
 
 if __name__ == "__main__":

@@ -582,6 +582,34 @@ def test_kvcache_step_on_device_checks_the_rotary_positions_on_the_device(kernel
     assert len(kernel_on.calls) == 2 and kernel_on.kvcache_ropes == ([True, True, False] if prep else [])
 
 
+@pytest.mark.parametrize("table", ["aligned", "strided", "misaligned"])
+def test_kvcache_kernel_rotates_only_with_16_byte_aligned_tables(kernel_on, monkeypatch, table):
+    """The kvcache kernel reads rotary_cos / rotary_sin with 8- and 16-byte loads, so it rotates only where the
+    contiguous tables (a strided view's copy) start on 16 bytes; a contiguous view 2 bytes in is rotated by the torch
+    ops, to the same result (the emulated core)."""
+    from flashgen import kvcache
+
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", True)
+    monkeypatch.setattr(core, "KVCACHE_ROTARY_KERNEL", True)
+    angle = torch.rand(64, 8, generator=torch.Generator().manual_seed(3))
+    cos, sin = torch.cos(angle).half(), torch.sin(angle).half()
+    if table == "strided":  # (every other column of a (64, 16) table: copied, aligned)
+        cos, sin = (torch.stack((t, t), dim=-1).flatten(-2)[:, ::2] for t in (cos, sin))
+        assert not cos.is_contiguous()
+    elif table == "misaligned":  # (one element into a bigger buffer: contiguous, 2 bytes past 16)
+        cos, sin = (torch.cat((t.flatten()[:1], t.flatten()))[1:].view(64, 8) for t in (cos, sin))
+        assert cos.is_contiguous() and cos.data_ptr() % 16 == 2
+    outs = []
+    for kernel in (True, False):
+        monkeypatch.setattr(core, "KVCACHE_ROTARY_KERNEL", kernel)
+        q, k, v, kc, vc, _ = make(batch=2, sq=3, cache_len=16, new=2, seed=2)
+        out = kvcache._step_on_device(q, kc, vc, k, v, cos, sin, torch.tensor([4, 5], dtype=torch.int32), None,
+                                      (None, None, None), None, True, (-1, -1), 0, 0.0, True)
+        outs.append((out[0] if isinstance(out, tuple) else out, kc))
+    assert kernel_on.kvcache_ropes == [table != "misaligned", False]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 # ------------------------------------------------------------------------- split-KV (flash-decoding)
 def test_varlen_num_splits_heuristic(monkeypatch):
     """Splits where the tiles leave SMs idle and the keys are long, none otherwise (132 SMs)."""

@@ -90,6 +90,9 @@ KVCACHE_PARAMS = params_struct(
     ("rotary_dim", "i32"), ("seqlen_ro", "i32"), ("rotary_flags", "i32"), ("rotary_cos_dtype", "i32"),
 )
 KVCACHE_ROW_BITS = 1 << 16  # the distinct-rows check's shared bitmap (8 KB): caches of at most this many rows
+# The kvcache kernel's CTAs per SM: its __launch_bounds__' minimum (registers capped so that they are all resident)
+# and the runtime's grid cap (runtime/varlen_prep.py), so that a prefill's copies keep enough loads in flight.
+KVCACHE_CTAS_PER_SM = 4
 
 
 def contract_messages() -> tuple:
@@ -126,7 +129,8 @@ class VarlenPrepFamily(Family):
         """threads, the asserts' messages (:func:`contract_messages`, :func:`kvcache_messages`), the kvcache kernel's
         row bitmap; no dynamic shared memory."""
         return dict(threads=int(params["threads"]), messages=contract_messages(), kvcache_messages=kvcache_messages(),
-                    row_bits=KVCACHE_ROW_BITS, smem={}, smem_bytes=0)
+                    row_bits=KVCACHE_ROW_BITS, kvcache_ctas_per_sm=KVCACHE_CTAS_PER_SM,
+                    smem={}, smem_bytes=0)
 
     def kernels(self, params, resources):
         # SASS: the stores of the fill (STG) and the asserts' calls of __assertfail (CALL: not compiled out)
