@@ -73,9 +73,9 @@
 #                                          scripts/varlen_bwd_ab.py (packed causal documents, hd 64/128/256) of .base/ and this
 #                                          tree alternated twice, then (GPU_TIME=1, the default) varlen_gpu_time.py of both,
 #                                          the old/new table last (OLD_FILTER, default 'varlen')
-#   bash scripts/device_check.sh kvab      the kvcache kernel A/B (carry .base): test_kvcache_gpu.py (TESTS_K), memcheck over the
-#                                          varlen_prep cases (MEMCHECK=0: none), then varlen_gpu_time.py --decode-only (decode and
-#                                          prefill steps, GPU and host us) of .base/ and this tree alternated twice
+#   bash scripts/device_check.sh kvab      the kvcache kernel A/B (carry .base): test_kvcache_gpu.py (TESTS_K), varlen_gpu_time.py
+#                                          --decode-only (decode and prefill steps, GPU and host us) of .base/ and this tree
+#                                          alternated twice, then memcheck over the varlen_prep cases (MEMCHECK=0: none)
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
@@ -456,19 +456,19 @@ varlenab)
     | tee "$out/varlen_bwd_ab.md"
   ;;
 kvab)
-  # the kvcache kernel A/B (carry .base): test_kvcache_gpu.py (TESTS_K: -k, default all), compute-sanitizer memcheck
-  # over sanitize_driver.py's varlen_prep cases (MEMCHECK=0: none), then varlen_gpu_time.py --decode-only (decode
-  # and prefill steps) of .base/ and this tree alternated old, new, old, new; the step rows of each run last
+  # the kvcache kernel A/B (carry .base): test_kvcache_gpu.py (TESTS_K: -k, default all), varlen_gpu_time.py
+  # --decode-only (decode and prefill steps) of .base/ and this tree alternated old, new, old, new, then
+  # compute-sanitizer memcheck over sanitize_driver.py's varlen_prep cases (MEMCHECK=0: none); the step rows last
   old_build "${OLD_FILTER:-varlen}"
   timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider --tb=short ${TESTS_K:+-k "$TESTS_K"} \
     tests/gpu/test_kvcache_gpu.py 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
-  if [ "${MEMCHECK:-1}" = 1 ]; then
-    SANITIZE_ONLY=varlen_prep OUT="$out" timeout 200 bash scripts/sanitize.sh memcheck 2>&1 | tail -3
-  fi
   for r in 1 2; do
     oldenv timeout 150 python3 scripts/varlen_gpu_time.py --decode-only --n 10 > "$out/kv_old$r.md" 2>&1
     timeout 150 python3 scripts/varlen_gpu_time.py --decode-only --n 10 > "$out/kv_new$r.md" 2>&1
   done
+  if [ "${MEMCHECK:-1}" = 1 ]; then  # (last: a call cut by its limit loses this, not the timings)
+    SANITIZE_ONLY=varlen_prep OUT="$out" timeout 200 bash scripts/sanitize.sh memcheck 2>&1 | tail -3
+  fi
   for f in old1 new1 old2 new2; do
     echo "== $f"; grep -E '^\| (decode|prefill)|Error|error' "$out/kv_$f.md" | cut -c1-230
   done
