@@ -631,7 +631,21 @@ def start_child(code: str, env: dict) -> None:
     key = _child_key(code, env)
     if key not in _children:
         _children[key] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+                                          stderr=subprocess.PIPE, text=True, env={**os.environ, **env},
+                                          preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """(In the child, before exec.) Linux: SIGKILL this child when the test process dies (prctl PR_SET_PDEATHSIG), so
+    that a test run cut by its timeout leaves no device-asserting children on the GPU (session 2026-12-06 (10): after
+    one such cut, with 14 children running, no later process on that H100 could create a CUDA context)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # (not Linux: the children outlive a killed parent)
+        pass
 
 
 def assert_child_asserts(code: str, fragment: str, env: dict, what) -> None:
