@@ -157,8 +157,12 @@ cap() { local left=$(( ${CALL_LIMIT:-560} - SECONDS - 20 )); [ "$left" -lt 30 ] 
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+t_smi=$SECONDS
 python3 -c "import torch, cuda.bindings, triton; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__, 'triton', triton.__version__)"
+t_torch=$SECONDS
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+# (where a cold call's time goes before the build: sessions 9-10 saw 150-190 s of wall time outside build and tests)
+echo "setup: nvidia-smi ${t_smi} s, torch import $(( t_torch - t_smi )) s, pip install $(( SECONDS - t_torch )) s"
 # Benchmark peers from carried wheels (scripts/fetch_peer_wheels.sh; the machine reaches no index): the cuDNN frontend
 pyt=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 for w in .wheels/*-"$pyt"-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps --no-index "$w" 2>&1 | tail -1; done
