@@ -460,8 +460,8 @@ _COS_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kvc
 
 class _Rope(NamedTuple):
     """A step's rotary for the kvcache kernel: q (batch, seqlen_q, heads, d) and the q_rot it writes (contiguous,
-    q's shape); cos / sin contiguous 16-byte aligned (seqlen_ro, rotary_dim / 2); starts int32 (batch,) rotary_seqlens or None
-    (cache_seqlens); interleaved pairs or halves; each: q's row i at start + i."""
+    q's shape); cos / sin contiguous 16-byte aligned (seqlen_ro, rotary_dim / 2); starts int32 (batch,)
+    rotary_seqlens or None (cache_seqlens); interleaved pairs or halves; each: q's row i at start + i."""
     q: torch.Tensor
     q_rot: torch.Tensor
     cos: torch.Tensor

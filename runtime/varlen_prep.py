@@ -39,9 +39,9 @@ class KvcacheRotary(NamedTuple):
     """The kvcache kernel's rotary arguments (FA3's rotary_cos / rotary_sin; device addresses as ints, strides in
     bytes): q ``(batch, seqlen_q, heads, q_row_bytes / 2)`` in the caches' 16-bit dtype (``bf16`` or fp16) with byte
     strides ``q_strides`` (batch, row, head), rotated into ``q_rot`` (contiguous, q's shape); ``cos`` / ``sin``
-    contiguous 16-byte aligned ``(seqlen_ro, rotary_dim / 2)`` of ``cos_dtype`` (0 fp32, 1 fp16, 2 bf16); ``rotary_seqlens`` int32
-    ``(batch,)`` each entry's first position, or 0 (cache_seqlens); ``interleaved`` pairs (else halves); ``each``:
-    q's row i at start + i (causal or local), else every row at start."""
+    contiguous 16-byte aligned ``(seqlen_ro, rotary_dim / 2)`` of ``cos_dtype`` (0 fp32, 1 fp16, 2 bf16);
+    ``rotary_seqlens`` int32 ``(batch,)`` each entry's first position, or 0 (cache_seqlens); ``interleaved`` pairs
+    (else halves); ``each``: q's row i at start + i (causal or local), else every row at start."""
     q: int
     q_rot: int
     q_strides: tuple
@@ -204,8 +204,8 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
     Raises:
         ValueError: arguments the kernel cannot take (sizes outside int32, misaligned addresses / strides / rows,
             more than KVCACHE_MAX_ROWS cache rows with cache_batch_idx and an append, a page_size < 1 with pages;
-            with ``rotary``: a rotary_dim that is not a multiple of 16 up to head_dim, misaligned q / q_rot / tables, an
-            unknown cos_dtype, sizes outside int32).
+            with ``rotary``: a rotary_dim that is not a multiple of 16 up to head_dim, misaligned q / q_rot /
+            tables, an unknown cos_dtype, sizes outside int32).
         flashgen.dispatch.MissingVariantError: no varlen_prep variant is built.
         flashgen.launch.CudaError: the driver refuses the load or the launch.
     """

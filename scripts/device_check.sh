@@ -73,9 +73,10 @@
 #                                          scripts/varlen_bwd_ab.py (packed causal documents, hd 64/128/256) of .base/ and this
 #                                          tree alternated twice, then (GPU_TIME=1, the default) varlen_gpu_time.py of both,
 #                                          the old/new table last (OLD_FILTER, default 'varlen')
-#   bash scripts/device_check.sh kvab      the kvcache kernel A/B (carry .base): test_kvcache_gpu.py (TESTS_K), varlen_gpu_time.py
-#                                          --decode-only (decode and prefill steps, GPU and host us) of .base/ and this tree
-#                                          alternated twice, then memcheck over the varlen_prep cases (MEMCHECK=0: none)
+#   bash scripts/device_check.sh kvab      the kvcache kernel A/B (carry .base): test_kvcache_gpu.py (TESTS_K),
+#                                          varlen_gpu_time.py --decode-only (decode and prefill steps, GPU and host us)
+#                                          of .base/ and this tree alternated twice, then memcheck over the varlen_prep
+#                                          cases (MEMCHECK=0: none)
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
