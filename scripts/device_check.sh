@@ -448,17 +448,18 @@ varlenab)
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short -k "$TESTS_K" tests/gpu 2>&1 \
       | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   fi
-  for r in 1 2; do
-    oldenv timeout 150 python3 scripts/varlen_bwd_ab.py --json "$out/old$r.json" > "$out/old$r.log" 2>&1 || tail -3 "$out/old$r.log"
-    timeout 150 python3 scripts/varlen_bwd_ab.py --json "$out/new$r.json" > "$out/new$r.log" 2>&1 || tail -3 "$out/new$r.log"
+  # (ROUNDS: old/new rounds, default 2; POINTS: varlen_bwd_ab.py --points, e.g. '128,16' for one point)
+  for r in $(seq "${ROUNDS:-2}"); do
+    oldenv timeout 150 python3 scripts/varlen_bwd_ab.py ${POINTS:+--points "$POINTS"} --json "$out/old$r.json" > "$out/old$r.log" 2>&1 || tail -3 "$out/old$r.log"
+    timeout 150 python3 scripts/varlen_bwd_ab.py ${POINTS:+--points "$POINTS"} --json "$out/new$r.json" > "$out/new$r.log" 2>&1 || tail -3 "$out/new$r.log"
   done
   if [ "${GPU_TIME:-1}" = 1 ]; then  # profiler GPU time and host time per call, old then new (varlen_gpu_time.py)
     oldenv timeout 150 python3 scripts/varlen_gpu_time.py --n 10 > "$out/gpu_time_old.md" 2>&1
     timeout 150 python3 scripts/varlen_gpu_time.py --n 10 > "$out/gpu_time_new.md" 2>&1
     for f in old new; do echo "== gpu time, $f"; grep -E 'no host read|^GPU' "$out/gpu_time_$f.md" | cut -c1-150; done
   fi
-  python3 scripts/varlen_bwd_ab.py --compare "$out"/old1.json "$out"/new1.json "$out"/old2.json "$out"/new2.json \
-    | tee "$out/varlen_bwd_ab.md"
+  runs=(); for r in $(seq "${ROUNDS:-2}"); do runs+=("$out/old$r.json" "$out/new$r.json"); done
+  python3 scripts/varlen_bwd_ab.py --compare "${runs[@]}" | tee "$out/varlen_bwd_ab.md"
   ;;
 kvab)
   # the kvcache kernel A/B (carry .base): test_kvcache_gpu.py (TESTS_K: -k, default all), varlen_gpu_time.py

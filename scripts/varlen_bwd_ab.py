@@ -9,7 +9,11 @@ L2 flushed before every repetition, median); the launches are checked to be the 
 GPU, read on the GPU by both trees (FLASHGEN_VARLEN_NO_HOST_READ=1 set here before flashgen is imported).
 
   python scripts/varlen_bwd_ab.py --json OUT.json            # one run
-  python scripts/varlen_bwd_ab.py --compare old1 new1 old2 new2   # the old/new table of four runs
+  python scripts/varlen_bwd_ab.py --json OUT.json --points 128,16   # one run of one point (head_dim,documents; ';'-separated)
+  python scripts/varlen_bwd_ab.py --compare old1 new1 old2 new2   # the old/new table of runs alternated old, new, ...
+
+The table's new/old is the median of the new runs over the median of the old runs (with two runs each, the mean):
+with more rounds a one-off stall of one run does not move it.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import json
 import math
 import os
 import random
+import statistics
 
 os.environ.setdefault("FLASHGEN_VARLEN_NO_HOST_READ", "1")
 
@@ -25,7 +30,7 @@ POINTS = [(d, n) for d in (64, 128, 256) for n in (16, 64, 256)]
 TOKENS = 16384
 
 
-def run(path: str) -> None:
+def run(path: str, points=POINTS) -> None:
     import torch
 
     import flashgen
@@ -33,7 +38,7 @@ def run(path: str) -> None:
     from flashgen.bench import _time_ms
 
     res = {"gpu": torch.cuda.get_device_name(), "flashgen": os.path.dirname(flashgen.__file__), "ms": {}}
-    for d, n_docs in POINTS:
+    for d, n_docs in points:
         h = 8 if d == 256 else 16
         rng = random.Random(1000 * d + n_docs)
         cuts = sorted(rng.sample(range(1, TOKENS), n_docs - 1))
@@ -69,15 +74,17 @@ def compare(paths: list[str]) -> None:
     for p, r in zip(paths, runs):
         print(f"{p}: flashgen from {r['flashgen']}")
     print(f"varlen backward, bf16 causal, {TOKENS} tokens of packed documents, GQA 2, {runs[0]['gpu']}: ms per "
-          f"backward (old runs / new runs), new/old = mean new / mean old")
+          f"backward (old runs / new runs), new/old = median new / median old")
     print("| head_dim | documents | old ms | new ms | new/old |")
     print("|---|---|---|---|---|")
     ratios = []
     for d, n_docs in POINTS:
         key = f"{d},{n_docs}"
+        if not all(key in r["ms"] for r in runs):  # (runs of a --points subset)
+            continue
         o = [r["ms"][key] for r in olds]
         w = [r["ms"][key] for r in news]
-        ratio = (sum(w) / len(w)) / (sum(o) / len(o))
+        ratio = statistics.median(w) / statistics.median(o)
         ratios.append(ratio)
         print(f"| {d} | {n_docs} | {' / '.join(f'{x:.3f}' for x in o)} | {' / '.join(f'{x:.3f}' for x in w)} | "
               f"{ratio:.3f} |")
@@ -88,11 +95,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write this run's times here")
     ap.add_argument("--compare", nargs="+", help="old, new, old, new ... JSON files of runs")
+    ap.add_argument("--points", help="only these points: 'head_dim,documents' pairs, ';'-separated (default: all 9)")
     args = ap.parse_args()
     if args.compare:
         compare(args.compare)
-    else:
-        run(args.json or "varlen_bwd_ab.json")
+        return
+    points = POINTS
+    if args.points:
+        points = [tuple(int(x) for x in p.split(",")) for p in args.points.split(";") if p]
+        unknown = [p for p in points if p not in POINTS]
+        if unknown:
+            ap.error(f"--points {unknown}: want pairs among {POINTS}")
+    run(args.json or "varlen_bwd_ab.json", points)
 
 
 if __name__ == "__main__":
