@@ -606,7 +606,8 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
         each = causal or any(x is not None and x >= 0 for x in window_size)
         starts = None if rotary_seqlens is None else lengths("rotary_seqlens", rotary_seqlens, 0)
-        cos, sin = rotary_cos.contiguous(), rotary_sin.contiguous()  # (copies where a view is strided)
+        # (the kernel's tables: copies where a view is strided; the torch ops index any layout)
+        cos, sin = (rotary_cos.contiguous(), rotary_sin.contiguous()) if prep else (rotary_cos, rotary_sin)
         if prep and _rotary_in_kernel(q, k, k_cache, cos, sin):
             rope = _Rope(q, torch.empty(q.shape, dtype=q.dtype, device=q.device), cos, sin, starts,
                          rotary_interleaved, each)

@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="only the decode steps (the kvcache kernel's rows)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
-    cases = forward_cases(rng, a.seed)  # varlen_bench.py's workloads, the same lengths (its training cases next)
+    # varlen_bench.py's workloads, the same lengths (its training cases next); none with --decode-only
+    cases = [] if a.decode_only else forward_cases(rng, a.seed)
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; n = {a.n} calls each")
     print("| workload | path | gpu us | host us | costliest kernels (us per call) |")
     print("|---|---|---|---|---|")
@@ -104,7 +105,7 @@ def main() -> None:
             row(name, path, fn, a.n)
     core.VARLEN_KERNEL, core.VARLEN_BWD_KERNEL, core.VARLEN_NO_HOST_READ, interface.VARLEN_CALL_WORK = saved[:4]
     with torch.no_grad():
-        for run, sdpa, _flops, name in () if a.decode_only else cases:
+        for run, sdpa, _flops, name in cases:
             for path, fn, on in (("varlen kernel", run, True), ("varlen kernel, no host read", run, "dev"),
                                  ("varlen kernel, no host read, prep", run, "prep"),
                                  ("composed", run, False), ("SDPA", sdpa, True)):
