@@ -197,7 +197,8 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
     (with an append) named twice, a cache_leftpad is outside [0, the entry's tokens], a used page's number is out
     of range, or (rotary) an entry's positions leave rotary_cos's rows; every CTA copies the new rows (and rotates
     q), each copy checking its own row, page and rotary position first (no write outside the caches and no read
-    outside the tables, whatever the arguments). The grid: one thread per 16-byte chunk, at most 4 CTAs per SM.
+    outside the tables, whatever the arguments). The grid: one thread per 16-byte chunk (with
+    rotary over the halves, per chunk pair), at most 4 CTAs per SM.
 
     Returns the variant used.
 
@@ -233,10 +234,13 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
         raise ValueError("flashgen: kvcache_prepare: " + "; ".join(problems))
     plan = _plan(device)
     threads = plan.warps * 32
-    chunks = batch * n_new * heads_k * ((k_row_bytes + v_row_bytes) // 16)
+    # one thread a unit: a 16-byte chunk, or with rotary over the halves a chunk of x1 with its x2 (the kernel's
+    # rotary_units)
+    pairs = rotary.rotary_dim // 16 if rotary is not None and not rotary.interleaved else 0
+    units = batch * n_new * heads_k * ((k_row_bytes + v_row_bytes) // 16 - pairs)
     if rotary is not None:
-        chunks += batch * rotary.seqlen_q * rotary.heads * (rotary.q_row_bytes // 16)
-    grid = max(1, min(-(-chunks // threads), KVCACHE_CTAS_PER_SM * plan.sms))
+        units += batch * rotary.seqlen_q * rotary.heads * (rotary.q_row_bytes // 16 - pairs)
+    grid = max(1, min(-(-units // threads), KVCACHE_CTAS_PER_SM * plan.sms))
     params = {
         "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad,
         "page_table": page_table, "seqused_k": seqused_k, "k_new": k_new if n_new else 0,

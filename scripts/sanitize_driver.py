@@ -49,8 +49,10 @@ tensor is its own cudaMalloc, so memcheck bounds each exactly.
 
 Every family in the manifest (flashgen.load_manifest().variants[i].family) must have an entry in
 CASES: a new family fails here until a case is written for it. SANITIZE_ONLY=TEXT (environment)
-runs only the cases whose names contain TEXT (e.g. "e4m3": a sanitizer pass over one change); the
-families it leaves without a case are then skipped, not failed.
+runs only the cases whose names contain TEXT (e.g. "e4m3": a sanitizer pass over one change) and,
+when TEXT is a family's name (e.g. "varlen_prep"), every case of that family; the families it leaves
+without a case are then skipped, not failed, but a TEXT that selects no case at all fails the run
+(session 11: SANITIZE_ONLY=varlen_prep matched no case name and memcheck "passed" over 0 cases).
 
 Exit status: 0 when every case ran and matched its reference; 1 otherwise.
 """
@@ -399,7 +401,7 @@ def main() -> int:
         cases = list(CASES.get(family, lambda: ())())
         if family in CASES and not cases:
             failed.append(f"family {family}: none of its cases' variants is built")
-        cases = [(name, case) for name, case in cases if only in name]
+        cases = [(name, case) for name, case in cases if only in name or only == family]
         for name, case in cases:
             ran += 1
             try:
@@ -409,6 +411,8 @@ def main() -> int:
             except Exception as e:
                 failed.append(f"{name}: {type(e).__name__}: {e}")
                 print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+    if only and not ran:
+        failed.append(f"SANITIZE_ONLY={only!r}: no case's name contains it and no family is named so")
     for f in failed:
         print(f"FAIL {f}", flush=True)
     print(f"sanitize_driver: {ran} cases over families {', '.join(families)}; {len(failed)} failures", flush=True)
