@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from . import dispatch
 from . import launch
-from .generator.families.varlen_prep import KVCACHE_CTAS_PER_SM, KVCACHE_ROW_BITS
+from .generator.families.varlen_prep import KVCACHE_CTAS_PER_SM, KVCACHE_ROTARY_FIELDS, KVCACHE_ROW_BITS
 from .manifest import Variant
 
 __all__ = ["FAMILY", "kvcache_prepare", "varlen_prepare", "KvcacheRotary", "KVCACHE_MAX_ROWS"]
@@ -59,9 +59,7 @@ class KvcacheRotary(NamedTuple):
     each: bool
 
 
-_NO_ROTARY = {"q": 0, "q_rot": 0, "rotary_cos": 0, "rotary_sin": 0, "rotary_seqlens": 0, "q_stride_b": 0,
-              "q_stride_t": 0, "q_stride_h": 0, "q_row_bytes": 0, "seqlen_q": 0, "heads": 0, "rotary_dim": 0,
-              "seqlen_ro": 0, "rotary_flags": 0, "rotary_cos_dtype": 0}
+_NO_ROTARY = dict.fromkeys((f[0] for f in KVCACHE_ROTARY_FIELDS), 0)  # (every rotary field of the kernel's params)
 
 
 def _rotary_params(r: KvcacheRotary, k_row_bytes: int, n_new: int, problems: list) -> dict:

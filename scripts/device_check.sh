@@ -466,7 +466,7 @@ kvab)
   # --decode-only (decode and prefill steps) of .base/ and this tree alternated old, new, old, new, then
   # compute-sanitizer memcheck over sanitize_driver.py's varlen_prep cases (MEMCHECK=0: none); the step rows last
   old_build "${OLD_FILTER:-varlen}"
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider --tb=short ${TESTS_K:+-k "$TESTS_K"} \
+  timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest -q -p no:cacheprovider --tb=short ${TESTS_K:+-k "$TESTS_K"} \
     tests/gpu/test_kvcache_gpu.py 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   for r in 1 2; do
     oldenv timeout 150 python3 scripts/varlen_gpu_time.py --decode-only --n 10 > "$out/kv_old$r.md" 2>&1

@@ -56,6 +56,22 @@ PARAMS = params_struct(
     ("heads", "i32"),
 )
 
+# The kvcache kernel's rotary arguments, KvcachePrepParams' last fields (a launch without rotary zeroes them all:
+# runtime/varlen_prep.py _NO_ROTARY).
+KVCACHE_ROTARY_FIELDS = (
+    # rotary_dim 0: no rotary. q (batch, seqlen_q, heads, q_row_bytes / 2 16-bit elements), byte strides
+    # (batch, row, head), rotated into q_rot (contiguous, q's shape); the new keys rotated as they are appended;
+    # rotary_cos / rotary_sin contiguous (seqlen_ro, rotary_dim / 2) of rotary_cos_dtype (0 fp32, 1 fp16, 2 bf16);
+    # rotary_seqlens int32 (batch,) each entry's first position, or nullptr: cache_seqlens;
+    # rotary_flags: 1 interleaved pairs (else halves), 2 bf16 data (else fp16), 4 q's rows each at its own position
+    ("q", "ptr", "const char*"), ("q_rot", "ptr", "char*"),
+    ("rotary_cos", "ptr", "const char*"), ("rotary_sin", "ptr", "const char*"),
+    ("rotary_seqlens", "ptr", "const int*"),
+    ("q_stride_b", "i64"), ("q_stride_t", "i64"), ("q_stride_h", "i64"),
+    ("q_row_bytes", "i32"), ("seqlen_q", "i32"), ("heads", "i32"),
+    ("rotary_dim", "i32"), ("seqlen_ro", "i32"), ("rotary_flags", "i32"), ("rotary_cos_dtype", "i32"),
+)
+
 # The kvcache kernel's arguments. Byte strides of k / v (batch, new token, head) and of the caches (row or page,
 # position, head); rows of k_row_bytes / v_row_bytes (multiples of 16, as every stride and base address).
 KVCACHE_PARAMS = params_struct(
@@ -77,17 +93,7 @@ KVCACHE_PARAMS = params_struct(
     ("capacity", "i32"),  # each entry's positions: the cache's length, or pages x page_size
     ("cache_blocks", "i32"),  # k_cache's dim 0: cache rows, or pages with a page table
     ("page_size", "i32"), ("page_table_stride", "i32"),
-    # rotary (rotary_dim 0: none): q (batch, seqlen_q, heads, q_row_bytes / 2 16-bit elements), byte strides
-    # (batch, row, head), rotated into q_rot (contiguous, q's shape); the new keys rotated as they are appended;
-    # rotary_cos / rotary_sin contiguous (seqlen_ro, rotary_dim / 2) of rotary_cos_dtype (0 fp32, 1 fp16, 2 bf16);
-    # rotary_seqlens int32 (batch,) each entry's first position, or nullptr: cache_seqlens;
-    # rotary_flags: 1 interleaved pairs (else halves), 2 bf16 data (else fp16), 4 q's rows each at its own position
-    ("q", "ptr", "const char*"), ("q_rot", "ptr", "char*"),
-    ("rotary_cos", "ptr", "const char*"), ("rotary_sin", "ptr", "const char*"),
-    ("rotary_seqlens", "ptr", "const int*"),
-    ("q_stride_b", "i64"), ("q_stride_t", "i64"), ("q_stride_h", "i64"),
-    ("q_row_bytes", "i32"), ("seqlen_q", "i32"), ("heads", "i32"),
-    ("rotary_dim", "i32"), ("seqlen_ro", "i32"), ("rotary_flags", "i32"), ("rotary_cos_dtype", "i32"),
+    *KVCACHE_ROTARY_FIELDS,
 )
 KVCACHE_ROW_BITS = 1 << 16  # the distinct-rows check's shared bitmap (8 KB): caches of at most this many rows
 # The kvcache kernel's CTAs per SM: its __launch_bounds__' minimum (registers capped so that they are all resident)
