@@ -196,8 +196,7 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
     of range, or (rotary) an entry's positions leave rotary_cos's rows; every CTA copies the new rows (and rotates
     q), each copy checking its own row, page and rotary position first (no write outside the caches and no read
     outside the tables, whatever the arguments). The grid: one thread per 16-byte chunk (with
-    rotary over the halves, per chunk pair), at most KVCACHE_CTAS_PER_SM (3) CTAs per SM, each thread loading
-    two units before it stores them.
+    rotary over the halves, per chunk pair), at most 4 CTAs per SM.
 
     Returns the variant used.
 

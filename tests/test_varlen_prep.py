@@ -137,7 +137,7 @@ def _kv(**kw):
 
 def test_kvcache_launch_packs_every_field_and_sizes_the_grid(fake_launch):
     """One thread per 16-byte chunk of the new rows (3 x 2 x 2 rows of (256 + 256) / 16 chunks = 384 threads: 2 CTAs
-    of 256), at most 3 CTAs per SM (KVCACHE_CTAS_PER_SM: the kernel's launch bounds); the kvcache kernel (role "kvcache"); every KvcachePrepParams field given."""
+    of 256), at most 4 CTAs per SM; the kvcache kernel (role "kvcache"); every KvcachePrepParams field given."""
     _kv()
     ((grid, params, stream, device),) = fake_launch.launches
     assert grid == (2, 1, 1) and stream == 7 and device == 0
@@ -148,7 +148,7 @@ def test_kvcache_launch_packs_every_field_and_sizes_the_grid(fake_launch):
     _kv(n_new=0, k_new=0, v_new=0)
     _kv(page_table=0x3000, page_table_stride=8, page_size=16, cache_blocks=40)
     (g_big, _, _, _), (g_none, p_none, _, _), (_, p_paged, _, _) = fake_launch.launches[1:]
-    assert g_big == (396, 1, 1) and g_none == (1, 1, 1) and p_none["k_new"] == 0  # checks + seqused_k only
+    assert g_big == (528, 1, 1) and g_none == (1, 1, 1) and p_none["k_new"] == 0  # checks + seqused_k only
     assert (p_paged["page_size"], p_paged["page_table_stride"]) == (16, 8)
     assert fake_launch.kernels == [("kernel", "kvcache")] * 4  # (the fake get_kernel's value for the role)
 

@@ -97,9 +97,8 @@ KVCACHE_PARAMS = params_struct(
 )
 KVCACHE_ROW_BITS = 1 << 16  # the distinct-rows check's shared bitmap (8 KB): caches of at most this many rows
 # The kvcache kernel's CTAs per SM: its __launch_bounds__' minimum (registers capped so that they are all resident)
-# and the runtime's grid cap (runtime/varlen_prep.py), so that a prefill's copies keep enough loads in flight. 3 since
-# session 12, where each thread loads two units before it stores (80 registers; at 4 CTAs, 64, it spilled 304 bytes).
-KVCACHE_CTAS_PER_SM = 3
+# and the runtime's grid cap (runtime/varlen_prep.py), so that a prefill's copies keep enough loads in flight.
+KVCACHE_CTAS_PER_SM = 4
 
 
 def contract_messages() -> tuple:
