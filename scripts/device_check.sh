@@ -105,6 +105,9 @@
 #                                          bwd_compare.py table per patch (old = the tree)
 #   bash scripts/device_check.sh split     the backward's time per kernel (pre, main, post) at FA3-protocol points, default then
 #                                          deterministic (scripts/bwd_split.py; HEAD_DIMS, SEQLENS, DTYPES as bwd)
+#   bash scripts/device_check.sh counter   scripts/counter_probe.py at each POINTS entry (';'-separated counter_probe.py
+#                                          arguments, default bf16 hd256 causal 512): the causal tile counter's memset
+#                                          inside / outside the timed region against SDPA cuDNN, interleaved
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
 #                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
@@ -316,6 +319,10 @@ tune)
   prof bf16_hd128 --dtype bf16 --head-dim 128
   prof e4m3_hd64 --dtype e4m3 --head-dim 64
   (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
+  ;;
+counter)
+  IFS=';' read -ra points <<< "${POINTS:---dtype bf16 --head-dim 256 --seqlen 512}"
+  for pt in "${points[@]}"; do timeout 120 python3 scripts/counter_probe.py $pt 2>&1 | tee -a "$out/counter.md"; done
   ;;
 prof)
   # PROFS: profiles separated by ';', each "name:profile_fwd.py args" (--impl cudnn|fa2 for SDPA's kernel);
