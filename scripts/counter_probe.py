@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--no-ops", action="store_true", help="skip the torch.profiler listing of each form's GPU ops")
     a = ap.parse_args(argv)
 
     import torch
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     for n in forms:
         print(f"| {n} | {' / '.join(f'{t * 1e3:.1f}' for t in res[n])} | {flops / (med[n] * 1e-3) / 1e12:.1f} | "
               f"{med['cudnn'] / med[n]:.4f} |")
-    for name, (fn, before) in forms.items():
+    for name, (fn, before) in ([] if a.no_ops else forms.items()):
         ops = _ops(fn, before, flush)
         shipped()
         print(f"\n{name}: " + "; ".join(f"{n} @{t:.1f} +{dur:.1f} us" for n, t, dur in ops))
