@@ -330,36 +330,8 @@ _counter_pools: dict[int, object] = {}  # device -> CUmemoryPool (flashgen's own
 def _counter_pool(device: int):
     """flashgen's stream-ordered memory pool on ``device`` for per-launch tile counters: its own pool
     (the device's default pool is left as it is), keeping _COUNTER_POOL_KEEP bytes reserved so a
-    synchronization does not hand its memory back. Made once per device, in the primary context.
-    Without internal dependencies: a counter is allocated on the zeroing stream (:func:`_counter_side`)
-    and freed on the launch's stream, and the driver must not make the zeroing stream wait for a
-    launch stream's free to reuse an address (that would put the memset back behind the previous
-    kernel); it reuses a freed counter once the free is known complete, else takes new memory."""
-    return _make_pool(device, _COUNTER_POOL_KEEP, _counter_pools, internal_dependencies=False)
-
-
-_counter_sides: dict[int, tuple] = {}  # device -> (CUstream, CUevent): the counters' zeroing stream (made once)
-
-
-def _counter_side(device: int) -> tuple:
-    """``(stream, event)`` on ``device``: a non-blocking stream of flashgen's own on which each
-    launch's tile counter is allocated and zeroed, and an event recorded after each zeroing, which
-    the launch's stream waits for (:func:`_launch_argv`). The memset then runs beside the launch
-    stream's earlier work instead of between it and the kernel: 1.1-1.7 us of GPU time off each
-    causal call of 108-148 us (H100, FA3 protocol at 512-1k tokens, scripts/counter_probe.py,
-    session 12). One event for every caller: all its records are on this stream, so a launch stream
-    that waits for the latest record also waits for every earlier zeroing, its own included. Made
-    once per device, in the primary context (the caller's)."""
-    side = _counter_sides.get(device)
-    if side is None:
-        with _lock:
-            side = _counter_sides.get(device)
-            if side is None:
-                d = _driver()
-                stream = check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate(tile counters)")
-                event = check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate(tile counters)")
-                side = _counter_sides[device] = (stream, event)
-    return side
+    synchronization does not hand its memory back. Made once per device, in the primary context."""
+    return _make_pool(device, _COUNTER_POOL_KEEP, _counter_pools)
 
 
 #: Bytes flashgen's scratch pool keeps reserved across synchronizations (per-call scratch: the
@@ -369,12 +341,10 @@ _SCRATCH_POOL_KEEP = 256 << 20
 _scratch_pools: dict[int, object] = {}  # device -> CUmemoryPool (flashgen's own, made once)
 
 
-def _make_pool(device: int, keep: int, pools: dict, internal_dependencies: bool = True):
+def _make_pool(device: int, keep: int, pools: dict):
     """A stream-ordered memory pool of flashgen's own on ``device`` (the device's default pool is
-    left as it is) that keeps ``keep`` bytes reserved across synchronizations (and, with
-    ``internal_dependencies`` False, never reuses memory by making a stream wait for another's free:
-    CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES); made once per device and kept in ``pools``,
-    in the primary context."""
+    left as it is) that keeps ``keep`` bytes reserved across synchronizations; made once per device
+    and kept in ``pools``, in the primary context."""
     pool = pools.get(device)
     if pool is None:
         with _lock:
@@ -389,10 +359,6 @@ def _make_pool(device: int, keep: int, pools: dict, internal_dependencies: bool 
                 pool = check(d.cuMemPoolCreate(props), "cuMemPoolCreate")
                 check(d.cuMemPoolSetAttribute(pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                                               d.cuuint64_t(keep)), "cuMemPoolSetAttribute")
-                if not internal_dependencies:
-                    check(d.cuMemPoolSetAttribute(
-                        pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, 0),
-                        "cuMemPoolSetAttribute")
                 pools[device] = pool
     return pool
 
@@ -431,12 +397,10 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
 
     ``counter`` ((pack_into, offset) of a pointer field in ``buf``, the bytes holding the params:
     :func:`launch_prepared`'s argument block, the offset counting from its start): the launch gets
-    its own int32 tile counter, zero when the kernel starts: allocated from :func:`_counter_pool` and
-    zeroed on the counters' own stream, which ``stream`` then waits for (:func:`_counter_side`: the
-    memset runs beside ``stream``'s earlier work, not between it and the kernel), written into the
-    field, and freed on ``stream`` after the kernel (all stream-ordered, so it is never shared with
-    another launch). Under CUDA-graph capture the allocation and the memset are on ``stream`` itself
-    (the graph's own allocation, memset and free nodes)."""
+    its own int32 tile counter, zero when the kernel starts: allocated from :func:`_counter_pool` on
+    ``stream``, zeroed, written into the field, and freed on ``stream`` after the kernel (all
+    stream-ordered, so it is never shared with another launch; under CUDA-graph capture these are
+    the graph's own allocation, memset and free nodes)."""
     rec = kernel.record
     d = _driver()
     pushed = _push_primary(kernel.device)
@@ -444,16 +408,9 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
     try:
         hstream = _streams.get(stream) or _stream(stream)
         if counter is not None:
-            pool = _counter_pools.get(kernel.device) or _counter_pool(kernel.device)
-            capturing = check(d.cuStreamIsCapturing(hstream), "cuStreamIsCapturing") != \
-                d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-            side, zeroed = (hstream, None) if capturing else (_counter_sides.get(kernel.device)
-                                                              or _counter_side(kernel.device))
-            ctr = check(d.cuMemAllocFromPoolAsync(4, pool, side), "cuMemAllocFromPoolAsync(tile counter)")
-            check(d.cuMemsetD32Async(ctr, 0, 1, side), "cuMemsetD32Async(tile counter)")
-            if zeroed is not None:
-                check(d.cuEventRecord(zeroed, side), "cuEventRecord(tile counter)")
-                check(d.cuStreamWaitEvent(hstream, zeroed, 0), "cuStreamWaitEvent(tile counter)")
+            ctr = check(d.cuMemAllocFromPoolAsync(4, _counter_pools.get(kernel.device) or _counter_pool(kernel.device),
+                                                  hstream), "cuMemAllocFromPoolAsync(tile counter)")
+            check(d.cuMemsetD32Async(ctr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
             counter[0](buf, counter[1], int(ctr))
         attrs = kernel.launch_attrs
         if not attrs:

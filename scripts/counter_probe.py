@@ -1,13 +1,11 @@
 """What the causal tile counter's per-call memset costs a flash_attn_func call (a GPU probe, issue 11).
 
 A causal persistent forward gets a 4-byte tile counter per launch: allocated from flashgen's pool,
-zeroed by ``cuMemsetD32Async`` and freed (launch._launch_argv; until session 12 all on the call's stream,
-since then allocated and zeroed on flashgen's own stream, which the call's stream waits for). This script
+zeroed by ``cuMemsetD32Async`` and freed, all on the call's stream (launch._launch_argv). This script
 times one FA3-protocol point three ways, interleaved round by round, each repetition after a 256 MB
 L2 flush and bracketed by CUDA events (the grid's method):
 
-- ``flashgen``: flash_attn_func as the tree ships it (the memset inside the timed region, on the call's stream or
-  beside it);
+- ``flashgen``: flash_attn_func as shipped (the memset inside the timed region);
 - ``no_memset``: the same call with the counter taken from a buffer zeroed *before* the start event
   (the driver's pool allocation, memset and free replaced in this process only), so the timed
   region holds the kernel alone;

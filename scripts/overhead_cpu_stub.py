@@ -181,15 +181,6 @@ def fake_driver():
         cuMemAllocFromPoolAsync=lambda size, pool, stream: (ok, 0x7000_0000),
         cuMemsetD32Async=lambda *a: (ok,),
         cuMemFreeAsync=lambda *a: (ok,),
-        # (the counter zeroed on flashgen's own stream, which the launch's stream waits for: launch._counter_side)
-        CUstreamCaptureStatus=_Enum(),
-        CUstream_flags=_Enum(),
-        CUevent_flags=_Enum(),
-        cuStreamIsCapturing=lambda stream: (ok, "CU_STREAM_CAPTURE_STATUS_NONE"),
-        cuStreamCreate=lambda flags: (ok, _Handle(7)),
-        cuEventCreate=lambda flags: (ok, _Handle(8)),
-        cuEventRecord=lambda *a: (ok,),
-        cuStreamWaitEvent=lambda *a: (ok,),
     )
     return d
 

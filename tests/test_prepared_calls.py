@@ -303,8 +303,7 @@ class FakeDriver:
         self.next_ptr = 0x7000_0000
         for n in ("CUfunction_attribute", "CUlaunchAttributeID", "CUtensorMapDataType", "CUtensorMapInterleave",
                   "CUtensorMapSwizzle", "CUtensorMapL2promotion", "CUtensorMapFloatOOBfill", "CUmemAllocationType",
-                  "CUmemAllocationHandleType", "CUmemLocationType", "CUmemPool_attribute", "CUstreamCaptureStatus",
-                  "CUstream_flags", "CUevent_flags"):
+                  "CUmemAllocationHandleType", "CUmemLocationType", "CUmemPool_attribute"):
             setattr(self, n, _Names())
         self.cuuint64_t = self.cuuint32_t = int
         self.CUstream = _Handle
@@ -321,33 +320,7 @@ class FakeDriver:
         return (0, _Handle(0x900 + props.location.id, device=props.location.id))
 
     def cuMemPoolSetAttribute(self, pool, attr, value):
-        assert (attr == "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD" and value > 0) or (
-            attr == "CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES" and value == 0)
-        return (0,)
-
-    capturing = False  # what cuStreamIsCapturing answers (a test sets it)
-
-    def cuStreamIsCapturing(self, stream):
-        return (0, "CU_STREAM_CAPTURE_STATUS_ACTIVE" if self.capturing else "CU_STREAM_CAPTURE_STATUS_NONE")
-
-    def cuStreamCreate(self, flags):
-        assert flags == "CU_STREAM_NON_BLOCKING"
-        with self.lock:
-            self.mem_ops.append(("stream_create", threading.get_ident()))
-        return (0, _Handle(0x5E1D))  # the counters' zeroing stream
-
-    def cuEventCreate(self, flags):
-        assert flags == "CU_EVENT_DISABLE_TIMING"
-        return (0, _Handle(0xE7))
-
-    def cuEventRecord(self, event, stream):
-        with self.lock:
-            self.mem_ops.append(("record", int(event), int(stream), threading.get_ident()))
-        return (0,)
-
-    def cuStreamWaitEvent(self, stream, event, flags):
-        with self.lock:
-            self.mem_ops.append(("wait", int(event), int(stream), threading.get_ident()))
+        assert attr == "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD" and value > 0
         return (0,)
 
     def cuMemAllocFromPoolAsync(self, size, pool, stream):
@@ -448,7 +421,7 @@ class FakeDriver:
 def _fresh_state(monkeypatch):
     for name, value in (("_drv", None), ("_initialized", False), ("_primary", {}), ("_attr_cache", {}),
                         ("_capabilities", {}), ("_names", {}), ("_libraries", {}), ("_kernels", {}), ("_streams", {}),
-                        ("_tmaps", {}), ("_geometries", {}), ("_counter_sides", {}), ("_counter_pools", {})):
+                        ("_tmaps", {}), ("_geometries", {})):
         monkeypatch.setattr(launch, name, value)
     monkeypatch.setattr(core, "_plans", {})
     monkeypatch.setattr(core, "_prepared_forwards", {})
@@ -794,18 +767,12 @@ def test_concurrent_calls_on_threads_each_launch_their_own_arguments(driver):
     check_counter_protocol(driver.mem_ops, causal_launches=0)  # at most 2 tiles: one per CTA, no counter
 
 
-SIDE = 0x5E1D  # FakeDriver's zeroing stream (launch._counter_side)
-
-
-def check_counter_protocol(ops, causal_launches, captured=False):
-    """Each launch with a tile counter, on its thread: a 4-byte allocation from device 0's pool and a
-    memset of that one int32 to 0, both on the counters' zeroing stream, an event recorded there that
-    the launch's stream then waits for, the launch holding that pointer on its stream, then its free
-    there (``captured``: allocation and memset on the launch's stream itself, no event); no pointer is
-    live in two launches at once (an address may come back only after its free)."""
+def check_counter_protocol(ops, causal_launches):
+    """Each launch with a tile counter: on its stream and thread, a 4-byte allocation from device
+    0's pool, a memset of that one int32 to 0, the launch holding that pointer, then its free; no
+    pointer is live in two launches at once (an address may come back only after its free)."""
     live = set()
     by_thread = {}
-    ops = [op for op in ops if op[0] != "stream_create"]
     for op in ops:
         by_thread.setdefault(op[-1], []).append(op)
         if op[0] == "alloc":
@@ -821,18 +788,11 @@ def check_counter_protocol(ops, causal_launches, captured=False):
             if seq[i][0] == "launch" and seq[i][1] == 0:  # a static-schedule launch: no counter
                 i += 1
                 continue
-            if captured:
-                (a, ptr, st, size, dev, _), m, l, f = seq[i:i + 4]
-                zeroing = st
-                i += 4
-            else:
-                (a, ptr, zeroing, size, dev, _), m, rec, wait, l, f = seq[i:i + 6]
-                st = l[2]
-                assert rec[:3] == ("record", 0xE7, SIDE) and wait[:3] == ("wait", 0xE7, st) and zeroing == SIDE != st
-                i += 6
+            (a, ptr, st, size, dev, _), m, l, f = seq[i:i + 4]
             assert (a, size, dev) == ("alloc", 4, 0)
-            assert m[:5] == ("memset", ptr, zeroing, 0, 1) and l[:3] == ("launch", ptr, st) and f[:3] == ("free", ptr, st)
+            assert m[:5] == ("memset", ptr, st, 0, 1) and l[:3] == ("launch", ptr, st) and f[:3] == ("free", ptr, st)
             launches += 1
+            i += 4
     assert launches == causal_launches
 
 
@@ -847,22 +807,10 @@ def test_causal_launches_get_a_zeroed_counter_of_their_own(driver):
         out, lse = targ(shape, ptr=2 << 26), targ((b, h, s), "fp32", ptr=3 << 26)
         core.attention_forward(q, kv, kv, out, lse, 0.1, causal, stream=11)
         check_launch(driver.launches[-1], q, kv, kv, out, lse, 0.1, causal, stream=11)
-    assert [op[0] for op in driver.mem_ops] == ["stream_create", "alloc", "memset", "record", "wait", "launch", "free",
-                                                "launch", "launch", "alloc", "memset", "record", "wait", "launch",
-                                                "free"]
+    assert [op[0] for op in driver.mem_ops] == ["alloc", "memset", "launch", "free", "launch", "launch",
+                                                "alloc", "memset", "launch", "free"]
     check_counter_protocol(driver.mem_ops, causal_launches=2)
     assert [r["tile_counter"] != 0 for r in driver.launches] == [True, False, False, True]
-
-
-def test_captured_causal_launches_zero_their_counter_on_their_stream(driver):
-    """Under CUDA-graph capture the counter's allocation and memset are on the launch's own stream (graph nodes of
-    the capture), with no event on the zeroing stream: a capture may not wait on an uncaptured stream's event."""
-    driver.capturing = True
-    q, kv = targ((2, 3000, 8, 128)), targ((2, 3000, 8, 128), ptr=1 << 26)
-    out, lse = targ((2, 3000, 8, 128), ptr=2 << 26), targ((2, 8, 3000), "fp32", ptr=3 << 26)
-    core.attention_forward(q, kv, kv, out, lse, 0.1, True, stream=11)
-    assert [op[0] for op in driver.mem_ops] == ["alloc", "memset", "launch", "free"]
-    check_counter_protocol(driver.mem_ops, causal_launches=1, captured=True)
 
 
 def test_prepare_launch_checks_its_fields():
