@@ -106,8 +106,9 @@
 #   bash scripts/device_check.sh split     the backward's time per kernel (pre, main, post) at FA3-protocol points, default then
 #                                          deterministic (scripts/bwd_split.py; HEAD_DIMS, SEQLENS, DTYPES as bwd)
 #   bash scripts/device_check.sh counter   scripts/counter_probe.py at each POINTS entry (';'-separated counter_probe.py
-#                                          arguments, default bf16 hd256 causal 512): the causal tile counter's memset
-#                                          inside / outside the timed region against SDPA cuDNN, interleaved
+#                                          arguments, default bf16 hd256 causal 512): flash_attn_func against SDPA
+#                                          cuDNN, interleaved (trees with the memset counter: also without it); OLD=1
+#                                          (carry .base): the .base tree's and this tree's, alternated twice
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
 #                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
@@ -321,8 +322,17 @@ tune)
   (cd /tmp/prof && tar czf "$out/profiles.tgz" *.details.txt *.sass.csv)
   ;;
 counter)
+  # OLD=1 (carry .base): each point alternated old, new, old, new (counter_old.md / counter_new.md), the .base
+  # tree's kernels built with OLD_FILTER (default BUILD_FILTER)
+  [ "${OLD:-0}" = 1 ] && old_build "${OLD_FILTER:-$BUILD_FILTER}"
   IFS=';' read -ra points <<< "${POINTS:---dtype bf16 --head-dim 256 --seqlen 512}"
-  for pt in "${points[@]}"; do timeout 120 python3 scripts/counter_probe.py $pt 2>&1 | tee -a "$out/counter.md"; done
+  for pt in "${points[@]}"; do
+    for r in 1 2; do
+      [ "${OLD:-0}" = 1 ] && oldenv timeout 120 python3 scripts/counter_probe.py $pt 2>&1 | tee -a "$out/counter_old.md" | grep -E '^\||causal seqlen'
+      timeout 120 python3 scripts/counter_probe.py $pt 2>&1 | tee -a "$out/counter_new.md" | grep -E '^\||causal seqlen'
+      [ "${OLD:-0}" = 1 ] || break
+    done
+  done
   ;;
 prof)
   # PROFS: profiles separated by ';', each "name:profile_fwd.py args" (--impl cudnn|fa2 for SDPA's kernel);
