@@ -1246,9 +1246,12 @@ _VarlenFn = _eager_function("_VarlenFn", _varlen_fwd_impl, _varlen_setup_context
 
 def _varlen_apply(*inputs) -> tuple:
     """``(out, lse)`` of ``varlen_fwd(*inputs)`` with its gradients: the custom op under torch.compile, else
-    :class:`_VarlenFn` (the same code without the dispatcher's host time)."""
+    :class:`_VarlenFn` (the same code without the dispatcher's host time), or, where no input wants a gradient,
+    the op's implementation itself (no autograd node: as flash_attn_func's eager fast path)."""
     if torch.compiler.is_compiling():
         return torch.ops.flashgen.varlen_fwd(*inputs)
+    if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)):
+        return _varlen_fwd_impl(*inputs)
     return _VarlenFn.apply(*inputs)
 
 

@@ -324,7 +324,7 @@ tune)
 counter)
   # OLD=1 (carry .base): each point alternated old, new, old, new (counter_old.md / counter_new.md), the .base
   # tree's kernels built with OLD_FILTER (default BUILD_FILTER)
-  [ "${OLD:-0}" = 1 ] && old_build "${OLD_FILTER:-$BUILD_FILTER}"
+  [ "${OLD:-0}" = 1 ] && old_build "${OLD_FILTER:-${BUILD_FILTER:-fwd_bf16*,fwd_fp16*}}"
   IFS=';' read -ra points <<< "${POINTS:---dtype bf16 --head-dim 256 --seqlen 512}"
   for pt in "${points[@]}"; do
     for r in 1 2; do

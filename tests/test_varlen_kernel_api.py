@@ -1449,6 +1449,27 @@ def test_varlen_eager_gradients_skip_the_dispatcher_and_check_the_calls_own_mask
     assert not interface._varlen_variants_built("fp16", 64, 64, True, (-1, -1), False, True, None)
 
 
+def test_varlen_calls_without_gradients_make_no_autograd_node(kernel_on, monkeypatch):
+    """interface._varlen_apply: a varlen kernel call that wants no gradient (grad mode off, or no input requiring one)
+    runs the op's implementation directly, without interface._VarlenFn's autograd node (about 10 us less host time a
+    call on the CPU stub, session 12), with the same out and lse; a call that wants one still gets the node."""
+    from flashgen import interface
+
+    applied = []
+    real = interface._VarlenFn.apply
+    monkeypatch.setattr(interface._VarlenFn, "apply", lambda *a: applied.append(1) or real(*a))
+    monkeypatch.setattr(core, "VARLEN_NO_HOST_READ", True)  # (the eager path of GPU offsets: interface._varlen_on_device)
+    q, k, v, cu_q, cu_k = varlen_inputs([13, 30], [13, 30], seed=47)
+    no_host_reads(monkeypatch)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True, return_attn_probs=True)
+    assert out.grad_fn is None and applied == []
+    with torch.no_grad():
+        out2, lse2 = flash_attn_varlen_func(q.clone().requires_grad_(True), k, v, cu_q, cu_k, 30, 30, causal=True,
+                                            return_attn_probs=True)
+    assert out2.grad_fn is None and applied == []
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
 def test_varlen_kernel_checks_are_kept_per_metadata(kernel_on, monkeypatch):
     """interface._varlen_checked: a repeated varlen kernel call runs _check_fwd once per metadata key (shapes,
     strides, dtypes, devices, packing, window, softcap, sink), as flash_attn_func's checked calls; another key checks
