@@ -30,17 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 class _PrezeroedCounter:
     """A stand-in for cuda.bindings.driver in flashgen.launch: 4-byte pool allocations (the tile counter) return
-    ``ptr`` (a buffer the caller zeroes before each call), their memset and free do nothing; everything else is the
-    real driver's."""
+    ``ptr`` (a buffer the caller zeroes before each call), counted in ``hits``, and their memset and free do nothing;
+    everything else is the real driver's."""
 
     def __init__(self, real, ptr: int):
-        self._real, self._ptr, self._mine = real, ptr, set()
+        self._real, self._ptr, self.hits = real, ptr, 0
 
     def __getattr__(self, name):
         return getattr(self._real, name)
 
     def cuMemAllocFromPoolAsync(self, nbytes, pool, stream):
         if nbytes == 4:
+            self.hits += 1
             return self._real.CUresult.CUDA_SUCCESS, self._real.CUdeviceptr(self._ptr)
         return self._real.cuMemAllocFromPoolAsync(nbytes, pool, stream)
 
@@ -144,6 +145,9 @@ def main(argv=None) -> int:
           f"no_memset output equal to shipped: {same}")
     if not same:
         print("FAILED: the probe's counter changed the output")
+        return 1
+    if probe.hits == 0:  # (a launch path whose counter is not a 4-byte pool allocation: no_memset would be flashgen)
+        print("FAILED: the call took no 4-byte tile counter, so the no_memset form would time the shipped call")
         return 1
     forms = {"flashgen": (fg, shipped), "no_memset": (fg, prezeroed), "cudnn": (cudnn, shipped)}
     for fn, before in forms.values():  # warm-up
