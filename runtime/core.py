@@ -716,7 +716,7 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     pairs_heads = hk if packed else h  # the scheduler's (batch, head) pairs: K/V heads when packed
     params = {"seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "num_m_blocks": num_m,
               "num_tiles": num_tiles, "section_heads": section_heads(b, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2),
-              "tile_counter": 0, "group": group, "tile_queries": positions,
+              "stream_tile_counter": 0, "group": group, "tile_queries": positions,
               "window_left": mask.left, "window_right": mask.right,
               "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
               "head_dim_v": dv, "v": 0, "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1],
@@ -770,11 +770,10 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     maps = (geometry(*q_map), geometry(*_bshd_map_spec(k, kv_box, qk_rows)), geometry(*v_map),
             geometry(*_bshd_map_spec(q if varlen is not None else out, 64)))
     grid = min(num_tiles, plan.sms) if plan.sms else num_tiles
-    # Causal persistent variants claim tiles from a zeroed int32 of each launch's own, when there are
-    # more tiles than CTAs (else each CTA runs one tile and the kernel needs no counter). Its cost
-    # is host time (an allocation, a memset, a free: about 17 us per call on an H100 host) on calls
-    # whose kernels run longer than that.
-    counter = "tile_counter" if dynamic_schedule(plan.variant.params) and num_tiles > grid else None
+    # Causal persistent variants claim tiles from an int32 that is 0 at the kernel's start and that the kernel leaves
+    # at 0, when there are more tiles than CTAs (else each CTA runs one tile and the kernel needs no counter): the
+    # stream's (launch._stream_counter), or under CUDA-graph capture one of the launch's own.
+    counter = "stream_tile_counter" if dynamic_schedule(plan.variant.params) and num_tiles > grid else None
     return PreparedForward(plan, maps, launch.prepare_launch(plan.kernel, (max(grid, 1), 1, 1), params, per_call,
                                                              counter), vt_launch, vt_bytes)
 

@@ -91,7 +91,7 @@ def test_family_structs_layouts():
     # every earlier field keeps its offset), a KV cache's batch index, left padding and page table (appended too)
     assert fwd["struct"] == "FwdParams" and fwd["size"] == 344
     assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-28:] == [
-        ["head_dim_v", "i32", 160], ["section_heads", "i32", 164], ["tile_counter", "ptr", 168], ["group", "i32", 176],
+        ["head_dim_v", "i32", 160], ["section_heads", "i32", 164], ["stream_tile_counter", "ptr", 168], ["group", "i32", 176],
         ["tile_queries", "i32", 180], ["v", "ptr", 184], ["v_stride_batch", "i64", 192], ["v_stride_seq", "i64", 200],
         ["v_stride_head", "i64", 208], ["vt", "ptr", 216], ["vt_seqlen", "i32", 224], ["cu_seqlens_q", "ptr", 232],
         ["cu_seqlens_k", "ptr", 240], ["seqused_q", "ptr", 248], ["seqused_k", "ptr", 256],
@@ -187,7 +187,7 @@ def test_params_packer_bytes_match_struct_offsets():
                                        "k_descale_stride_block": 0, "v_descale": 0, "v_descale_stride_batch": 0,
                                        "v_descale_stride_head": 0, "o": 0, "o_stride_batch": 0, "o_stride_seq": 0,
                                        "o_stride_head": 0, "head_dim_v": 64, "section_heads": 3, "group": 2, "tile_queries": 128,
-                                       "tile_counter": 0xC0FFEE00, "v": 0xABC000, "v_stride_batch": 1 << 33,
+                                       "stream_tile_counter": 0xC0FFEE00, "v": 0xABC000, "v_stride_batch": 1 << 33,
                                        "v_stride_seq": 4096, "v_stride_head": 128, "vt": 0xDEF000, "vt_seqlen": 1040,
                                        "cu_seqlens_q": 0x1000, "cu_seqlens_k": 0x2000, "seqused_q": 0, "seqused_k": 0x3000,
                                        "lse_stride_batch": 0, "lse_stride_head": 1 << 34, "kv_batch_idx": 0x4000,

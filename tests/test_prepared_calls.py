@@ -301,6 +301,7 @@ class FakeDriver:
         self.CUdevice_attribute = type("CUdevice_attribute", (), {n: i for i, n in enumerate(self.attributes)})
         self.mem_ops = []  # tile counters: ("alloc" | "memset" | "launch" | "free", pointer, stream, ...) in call order
         self.next_ptr = 0x7000_0000
+        self.capturing = set()  # stream handles under CUDA-graph capture (cuStreamIsCapturing)
         for n in ("CUfunction_attribute", "CUlaunchAttributeID", "CUtensorMapDataType", "CUtensorMapInterleave",
                   "CUtensorMapSwizzle", "CUtensorMapL2promotion", "CUtensorMapFloatOOBfill", "CUmemAllocationType",
                   "CUmemAllocationHandleType", "CUmemLocationType", "CUmemPool_attribute"):
@@ -328,6 +329,13 @@ class FakeDriver:
             ptr, self.next_ptr = self.next_ptr, self.next_ptr + 256
             self.mem_ops.append(("alloc", ptr, int(stream), size, pool.device, threading.get_ident()))
         return (0, ptr)
+
+    def cuStreamIsCapturing(self, stream):
+        return (0, 1 if int(stream) in self.capturing else 0)  # CU_STREAM_CAPTURE_STATUS_ACTIVE / _NONE
+
+    def cuStreamGetId(self, stream):
+        # handles 0 and 2: a stream of each thread (per-thread default streams); others: one stream per handle
+        return (0, hash((int(stream), threading.get_ident() if int(stream) in (0, 2) else 0)) & ((1 << 63) - 1))
 
     def cuMemsetD32Async(self, ptr, value, count, stream):
         with self.lock:
@@ -393,12 +401,12 @@ class FakeDriver:
         with self.lock:
             maps = [self.maps[p] for p in argv[:nmaps]]
         params = ctypes.string_at(argv[nmaps], FWD_LAYOUT["size"])
-        (counter,) = struct.unpack_from("<Q", params, FWD_OFFSETS["tile_counter"])
+        (counter,) = struct.unpack_from("<Q", params, FWD_OFFSETS["stream_tile_counter"])
         with self.lock:
             self.mem_ops.append(("launch", counter, int(stream), threading.get_ident()))
         self.launches.append(dict(symbol=f.symbol, grid=grid, block=block, smem=smem, stream=int(stream), maps=maps,
                                   params=params, ctx=int(self.current), cluster=cluster, thread=threading.get_ident(),
-                                  tile_counter=counter))
+                                  stream_tile_counter=counter))
 
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
         assert extra == 0
@@ -421,7 +429,7 @@ class FakeDriver:
 def _fresh_state(monkeypatch):
     for name, value in (("_drv", None), ("_initialized", False), ("_primary", {}), ("_attr_cache", {}),
                         ("_capabilities", {}), ("_names", {}), ("_libraries", {}), ("_kernels", {}), ("_streams", {}),
-                        ("_tmaps", {}), ("_geometries", {})):
+                        ("_tmaps", {}), ("_geometries", {}), ("_stream_counters", {})):
         monkeypatch.setattr(launch, name, value)
     monkeypatch.setattr(core, "_plans", {})
     monkeypatch.setattr(core, "_prepared_forwards", {})
@@ -508,7 +516,7 @@ def targ(shape, dtype="bf16", ptr=1 << 20, strides=None, device=0):
 
 
 def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm, sms, descales=(None, None, None),
-                    tile_counter=0):
+                    stream_tile_counter=0):
     """The params dict the forward packed before prepared launches (one dict per call, every field)."""
     b, sq, h, d = q.shape
     _, sk, hk, dv = v.shape
@@ -521,7 +529,7 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
             "o_stride_head": out.strides[2], "head_dim_v": dv, "group": h // hk, "tile_queries": bm,
             "section_heads": core.section_heads(b, h, hk, sk, d, dv, 1 if q.dtype == "fp8_e4m3" else 2),
-            "tile_counter": tile_counter, "v": 0, "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1],
+            "stream_tile_counter": stream_tile_counter, "v": 0, "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1],
             "v_stride_head": v.strides[2], "vt": 0, "vt_seqlen": -(-sk // 16) * 16,
             **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
             **core._descale_params("v", descales[2], h, hk, False),
@@ -547,10 +555,10 @@ def check_launch(rec, q, k, v, out, lse, scale, causal, window=(-1, -1), softcap
     assert rec["grid"] == (max(min(tiles, FakeDriver.SM_COUNT) if persistent else tiles, 1), 1, 1)
     assert rec["block"] == (384, 1, 1) and rec["smem"] == 1000 + q.shape[3] and rec["stream"] == stream
     # causal persistent variants claim tiles from a counter of their own (fwd.dynamic_schedule)
-    assert (rec["tile_counter"] != 0) == (m.causal and persistent and tiles > FakeDriver.SM_COUNT)
+    assert (rec["stream_tile_counter"] != 0) == (m.causal and persistent and tiles > FakeDriver.SM_COUNT)
     want = launch.ParamsPacker(FWD_LAYOUT).pack(expected_params(q, k, v, out, lse, scale, causal, window, softcap,
                                                                 sink, bm, FakeDriver.SM_COUNT, descales,
-                                                                rec["tile_counter"]))
+                                                                rec["stream_tile_counter"]))
     assert rec["params"] == want
     # the variant's head dim decides each map's row: 64 bytes (SWIZZLE_64B) for e4m3 head_dim <= 64,
     # else 128 (smem.cuh: SmemTileSW, fwd.operand_row_bytes); the output (16-bit) is always 128
@@ -767,50 +775,109 @@ def test_concurrent_calls_on_threads_each_launch_their_own_arguments(driver):
     check_counter_protocol(driver.mem_ops, causal_launches=0)  # at most 2 tiles: one per CTA, no counter
 
 
-def check_counter_protocol(ops, causal_launches):
-    """Each launch with a tile counter: on its stream and thread, a 4-byte allocation from device
-    0's pool, a memset of that one int32 to 0, the launch holding that pointer, then its free; no
-    pointer is live in two launches at once (an address may come back only after its free)."""
-    live = set()
-    by_thread = {}
-    for op in ops:
-        by_thread.setdefault(op[-1], []).append(op)
-        if op[0] == "alloc":
-            assert op[1] not in live
-            live.add(op[1])
-        elif op[0] == "free":
-            live.remove(op[1])
-    assert not live
+def check_counter_protocol(ops, causal_launches, capturing=()):
+    """Each launch with a tile counter: outside CUDA-graph capture, its stream's counter: one 4-byte allocation
+    from device 0's pool per stream (per thread for handles 0 and 2, which name a stream per thread) and a memset
+    of that one int32 to 0 on the stream, before the stream's first such launch; the same pointer for every later
+    launch on the stream, never another stream's, never freed. On a stream in ``capturing``: a counter of the
+    launch's own (an allocation, a memset, the launch and its free, in that order on its stream and thread), no
+    pointer live in two launches at once."""
+    owner, zeroed, freed, own, by_stream = {}, set(), set(), {}, {}
     launches = 0
-    for seq in by_thread.values():
-        i = 0
-        while i < len(seq):
-            if seq[i][0] == "launch" and seq[i][1] == 0:  # a static-schedule launch: no counter
-                i += 1
-                continue
-            (a, ptr, st, size, dev, _), m, l, f = seq[i:i + 4]
-            assert (a, size, dev) == ("alloc", 4, 0)
-            assert m[:5] == ("memset", ptr, st, 0, 1) and l[:3] == ("launch", ptr, st) and f[:3] == ("free", ptr, st)
+    for op in ops:
+        kind, ptr, stream, thread = op[0], op[1], op[2], op[-1]
+        key = (stream, thread if stream in (0, 2) else None)
+        if kind == "alloc":
+            assert op[3:5] == (4, 0) and ptr not in owner
+            owner[ptr] = (key, thread)
+            if stream in capturing:
+                own[thread] = ptr  # the launch that follows on this thread takes it
+        elif kind == "memset":
+            assert op[3:5] == (0, 1) and owner[ptr][0] == key and ptr not in zeroed
+            zeroed.add(ptr)
+        elif kind == "launch" and ptr:
             launches += 1
-            i += 4
-    assert launches == causal_launches
+            assert ptr in zeroed and ptr not in freed and owner[ptr][0] == key
+            if stream in capturing:
+                assert own.pop(thread) == ptr
+            else:
+                assert by_stream.setdefault(key, ptr) == ptr  # the stream's one counter
+        elif kind == "free":
+            assert stream in capturing and owner[ptr][0] == key and ptr not in own.values()
+            freed.add(ptr)
+            del owner[ptr]  # (an address may come back only after its free)
+    assert not own and launches == causal_launches
+    assert not [ptr for ptr, (key, _) in owner.items() if key[0] in capturing]  # (every captured one freed)
+    assert len({key for key, _ in owner.values()}) == len(owner)  # one counter per stream
+    return by_stream
 
 
-def test_causal_launches_get_a_zeroed_counter_of_their_own(driver):
-    """More causal tiles than SMs: each launch gets its own counter; no more tiles than SMs, or
-    not causal: none (the static order)."""
-    big = (2, 3000, 8, 128)  # 24 query blocks x 8 heads x 2 = 384 tiles > 132 SMs
-    small = (2, 300, 8, 128)  # 3 x 8 x 2 = 48 tiles
-    for shape, causal in ((big, True), (big, False), (small, True), (big, True)):
-        b, s, h, d = shape
-        q, kv = targ(shape), targ(shape, ptr=1 << 26)
-        out, lse = targ(shape, ptr=2 << 26), targ((b, h, s), "fp32", ptr=3 << 26)
-        core.attention_forward(q, kv, kv, out, lse, 0.1, causal, stream=11)
-        check_launch(driver.launches[-1], q, kv, kv, out, lse, 0.1, causal, stream=11)
-    assert [op[0] for op in driver.mem_ops] == ["alloc", "memset", "launch", "free", "launch", "launch",
-                                                "alloc", "memset", "launch", "free"]
-    check_counter_protocol(driver.mem_ops, causal_launches=2)
-    assert [r["tile_counter"] != 0 for r in driver.launches] == [True, False, False, True]
+BIG = (2, 3000, 8, 128)  # 24 query blocks x 8 heads x 2 = 384 tiles > 132 SMs
+SMALL = (2, 300, 8, 128)  # 3 x 8 x 2 = 48 tiles
+
+
+def _causal_call(shape, causal, stream, base=0):
+    b, s, h, d = shape
+    q, kv = targ(shape, ptr=base + (1 << 20)), targ(shape, ptr=base + (1 << 26))
+    out, lse = targ(shape, ptr=base + (2 << 26)), targ((b, h, s), "fp32", ptr=base + (3 << 26))
+    core.attention_forward(q, kv, kv, out, lse, 0.1, causal, stream=stream)
+    return q, kv, out, lse
+
+
+def test_causal_launches_take_their_streams_counter(driver):
+    """More causal tiles than SMs: the launch takes its stream's counter (made and zeroed on the stream's first
+    such launch, then the same one: the kernel leaves it at 0); no more tiles than SMs, or not causal: none (the
+    static order). Another stream has a counter of its own."""
+    for shape, causal, stream in ((BIG, True, 11), (BIG, False, 11), (SMALL, True, 11), (BIG, True, 11),
+                                  (BIG, True, 12), (BIG, True, 11)):
+        q, kv, out, lse = _causal_call(shape, causal, stream)
+        check_launch(driver.launches[-1], q, kv, kv, out, lse, 0.1, causal, stream=stream)
+    assert [op[:3:2] for op in driver.mem_ops] == [
+        ("alloc", 11), ("memset", 11), ("launch", 11), ("launch", 11), ("launch", 11), ("launch", 11),
+        ("alloc", 12), ("memset", 12), ("launch", 12), ("launch", 11)]
+    counters = check_counter_protocol(driver.mem_ops, causal_launches=4)
+    assert len(set(counters.values())) == 2
+    assert [r["stream_tile_counter"] != 0 for r in driver.launches] == [True, False, False, True, True, True]
+
+
+def test_causal_launches_under_capture_get_a_counter_of_their_own(driver):
+    """Under CUDA-graph capture a causal launch takes a counter of its own (the graph's allocation, memset and
+    free around it: a graph may be replayed on any stream); after the capture the stream has one counter."""
+    driver.capturing.add(13)
+    for _ in range(2):
+        _causal_call(BIG, True, 13)
+    driver.capturing.clear()
+    for _ in range(2):
+        _causal_call(BIG, True, 13)
+    assert [op[0] for op in driver.mem_ops] == ["alloc", "memset", "launch", "free"] * 2 + [
+        "alloc", "memset", "launch", "launch"]
+    check_counter_protocol(driver.mem_ops[:8], causal_launches=2, capturing=(13,))
+    check_counter_protocol(driver.mem_ops[8:], causal_launches=2)
+    ptrs = [op[1] for op in driver.mem_ops if op[0] == "launch"]
+    assert ptrs[0] != ptrs[1] and ptrs[2] == ptrs[3] and ptrs[2] not in ptrs[:2]
+
+
+def test_threads_on_their_own_and_on_per_thread_streams_never_share_a_counter(driver):
+    """Threads calling at once: each stream's launches take that stream's counter, and the handles of per-thread
+    streams (0, 2) give each thread a counter of its own (keyed by the driver's stream id)."""
+    errors = []
+
+    def worker(t):
+        try:
+            for i in range(20):
+                stream = (100 + t, 0, 2)[i % 3]
+                q, kv, out, lse = _causal_call(BIG, True, stream, base=(t * 64 + i) << 32)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    counters = check_counter_protocol(driver.mem_ops, causal_launches=80)
+    assert len(counters) == 4 * 3 and len(set(counters.values())) == 12
 
 
 def test_prepare_launch_checks_its_fields():

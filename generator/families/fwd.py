@@ -142,7 +142,7 @@ PARAMS = params_struct(
     ("o_stride_batch", "i64"), ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
     ("head_dim_v", "i32"),  # the call's (columns of O past it are not stored)
     ("section_heads", "i32"),  # causal: (batch, head) pairs per L2 section of the tile order (scheduler.cuh)
-    ("tile_counter", "ptr", "int*"),  # dynamic_schedule variants: one int32, 0 at launch (the launch's own)
+    ("stream_tile_counter", "ptr", "int*"),  # dynamic_schedule variants: one int32, 0 at launch and left at 0 (the stream's)
     ("group", "i32"),  # heads / heads_k
     ("tile_queries", "i32"),  # query positions per tile: block_m, or block_m // group (pack_gqa variants)
     # vt_global variants' preprocess (kernel ``vt``): V (batch, seqlen_k, heads_k, head_dim_v) e4m3 at

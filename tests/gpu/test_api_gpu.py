@@ -339,11 +339,55 @@ def test_cuda_graph_replay_on_new_data(layout):
         assert_fa3_rule(static_out, nq, nk, nv, True, lse=static_lse)
 
 
+def _stream_counter_value(stream) -> int:
+    """The int32 in ``stream``'s tile counter (launch._stream_counter; made on the stream's first causal call with
+    more tiles than SMs), read after a synchronize."""
+    import ctypes
+
+    from cuda.bindings import driver as drv
+
+    from flashgen import launch
+
+    torch.cuda.synchronize()
+    dev = torch.cuda.current_device()
+    made = set(launch._stream_counters.values())
+    ptr = launch._stream_counter(dev, stream.cuda_stream, launch._stream(stream.cuda_stream))
+    assert ptr in made  # (the calls made it: it is not new)
+    host = ctypes.c_int32(-7)
+    launch.check(drv.cuMemcpyDtoH(ctypes.addressof(host), ptr, 4), "cuMemcpyDtoH")
+    return host.value
+
+
+def test_causal_calls_leave_their_streams_tile_counter_at_zero():
+    """A causal call with more tiles than SMs claims its tiles from its stream's counter, which no memset zeroes
+    before it (launch._stream_counter): the kernel's last claim, an atomicInc wrapping at num_tiles - 1
+    (scheduler.cuh), leaves it at 0. Calls of other tile counts and grids in turn, on the default stream and on
+    a side stream: each passes FA3's rule and equals a repeat of itself, and the stream's counter reads 0 after
+    each (a count left over would make the next call on the stream skip that many tiles)."""
+    dtype, d = pick(True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(4, 1000, 8), (2, 777, 16), (8, 400, 8), (1, 4099, 8), (3, 1000, 8)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            for b, s, h in shapes:
+                assert b * h * -(-s // 192) > sms  # (tiles of at most 192 rows)
+                q, k, v = inputs(b, s, s, h, h, d, dtype, seed=b * s)
+                out = flash_attn_func(q, k, v, causal=True)
+                assert _stream_counter_value(stream) == 0
+                again = flash_attn_func(q, k, v, causal=True)
+                assert _stream_counter_value(stream) == 0
+                assert torch.equal(out, again)
+                assert_fa3_rule(out, q, k, v, True)
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def test_cuda_graph_replays_a_call_with_a_tile_counter():
-    """A causal call with more tiles than SMs takes a tile counter of its own (launch._launch_argv: allocated,
-    zeroed and freed on the stream). Captured in a CUDA graph, each replay zeroes its counter again: the
-    replays on new data (outputs poisoned first) equal eager calls; a count left from the last replay would
-    skip every tile."""
+    """A causal call with more tiles than SMs takes, under CUDA-graph capture, a tile counter of its own
+    (launch._launch_argv: allocated, zeroed and freed on the stream: the graph's nodes). Each replay zeroes its
+    counter again: the replays on new data (outputs poisoned first) equal eager calls; a count left from the
+    last replay would skip every tile."""
     dtype, d = pick(True)
     b, s, h = 4, 1000, 8
     tiles = b * h * -(-s // 192)  # (tiles of at most 192 rows)

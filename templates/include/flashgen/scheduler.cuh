@@ -1,9 +1,9 @@
 // Persistent tile scheduler: the loop over work tiles (query block, head, batch) around FA3's
 // Algorithm 1 (arXiv 2407.08608; persistent kernels: §5). CTA x runs tile x first. Static: then
 // x + gridDim.x, ...; with a grid of num_tiles CTAs that is one tile per CTA (the non-persistent
-// launch). Dynamic (FA3's causal scheduler): each further tile is claimed from a per-launch counter
-// that starts at 0 (the host zeroes it; it passes none when there are no more tiles than CTAs, and
-// then the order is the static one), so a CTA that finished its tiles early takes the next one in
+// launch). Dynamic (FA3's causal scheduler): each further tile is claimed from a counter that is 0
+// when the launch starts and that the launch leaves at 0 (next(); the host passes none when there are
+// no more tiles than CTAs, and then the order is the static one), so a CTA that finished its tiles early takes the next one in
 // the order below: causal tiles differ in length, and a fixed round-robin left some SMs with up to
 // 1.4x the mean work (sections of L2 below) where claiming balances to within a tile.
 #pragma once
@@ -56,16 +56,26 @@ struct TileScheduler {
   int batch;
   int num_tiles;
   int section_heads;  // causal: (batch, head) pairs per L2 section, in [1, heads * batch]
-  int* counter;       // Dynamic: the launch's tile counter (0 at launch), or null: static (no more tiles than CTAs)
+  int* counter;       // Dynamic: the stream's tile counter (0 at launch, and the launch's last claim leaves it at 0: next()), or null: static (no more tiles than CTAs)
 
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   FLASHGEN_HD bool valid(int t) const { return t < num_tiles; }
   // The tile after t, for the one thread that runs the loop (the producer); a dynamic claim is a
-  // global atomic (its latency is the caller's to hide).
+  // global atomic (its latency is the caller's to hide). Every CTA's producer claims until a claim
+  // lands past the last tile and then stops, so a launch makes num_tiles claims in all
+  // (num_tiles - gridDim.x tiles, then gridDim.x stops), which return 0 .. num_tiles - 1 in the
+  // word's order. The claim is an atomicInc that wraps at num_tiles - 1: the launch's last claim
+  // leaves the counter at 0, as the launch found it, with no instruction of its own (a separate
+  // reset in the producer's stop branch made 12 of the 255 causal variants spill or serialize
+  // their WGMMAs), so the next launch on the stream starts from 0 (runtime/launch.py: the counter
+  // belongs to the stream).
   __device__ __forceinline__ int next(int t) const {
     if constexpr (Dynamic) {
       // no counter: no more tiles than CTAs, so any tile after the first is past the last
-      return counter != nullptr ? grid_ctas() + atomicAdd(counter, 1) : num_tiles;
+      return counter != nullptr
+                 ? grid_ctas() + static_cast<int>(atomicInc(reinterpret_cast<unsigned*>(counter),
+                                                             static_cast<unsigned>(num_tiles - 1)))
+                 : num_tiles;
     } else {
       return t + grid_ctas();
     }
