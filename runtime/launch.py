@@ -508,8 +508,8 @@ class PreparedLaunch(NamedTuple):
     grid: tuple  # (x, y, z) CTAs, ints
     params: bytes  # the packed params struct, the per-call fields zero
     per_call: tuple  # the names of the per-call fields, in launch_prepared's order
-    counter: tuple | None = None  # (pack_into, offset in the argument block) of the pointer field that gets each
-    #                               launch's own tile counter
+    counter: tuple | None = None  # (pack_into, offset in the argument block) of the pointer field that gets the
+    #                               launch's tile counter (_launch_argv: the stream's, or under capture its own)
     block_type: type | None = None  # ctypes uint64[n]: the argument array and the params, 8-byte aligned
     head: int = 0  # bytes of the argument array: where the params start in the block
     pack_block: object = None  # Struct.pack_into writing the whole block
@@ -552,8 +552,9 @@ def prepare_launch(kernel: LoadedKernel, grid: tuple, params: dict, per_call: tu
                    counter: str | None = None) -> PreparedLaunch:
     """The fixed part of a launch of ``kernel`` over ``grid``: ``params`` gives every field of the
     params struct but those named in ``per_call``, whose values each :func:`launch_prepared` call
-    gives, in that order, and ``counter``, a pointer field that each launch fills with its own
-    int32 tile counter, zero at the kernel's start (:func:`_launch_argv`). KeyError for a missing or
+    gives, in that order, and ``counter``, a pointer field that each launch fills with an int32
+    tile counter, zero at the kernel's start, that the kernel leaves at zero (:func:`_launch_argv`:
+    the stream's, or under CUDA-graph capture one of the launch's own). KeyError for a missing or
     unknown field, struct.error for a bad value."""
     extra = (counter,) if counter else ()
     fixed = {**params, **{n: 0 for n in (*per_call, *extra)}}
