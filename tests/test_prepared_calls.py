@@ -742,27 +742,35 @@ def test_cluster_kernels_launch_with_launch_kernel_ex(tmp_path, driver, monkeypa
     check_launch(rec, q, k, v, out, lse, 0.1, False, stream=9)
 
 
-def test_concurrent_calls_on_threads_each_launch_their_own_arguments(driver):
+def _on_threads(n: int, body) -> list:
+    """Run ``body(t)`` for t in range(n) on n threads at once; the exceptions they raised."""
     errors = []
 
     def worker(t):
         try:
-            for i in range(150):
-                sq = 16 + (t * 7 + i) % 40
-                base = (t * 1000 + i + 1) << 24
-                q = targ((1, sq, 2, 64), "fp16", base)
-                kv = targ((1, 48, 2, 64), "fp16", base + (1 << 20))
-                out, lse = targ((1, sq, 2, 64), "fp16", base + (2 << 20)), targ((1, 2, sq), "fp32", base + (3 << 20))
-                core.attention_forward(q, kv, kv, out, lse, 0.01 * (t + 1), i % 3 == 0, 1000 * t + i)
-        except Exception as e:  # noqa: BLE001 -- reported below
+            body(t)
+        except Exception as e:  # noqa: BLE001 -- returned
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    assert errors == []
+    return errors
+
+
+def test_concurrent_calls_on_threads_each_launch_their_own_arguments(driver):
+    def body(t):
+        for i in range(150):
+            sq = 16 + (t * 7 + i) % 40
+            base = (t * 1000 + i + 1) << 24
+            q = targ((1, sq, 2, 64), "fp16", base)
+            kv = targ((1, 48, 2, 64), "fp16", base + (1 << 20))
+            out, lse = targ((1, sq, 2, 64), "fp16", base + (2 << 20)), targ((1, 2, sq), "fp32", base + (3 << 20))
+            core.attention_forward(q, kv, kv, out, lse, 0.01 * (t + 1), i % 3 == 0, 1000 * t + i)
+
+    assert _on_threads(6, body) == []
     assert len(driver.launches) == 6 * 150
     for rec in driver.launches:
         t, i = divmod(rec["stream"], 1000)
@@ -860,22 +868,15 @@ def test_causal_launches_under_capture_get_a_counter_of_their_own(driver):
 def test_threads_on_their_own_and_on_per_thread_streams_never_share_a_counter(driver):
     """Threads calling at once: each stream's launches take that stream's counter, and the handles of per-thread
     streams (0, 2) give each thread a counter of its own (keyed by the driver's stream id)."""
-    errors = []
+    alive = threading.Barrier(4)  # (all four threads live at once: a thread's ident may come back after it ends)
 
-    def worker(t):
-        try:
-            for i in range(20):
-                stream = (100 + t, 0, 2)[i % 3]
-                q, kv, out, lse = _causal_call(BIG, True, stream, base=(t * 64 + i) << 32)
-        except Exception as e:  # noqa: BLE001 -- reported below
-            errors.append(e)
+    def body(t):
+        alive.wait()
+        for i in range(20):
+            _causal_call(BIG, True, (100 + t, 0, 2)[i % 3], base=(t * 64 + i) << 32)
+        alive.wait()
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert errors == []
+    assert _on_threads(4, body) == []
     counters = check_counter_protocol(driver.mem_ops, causal_launches=80)
     assert len(counters) == 4 * 3 and len(set(counters.values())) == 12
 
