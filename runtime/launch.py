@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from .manifest import Kernel, Variant, read_fatbin
 
-_lock = threading.RLock()  # loading only (re-entered by get_kernel -> primary_context); never on the launch path
+_lock = threading.RLock()  # loading (re-entered by get_kernel -> primary_context) and a stream's first tile counter only
 _drv = None
 
 
