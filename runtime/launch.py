@@ -325,11 +325,11 @@ def _stream(handle: int):
 # ------------------------------------------------------------------------------------ tile counters
 # A causal persistent forward claims its tiles from an int32 that is 0 when the kernel starts, and the kernel
 # leaves it at 0 (scheduler.cuh TileScheduler::next: the claims are an atomicInc that wraps at num_tiles - 1, and the
-# launch makes exactly num_tiles of them). So one counter per
-# stream serves every launch on that stream in turn: the stream orders them, and no memset runs before each
-# (1.1-1.6 % of a causal 512 / 1k call on the H100, session 12; and three driver calls of host time). Launches on
-# other streams have counters of their own. Under CUDA-graph capture a launch still takes a counter of its own
-# (an allocation, memset and free of the graph's): a graph may be replayed on any stream, beside eager calls.
+# launch makes exactly num_tiles of them). So one counter per stream serves every launch on that stream in turn: the
+# stream orders them, and no memset runs before each (1.1-1.6 % of a causal 512 / 1k call on the H100, session 12;
+# and three driver calls of host time). Launches on other streams have counters of their own. Under CUDA-graph
+# capture a launch still takes a counter of its own (an allocation, memset and free of the graph's): a graph may be
+# replayed on any stream, beside eager calls.
 _COUNTER_POOL_KEEP = 1 << 20  # bytes the pool keeps reserved across synchronizations (its counters are 4 bytes)
 _counter_pools: dict[int, object] = {}  # device -> CUmemoryPool (flashgen's own, made once)
 # (device, stream handle) -> that stream's tile counter (a device address), made once per stream and never freed
@@ -347,22 +347,30 @@ def _counter_pool(device: int):
     return _make_pool(device, _COUNTER_POOL_KEEP, _counter_pools)
 
 
+def _zeroed_counter(device: int, hstream) -> int:
+    """A new int32 tile counter on ``device``: 4 bytes from :func:`_counter_pool`, allocated and zeroed on
+    ``hstream`` (stream-ordered: zero for any launch that follows there). CudaError if the driver refuses either."""
+    d = _driver()
+    ptr = int(check(d.cuMemAllocFromPoolAsync(4, _counter_pools.get(device) or _counter_pool(device), hstream),
+                    "cuMemAllocFromPoolAsync(tile counter)"))
+    check(d.cuMemsetD32Async(ptr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
+    return ptr
+
+
 def _stream_counter(device: int, stream: int, hstream) -> int:
     """The tile counter of ``stream`` (a CUstream handle as int; ``hstream`` its wrapper) on ``device``: made on
-    the first call for that stream (4 bytes from :func:`_counter_pool`, zeroed on the stream, so before any launch
-    that follows there), then the same address. In the primary context (the caller's). CudaError if the driver
-    refuses the allocation, memset or stream id."""
-    d = _driver()
-    key = (device, stream) if stream > 2 else (device, -1, int(check(d.cuStreamGetId(hstream), "cuStreamGetId")))
+    the first call for that stream (:func:`_zeroed_counter`), then the same address. In the primary context (the
+    caller's). CudaError if the driver refuses the allocation, memset or stream id."""
+    if stream > 2:
+        key = (device, stream)
+    else:
+        key = (device, -1, int(check(_driver().cuStreamGetId(hstream), "cuStreamGetId")))
     ptr = _stream_counters.get(key)
     if ptr is None:
         with _lock:  # (once per stream)
             ptr = _stream_counters.get(key)
             if ptr is None:
-                ptr = int(check(d.cuMemAllocFromPoolAsync(4, _counter_pools.get(device) or _counter_pool(device),
-                                                          hstream), "cuMemAllocFromPoolAsync(tile counter)"))
-                check(d.cuMemsetD32Async(ptr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
-                _stream_counters[key] = ptr
+                ptr = _stream_counters[key] = _zeroed_counter(device, hstream)
     return ptr
 
 
@@ -431,9 +439,9 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
     :func:`launch_prepared`'s argument block, the offset counting from its start): the field gets an
     int32 tile counter that is zero when the kernel starts and that the kernel leaves at zero: the
     stream's (:func:`_stream_counter`, so launches on one stream take it in turn and launches on
-    others never share it); under CUDA-graph capture one of the launch's own instead, allocated from
-    :func:`_counter_pool` on ``stream``, zeroed and freed on ``stream`` after the kernel (the graph's
-    own allocation, memset and free nodes: a graph may be replayed on any stream)."""
+    others never share it); under CUDA-graph capture one of the launch's own instead
+    (:func:`_zeroed_counter` on ``stream``, freed on ``stream`` after the kernel: the graph's own
+    allocation, memset and free nodes, as a graph may be replayed on any stream)."""
     rec = kernel.record
     d = _driver()
     pushed = _push_primary(kernel.device)
@@ -444,10 +452,8 @@ def _launch_argv(kernel: LoadedKernel, grid: tuple, argv, stream: int, counter=N
             if check(d.cuStreamIsCapturing(hstream), "cuStreamIsCapturing") == _NOT_CAPTURING:
                 ptr = _stream_counters.get((kernel.device, stream)) or _stream_counter(kernel.device, stream, hstream)
             else:
-                ctr = ptr = check(d.cuMemAllocFromPoolAsync(4, _counter_pools.get(kernel.device) or _counter_pool(
-                    kernel.device), hstream), "cuMemAllocFromPoolAsync(tile counter)")
-                check(d.cuMemsetD32Async(ctr, 0, 1, hstream), "cuMemsetD32Async(tile counter)")
-            counter[0](buf, counter[1], int(ptr))
+                ctr = ptr = _zeroed_counter(kernel.device, hstream)
+            counter[0](buf, counter[1], ptr)
         attrs = kernel.launch_attrs
         if not attrs:
             err = d.cuLaunchKernel(kernel.function, grid[0], grid[1], grid[2], rec.threads, 1, 1, rec.smem_bytes,

@@ -170,7 +170,9 @@ def fake_driver():
         CUtensorMapFloatOOBfill=_Enum(),
         cuuint64_t=int,
         cuuint32_t=int,
-        # causal calls: the per-launch tile counter (launch._launch_argv)
+        # causal calls with more tiles than SMs: the stream's tile counter (launch._launch_argv)
+        cuStreamIsCapturing=lambda stream: (ok, 0),
+        cuStreamGetId=lambda stream: (ok, 1),
         CUmemPoolProps=lambda: SimpleNamespace(location=SimpleNamespace()),
         CUmemAllocationType=_Enum(),
         CUmemAllocationHandleType=_Enum(),

@@ -262,7 +262,7 @@ def smem_layout(params: dict) -> dict:
 
 
 def dynamic_schedule(params: dict) -> bool:
-    """Whether the variant claims tiles from a per-launch counter (scheduler.cuh): causal tiles
+    """Whether the variant claims tiles from a tile counter (scheduler.cuh: 0 at launch, left at 0): causal tiles
     differ in length, so persistent causal CTAs balance by claiming; the others run the static
     round-robin (uniform tiles, or one tile per CTA) and need no counter."""
     return bool(params["causal"]) and bool(params.get("persistent", True))
