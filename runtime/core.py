@@ -462,13 +462,16 @@ def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, wi
 MAX_SPLITS = 128
 
 
-#: Split-KV of decode-like calls (a tile holds one block of query rows, so its work is its key range alone): where
-#: the tiles make fewer than DECODE_FULL_WAVES waves of the SMs, at least one split per DECODE_SPLIT_BLOCKS key
-#: blocks of 128 (of max_seqlen_k: a KV cache's positions), so that entries of unequal lengths end together (FA3's
-#: rule only fills the SMs once, which leaves them to the longest entries). 0: FA3's rule alone
-#: (FLASHGEN_DECODE_SPLIT_BLOCKS). Measured on an H100 per split count (scripts/decode_splits.py, docs/PERF.md).
+#: Split-KV of decode-like calls (a tile holds one block of query rows, so its work is its key range alone) that FA3's
+#: rule splits (tiles under 80 % of the SMs): at least one split per DECODE_SPLIT_BLOCKS key blocks of 128 (of
+#: max_seqlen_k: a KV cache's positions). FA3's rule fills the SMs once, and an entry's long key range then runs
+#: alone at the end. H100, scripts/decode_splits.py (CUDA-graph replay over 8 layers, 8 caches of 32k positions):
+#: 2 splits (FA3's) 195-197 us a call, 8 splits 179 us (-9 %), in two draws of lengths uniform up to 32k; with
+#: lengths up to 4k in those caches 43.0 -> 43.4 us (+1 %); pages of 64 likewise (240 -> 230 us; 48.2 -> 45.8 us).
+#: Where the tiles fill the SMs (16 or more such caches) more splits measured slower (16 caches of 8k: +7 % at 2
+#: splits), and calls with several query blocks per tile keep FA3's rule (not measured). 0: FA3's rule alone
+#: (FLASHGEN_DECODE_SPLIT_BLOCKS). docs/PERF.md, session 14.
 DECODE_SPLIT_BLOCKS = int(os.environ.get("FLASHGEN_DECODE_SPLIT_BLOCKS", "32"))
-DECODE_FULL_WAVES = 3.5
 
 
 def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, max_seqlen_k: int, device: int,
@@ -479,23 +482,21 @@ def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, m
     rows (packed by :func:`pack_gqa_rule` where it packs) and the key blocks at 128 keys (a local ``mask``
     (:func:`mask_spec`): the keys a tile's window spans, left + right + 1 + 128, as FA3). 1 when the tiles fill 80 %
     of the SMs or there are 4 key blocks or fewer; otherwise the fewest splits whose wave efficiency (tiles x
-    splits / SMs, over that rounded up) is within 85 % of the best. Then, for decode-like calls (one block of
-    query rows per tile) of fewer than DECODE_FULL_WAVES waves of tiles: at least ceil(key blocks /
-    DECODE_SPLIT_BLOCKS) splits. At most MAX_SPLITS, the SMs and the key blocks."""
+    splits / SMs, over that rounded up) is within 85 % of the best, and for decode-like calls (one block of
+    query rows per tile) at least ceil(key blocks / DECODE_SPLIT_BLOCKS). At most MAX_SPLITS, the SMs and the key
+    blocks."""
     group = max(heads // max(heads_k, 1), 1)
     m_rows = max_seqlen_q * group if pack_gqa_rule(max_seqlen_q, heads, heads_k, 128) else max_seqlen_q
     tiles = batch * (heads_k if m_rows != max_seqlen_q else heads) * -(-m_rows // 128)
     keys = max_seqlen_k if mask is None or not mask.local else min(max_seqlen_k, mask.left + mask.right + 1 + 128)
     blocks = -(-keys // 128)
     sms = launch.num_sms(device)
-    if blocks <= 4:
+    if tiles >= 0.8 * sms or blocks <= 4:
         return 1
     cap = min(MAX_SPLITS, sms, blocks)
-    n = 1
-    if tiles < 0.8 * sms:
-        efficiency = [tiles * m / sms / math.ceil(tiles * m / sms) for m in range(1, cap + 1)]
-        n = next(m for m, e in enumerate(efficiency, 1) if e >= 0.85 * max(efficiency))
-    if DECODE_SPLIT_BLOCKS > 0 and m_rows <= 128 and tiles < DECODE_FULL_WAVES * sms:
+    efficiency = [tiles * n / sms / math.ceil(tiles * n / sms) for n in range(1, cap + 1)]
+    n = next(n for n, e in enumerate(efficiency, 1) if e >= 0.85 * max(efficiency))
+    if DECODE_SPLIT_BLOCKS > 0 and m_rows <= 128:
         n = max(n, min(-(-blocks // DECODE_SPLIT_BLOCKS), cap))
     return n
 
