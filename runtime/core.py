@@ -464,13 +464,15 @@ MAX_SPLITS = 128
 
 #: Split-KV of decode-like calls (a tile holds one block of query rows, so its work is its key range alone) that FA3's
 #: rule splits (tiles under 80 % of the SMs): at least one split per DECODE_SPLIT_BLOCKS key blocks of 128 (of
-#: max_seqlen_k: a KV cache's positions). FA3's rule fills the SMs once, and an entry's long key range then runs
-#: alone at the end. H100, scripts/decode_splits.py (CUDA-graph replay over 8 layers, 8 caches of 32k positions):
-#: 2 splits (FA3's) 195-197 us a call, 8 splits 179 us (-9 %), in two draws of lengths uniform up to 32k; with
-#: lengths up to 4k in those caches 43.0 -> 43.4 us (+1 %); pages of 64 likewise (240 -> 230 us; 48.2 -> 45.8 us).
-#: Where the tiles fill the SMs (16 or more such caches) more splits measured slower (16 caches of 8k: +7 % at 2
-#: splits), and calls with several query blocks per tile keep FA3's rule (not measured). 0: FA3's rule alone
-#: (FLASHGEN_DECODE_SPLIT_BLOCKS). docs/PERF.md, session 14.
+#: max_seqlen_k: a KV cache's positions, not the lengths, which the host does not read). FA3's rule fills the SMs once,
+#: and an entry's long key range then runs alone at the end. H100, scripts/decode_splits.py (CUDA-graph replay over 8
+#: layers), 8 caches of 32k positions, FA3's 2 splits -> 8, three draws of lengths: lengths up to 32k 195-217 -> 179-200
+#: us a call (-8 to -9 %), in pages of 64 240-251 -> 170-230 us (-4 to -32 %); lengths up to 4k in the same caches
+#: (a cache 8x longer than its sequences) 34.6-48.4 -> 37.7-46.0 us (+9 % to -5 %). Over 24 workloads x lengths the
+#: chosen split count's time over the best one's: geomean 1.034 -> 1.026 and 1.045 -> 1.031 (two draws). Where the
+#: tiles fill the SMs (16 or more such caches) more splits measured slower (16 caches of 8k: +7 % at 2 splits), and
+#: calls with several query blocks per tile keep FA3's rule (not measured). 0: FA3's rule alone
+#: (FLASHGEN_DECODE_SPLIT_BLOCKS). docs/results/decode_splits_h100/, docs/PERF.md session 14.
 DECODE_SPLIT_BLOCKS = int(os.environ.get("FLASHGEN_DECODE_SPLIT_BLOCKS", "32"))
 
 

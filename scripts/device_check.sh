@@ -109,6 +109,9 @@
 #                                          arguments, default bf16 hd256 causal 512): flash_attn_func against SDPA
 #                                          cuDNN, interleaved (trees with the memset counter: also without it); OLD=1
 #                                          (carry .base): the .base tree's and this tree's, alternated twice
+#   bash scripts/device_check.sh decode    flash_attn_with_kvcache decode steps against the split count (scripts/decode_splits.py,
+#                                          DECODE_ARGS its arguments; CUDA-graph replay over layers; BUILD_FILTER='varlen,combine'
+#                                          is all it needs), the tables under $OUT/decode_splits.md, the summary printed last
 #   bash scripts/device_check.sh packgqa   PackGQA and backward head_dim_v GPU tests (+ the DLPack e4m3 entry), then
 #                                          scripts/packgqa_bench.py twice (packed / unpacked / SDPA on decode-like calls)
 set -uo pipefail
@@ -549,6 +552,10 @@ perf)
   new() { python3 scripts/regress_fwd.py run --label new $g "$@"; }
   new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt"
+  ;;
+decode)
+  timeout "$(cap 400)" python3 scripts/decode_splits.py ${DECODE_ARGS:-} > "$out/decode_splits.md" 2>&1
+  echo "decode_splits rc $?"; grep -A40 "Each rule" "$out/decode_splits.md"; grep -E "Error|Traceback" "$out/decode_splits.md" | head -5
   ;;
 grid)
   # every GPU test, then the forward grid twice (bf16 and fp16, SDPA cuDNN/FA2 in the same runs) and issue 11's ratio
