@@ -332,7 +332,9 @@ def main(argv=None) -> int:
                     fn()
                 pr.disable()
                 print(f"==== {name}")
-                pstats.Stats(pr).sort_stats(os.environ.get("STUB_SORT", "tottime")).print_stats(int(os.environ.get("STUB_ROWS", "16")))
+                # (STUB_SORT: a pstats sort key, e.g. cumulative; STUB_ROWS: how many rows)
+                stats = pstats.Stats(pr).sort_stats(os.environ.get("STUB_SORT", "tottime"))
+                stats.print_stats(int(os.environ.get("STUB_ROWS", "16")))
             return 0
         print(f"flashgen from {os.path.dirname(interface.__file__)}; torch {torch.__version__}; "
               f"python {sys.version.split()[0]}; CUDA driver stubbed (CPU-stub numbers)")
