@@ -25,7 +25,8 @@ forward over packed q, k, v and int32 offsets on the GPU), whose autograd formul
 
 Eager calls that want gradients on plain tensors run the fwd op's code and autograd formula through
 :class:`_FwdFn`, without the dispatcher (its autograd wrapper cost about 90 us of host time per training step on the
-CPU stub: 265 against 174 us); torch.compile, tracing and tensor subclasses take the ops.
+CPU stub: 265 against 174 us), with the forward's checks and prepared launch kept per metadata key as the no-grad
+path keeps them (:func:`_fwd_grad_impl`); torch.compile, tracing and tensor subclasses take the ops.
 
 So that
 
@@ -266,6 +267,30 @@ def _new_fwd_call(key: tuple, q, k, v, causal: bool, window_left: int, window_ri
     return _launch.cache_put(_fwd_calls, key, call, _FWD_CALL_CACHE_MAX)
 
 
+def _fwd_call_key(q, k, v, causal: bool, window_left: int, window_right: int, softcap: float, sink, descales: tuple,
+                  pack_gqa) -> tuple:
+    """``_fwd_calls``' key of a call: q, k, v's shapes, strides, dtypes and devices, the mask, whether softcap is on,
+    the sink's and descales' metadata (:func:`_extras_key`), the PackGQA hint. (flash_attn_func's inline fast path
+    builds the same tuple itself, one function call less: test_api_validation.py checks that both find one entry.)"""
+    return (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
+            v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0,
+            _extras_key(sink, descales), pack_gqa)
+
+
+def _fwd_grad_impl(q, k, v, softmax_scale: float, causal: bool, deterministic: bool = False, window_left: int = -1,
+                   window_right: int = -1, softcap: float = 0.0, learnable_sink=None, q_descale=None, k_descale=None,
+                   v_descale=None, pack_gqa=None) -> tuple:
+    """:func:`_fwd_impl` for flash_attn_func's eager calls that want gradients (:class:`_FwdFn`), whose
+    softmax_scale, window and softcap flash_attn_func has checked: q, k, v, the sink and the descales are validated
+    and the launch prepared once per metadata key (``_fwd_calls``, shared with the no-grad path), not per call.
+    Returns ``(out, lse)`` as :func:`_fwd_impl`; raises what it raises (on a key's first call)."""
+    descales = (q_descale, k_descale, v_descale)
+    key = _fwd_call_key(q, k, v, causal, window_left, window_right, softcap, learnable_sink, descales, pack_gqa)
+    call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap,
+                                                learnable_sink, descales, pack_gqa)
+    return _fwd_run(call, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink, descales)
+
+
 def _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, q_descale=None, k_descale=None,
                v_descale=None) -> _v.Problem:
     """q, k, v, the window and softcap checked together (every problem in one error), then
@@ -440,6 +465,24 @@ def _check_backward(dout, q, k, v, out, lse, window_left=-1, window_right=-1, so
     return p, lse
 
 
+def _bwd_checked(dout, q, k, v, out, lse, window_left=-1, window_right=-1, softcap=0.0) -> tuple:
+    """:func:`_check_backward` of real arrays (the op's implementation), its Problem kept per metadata key
+    (``_bwd_problems``: the six arrays' shapes, strides, dtypes and devices, the window and softcap, all that the
+    checks read, never the data), so a training loop's repeated backward skips the checks; a call that raises is
+    not kept. (The fake implementation checks every call: its shapes may be symbolic.)"""
+    key = (*((t.shape, t.stride(), t.dtype, _device_of(t)) if isinstance(t, torch.Tensor) else type(t)
+             for t in (dout, q, k, v, out, lse)), window_left, window_right, softcap)
+    p = _bwd_problems.get(key)
+    if p is None:
+        p, lse = _check_backward(dout, q, k, v, out, lse, window_left, window_right, softcap)
+        _launch.cache_put(_bwd_problems, key, p, _FWD_CALL_CACHE_MAX)
+        return p, lse
+    return p, lse.contiguous()
+
+
+_bwd_problems: dict = {}  # _bwd_checked's key -> _v.Problem; immutable values
+
+
 def _bwd_impl(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
@@ -463,7 +506,7 @@ def _bwd_impl(
     the rest as :func:`flash_attn_func`); MissingVariantError when no bwd variant serves (dtype,
     max(head_dim, head_dim_v), mask, softcap).
     """
-    p, lse = _check_backward(dout, q, k, v, out, lse, window_left, window_right, softcap)
+    p, lse = _bwd_checked(dout, q, k, v, out, lse, window_left, window_right, softcap)
     _check_device_capability(p.device)
     if p.nothing_to_compute or p.seqlen_k == 0:
         # nothing to launch: no key (dq = 0: out does not depend on q) or no query (dk = dv = 0)
@@ -572,8 +615,10 @@ def _eager_function(name: str, impl, setup_context, backward, bwd_impl, doc: str
 
 
 #: ``torch.ops.flashgen.fwd`` with its autograd formula (:func:`_setup_context`, :func:`_backward` with
-#: :func:`_bwd_impl`) for eager calls that want gradients: CPU-stub training step 265 -> 174 us.
-_FwdFn = _eager_function("_FwdFn", _fwd_impl, _setup_context, _backward, _bwd_impl,
+#: :func:`_bwd_impl`) for eager calls that want gradients: CPU-stub training step 265 -> 174 us; with the forward's
+#: checks and prepared launch kept per key (:func:`_fwd_grad_impl`) and the backward's checks (:func:`_bwd_checked`)
+#: 217-230 -> 166-169 us (session 14, three alternated runs).
+_FwdFn = _eager_function("_FwdFn", _fwd_grad_impl, _setup_context, _backward, _bwd_impl,
                          "flashgen::fwd and its autograd formula without the dispatcher (interface._eager_function).")
 
 
@@ -758,7 +803,7 @@ def flash_attn_func(
         # the grad check) find no problem and change no value, so this branch is the eager branch
         # below minus their function calls (about 1 us of host time per call; an FP8 call with
         # descales about 14 us less on the CPU stub), with the same cache key and the same checks of
-        # q, k, v, the descales and FP8's on a miss (_new_fwd_call).
+        # q, k, v, the descales and FP8's on a miss (_new_fwd_call). The key is _fwd_call_key's, inline.
         causal = bool(causal)
         window_left, window_right = window_size
         descales = (q_descale, k_descale, v_descale)
@@ -826,10 +871,7 @@ def flash_attn_func(
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
         # window_size and softcap were validated above; q, k, v, the sink and the descales are
         # validated once per key: everything the checks and the _FwdCall depend on.
-        extras = _extras_key(sink, descales)
-        key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
-               v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, extras,
-               pack_gqa)
+        key = _fwd_call_key(q, k, v, causal, window_left, window_right, softcap, sink, descales, pack_gqa)
         call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap, sink,
                                                     descales, pack_gqa)
         out, lse = _fwd_run(call, q, k, v, scale, causal, window_left, window_right, softcap, sink, descales,

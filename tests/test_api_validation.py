@@ -919,17 +919,24 @@ def test_input_error_is_exported():
 # --------------------------------------------------------------------------------------
 
 def test_grad_inputs_go_through_the_op_with_deterministic(fake_gpu, monkeypatch):
-    seen, op = [], []  # every launch (_fwd_run), and the op's validation (_check_fwd: not on the fast path)
-    run, check = interface._fwd_run, interface._check_fwd
+    seen, op, new = [], [], []  # every launch (_fwd_run), the op's validation (_check_fwd), keys validated anew
+    run, check, make = interface._fwd_run, interface._check_fwd, interface._new_fwd_call
     monkeypatch.setattr(interface, "_fwd_run", lambda *a: seen.append(a[6:]) or run(*a))
     monkeypatch.setattr(interface, "_check_fwd", lambda *a: op.append(1) or check(*a))
+    monkeypatch.setattr(interface, "_new_fwd_call", lambda *a: new.append(a[0]) or make(*a))
+    interface._fwd_calls.clear()
     q, k, v = qkv()
     out = flash_attn_func(q, k, v)  # no grad needed: the eager fast path
     assert seen == [(-1, -1, 0.0, None, (None, None, None), False)] and op == [] and out.grad_fn is None
+    assert len(new) == 1
     k.requires_grad_(True)
     out = flash_attn_func(q, k, v, deterministic=True)  # recorded by autograd: the op's code through _FwdFn
-    assert len(seen) == 2 and op and out.requires_grad and type(out.grad_fn).__name__ == "_FwdFnBackward"
-    assert len(fake_gpu.calls) == 2
+    assert len(seen) == 2 and out.requires_grad and type(out.grad_fn).__name__ == "_FwdFnBackward"
+    # the grad path's key (_fwd_call_key) is the inline fast path's: the same _FwdCall, validated once, not per call
+    assert len(new) == 1 and op == [] and len(interface._fwd_calls) == 1
+    out = flash_attn_func(q, k, v, causal=True)  # a new key on the grad path: validated (q, k, v) once
+    assert len(new) == 2 and new[1] == interface._fwd_call_key(q, k, v, True, -1, -1, 0.0, None, (None,) * 3, None)
+    assert len(fake_gpu.calls) == 3
 
 
 def test_no_grad_inputs_give_plain_outputs(fake_gpu):

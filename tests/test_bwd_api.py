@@ -1349,3 +1349,31 @@ def test_eager_gradients_run_the_ops_code_without_the_dispatcher(gpu):
     assert len(gpu.calls) == 2
     for a, b in zip(*got):
         assert torch.equal(a, b)
+
+
+def test_backward_checks_are_kept_per_metadata_key(gpu, monkeypatch):
+    """The backward op checks its six arrays, window and softcap once per metadata key (interface._bwd_checked): a
+    training loop's second step runs no check, other metadata is checked, and a call that fails is checked (and
+    fails) every time, since failures are not kept. The fake implementation checks every call."""
+    import flashgen.interface as interface
+
+    checks = []
+    real = interface._check_backward
+    monkeypatch.setattr(interface, "_check_backward", lambda *a: checks.append(a[6:]) or real(*a))
+    interface._bwd_problems.clear()
+    q, k, v = (torch.randn(2, 37, 4, 64).half().requires_grad_(True) for _ in range(3))
+
+    def step(causal=True):
+        interface.flash_attn_func(q, k, v, causal=causal).float().square().sum().backward()
+
+    step()
+    step()
+    assert len(checks) == 1 and len(gpu.calls) == 2  # two steps' kernels, one check
+    q2 = torch.randn(2, 41, 4, 64).half().requires_grad_(True)  # another seqlen_q: checked
+    interface.flash_attn_func(q2, k, v, causal=True).float().sum().backward()
+    assert len(checks) == 2
+    out, lse = interface.flash_attn_func(q, k, v, return_attn_probs=True)
+    for _ in range(2):  # a softcap the check refuses: refused (and checked) each time
+        with pytest.raises(ValueError, match="softcap"):
+            interface._bwd_impl(torch.ones_like(out), q, k, v, out, lse, 0.125, False, False, -1, -1, -1.0)
+    assert len(checks) == 4
