@@ -329,17 +329,18 @@ def test_fast_path_passes_the_features(fake_gpu, monkeypatch):
 
 
 def test_sink_that_requires_grad_takes_the_op(fake_gpu, monkeypatch):
-    op = []  # the op's validation (_check_fwd): not on the fast path
-    check = interface._check_fwd
-    monkeypatch.setattr(interface, "_check_fwd", lambda *a: op.append(1) or check(*a))
+    new = []  # keys validated anew (_new_fwd_call: q, k, v and the sink checked once per metadata key)
+    make = interface._new_fwd_call
+    monkeypatch.setattr(interface, "_new_fwd_call", lambda *a: new.append(a[0]) or make(*a))
+    interface._fwd_calls.clear()
     q, k, v = qkv()
     sink = sink_of().requires_grad_(True)
     out = flash_attn_func(q, k, v, learnable_sink=sink)
-    assert op and out.grad_fn is not None  # through torch.ops.flashgen.fwd, recorded by autograd
-    n = len(op)
+    # the op's code and autograd formula (interface._FwdFn), recorded by autograd
+    assert len(new) == 1 and type(out.grad_fn).__name__ == "_FwdFnBackward"
     with torch.no_grad():
         out = flash_attn_func(q, k, v, learnable_sink=sink)
-    assert len(op) == n and out.grad_fn is None  # no grad mode: the fast path
+    assert len(new) == 1 and out.grad_fn is None  # no grad mode: the fast path, on the same validated key
     assert len(fake_gpu.calls) == 2
 
 
