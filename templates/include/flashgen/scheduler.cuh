@@ -2,10 +2,11 @@
 // Algorithm 1 (arXiv 2407.08608; persistent kernels: §5). CTA x runs tile x first. Static: then
 // x + gridDim.x, ...; with a grid of num_tiles CTAs that is one tile per CTA (the non-persistent
 // launch). Dynamic (FA3's causal scheduler): each further tile is claimed from a counter that is 0
-// when the launch starts and that the launch leaves at 0 (next(); the host passes none when there are
-// no more tiles than CTAs, and then the order is the static one), so a CTA that finished its tiles early takes the next one in
-// the order below: causal tiles differ in length, and a fixed round-robin left some SMs with up to
-// 1.4x the mean work (sections of L2 below) where claiming balances to within a tile.
+// when the launch starts and that the launch leaves at 0 (next(); the host passes none when there
+// are no more tiles than CTAs, and then the order is the static one), so a CTA that finished its
+// tiles early takes the next one in the order below: causal tiles differ in length, and a fixed
+// round-robin left some SMs with up to 1.4x the mean work (sections of L2 below) where claiming
+// balances to within a tile.
 #pragma once
 
 #ifndef FLASHGEN_HD
@@ -56,7 +57,9 @@ struct TileScheduler {
   int batch;
   int num_tiles;
   int section_heads;  // causal: (batch, head) pairs per L2 section, in [1, heads * batch]
-  int* counter;       // Dynamic: the stream's tile counter (0 at launch, and the launch's last claim leaves it at 0: next()), or null: static (no more tiles than CTAs)
+  // Dynamic: the stream's tile counter (0 at launch; the launch's last claim leaves it at 0: next()),
+  // or null: static (no more tiles than CTAs)
+  int* counter;
 
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   FLASHGEN_HD bool valid(int t) const { return t < num_tiles; }
