@@ -109,6 +109,10 @@
 #                                          arguments, default bf16 hd256 causal 512): flash_attn_func against SDPA
 #                                          cuDNN, interleaved (trees with the memset counter: also without it); OLD=1
 #                                          (carry .base): the .base tree's and this tree's, alternated twice
+#   bash scripts/device_check.sh trainhost the GPU tests of TESTS (TESTS_K: -k; none when TESTS is unset), then the eager training
+#                                          step's host time (scripts/train_host.py: flash_attn_func forward + backward against
+#                                          SDPA) of .base's package and this tree's alternated twice, both on this tree's
+#                                          kernels (host-only changes: carry .base, scripts/make_base.sh)
 #   bash scripts/device_check.sh decode    flash_attn_with_kvcache decode steps against the split count (scripts/decode_splits.py,
 #                                          DECODE_ARGS its arguments; CUDA-graph replay over layers; BUILD_FILTER='varlen,combine'
 #                                          is all it needs), the tables under $OUT/decode_splits.md, the summary printed last
@@ -553,6 +557,21 @@ perf)
   new() { python3 scripts/regress_fwd.py run --label new $g "$@"; }
   new --csv "$out/new1.csv" && old --csv "$out/old1.csv" && new --csv "$out/new2.csv" && old --csv "$out/old2.csv"
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt"
+  ;;
+trainhost)
+  # a host-only change's A/B: the old package (.base) on this tree's kernels, so only the Python differs
+  test -d "$BASE" || { echo "no $BASE/: run scripts/make_base.sh here first and carry it"; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation --target "$OLDSITE" "./$BASE" 2>&1 | grep -v 'already exists' | tail -2
+  if [ -n "${TESTS:-}" ]; then
+    timeout "$(cap "${TEST_TIMEOUT:-400}")" python3 -m pytest -v -p no:cacheprovider --tb=line ${TESTS_K:+-k "$TESTS_K"} \
+      $TESTS 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+    echo "tests logged: $(grep -c ' PASSED' "$out/test.log") passed, $(grep -cE ' (FAILED|ERROR)' "$out/test.log") failed or errors"
+  fi
+  echo "| tree | flashgen us / step | SDPA us / step | check | package |"
+  for r in 1 2; do
+    PYTHONPATH=$OLDSITE FLASHGEN_ROOT=$PWD/$BASE FLASHGEN_KERNEL_DIR=$PWD/build timeout 60 python3 scripts/train_host.py --label old
+    timeout 60 python3 scripts/train_host.py --label new
+  done 2>&1 | tee "$out/train_host.md"
   ;;
 decode)
   timeout "$(cap 400)" python3 scripts/decode_splits.py ${DECODE_ARGS:-} > "$out/decode_splits.md" 2>&1
