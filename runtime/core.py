@@ -22,9 +22,9 @@ from .generator.families.bwd import (FAMILY as _BWD_FAMILY, DQ_SWAP_BLOCK_M as _
                                      pre_rows_per_cta)  # pre grid, dQ path, block_m 80
 
 __all__ = ["TensorArg", "Varlen", "BwdVarlen", "MissingVariantError", "select_variant", "attention_forward", "prepare_forward",
-           "launch_forward", "PreparedForward", "attention_backward",
-           "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec", "softmax_constants",
-           "ChunkPiece", "chunk_pieces"]
+           "launch_forward", "PreparedForward", "attention_backward", "prepare_backward", "launch_backward",
+           "PreparedBackward", "backward_workspace_bytes", "device_capability", "MaskSpec", "mask_spec",
+           "softmax_constants", "ChunkPiece", "chunk_pieces"]
 
 LOG2E = 1.4426950408889634
 
@@ -122,6 +122,15 @@ class BwdVarlen(NamedTuple):
     max_seqlen_q: int
     max_seqlen_k: int
     zero_tail: bool = False  # the preprocess zeroes dq's, dk's, dv's rows past the last sequence (bwd.cu.j2)
+
+    def meta(self) -> tuple:
+        """What a prepared backward depends on: the sizes, zero_tail, and which offsets are given."""
+        return (self.batch, self.max_seqlen_q, self.max_seqlen_k, bool(self.zero_tail), bool(self.cu_seqlens_q),
+                bool(self.cu_seqlens_k))
+
+    def addresses(self) -> tuple:
+        """The per-call params fields (``_BWD_VARLEN_PER_CALL``' order)."""
+        return self.cu_seqlens_q, self.cu_seqlens_k
 
 
 MAX_VARLEN_BWD_SEQUENCES = 65535  # a varlen backward's sequences: its grids' z (CUDA's limit)
@@ -551,11 +560,6 @@ def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, dev
     except MissingVariantError:
         return None
     return plan if group <= plan.block_m else None
-
-
-def _bshd_map(t: TensorArg, box_rows: int):
-    """The TMA map of :func:`_bshd_map_spec` at ``t``'s address."""
-    return launch.tensor_map(t.ptr, *_bshd_map_spec(t, box_rows))
 
 
 def _descale_params(name: str, t: TensorArg | None, heads: int, heads_k: int, blocks: bool) -> dict:
@@ -1221,6 +1225,182 @@ def _call_split(plan: _BwdPlan, mask: MaskSpec, deterministic: bool, units: int,
     return _split_tail(plan, mask, deterministic, units, -(-seqlen_q // plan.block_m) * (heads // heads_k))
 
 
+class PreparedBackward(NamedTuple):
+    """A backward launch resolved from a call's metadata alone (:func:`prepare_backward`): the plan (variant,
+    kernels), the main kernel's TMA maps' geometry, and for each of the three kernels (pre, main, post, one params
+    struct: bwd.py BwdParams) its grid and params but for the fields each call gives (:data:`_BWD_PER_CALL`:
+    addresses, the workspace's regions, softmax constants); the workspace's layout and size. Immutable, so calls on
+    any thread may share it; :func:`launch_backward` launches it."""
+
+    plan: _BwdPlan
+    maps: tuple  # per TMA map of the main kernel (q, k, v, dout, dk, dv): its launch.TensorMapGeometry
+    pre: launch.PreparedLaunch  # the preprocess (grid and params but for the per-call fields)
+    main: launch.PreparedLaunch
+    post: launch.PreparedLaunch  # the postprocess
+    workspace: tuple  # byte offsets in the workspace of lse_log2, dpsum, dq_accum, sem, split_tickets, split_parts
+    split: bool  # the main grid splits its tail (split_tickets / split_parts point into the workspace; else null)
+    nbytes: int  # workspace bytes the launches use (at most backward_workspace_bytes's for the call)
+
+
+#: The params fields each backward call fills itself, in launch.launch_prepared's order (one tuple of values for
+#: the three kernels: they share BwdParams).
+_BWD_PER_CALL = ("o", "dout", "lse", "dq", "dk", "dv", "lse_log2", "dpsum", "dq_accum", "sem", "split_tickets",
+                 "split_parts", "scale_log2", "softmax_scale", "softcap_scale")
+#: A varlen backward's per-call fields after _BWD_PER_CALL (:meth:`BwdVarlen.addresses`).
+_BWD_VARLEN_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k")
+# metadata key (_bwd_key) -> PreparedBackward (immutable: shared by concurrent calls; bounded by _PREPARED_CACHE_MAX).
+# The module's knobs above (split tail, persistent grid, tails, rotation, twins) are read when a key is prepared: a
+# script that changes one between calls clears this (and interface._bwd_calls), as scripts/bwd_tail_ab.py does.
+_prepared_backwards: dict = {}
+
+
+def _bwd_key(dout, q, k, v, out, lse, dq, dk, dv, causal, deterministic, window_size, softcap, variant,
+             varlen: BwdVarlen | None) -> tuple:
+    """Everything a PreparedBackward depends on: all but the addresses and the softmax scale."""
+    return (dout[1:], q[1:], k[1:], v[1:], out[1:], lse[1:], dq[1:], dk[1:], dv[1:], bool(causal), bool(deterministic),
+            window_size if type(window_size) is tuple else tuple(window_size), softcap > 0,
+            None if variant is None else variant.name, None if varlen is None else varlen.meta())
+
+
+def prepare_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
+                     dq: TensorArg, dk: TensorArg, dv: TensorArg, causal: bool, deterministic: bool,
+                     variant: Variant | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
+                     softmax_scale: float | None = None, varlen: BwdVarlen | None = None) -> PreparedBackward:
+    """The :class:`PreparedBackward` of a backward call (see :func:`attention_backward` for the arguments),
+    resolved once per metadata key and cached (bounded).
+
+    Only metadata makes the key: shapes, strides, dtypes and devices of the nine arrays, ``causal``,
+    ``deterministic``, ``window_size``, whether ``softcap`` > 0, ``variant``, ``varlen``'s :meth:`BwdVarlen.meta`
+    (its offsets' addresses come with each launch). The ``ptr`` fields may be 0 (the addresses come with each
+    :func:`launch_backward`, which checks them and the scale on every call). On a new key the checks of
+    :func:`attention_backward` run in its order, with the non-zero addresses and ``softmax_scale`` when given, and
+    raise what it raises (ValueError for varlen shapes, heads, layouts, addresses, scale, softcap;
+    MissingVariantError); a key that raised is not cached. ``nbytes`` of the result: the workspace the launches
+    use."""
+    key = _bwd_key(dout, q, k, v, out, lse, dq, dk, dv, causal, deterministic, window_size, softcap, variant, varlen)
+    prep = _prepared_backwards.get(key)
+    if prep is None:
+        prep = _prepare_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, deterministic, variant, window_size,
+                                 softcap, 1.0 if softmax_scale is None else softmax_scale, varlen)
+        launch.cache_put(_prepared_backwards, key, prep, _PREPARED_CACHE_MAX)
+    return prep
+
+
+def _prepare_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, deterministic, variant, window_size, softcap,
+                      softmax_scale, varlen: BwdVarlen | None) -> PreparedBackward:
+    """Check a backward call (attention_backward's checks, in its order) and resolve its PreparedBackward."""
+    total_q = 0
+    if varlen is not None:  # (_batch_of_one: ValueError naming an array that is not 3-D)
+        dout, q, k, v, out, dq, dk, dv = (_batch_of_one(name, t) for name, t in (
+            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)))
+        total_q = q.shape[1]
+        if (tuple(lse.shape) != (q.shape[2], total_q) or lse.dtype != "fp32"
+                or tuple(lse.strides) != (total_q, 1)):
+            raise ValueError(f"flashgen: with varlen, lse must be fp32 (heads, total_q) = {(q.shape[2], total_q)} "
+                             f"contiguous, got {lse.dtype} {lse.shape} strides {lse.strides}")
+        if not 1 <= varlen.batch <= MAX_VARLEN_BWD_SEQUENCES or varlen.max_seqlen_q < 1 or varlen.max_seqlen_k < 1 \
+                or not (varlen.cu_seqlens_q and varlen.cu_seqlens_k):
+            raise ValueError(f"flashgen: varlen needs cu_seqlens_q, cu_seqlens_k, batch in [1, "
+                             f"{MAX_VARLEN_BWD_SEQUENCES}] and max_seqlen_q, max_seqlen_k >= 1, got {varlen}")
+        if varlen.zero_tail and not all(is_c_contiguous(t.shape, t.strides) for t in (dq, dk, dv)):
+            raise ValueError("flashgen: varlen.zero_tail needs contiguous dq, dk, dv (their rows past the last "
+                             "sequence are zeroed as one range each)")
+    _, sq, h, d = q.shape
+    _, sk, hk, dv_dim = v.shape
+    b = q.shape[0]
+    if varlen is not None:
+        b, sq, sk = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
+    if h % hk:
+        raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
+    for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        _check_tma(name, t)
+    mask = mask_spec(causal, window_size, sq, sk)
+    softmax_constants(softmax_scale, softcap)  # the checks only: the constants are per call
+    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq, deterministic,
+                     varlen is not None)
+    bm, bn = plan.block_m, plan.block_n
+    num_m, num_n = -(-sq // bm), -(-sk // bn)
+    grid_n = _bwd_grid_n(plan, sk)
+    units = _bwd_units(plan, b, hk, sk)
+    # (varlen variants: no persistent grid or split tail, bwd.py; no unordered tail or rotation: kept simple)
+    persistent = _persistent_units(plan, mask, deterministic, units, num_m * (h // hk)) if varlen is None else 0
+    split_units, split_pieces = ((0, 1) if persistent or varlen is not None
+                                 else _call_split(plan, mask, deterministic, units, sq, h, hk))
+    nbytes, offsets = _bwd_workspace(plan, b, sq, h, (split_units, split_pieces), None if varlen is None else total_q)
+    ordered = _ordered_default(plan, mask, sk)
+    params = {  # all but the per-call fields (_BWD_PER_CALL, and a varlen call's _BWD_VARLEN_PER_CALL)
+        "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
+        "do_stride_batch": dout.strides[0], "do_stride_seq": dout.strides[1], "do_stride_head": dout.strides[2],
+        "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
+        "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
+        "seqlen_q_pad": num_m * bm if varlen is None else _varlen_rows_pad(plan, b, total_q),
+        "num_m_blocks": num_m, "num_slices": plan.num_slices,
+        "deterministic": _deterministic_mode(deterministic, num_n, plan.sms, ordered),
+        "window_left": mask.left, "window_right": mask.right,
+        "unordered_tail": (_unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk)
+                           if varlen is None else 0),
+        "rotate": int(ROTATE_UNORDERED and not deterministic and not mask.causal and not mask.local and not persistent
+                      and plan.block_n == 128 and num_n <= num_m and num_m >= ROTATE_UNORDERED_MIN_M_BLOCKS
+                      and varlen is None),
+        "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
+        "persistent_units": persistent,
+        # varlen (bwd.cu.j2 kVarlen): the sequences (their offsets per call), and dk, dv stored from registers
+        # (their rows bounded)
+        "cu_seqlens_q": 0, "cu_seqlens_k": 0,
+        "dk_stride_seq": dk.strides[1], "dk_stride_head": dk.strides[2],
+        "dv_stride_seq": dv.strides[1], "dv_stride_head": dv.strides[2], "total_q": total_q,
+        "total_k": dk.shape[1] if varlen is not None else 0,
+        "zero_tail": int(varlen is not None and varlen.zero_tail),
+    }
+    (params["unit_x_mul"], params["unit_x_shift"]), (params["unit_y_mul"], params["unit_y_shift"]) = (
+        (fast_div(grid_n), fast_div(plan.num_slices * hk)) if persistent else ((0, 0), (0, 0)))
+    per_call = _BWD_PER_CALL if varlen is None else _BWD_PER_CALL + _BWD_VARLEN_PER_CALL
+    geometry = launch.map_geometry
+    maps = tuple(geometry(*_bshd_map_spec(t, rows)) for t, rows in ((q, bm), (k, bn), (v, bn), (dout, bm), (dk, 64),
+                                                                   (dv, 64)))
+    # the split tail's extra pieces in planes past the batch's (GridCta: the CTAs past the last piece idle)
+    extra = -(-split_units * (split_pieces - 1) // (grid_n * plan.num_slices * hk))
+    grid = (plan.sms, 1, 1) if persistent else (grid_n, plan.num_slices * hk, b + extra)
+    post_grid = (2 * -(-sq // 16), h, b)  # 2 CTAs per 16 rows (bwd.cu.j2)
+    prepare = launch.prepare_launch
+    return PreparedBackward(plan, maps, prepare(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), params, per_call),
+                            prepare(plan.main, grid, params, per_call), prepare(plan.post, post_grid, params, per_call),
+                            offsets, split_units > 0, nbytes)
+
+
+def launch_backward(prep: PreparedBackward, dout_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int,
+                    lse_ptr: int, dq_ptr: int, dk_ptr: int, dv_ptr: int, workspace_ptr: int, softmax_scale: float,
+                    softcap: float, stream: int, varlen: tuple = ()) -> Variant:
+    """Launch a :class:`PreparedBackward` on arrays with its metadata at these device addresses (dout, q, k, v,
+    out, lse, dq, dk, dv; ``workspace_ptr``: ``prep.nbytes`` of device memory, 256-byte aligned, any contents;
+    ``varlen``: a varlen call's :meth:`BwdVarlen.addresses`, as its prepare_backward was given a BwdVarlen) on
+    ``stream``; returns the variant. The per-call work of :func:`attention_backward`: ValueError for an array's
+    address TMA cannot use (not 16-byte aligned) or a bad softmax_scale / softcap, then the preprocess, the main
+    kernel's TMA maps (cached by address) and the main kernel, the postprocess (CudaError if a launch fails). The
+    workspace's alignment is the caller's (unchecked, as before: torch's and the DLPack entry's allocators give
+    512-byte blocks)."""
+    if (dout_ptr | q_ptr | k_ptr | v_ptr | out_ptr | dq_ptr | dk_ptr | dv_ptr) % TMA_ALIGN_BYTES:
+        for name, ptr in (("dout", dout_ptr), ("q", q_ptr), ("k", k_ptr), ("v", v_ptr), ("out", out_ptr),
+                          ("dq", dq_ptr), ("dk", dk_ptr), ("dv", dv_ptr)):
+            if ptr % TMA_ALIGN_BYTES:
+                raise ValueError(f"flashgen: TMA cannot address {name}: {tma_layout_problem((), (), 1, ptr)}")
+    scale = float(softmax_scale)
+    scale_log2, softcap_scale = softmax_constants(scale, softcap)
+    w = int(workspace_ptr)
+    o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts = prep.workspace
+    split = prep.split
+    values = (out_ptr, dout_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, w + o_lse, w + o_dpsum, w + o_acc, w + o_sem,
+              w + o_tickets if split else 0, w + o_parts if split else 0, scale_log2, scale, softcap_scale, *varlen)
+    launch_prepared = launch.launch_prepared
+    launch_prepared(prep.pre, (), values, stream)
+    at = launch.tensor_map_at
+    mq, mk, mv, mdo, mdk, mdv = prep.maps
+    launch_prepared(prep.main, (at(mq, q_ptr), at(mk, k_ptr), at(mv, v_ptr), at(mdo, dout_ptr), at(mdk, dk_ptr),
+                                at(mdv, dv_ptr)), values, stream)
+    launch_prepared(prep.post, (), values, stream)
+    return prep.plan.variant
+
+
 def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg, out: TensorArg, lse: TensorArg,
                        dq: TensorArg, dk: TensorArg, dv: TensorArg, softmax_scale: float, causal: bool,
                        deterministic: bool, stream: int, workspace_ptr: int, variant: Variant | None = None, *,
@@ -1256,86 +1436,13 @@ def attention_backward(dout: TensorArg, q: TensorArg, k: TensorArg, v: TensorArg
     sequence (otherwise the caller does; the rows just past a sequence are read and zeroed in shared memory,
     :class:`BwdVarlen`).
     Launches on ``stream``; never synchronises. Raises MissingVariantError (no variant),
-    ValueError (layouts, heads, softmax_scale / softcap, varlen shapes).
+    ValueError (layouts, heads, addresses, softmax_scale / softcap, varlen shapes).
+
+    Host cost: :func:`prepare_backward` (what the metadata decides: checks, mask, variant, split / persistent
+    grids, workspace layout, the three kernels' params, TMA map geometry) runs once per metadata key; each call
+    then does :func:`launch_backward` (alignment, softmax constants, TMA maps by address, three launches).
     """
-    total_q = 0
-    if varlen is not None:  # (_batch_of_one: ValueError naming an array that is not 3-D)
-        dout, q, k, v, out, dq, dk, dv = (_batch_of_one(name, t) for name, t in (
-            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)))
-        total_q = q.shape[1]
-        if (tuple(lse.shape) != (q.shape[2], total_q) or lse.dtype != "fp32"
-                or tuple(lse.strides) != (total_q, 1)):
-            raise ValueError(f"flashgen: with varlen, lse must be fp32 (heads, total_q) = {(q.shape[2], total_q)} "
-                             f"contiguous, got {lse.dtype} {lse.shape} strides {lse.strides}")
-        if not 1 <= varlen.batch <= MAX_VARLEN_BWD_SEQUENCES or varlen.max_seqlen_q < 1 or varlen.max_seqlen_k < 1 \
-                or not (varlen.cu_seqlens_q and varlen.cu_seqlens_k):
-            raise ValueError(f"flashgen: varlen needs cu_seqlens_q, cu_seqlens_k, batch in [1, "
-                             f"{MAX_VARLEN_BWD_SEQUENCES}] and max_seqlen_q, max_seqlen_k >= 1, got {varlen}")
-        if varlen.zero_tail and not all(is_c_contiguous(t.shape, t.strides) for t in (dq, dk, dv)):
-            raise ValueError("flashgen: varlen.zero_tail needs contiguous dq, dk, dv (their rows past the last "
-                             "sequence are zeroed as one range each)")
-    _, sq, h, d = q.shape
-    _, sk, hk, dv_dim = v.shape
-    b = q.shape[0]
-    if varlen is not None:
-        b, sq, sk = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
-    if h % hk:
-        raise ValueError(f"flashgen: heads ({h}) must be a multiple of heads_k ({hk})")
-    for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-        _check_tma(name, t)
-    mask = mask_spec(causal, window_size, sq, sk)
-    scale = float(softmax_scale)
-    scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    plan = _bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, variant, sq, deterministic,
-                     varlen is not None)
-    bm, bn = plan.block_m, plan.block_n
-    num_m, num_n = -(-sq // bm), -(-sk // bn)
-    grid_n = _bwd_grid_n(plan, sk)
-    units = _bwd_units(plan, b, hk, sk)
-    # (varlen variants: no persistent grid or split tail, bwd.py; no unordered tail or rotation: kept simple)
-    persistent = _persistent_units(plan, mask, deterministic, units, num_m * (h // hk)) if varlen is None else 0
-    split_units, split_pieces = ((0, 1) if persistent or varlen is not None
-                                 else _call_split(plan, mask, deterministic, units, sq, h, hk))
-    _, (o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts) = _bwd_workspace(
-        plan, b, sq, h, (split_units, split_pieces), None if varlen is None else total_q)
-    w = int(workspace_ptr)
-    ordered = _ordered_default(plan, mask, sk)
-    params = {
-        "o": out.ptr, "dout": dout.ptr, "lse": lse.ptr,
-        "lse_log2": w + o_lse, "dpsum": w + o_dpsum, "dq_accum": w + o_acc, "sem": w + o_sem, "dq": dq.ptr,
-        "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
-        "do_stride_batch": dout.strides[0], "do_stride_seq": dout.strides[1], "do_stride_head": dout.strides[2],
-        "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
-        "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
-        "seqlen_q_pad": num_m * bm if varlen is None else _varlen_rows_pad(plan, b, total_q),
-        "num_m_blocks": num_m, "num_slices": plan.num_slices,
-        "deterministic": _deterministic_mode(deterministic, num_n, plan.sms, ordered),
-        "scale_log2": scale_log2, "softmax_scale": scale,
-        "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
-        "unordered_tail": (_unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk)
-                           if varlen is None else 0),
-        "rotate": int(ROTATE_UNORDERED and not deterministic and not mask.causal and not mask.local and not persistent
-                      and plan.block_n == 128 and num_n <= num_m and num_m >= ROTATE_UNORDERED_MIN_M_BLOCKS
-                      and varlen is None),
-        "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
-        "split_parts": w + o_parts if split_units else 0, "split_tickets": w + o_tickets if split_units else 0,
-        "persistent_units": persistent,
-        # varlen (bwd.cu.j2 kVarlen): the sequences, and dk, dv stored from registers (their rows bounded)
-        "cu_seqlens_q": 0 if varlen is None else varlen.cu_seqlens_q,
-        "cu_seqlens_k": 0 if varlen is None else varlen.cu_seqlens_k,
-        "dk": dk.ptr, "dv": dv.ptr, "dk_stride_seq": dk.strides[1], "dk_stride_head": dk.strides[2],
-        "dv_stride_seq": dv.strides[1], "dv_stride_head": dv.strides[2], "total_q": total_q,
-        "total_k": dk.shape[1] if varlen is not None else 0,
-        "zero_tail": int(varlen is not None and varlen.zero_tail),
-    }
-    (params["unit_x_mul"], params["unit_x_shift"]), (params["unit_y_mul"], params["unit_y_shift"]) = (
-        (fast_div(grid_n), fast_div(plan.num_slices * hk)) if persistent else ((0, 0), (0, 0)))
-    launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
-    maps = (_bshd_map(q, bm), _bshd_map(k, bn), _bshd_map(v, bn), _bshd_map(dout, bm), _bshd_map(dk, 64),
-            _bshd_map(dv, 64))
-    # the split tail's extra pieces in planes past the batch's (GridCta: the CTAs past the last piece idle)
-    extra = -(-split_units * (split_pieces - 1) // (grid_n * plan.num_slices * hk))
-    grid = (plan.sms, 1, 1) if persistent else (grid_n, plan.num_slices * hk, b + extra)
-    launch.launch(plan.main, grid, maps, params, stream)
-    launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)  # 2 CTAs per 16 rows (bwd.cu.j2)
-    return plan.variant
+    prep = prepare_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, deterministic, variant,
+                            window_size=window_size, softcap=softcap, softmax_scale=softmax_scale, varlen=varlen)
+    return launch_backward(prep, dout.ptr, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dq.ptr, dk.ptr, dv.ptr,
+                           workspace_ptr, softmax_scale, softcap, stream, () if varlen is None else varlen.addresses())

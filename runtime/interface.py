@@ -117,7 +117,7 @@ def _workspace(like: torch.Tensor, nbytes: int) -> torch.Tensor:
     than the 256 the core needs), so it is CUDA-graph capturable, and freeing it once the
     kernels are enqueued is stream-ordered: the memory is reused only by later work.
     """
-    return like.new_empty((nbytes,), dtype=torch.uint8)
+    return like.new_empty(size=(nbytes,), dtype=torch.uint8)  # (size= as a keyword: see _fwd_run)
 
 
 # --------------------------------------------------------------------------------------
@@ -465,22 +465,47 @@ def _check_backward(dout, q, k, v, out, lse, window_left=-1, window_right=-1, so
     return p, lse
 
 
-def _bwd_checked(dout, q, k, v, out, lse, window_left=-1, window_right=-1, softcap=0.0) -> tuple:
-    """:func:`_check_backward` of real arrays (the op's implementation), its Problem kept per metadata key
-    (``_bwd_problems``: the six arrays' shapes, strides, dtypes and devices, the window and softcap, all that the
-    checks read, never the data), so a training loop's repeated backward skips the checks; a call that raises is
-    not kept. (The fake implementation checks every call: its shapes may be symbolic.)"""
-    key = (*((t.shape, t.stride(), t.dtype, _device_of(t)) if isinstance(t, torch.Tensor) else type(t)
-             for t in (dout, q, k, v, out, lse)), window_left, window_right, softcap)
-    p = _bwd_problems.get(key)
-    if p is None:
-        p, lse = _check_backward(dout, q, k, v, out, lse, window_left, window_right, softcap)
-        _launch.cache_put(_bwd_problems, key, p, _FWD_CALL_CACHE_MAX)
-        return p, lse
-    return p, lse.contiguous()
+class _BwdCall(NamedTuple):
+    """Everything of a backward call that its validated metadata decides, made by :func:`_bwd_call`: the Problem,
+    the workspace's size, how dout, q, k, v, out reach the kernels and, when they are all read in place, the core's
+    prepared launch (:func:`flashgen.core.prepare_backward`). The backward op keeps one per key (``_bwd_calls``:
+    the six arrays' shapes, strides, dtypes and devices, the mask, softcap, causal and deterministic: all that the
+    checks and this record read, never the data), so a training loop's repeated backward skips both; immutable, so
+    calls on any thread may share it. What depends on the data itself (addresses: alignment, copies) is done per
+    call by :func:`_bwd_impl`."""
+
+    problem: _v.Problem
+    empty: bool  # nothing to launch: batch, seqlen_q or seqlen_k is 0
+    nbytes: int  # the workspace (0 when empty)
+    inputs: tuple  # per dout, q, k, v, out: (shape, strides for the core) when TMA reads its layout in place, else None
+    grads: tuple  # per dq, dk, dv: the core's TensorArg of a fresh contiguous gradient, address 0
+    launch: Optional[_core.PreparedBackward]  # when dout, q, k, v, out are all read in place (and not empty)
 
 
-_bwd_problems: dict = {}  # _bwd_checked's key -> _v.Problem; immutable values
+_bwd_calls: dict = {}  # _bwd_impl's key -> _BwdCall; immutable values (bounded by _FWD_CALL_CACHE_MAX)
+
+
+def _bwd_call(p: _v.Problem, dout, q, k, v, out, causal: bool, deterministic: bool, window: tuple,
+              softcap: float) -> _BwdCall:
+    """The :class:`_BwdCall` of valid arguments (``p``: their Problem, on a Hopper device). Selects the variant:
+    MissingVariantError when no bwd variant serves the call (before any allocation)."""
+    es = _v.ELEMENT_SIZE[p.dtype]
+    inputs = tuple(_input_layout(t, es) for t in (dout, q, k, v, out))
+    dev = p.device
+    grads = tuple(_core.TensorArg(0, shape, _v.tma_strides(shape, _contiguous_strides(shape)), p.dtype, dev)
+                  for shape in (p.q_shape, p.k_shape, p.v_shape))
+    if p.nothing_to_compute or p.seqlen_k == 0:
+        return _BwdCall(p, True, 0, inputs, grads, None)
+    if None in inputs:  # copied per call (_launch_backward)
+        nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
+                                                causal, dev, seqlen_k=p.seqlen_k, window_size=window, softcap=softcap,
+                                                head_dim_v=p.head_dim_v)
+        return _BwdCall(p, False, nbytes, inputs, grads, None)
+    prepared = _core.prepare_backward(
+        *(_core.TensorArg(0, shape, strides, p.dtype, dev) for shape, strides in inputs),
+        _core.TensorArg(0, p.lse_shape, _contiguous_strides(p.lse_shape), "fp32", dev), *grads, causal, deterministic,
+        window_size=window, softcap=softcap)
+    return _BwdCall(p, False, prepared.nbytes, inputs, grads, prepared)
 
 
 def _bwd_impl(
@@ -501,27 +526,45 @@ def _bwd_impl(
     is computed by the autograd formula (:func:`_sink_grad`).
 
     Inputs TMA cannot read in place (e.g. the stride-0 gradient of ``out.sum()``) are copied
-    first, as in the forward. Empty problems launch nothing: dq = 0 when seqlen_k is 0, and
+    first, as in the forward. The checks, the variant and the launch are resolved once per metadata key
+    (:class:`_BwdCall`, ``_bwd_calls``); a call that raises is not kept. (The fake implementation checks every
+    call: its shapes may be symbolic.) Empty problems launch nothing: dq = 0 when seqlen_k is 0, and
     dk = dv = 0 when batch or seqlen_q is 0. Validates its arguments (flashgen.InputError and
     the rest as :func:`flash_attn_func`); MissingVariantError when no bwd variant serves (dtype,
     max(head_dim, head_dim_v), mask, softcap).
     """
-    p, lse = _bwd_checked(dout, q, k, v, out, lse, window_left, window_right, softcap)
-    _check_device_capability(p.device)
-    if p.nothing_to_compute or p.seqlen_k == 0:
+    key = (*((t.shape, t.stride(), t.dtype, _device_of(t)) if isinstance(t, torch.Tensor) else type(t)
+             for t in (dout, q, k, v, out, lse)), window_left, window_right, softcap, causal, deterministic)
+    call = _bwd_calls.get(key)
+    if call is None:
+        p, lse = _check_backward(dout, q, k, v, out, lse, window_left, window_right, softcap)
+        _check_device_capability(p.device)
+        call = _bwd_call(p, dout, q, k, v, out, bool(causal), bool(deterministic),
+                         (int(window_left), int(window_right)), float(softcap))
+        _launch.cache_put(_bwd_calls, key, call, _FWD_CALL_CACHE_MAX)
+    else:
+        p = call.problem
+        lse = lse.contiguous()
+        _check_device_capability(p.device)
+    if call.empty:
         # nothing to launch: no key (dq = 0: out does not depend on q) or no query (dk = dv = 0)
         return q.new_zeros(p.q_shape), k.new_zeros(p.k_shape), v.new_zeros(p.v_shape)
+    # size= as a keyword (see _fwd_run); contiguous, of q's, k's, v's dtype
+    grads = (q.new_empty(size=p.q_shape), k.new_empty(size=p.k_shape), v.new_empty(size=p.v_shape))
     dev = p.device
-    causal = bool(causal)
-    window = (int(window_left), int(window_right))
-    softcap = float(softcap)
-    # selects the variant (cached per key): MissingVariantError before any copy or allocation
-    nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
-                                            causal, dev, seqlen_k=p.seqlen_k, window_size=window, softcap=softcap,
-                                            head_dim_v=p.head_dim_v)
-    grads = (q.new_empty(p.q_shape), k.new_empty(p.k_shape), v.new_empty(p.v_shape))
-    _launch_backward((dout, q, k, v, out), _lse_arg(lse, p), grads, p.dtype, dev, nbytes, softmax_scale, causal,
-                     deterministic, window, softcap)
+    prep = call.launch
+    if prep is not None:  # dout, q, k, v, out read in place: the prepared launch, unless an address is misaligned
+        do_ptr, q_ptr, k_ptr, v_ptr, o_ptr = dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if not (do_ptr | q_ptr | k_ptr | v_ptr | o_ptr) % _v.TMA_ALIGN_BYTES:
+            dq, dk, dv = grads
+            workspace = _workspace(q, call.nbytes)
+            _core.launch_backward(prep, do_ptr, q_ptr, k_ptr, v_ptr, o_ptr, lse.data_ptr(), dq.data_ptr(),
+                                  dk.data_ptr(), dv.data_ptr(), workspace.data_ptr(), float(softmax_scale),
+                                  float(softcap), _current_stream(dev))
+            del workspace  # released once the launches are enqueued (stream-ordered)
+            return grads
+    _launch_backward((dout, q, k, v, out), _lse_arg(lse, p), grads, p.dtype, dev, call.nbytes, softmax_scale,
+                     bool(causal), deterministic, (int(window_left), int(window_right)), float(softcap))
     return grads
 
 
@@ -616,8 +659,9 @@ def _eager_function(name: str, impl, setup_context, backward, bwd_impl, doc: str
 
 #: ``torch.ops.flashgen.fwd`` with its autograd formula (:func:`_setup_context`, :func:`_backward` with
 #: :func:`_bwd_impl`) for eager calls that want gradients: CPU-stub training step 265 -> 174 us; with the forward's
-#: checks and prepared launch kept per key (:func:`_fwd_grad_impl`) and the backward's checks (:func:`_bwd_checked`)
-#: 217-230 -> 166-169 us (session 14, three alternated runs).
+#: checks and prepared launch kept per key (:func:`_fwd_grad_impl`) and the backward's checks (then ``_bwd_checked``)
+#: 217-230 -> 166-169 us (session 14, three alternated runs); with the backward's prepared launch as well
+#: (:class:`_BwdCall`, core.prepare_backward / launch_backward) 167-178 -> 92-94 us (three alternated runs).
 _FwdFn = _eager_function("_FwdFn", _fwd_grad_impl, _setup_context, _backward, _bwd_impl,
                          "flashgen::fwd and its autograd formula without the dispatcher (interface._eager_function).")
 

@@ -91,6 +91,14 @@ def main(argv=None) -> int:
     def knob_value(w):  # the core constant's value for the waves value w
         return ((w,) if w else ()) if args.knob == "DET_NOSTEPS_HEAD_DIMS" else w
 
+    from flashgen import interface
+
+    def set_knob(value):  # the knobs are read when a call's key is prepared: the prepared backwards emptied
+        if getattr(core, args.knob) != value:
+            setattr(core, args.knob, value)
+            core._prepared_backwards.clear()
+            interface._bwd_calls.clear()
+
     default_waves = getattr(core, args.knob)
     points = POINTS if not args.points else [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2]), not x.endswith(":nc"))
                                               for x in args.points.split(",")]
@@ -109,7 +117,7 @@ def main(argv=None) -> int:
 
         def with_waves(w):
             def call():
-                setattr(core, args.knob, knob_value(w))
+                set_knob(knob_value(w))
                 fn()
             return call
         named = [(w, with_waves(w)) for w in waves] + [(n, f) for n, f in peer_fns.items() if f]
@@ -119,9 +127,9 @@ def main(argv=None) -> int:
                     (times if key in times else peer_times)[key].append(fl / ms / 1e9)
             else:
                 for w in waves:
-                    setattr(core, args.knob, knob_value(w))
+                    set_knob(knob_value(w))
                     times[w].append(fl / bench._time_ms(fn) / 1e9)
-        setattr(core, args.knob, default_waves)
+        set_knob(default_waves)
         peers = {}
         for name, f in peer_fns.items():
             if not f:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import json
 import random
+import struct
 import subprocess
 import sys
 import types
@@ -94,13 +95,16 @@ def assert_close(got, ref):
 
 
 class FakeBwd:
-    """Stand-ins for core.backward_workspace_bytes / core.attention_backward (see the module doc)."""
+    """Stand-ins for core.backward_workspace_bytes / core.attention_backward and the prepared launch
+    (core.prepare_backward / launch_backward, routed to the emulated attention_backward; see the module doc)."""
 
     def __init__(self, fwd):
         self.fwd = fwd  # test_api_validation.FakeCore: forward calls, variant selections
         self.calls = []
         self.workspace_calls = []  # the arguments of each backward_workspace_bytes call
         self.workspaces = []  # (address, bytes) of every workspace the API allocated
+        self.prepared = []  # the arrays (addresses 0) of each prepare_backward call
+        self.prepared_launches = []  # the nine addresses of each launch_backward call
 
     @staticmethod
     def nbytes(batch, seqlen_q, heads):
@@ -124,6 +128,33 @@ class FakeBwd:
             key["varlen"] = True
         core.select_variant("bwd", key)  # may raise
         return self.nbytes(batch, seqlen_q, heads) if varlen_total_q is None else self.nbytes(1, varlen_total_q, heads)
+
+    def prepare_backward(self, dout, q, k, v, out, lse, dq, dk, dv, causal, deterministic, variant=None, *,
+                         window_size=(-1, -1), softcap=0.0, softmax_scale=None, varlen=None):
+        """As core.prepare_backward: metadata only (addresses 0); the variant selected and the workspace sized as by
+        backward_workspace_bytes (recorded there). Returns the arguments and the workspace's bytes (``nbytes``)."""
+        arrays = (dout, q, k, v, out, lse, dq, dk, dv)
+        assert all(isinstance(a, core.TensorArg) and a.ptr == 0 for a in arrays)
+        assert varlen is None and softmax_scale is None  # (the interface's varlen backward calls attention_backward)
+        assert type(causal) is bool and type(deterministic) is bool
+        b, sq, h, d = q.shape
+        nbytes = self.backward_workspace_bytes(b, sq, h, k.shape[2], d, q.dtype, causal, q.device, variant,
+                                               seqlen_k=k.shape[1], window_size=window_size, softcap=softcap,
+                                               head_dim_v=v.shape[3])
+        self.prepared.append(arrays)
+        return types.SimpleNamespace(arrays=arrays, causal=causal, deterministic=deterministic, variant=variant,
+                                     window_size=window_size, softcap=softcap, nbytes=nbytes)
+
+    def launch_backward(self, prep, dout_ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
+                        workspace_ptr, softmax_scale, softcap, stream, varlen=()):
+        """As core.launch_backward: the prepared metadata at these addresses, emulated by attention_backward (which
+        records the call and checks the arrays, the workspace and the scalars)."""
+        assert varlen == () and type(softcap) is float and (softcap > 0) == (prep.softcap > 0)
+        ptrs = (dout_ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr)
+        self.prepared_launches.append(ptrs)
+        return self.attention_backward(*(a._replace(ptr=ptr) for a, ptr in zip(prep.arrays, ptrs)), softmax_scale,
+                                       prep.causal, prep.deterministic, stream, workspace_ptr, prep.variant,
+                                       window_size=prep.window_size, softcap=softcap)
 
     def record_workspace(self, make, size_of):
         """``make`` wrapped so that the workspaces it makes are recorded (``size_of(result) -> (ptr, bytes)``)."""
@@ -216,6 +247,9 @@ def gpu(fake_gpu, monkeypatch):
     bwd = FakeBwd(fake_gpu)
     monkeypatch.setattr(core, "backward_workspace_bytes", bwd.backward_workspace_bytes, raising=False)
     monkeypatch.setattr(core, "attention_backward", bwd.attention_backward, raising=False)
+    monkeypatch.setattr(core, "prepare_backward", bwd.prepare_backward, raising=False)
+    monkeypatch.setattr(core, "launch_backward", bwd.launch_backward, raising=False)
+    monkeypatch.setattr(interface, "_bwd_calls", {})
     monkeypatch.setattr(interface, "_workspace", bwd.record_workspace(
         interface._workspace, lambda t: (t.data_ptr(), t.numel() * t.element_size())))
     monkeypatch.setattr(dlpack_api, "_workspace", bwd.record_workspace(
@@ -763,14 +797,17 @@ def test_compile_dynamic_shapes_forward_and_backward(gpu):
 # The real core.attention_backward: its variant, params, TMA maps and grids (no driver)
 # --------------------------------------------------------------------------------------
 
-def _bwd_record(dtype: str, head_dim: int, causal: bool, block_m: int | None = None, **knobs) -> dict:
+def _bwd_record(dtype: str, head_dim: int, causal: bool, block_m: int | None = None, *, local: bool = False,
+                softcap: bool = False, **knobs) -> dict:
     """The manifest record of configs/bwd.yaml's variant for this key, from the family module
     (tile, resources, kernels, params layout); no fatbin behind it. ``block_m``: another tile's
     (not the dispatch default), e.g. the non-causal hd128 block_m 80 of configs/bwd.yaml's extra;
-    ``knobs``: more params (e.g. dkv_steps=False: configs/bwd_ablation.yaml's twins, not defaults)."""
-    key = {"dtype": dtype, "head_dim": head_dim, "causal": causal, "local": False, "softcap": False}
+    ``local`` / ``softcap``: the key's (a window's variant, a softcap variant); ``knobs``: more params
+    (e.g. dkv_steps=False: configs/bwd_ablation.yaml's twins, not defaults)."""
+    key = {"dtype": dtype, "head_dim": head_dim, "causal": causal, "local": local, "softcap": softcap}
     params = {"family": "bwd", **bwd_mod.FAMILY.suggest(key), **({"block_m": block_m} if block_m else {}), **knobs}
-    name = (f"bwd_{dtype}_hd{head_dim}_{'causal' if causal else 'noncausal'}{f'_m{block_m}' if block_m else ''}"
+    name = (f"bwd_{dtype}_hd{head_dim}_{'causal' if causal else 'local' if local else 'noncausal'}"
+            f"{'_softcap' if softcap else ''}{f'_m{block_m}' if block_m else ''}"
             f"{''.join(f'_{k}{v}' for k, v in knobs.items())}_fake")
     kernels = [{"role": k.role, "symbol": f"flashgen_{name}_{k.role}", "threads": k.threads, "cluster": list(k.cluster),
                 "smem_bytes": k.smem_bytes, "registers": 168, "spill_bytes": 0, "stack_bytes": 0,
@@ -781,9 +818,12 @@ def _bwd_record(dtype: str, head_dim: int, causal: bool, block_m: int | None = N
 
 
 class BwdLaunches:
-    """launch.get_kernel / launch.launch / launch.tensor_map stand-ins: kernels with the manifest's
-    records and params packers, launches recorded after packing their params (KeyError for a
-    field the params struct has and the core did not give), maps recorded as their arguments."""
+    """launch.get_kernel / launch.launch / launch.launch_prepared / launch.tensor_map / launch.tensor_map_at
+    stand-ins: kernels with the manifest's records and params packers; launches recorded with their params
+    struct's bytes (``packed``) and its fields read back from them (``params``): launch packs the dict it is
+    given (KeyError for a field the params struct has and the caller did not give), launch_prepared writes its
+    argument block as the real one does (the per-call values between the prepared fixed bytes) and takes the
+    params from it; maps recorded as their arguments (the address and the geometry's)."""
 
     def __init__(self):
         self.launches = []
@@ -793,17 +833,33 @@ class BwdLaunches:
         rec = variant.kernel(role)
         return launch.LoadedKernel(variant, rec, None, device, launch.ParamsPacker(rec.params))
 
-    def launch(self, kernel, grid, tensor_maps, params, stream, device=None):
-        assert len(tensor_maps) == len(kernel.record.tensor_maps)
-        assert len(kernel.packer.pack(params)) == kernel.packer.size
-        assert set(params) == set(kernel.packer.names)  # every field of the struct, nothing else
+    def _record(self, kernel, grid, tensor_maps, packed, stream):
+        packer = kernel.packer
+        assert len(tensor_maps) == len(kernel.record.tensor_maps) and len(packed) == packer.size
+        params = {n: struct.unpack_from("<" + packer._codes[n], packed, packer._slots[n][1])[0] for n in packer.names}
         self.launches.append(dict(role=kernel.record.role, variant=kernel.variant.name, grid=tuple(grid),
-                                  maps=dict(zip(kernel.record.tensor_maps, tensor_maps)), params=dict(params),
-                                  stream=stream))
+                                  maps=dict(zip(kernel.record.tensor_maps, tensor_maps)), params=params,
+                                  packed=packed, stream=stream))
+
+    def launch(self, kernel, grid, tensor_maps, params, stream, device=None):
+        assert set(params) == set(kernel.packer.names)  # every field of the struct, nothing else
+        self._record(kernel, tuple(int(g) for g in grid), tensor_maps, kernel.packer.pack(params), stream)
+
+    def launch_prepared(self, prep, tensor_maps, values, stream):
+        kernel = prep.kernel
+        assert len(values) == len(prep.per_call) and len(tensor_maps) == len(kernel.record.tensor_maps)
+        block = prep.block_type()
+        params_at = ctypes.addressof(block) + prep.head
+        prep.pack_block(block, 0, *prep.arrange((*[0] * len(tensor_maps), params_at, *values, *prep.chunks)))
+        self._record(kernel, prep.grid, tensor_maps, ctypes.string_at(params_at, kernel.packer.size), stream)
 
     @staticmethod
     def tensor_map(ptr, dtype, dims, strides_bytes, box, swizzle=128, device=None):
         return dict(ptr=ptr, dtype=dtype, dims=tuple(dims), strides=tuple(strides_bytes), box=tuple(box))
+
+    @staticmethod
+    def tensor_map_at(geometry, ptr):
+        return BwdLaunches.tensor_map(ptr, geometry.dtype, geometry.dims, geometry.strides_bytes, geometry.box)
 
 
 @pytest.fixture
@@ -818,11 +874,19 @@ def bwd_core(tmp_path, monkeypatch):
     for var in ("FLASHGEN_ROOT", "FLASHGEN_BUILD_DIR"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(core, "_bwd_plans", {})
+    monkeypatch.setattr(core, "_prepared_backwards", {})
     fake = BwdLaunches()
-    for name in ("get_kernel", "launch", "tensor_map"):
+    for name in ("get_kernel", "launch", "launch_prepared", "tensor_map", "tensor_map_at"):
         monkeypatch.setattr(launch, name, getattr(fake, name))
     monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     return fake
+
+
+def set_knob(monkeypatch, name: str, value) -> None:
+    """A core knob changed between calls: the prepared backwards (core._prepared_backwards) read the knobs when a
+    key is prepared, so they are emptied, as a script that changes one must (scripts/bwd_tail_ab.py)."""
+    monkeypatch.setattr(core, name, value)
+    core._prepared_backwards.clear()
 
 
 def _run_backward(b, sq, sk, h, hk, d, dv, causal, deterministic=False):
@@ -842,7 +906,7 @@ def test_core_backward_deterministic_mode(bwd_core, d, monkeypatch):
     query block's chain of key-block CTAs fits half the GPU (132 SMs here), 1 while it fits the GPU,
     2 (the hand-off signalled one block late) once it is longer. (The persistent grid off: its grid
     is not the key blocks'.)"""
-    monkeypatch.setattr(core, "PERSISTENT_BWD", 0)
+    set_knob(monkeypatch, "PERSISTENT_BWD", 0)
     bn = None
     for det, sk, want in ((False, 100000, 0), (True, 1000, 3), (True, 100000, 2)):
         variant, _ = _run_backward(1, 300, sk, 2, 2, d, d, False, deterministic=det)
@@ -907,12 +971,12 @@ def test_core_backward_unordered_tail(bwd_core, monkeypatch):
         assert main["params"]["deterministic"] == 0 and main["params"]["unordered_tail"] == want, (d, sk, b, hk)
         _run_backward(b, sk, sk, 2 * hk, hk, d, d, True, deterministic=True)
         assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
-    monkeypatch.setattr(core, "UNORDERED_CAUSAL_TAIL_WAVES", 0.0)
+    set_knob(monkeypatch, "UNORDERED_CAUSAL_TAIL_WAVES", 0.0)
     _run_backward(2, 4096, 4096, 4, 2, 256, 256, True)
     assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
     _run_backward(8, 512, 512, 16, 8, 128, 128, False)  # non-causal
     assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
-    monkeypatch.setattr(core, "UNORDERED_TAIL_WAVES", 0.0)
+    set_knob(monkeypatch, "UNORDERED_TAIL_WAVES", 0.0)
     _run_backward(8, 512, 512, 16, 8, 128, 128, True)
     assert bwd_core.launches[-2]["params"]["unordered_tail"] == 0
 
@@ -924,7 +988,7 @@ def test_core_backward_split_tail(bwd_core, monkeypatch):
     workspace holds the tickets and the pieces' partial dK / dV (backward_workspace_bytes sizes it,
     with or without seqlen_k), and none of it in deterministic, causal, local, role-tile calls or a
     call whose units fill whole waves. (The persistent grid off: it takes the short units' calls.)"""
-    monkeypatch.setattr(core, "PERSISTENT_BWD", 0)
+    set_knob(monkeypatch, "PERSISTENT_BWD", 0)
     assert (core.SPLIT_TAIL_OVERHEAD_BLOCKS, core.SPLIT_TAIL_MAX_PIECES, core.SPLIT_TAIL_MAX_ROUNDS) == (6.0, 16, 2)
     # (b, seqlen, h, head_dim): units = key blocks x heads x batch; the last units % 132 split in P
     for b, s, h, d, units, want in ((8, 2048, 16, 128, 2048, (68, 3)),   # 26 blocks of 80 rows: 2 rounds of 8.7
@@ -951,7 +1015,7 @@ def test_core_backward_split_tail(bwd_core, monkeypatch):
         main = bwd_core.launches[-2]
         assert (main["params"]["split_units"], main["params"]["split_pieces"]) == (0, 1), (causal, det, d, s)
         assert main["grid"][2] == 4 and main["params"]["split_whole"] == main["grid"][0] * main["grid"][1] * 4
-    monkeypatch.setattr(core, "SPLIT_TAIL_MAX_PIECES", 1)
+    set_knob(monkeypatch, "SPLIT_TAIL_MAX_PIECES", 1)
     _run_backward(8, 2048, 2048, 16, 16, 128, 128, False)
     assert bwd_core.launches[-2]["params"]["split_units"] == 0 and bwd_core.launches[-2]["grid"][2] == 8
 
@@ -983,7 +1047,7 @@ def test_core_backward_persistent(bwd_core, monkeypatch):
         p, grid = bwd_core.launches[-2]["params"], bwd_core.launches[-2]["grid"]
         assert p["persistent_units"] == 0 and grid[0] == -(-s // variant.params["block_n"]), (b, s, d, causal, det)
         assert (p["unit_x_mul"], p["unit_y_mul"]) == (0, 0)
-    monkeypatch.setattr(core, "PERSISTENT_BWD", 0)
+    set_knob(monkeypatch, "PERSISTENT_BWD", 0)
     _run_backward(16, 512, 512, 16, 16, 128, 128, False)
     assert bwd_core.launches[-2]["params"]["persistent_units"] == 0 and bwd_core.launches[-2]["grid"] == (4, 16, 16)
 
@@ -1024,7 +1088,7 @@ def test_core_backward_rotate(bwd_core, monkeypatch):
                                             (2, 8192, 8192, 128, True, False, 0), (2, 8192, 8192, 256, False, False, 0)):
         _run_backward(b, sq, sk, 4, 2, d, d, causal, deterministic=det)
         assert bwd_core.launches[-2]["params"]["rotate"] == want, (b, sq, sk, d, causal, det)
-    monkeypatch.setattr(core, "ROTATE_UNORDERED", False)
+    set_knob(monkeypatch, "ROTATE_UNORDERED", False)
     _run_backward(2, 8192, 8192, 4, 2, 128, 128, False)
     assert bwd_core.launches[-2]["params"]["rotate"] == 0
 
@@ -1127,10 +1191,10 @@ def test_core_backward_dkv_steps_twins(bwd_core, monkeypatch, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     for sq, bm in ((1000, 64), (3000, 80)):
         on, _ = _run_backward(1, sq, 1000, 2, 2, 128, 128, False)
-        monkeypatch.setattr(core, "BWD_DKV_STEPS", False)
+        set_knob(monkeypatch, "BWD_DKV_STEPS", False)
         off, _ = _run_backward(1, sq, 1000, 2, 2, 128, 128, False)
         other, _ = _run_backward(1, sq, 1000, 2, 2, 64, 64, False)
-        monkeypatch.setattr(core, "BWD_DKV_STEPS", True)
+        set_knob(monkeypatch, "BWD_DKV_STEPS", True)
         assert on.params.get("dkv_steps", True) and on.params["block_m"] == bm
         assert off.params["dkv_steps"] is False and off.params["block_m"] == bm and not off.default
         assert {k: x for k, x in off.params.items() if k != "dkv_steps"} == on.params
@@ -1157,7 +1221,7 @@ def test_core_backward_deterministic_runs_on_the_nosteps_twins(bwd_core, monkeyp
     for det in (False, True):
         hd64, _ = _run_backward(1, 1000, 1000, 2, 2, 64, 64, False, deterministic=det)
         assert hd64.params.get("dkv_steps", True) and hd64.default
-    monkeypatch.setattr(core, "DET_NOSTEPS_HEAD_DIMS", ())
+    set_knob(monkeypatch, "DET_NOSTEPS_HEAD_DIMS", ())
     det, _ = _run_backward(1, 1000, 1000, 2, 2, 128, 128, False, deterministic=True)
     assert det.params.get("dkv_steps", True) and det.default
 
@@ -1325,6 +1389,297 @@ def test_core_backward_varlen_refuses_what_it_cannot_run(bwd_core_varlen):
     assert not bwd_core_varlen.launches
 
 
+# --------------------------------------------------------------------------------------
+# The prepared backward (core.prepare_backward / launch_backward) against the unprepared construction
+# --------------------------------------------------------------------------------------
+
+def _unprepared_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, stream,
+                         workspace_ptr, window_size=(-1, -1), softcap=0.0, varlen=None):
+    """core.attention_backward as it was before the prepared launch (commit 4a51576), for valid arguments: every
+    call resolves the plan, builds the params dict with every field (addresses included) and launches through
+    launch.launch and launch.tensor_map. The reference the prepared path must reproduce byte for byte."""
+    total_q = 0
+    if varlen is not None:
+        dout, q, k, v, out, dq, dk, dv = (core._batch_of_one(name, t) for name, t in (
+            ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)))
+        total_q = q.shape[1]
+    _, sq, h, d = q.shape
+    _, sk, hk, dv_dim = v.shape
+    b = q.shape[0]
+    if varlen is not None:
+        b, sq, sk = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
+    mask = core.mask_spec(causal, window_size, sq, sk)
+    scale = float(softmax_scale)
+    scale_log2, softcap_scale = core.softmax_constants(scale, softcap)
+    plan = core._bwd_plan(q.dtype, max(d, dv_dim), mask, softcap > 0, q.device, None, sq, deterministic,
+                          varlen is not None)
+    bm, bn = plan.block_m, plan.block_n
+    num_m, num_n = -(-sq // bm), -(-sk // bn)
+    grid_n = core._bwd_grid_n(plan, sk)
+    units = core._bwd_units(plan, b, hk, sk)
+    persistent = core._persistent_units(plan, mask, deterministic, units, num_m * (h // hk)) if varlen is None else 0
+    split_units, split_pieces = ((0, 1) if persistent or varlen is not None
+                                 else core._call_split(plan, mask, deterministic, units, sq, h, hk))
+    _, (o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts) = core._bwd_workspace(
+        plan, b, sq, h, (split_units, split_pieces), None if varlen is None else total_q)
+    w = int(workspace_ptr)
+    ordered = core._ordered_default(plan, mask, sk)
+    params = {
+        "o": out.ptr, "dout": dout.ptr, "lse": lse.ptr,
+        "lse_log2": w + o_lse, "dpsum": w + o_dpsum, "dq_accum": w + o_acc, "sem": w + o_sem, "dq": dq.ptr,
+        "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
+        "do_stride_batch": dout.strides[0], "do_stride_seq": dout.strides[1], "do_stride_head": dout.strides[2],
+        "dq_stride_batch": dq.strides[0], "dq_stride_seq": dq.strides[1], "dq_stride_head": dq.strides[2],
+        "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "head_dim": d, "head_dim_v": dv_dim,
+        "seqlen_q_pad": num_m * bm if varlen is None else core._varlen_rows_pad(plan, b, total_q),
+        "num_m_blocks": num_m, "num_slices": plan.num_slices,
+        "deterministic": core._deterministic_mode(deterministic, num_n, plan.sms, ordered),
+        "scale_log2": scale_log2, "softmax_scale": scale,
+        "softcap_scale": softcap_scale, "window_left": mask.left, "window_right": mask.right,
+        "unordered_tail": (core._unordered_tail(plan, deterministic, ordered, mask.causal, grid_n, b * hk)
+                           if varlen is None else 0),
+        "rotate": int(core.ROTATE_UNORDERED and not deterministic and not mask.causal and not mask.local
+                      and not persistent and plan.block_n == 128 and num_n <= num_m
+                      and num_m >= core.ROTATE_UNORDERED_MIN_M_BLOCKS and varlen is None),
+        "split_whole": units - split_units, "split_units": split_units, "split_pieces": split_pieces,
+        "split_parts": w + o_parts if split_units else 0, "split_tickets": w + o_tickets if split_units else 0,
+        "persistent_units": persistent,
+        "cu_seqlens_q": 0 if varlen is None else varlen.cu_seqlens_q,
+        "cu_seqlens_k": 0 if varlen is None else varlen.cu_seqlens_k,
+        "dk": dk.ptr, "dv": dv.ptr, "dk_stride_seq": dk.strides[1], "dk_stride_head": dk.strides[2],
+        "dv_stride_seq": dv.strides[1], "dv_stride_head": dv.strides[2], "total_q": total_q,
+        "total_k": dk.shape[1] if varlen is not None else 0,
+        "zero_tail": int(varlen is not None and varlen.zero_tail),
+    }
+    (params["unit_x_mul"], params["unit_x_shift"]), (params["unit_y_mul"], params["unit_y_shift"]) = (
+        (core.fast_div(grid_n), core.fast_div(plan.num_slices * hk)) if persistent else ((0, 0), (0, 0)))
+    launch.launch(plan.pre, (-(-num_m * bm // plan.pre_rows), h, b), (), params, stream)
+    maps = tuple(launch.tensor_map(t.ptr, *core._bshd_map_spec(t, rows))
+                 for t, rows in ((q, bm), (k, bn), (v, bn), (dout, bm), (dk, 64), (dv, 64)))
+    extra = -(-split_units * (split_pieces - 1) // (grid_n * plan.num_slices * hk))
+    grid = (plan.sms, 1, 1) if persistent else (grid_n, plan.num_slices * hk, b + extra)
+    launch.launch(plan.main, grid, maps, params, stream)
+    launch.launch(plan.post, (2 * -(-sq // 16), h, b), (), params, stream)
+    return plan.variant
+
+
+@pytest.fixture
+def bwd_core_all(bwd_core_varlen, tmp_path):
+    """bwd_core_varlen's manifest with the window (local) and softcap variants of head dims 64 and 128."""
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    m["variants"] += [_bwd_record("bf16", d, False, **{f: True}) for d in (64, 128) for f in ("local", "softcap")]
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    return bwd_core_varlen
+
+
+def _bwd_case_args(case: dict, base: int) -> tuple:
+    """(args by name, BwdVarlen or None) of a _PREPARED_CASES entry: the nine arrays at distinct addresses from
+    ``base`` (contiguous; padded (batch, seqlen, heads, dim), or packed (total, heads, dim) with ``lens``)."""
+    h, hk, d, dv = case["h"], case["hk"], case["d"], case["dv"]
+    if "lens" in case:
+        lens_q, lens_k = case["lens"]
+        tq, tk = sum(lens_q) + 3, sum(lens_k) + 2
+        rows = dict(q=(tq,), k=(tk,))
+        vl = core.BwdVarlen(base + 0x70000, base + 0x71000, len(lens_q),
+                            *case.get("max_seqlen", (max(lens_q), max(lens_k))), case.get("zero_tail", False))
+        lse = (h, tq)
+    else:
+        b, sq, sk = case["b"], case["sq"], case["sk"]
+        rows, vl, lse = dict(q=(b, sq), k=(b, sk)), None, (b, h, sq)
+    shapes = dict(dout=(*rows["q"], h, dv), q=(*rows["q"], h, d), k=(*rows["k"], hk, d), v=(*rows["k"], hk, dv),
+                  out=(*rows["q"], h, dv), lse=lse, dq=(*rows["q"], h, d), dk=(*rows["k"], hk, d),
+                  dv=(*rows["k"], hk, dv))
+    args = {name: targ(shape, "fp32" if name == "lse" else "bf16", base + 0x1000000 * (i + 1))
+            for i, (name, shape) in enumerate(shapes.items())}
+    return args, vl
+
+
+_PREPARED_CASES = {  # (b, sq, sk, h, hk, d, dv) or packed lens, mask, determinism: every decision of the plan
+    "hd128_split_tail": dict(b=2, sq=300, sk=300, h=2, hk=2, d=128, dv=128, causal=False),
+    "hd64_causal_gqa": dict(b=2, sq=200, sk=333, h=8, hk=2, d=64, dv=64, causal=True),
+    "hd256_causal_det_pairs": dict(b=1, sq=300, sk=300, h=4, hk=4, d=256, dv=256, causal=True, deterministic=True),
+    "hd96_gqa_det": dict(b=2, sq=100, sk=150, h=6, hk=3, d=96, dv=96, causal=False, deterministic=True),
+    "hd128_block_m80": dict(b=1, sq=2048, sk=1000, h=2, hk=2, d=128, dv=128, causal=False),
+    "hd128_persistent": dict(b=16, sq=512, sk=512, h=16, hk=16, d=128, dv=128, causal=False),
+    "hd128_causal_unordered_tail": dict(b=8, sq=512, sk=512, h=16, hk=8, d=128, dv=128, causal=True),
+    "hd64_rotate": dict(b=2, sq=8192, sk=8192, h=4, hk=2, d=64, dv=64, causal=False),
+    "hd128_window": dict(b=2, sq=300, sk=400, h=4, hk=2, d=128, dv=128, causal=False, window_size=(64, 32)),
+    "hd64_softcap": dict(b=2, sq=300, sk=300, h=4, hk=4, d=64, dv=64, causal=False, softcap=30.0),
+    "hd192_dv128_causal": dict(b=2, sq=113, sk=239, h=4, hk=2, d=192, dv=128, causal=True),
+    "varlen_hd128_causal": dict(lens=([5, 130, 0, 77], [9, 130, 40, 0]), h=4, hk=2, d=128, dv=128, causal=True),
+    "varlen_hd64_zero_tail": dict(lens=([64, 1, 100], [64, 30, 100]), h=2, hk=1, d=64, dv=64, causal=False,
+                                  zero_tail=True),
+}
+
+
+@pytest.mark.parametrize("name", list(_PREPARED_CASES))
+def test_prepared_backward_is_the_unprepared_launch(bwd_core_all, name, monkeypatch):
+    """The prepared backward launches what the unprepared construction (_unprepared_backward) launched, byte for
+    byte: the three kernels in order, their grids, the main kernel's six TMA maps, the params struct's bytes, the
+    stream. For a spread of keys (split tail, GQA, head dims 64 to 256, deterministic, block_m 80, the persistent
+    grid, the unordered tail, rotation, a window, softcap, head_dim_v != head_dim, varlen); the first call
+    prepares, a second one with other addresses, scale, softcap value, workspace, offsets and stream hits the cache
+    (no second prepare) and launches at its own addresses; prepare_backward on addresses 0 then launch_backward
+    (the interface's way) launches the same. The workspace regions the params point at end within ``nbytes``, which
+    is at most what backward_workspace_bytes asks for."""
+    case = dict(_PREPARED_CASES[name])
+    causal, det = case["causal"], case.get("deterministic", False)
+    window, softcap = case.get("window_size", (-1, -1)), case.get("softcap", 0.0)
+    prepares = []
+    real_prepare = core._prepare_backward
+    monkeypatch.setattr(core, "_prepare_backward", lambda *a: prepares.append(a) or real_prepare(*a))
+    order = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
+    for rnd, (base, scale, stream, w) in enumerate(((0, 0.1, 77, 0xA00000), (0x40000000, -0.3, 78, 0xB00100))):
+        args, vl = _bwd_case_args(case, base)
+        cap = softcap * (1 + rnd)  # softcap's value is per call (only softcap > 0 is in the key)
+        _unprepared_backward(*(args[n] for n in order), scale, causal, det, stream, w, window, cap, vl)
+        want = bwd_core_all.launches[-3:]
+        variant = core.attention_backward(*(args[n] for n in order), scale, causal, det, stream, w,
+                                          window_size=window, softcap=cap, varlen=vl)
+        got = bwd_core_all.launches[-3:]
+        prep = core.prepare_backward(*(a._replace(ptr=0) for a in (args[n] for n in order)), causal, det,
+                                     window_size=window, softcap=cap, varlen=vl)
+        core.launch_backward(prep, *(args[n].ptr for n in order), w, scale, cap, stream,
+                             () if vl is None else vl.addresses())
+        again = bwd_core_all.launches[-3:]
+        assert [x["role"] for x in want] == ["pre", "main", "post"]
+        for ref, new, new2 in zip(want, got, again):
+            for field in ("role", "variant", "grid", "maps", "packed", "stream"):
+                assert ref[field] == new[field] == new2[field], (name, rnd, ref["role"], field)
+        assert variant.name == want[0]["variant"] and len(prepares) == 1 and len(core._prepared_backwards) == 1
+        main = got[1]
+        assert {m: main["maps"][m]["ptr"] for m in main["maps"]} == {m: args[m].ptr for m in main["maps"]}
+        p = main["params"]
+        assert (p["o"], p["dout"], p["lse"], p["dq"], p["dk"], p["dv"]) == tuple(
+            args[n].ptr for n in ("out", "dout", "lse", "dq", "dk", "dv"))
+        assert p["softmax_scale"] == pytest.approx(scale) and main["stream"] == stream
+        if vl is not None:
+            assert (p["cu_seqlens_q"], p["cu_seqlens_k"]) == vl.addresses()
+        slices = p["num_slices"]  # (batch: the sequences of a varlen call)
+        sem_end = p["sem"] + 4 * p["batch"] * p["heads"] * p["num_m_blocks"] * slices
+        assert w <= p["lse_log2"] < p["dpsum"] < p["dq_accum"] < p["sem"] and sem_end <= w + prep.nbytes
+        assert (p["split_units"] > 0) == prep.split == (p["split_tickets"] != 0) == (p["split_parts"] != 0)
+        if prep.split:
+            slice_cols = -(-max(case["d"], case["dv"]) // 64) * 64 // slices
+            parts_end = p["split_parts"] + p["split_units"] * p["split_pieces"] * 4 * 64 * slice_cols * 4
+            assert p["sem"] < p["split_tickets"] < p["split_parts"] and parts_end <= w + prep.nbytes
+        if vl is None:
+            asked = core.backward_workspace_bytes(case["b"], case["sq"], case["h"], case["hk"], case["d"], "bf16",
+                                                  causal, 0, seqlen_k=case["sk"], window_size=window, softcap=cap,
+                                                  head_dim_v=case["dv"])
+            assert prep.nbytes <= asked
+
+
+def test_prepared_backward_keys_hold_all_the_metadata(bwd_core_all):
+    """Calls differing from one another in one piece of metadata (each array's strides, seqlen_k, the device,
+    causal, deterministic, a window, softcap on, head_dim_v, and of a varlen call its sequences, longest lengths,
+    zero_tail) get prepared launches of their own, each launching what the unprepared construction launches, in a
+    first round that prepares and a second that hits the cache (one entry per call); calls differing only in what
+    each call gives (addresses, scale, softcap's value, stream) share an entry."""
+    order = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
+    base = dict(b=2, sq=100, sk=150, h=4, hk=2, d=64, dv=64, causal=False)
+    vbase = dict(lens=([5, 70, 33], [9, 60, 40]), h=4, hk=2, d=64, dv=64, causal=False)
+
+    def padded(t, width=128):  # the same shape, rows of ``width`` elements (TMA reads it in place)
+        b, s, h, _ = t.shape
+        return t._replace(strides=(s * h * width, h * width, width, 1))
+
+    calls = [(base, {}, {})] + [(base, {}, {name: padded}) for name in order if name != "lse"] + [
+        (dict(base, sk=151), {}, {}), (base, {}, {name: (lambda t: t._replace(device=1)) for name in order}),
+        (dict(base, causal=True), {}, {}), (base, {"deterministic": True}, {}),
+        (base, {"window_size": (16, 8)}, {}), (base, {"softcap": 5.0}, {}), (dict(base, dv=128), {}, {}),
+        (vbase, {}, {}), (dict(vbase, lens=([5, 70, 33, 0], [9, 60, 40, 0])), {}, {}),  # (the same totals)
+        (dict(vbase, max_seqlen=(80, 60)), {}, {}), (dict(vbase, max_seqlen=(70, 64)), {}, {}),
+        (dict(vbase, zero_tail=True), {}, {})]
+    for rnd in range(2):
+        for i, (case, kw, change) in enumerate(calls):
+            args, vl = _bwd_case_args(case, (rnd * 64 + i) << 32)
+            args = {n: change.get(n, lambda t: t)(a) for n, a in args.items()}
+            det, window, cap = kw.get("deterministic", False), kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0)
+            _unprepared_backward(*(args[n] for n in order), 0.1 + rnd, case["causal"], det, 5 + i, 0xA00000, window,
+                                 cap * (1 + rnd), vl)
+            want = bwd_core_all.launches[-3:]
+            core.attention_backward(*(args[n] for n in order), 0.1 + rnd, case["causal"], det, 5 + i, 0xA00000,
+                                    window_size=window, softcap=cap * (1 + rnd), varlen=vl)
+            for ref, new in zip(want, bwd_core_all.launches[-3:]):
+                assert all(ref[f] == new[f] for f in ("role", "variant", "grid", "maps", "packed", "stream")), i
+        assert len(core._prepared_backwards) == len(calls), rnd
+
+
+def test_prepared_backward_refuses_a_misaligned_address_as_before(bwd_core):
+    """On a cached key, launch_backward refuses an address TMA cannot use (not 16-byte aligned) with the message the
+    uncached checks give, naming the array, and a bad softmax_scale / softcap, before any launch; a key whose first
+    call raised is not cached."""
+    args, _ = _bwd_case_args(_PREPARED_CASES["hd64_causal_gqa"], 0)
+    order = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
+
+    def call(**change):
+        a = {n: args[n]._replace(ptr=args[n].ptr + change.get(n, 0)) for n in order}
+        scale = change.get("scale", 0.1)
+        return core.attention_backward(*(a[n] for n in order), scale, True, False, 77, 0xA00000,
+                                       softcap=change.get("softcap", 0.0))
+
+    for name in ("dout", "q", "k", "v", "out", "dq", "dk", "dv"):
+        core._prepared_backwards.clear()
+        n = len(bwd_core.launches)
+        with pytest.raises(ValueError) as fresh:  # a new key: prepare's checks
+            call(**{name: 8})
+        assert core._prepared_backwards == {} and len(bwd_core.launches) == n
+        call()
+        n = len(bwd_core.launches)
+        with pytest.raises(ValueError) as cached:  # the key is cached: launch_backward's check, the same words
+            call(**{name: 8})
+        ptr = args[name].ptr + 8
+        assert str(cached.value) == str(fresh.value) == \
+            f"flashgen: TMA cannot address {name}: its base address 0x{ptr:x} is not 16-byte aligned"
+        assert len(bwd_core.launches) == n and len(core._prepared_backwards) == 1
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        call(scale=float("nan"))
+    with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
+        call(softcap=-1.0)
+    assert len(bwd_core.launches) == n
+
+
+def test_eager_backward_takes_the_prepared_launch_and_copies_what_tma_cannot_read(gpu):
+    """flash_attn_func's eager backward (interface._bwd_impl) launches through core.prepare_backward /
+    launch_backward when dout, q, k, v, out are read in place: prepared once per key, each step at its own
+    addresses. An input TMA cannot read in place (the stride-0 dout of ``out.sum()``: its layout, another key; a q
+    view 2 bytes off alignment: its address, on the cached key) takes the copy path (core.attention_backward on
+    aligned copies), with the same gradients."""
+    q, k, v = (torch.randn(2, 37, 4, 64).half() for _ in range(3))
+    k, v = k[:, :, ::2].contiguous(), v[:, :, ::2].contiguous()  # GQA 4 / 2
+
+    def grads(q, loss):
+        leaves = [t.clone().requires_grad_(True) for t in (k, v)]
+        qq = q.detach().requires_grad_(True)
+        out = flash_attn_func(qq, *leaves, causal=True)
+        loss(out).backward()
+        return qq.grad, leaves[0].grad, leaves[1].grad, qq
+
+    ones = lambda out: (out * torch.ones_like(out)).sum()  # noqa: E731  (a dense dout of ones)
+    first = grads(q, ones)
+    assert len(gpu.prepared) == 1 and len(gpu.prepared_launches) == 1 and len(gpu.calls) == 1
+    second = grads(q, ones)
+    assert len(gpu.prepared) == 1 and len(gpu.prepared_launches) == 2  # a cache hit: no second prepare
+    assert gpu.prepared_launches[1][1] == second[3].data_ptr() and gpu.calls[-1]["q"].ptr == second[3].data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(first[:3], second[:3]))
+    for got, ref in zip(second[:3], reference_grads(q, k, v, torch.ones(2, 37, 4, 64), 0.125, True)):
+        assert_close(got, ref)
+    summed = grads(q, lambda out: out.sum())  # dout = ones expanded (stride 0): copied, another key
+    assert len(gpu.prepared_launches) == 2 and len(gpu.calls) == 3
+    assert gpu.calls[-1]["dout"].strides == (37 * 4 * 64, 4 * 64, 64, 1)
+    assert all(torch.equal(a, b) for a, b in zip(first[:3], summed[:3]))
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype)
+    q_mis = flat[1:].view(q.shape)  # q's shape and strides, base 2 bytes off alignment
+    q_mis.copy_(q)
+    assert q_mis.stride() == q.stride() and q_mis.data_ptr() % 16
+    n = len(interface._bwd_calls)
+    mis = grads(q_mis, ones)  # the cached key (same metadata), a misaligned address: copied
+    assert len(interface._bwd_calls) == n and len(gpu.prepared) == 1 and len(gpu.prepared_launches) == 2
+    assert gpu.calls[-1]["q"].ptr != q_mis.data_ptr() and gpu.calls[-1]["q"].ptr % 16 == 0
+    assert all(torch.equal(a, b) for a, b in zip(first[:3], mis[:3]))
+
+
 def test_eager_gradients_run_the_ops_code_without_the_dispatcher(gpu):
     """Eagerly, flash_attn_func with gradients runs interface._FwdFn (the fwd op's implementation and autograd formula,
     and _bwd_impl, without the custom-op dispatcher's host time); torch.compile runs the ops. Both give the same out
@@ -1352,7 +1707,7 @@ def test_eager_gradients_run_the_ops_code_without_the_dispatcher(gpu):
 
 
 def test_backward_checks_are_kept_per_metadata_key(gpu, monkeypatch):
-    """The backward op checks its six arrays, window and softcap once per metadata key (interface._bwd_checked): a
+    """The backward op checks its six arrays, window and softcap once per metadata key (interface._bwd_calls): a
     training loop's second step runs no check, other metadata is checked, and a call that fails is checked (and
     fails) every time, since failures are not kept. The fake implementation checks every call."""
     import flashgen.interface as interface
@@ -1360,7 +1715,7 @@ def test_backward_checks_are_kept_per_metadata_key(gpu, monkeypatch):
     checks = []
     real = interface._check_backward
     monkeypatch.setattr(interface, "_check_backward", lambda *a: checks.append(a[6:]) or real(*a))
-    interface._bwd_problems.clear()
+    interface._bwd_calls.clear()
     q, k, v = (torch.randn(2, 37, 4, 64).half().requires_grad_(True) for _ in range(3))
 
     def step(causal=True):

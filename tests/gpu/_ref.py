@@ -345,12 +345,33 @@ def varlen_launches(monkeypatch, entry: str) -> list:
 
 def varlen_kernels_on(monkeypatch) -> list:
     """Switch both varlen kernels on for the test (flashgen.core.VARLEN_KERNEL, VARLEN_BWD_KERNEL) and record each
-    core.attention_backward launch (:func:`varlen_launches`)."""
+    backward launch: a core.attention_backward call's ``varlen`` argument (:func:`varlen_launches`; None: not a
+    varlen launch), and None for each prepared launch of the plain backward (core.launch_backward called by
+    interface._bwd_impl itself, not from inside attention_backward)."""
     import flashgen
 
-    monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
-    monkeypatch.setattr(flashgen.core, "VARLEN_BWD_KERNEL", True)
-    return varlen_launches(monkeypatch, "attention_backward")
+    core = flashgen.core
+    monkeypatch.setattr(core, "VARLEN_KERNEL", True)
+    monkeypatch.setattr(core, "VARLEN_BWD_KERNEL", True)
+    launches = varlen_launches(monkeypatch, "attention_backward")
+    spied, real = core.attention_backward, core.launch_backward
+    inside = []  # attention_backward calls in progress (it launches through core.launch_backward)
+
+    def attention_backward(*a, **kw):
+        inside.append(True)
+        try:
+            return spied(*a, **kw)
+        finally:
+            inside.pop()
+
+    def launch_backward(*a, **kw):
+        if not inside:
+            launches.append(None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(core, "attention_backward", attention_backward)
+    monkeypatch.setattr(core, "launch_backward", launch_backward)
+    return launches
 
 
 def captured(call, rounds: int = 1, warmup=None):
