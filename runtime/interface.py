@@ -648,10 +648,16 @@ def _eager_function(name: str, impl, setup_context, backward, bwd_impl, doc: str
     def forward(ctx, *inputs):
         outputs = impl(*inputs)
         setup_context(ctx, inputs, outputs)
+        # The backward ignores lse's gradient (FA3's), so autograd need not make a zero tensor for it every step
+        # (an allocation and a fill kernel on the GPU; the custom op's autograd wrapper, under torch.compile, still
+        # does); out's is made below where the loss does not use out.
+        ctx.set_materialize_grads(False)
         return outputs
 
-    def backward_(ctx, *grads):
-        return backward(ctx, *grads, bwd_impl)
+    def backward_(ctx, grad_out, *grads):
+        if grad_out is None:  # out is not in the loss (lse alone is): zeros, as autograd would have materialised
+            grad_out = torch.zeros_like(ctx.saved_tensors[3])  # (both setup_contexts save q, k, v, out first)
+        return backward(ctx, grad_out, *grads, bwd_impl)
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                     "backward": staticmethod(backward_), "__doc__": doc})

@@ -1732,3 +1732,32 @@ def test_backward_checks_are_kept_per_metadata_key(gpu, monkeypatch):
         with pytest.raises(ValueError, match="softcap"):
             interface._bwd_impl(torch.ones_like(out), q, k, v, out, lse, 0.125, False, False, -1, -1, -1.0)
     assert len(checks) == 4
+
+
+def test_eager_backward_makes_no_zero_gradient_for_lse(gpu):
+    """The eager training path (interface._FwdFn) tells autograd not to materialise the gradients it ignores: no
+    zero tensor of lse's shape is made in the backward (a GPU allocation and fill kernel a step), unless the loss
+    leaves out out, where out's zeros are made as before (test_grad_lse_is_ignored_as_in_fa3)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] in ("zeros_like", "zeros", "zero_", "fill_", "new_zeros", "full_like"):
+                self.made.append((func.__name__, tuple(getattr(result, "shape", ()))))
+            return result
+
+    q, k, v = grad_qkv()
+    out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    with Ops() as ops:
+        grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    assert all(g is not None and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    assert not [m for m in ops.made if m[1] == tuple(lse.shape)], ops.made
+    with Ops() as ops:  # the check above can see the engine's zeros: the lse-only loss makes out's
+        torch.autograd.grad(lse.sum(), (q, k, v))
+    assert (("zeros_like.default", tuple(out.shape)) in ops.made), ops.made
