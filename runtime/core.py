@@ -39,6 +39,14 @@ class TensorArg(NamedTuple):
     device: int
 
 
+def _raise_misaligned(**ptrs: int) -> None:
+    """ValueError naming the first of ``ptrs`` (array name -> device address) TMA cannot address, in
+    :func:`_check_tma`'s words; for a prepared launch whose addresses' OR was found misaligned."""
+    for name, ptr in ptrs.items():
+        if ptr % TMA_ALIGN_BYTES:
+            raise ValueError(f"flashgen: TMA cannot address {name}: {tma_layout_problem((), (), 1, ptr)}")
+
+
 def _check_tma(name: str, t: TensorArg) -> None:
     problem = tma_layout_problem(t.shape, t.strides, ELEMENT_SIZE[t.dtype], t.ptr)
     if problem is not None:
@@ -816,9 +824,7 @@ def launch_forward(prep: PreparedForward, q_ptr: int, k_ptr: int, v_ptr: int, ou
     (``vt_bytes``, from launch.scratch, freed on ``stream`` after the launches): its preprocess, then
     the main kernel reading V^T."""
     if (q_ptr | k_ptr | v_ptr | out_ptr) % TMA_ALIGN_BYTES:
-        for name, ptr in (("q", q_ptr), ("k", k_ptr), ("v", v_ptr), ("out", out_ptr)):
-            if ptr % TMA_ALIGN_BYTES:
-                raise ValueError(f"flashgen: TMA cannot address {name}: {tma_layout_problem((), (), 1, ptr)}")
+        _raise_misaligned(q=q_ptr, k=k_ptr, v=v_ptr, out=out_ptr)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
     tensor_map_at = launch.tensor_map_at
@@ -1380,10 +1386,7 @@ def launch_backward(prep: PreparedBackward, dout_ptr: int, q_ptr: int, k_ptr: in
     workspace's alignment is the caller's (unchecked, as before: torch's and the DLPack entry's allocators give
     512-byte blocks)."""
     if (dout_ptr | q_ptr | k_ptr | v_ptr | out_ptr | dq_ptr | dk_ptr | dv_ptr) % TMA_ALIGN_BYTES:
-        for name, ptr in (("dout", dout_ptr), ("q", q_ptr), ("k", k_ptr), ("v", v_ptr), ("out", out_ptr),
-                          ("dq", dq_ptr), ("dk", dk_ptr), ("dv", dv_ptr)):
-            if ptr % TMA_ALIGN_BYTES:
-                raise ValueError(f"flashgen: TMA cannot address {name}: {tma_layout_problem((), (), 1, ptr)}")
+        _raise_misaligned(dout=dout_ptr, q=q_ptr, k=k_ptr, v=v_ptr, out=out_ptr, dq=dq_ptr, dk=dk_ptr, dv=dv_ptr)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
     w = int(workspace_ptr)

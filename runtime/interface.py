@@ -467,18 +467,16 @@ def _check_backward(dout, q, k, v, out, lse, window_left=-1, window_right=-1, so
 
 class _BwdCall(NamedTuple):
     """Everything of a backward call that its validated metadata decides, made by :func:`_bwd_call`: the Problem,
-    the workspace's size, how dout, q, k, v, out reach the kernels and, when they are all read in place, the core's
-    prepared launch (:func:`flashgen.core.prepare_backward`). The backward op keeps one per key (``_bwd_calls``:
-    the six arrays' shapes, strides, dtypes and devices, the mask, softcap, causal and deterministic: all that the
-    checks and this record read, never the data), so a training loop's repeated backward skips both; immutable, so
-    calls on any thread may share it. What depends on the data itself (addresses: alignment, copies) is done per
+    the workspace's size and, when TMA reads dout, q, k, v, out all in place, the core's prepared launch
+    (:func:`flashgen.core.prepare_backward`). The backward op keeps one per key (``_bwd_calls``: the six arrays'
+    shapes, strides, dtypes and devices, the mask, softcap, causal and deterministic: all that the checks and this
+    record read, never the data), so a training loop's repeated backward skips both; immutable, so calls on any
+    thread may share it. What depends on the data itself (addresses: alignment, copies) is done per
     call by :func:`_bwd_impl`."""
 
     problem: _v.Problem
     empty: bool  # nothing to launch: batch, seqlen_q or seqlen_k is 0
     nbytes: int  # the workspace (0 when empty)
-    inputs: tuple  # per dout, q, k, v, out: (shape, strides for the core) when TMA reads its layout in place, else None
-    grads: tuple  # per dq, dk, dv: the core's TensorArg of a fresh contiguous gradient, address 0
     launch: Optional[_core.PreparedBackward]  # when dout, q, k, v, out are all read in place (and not empty)
 
 
@@ -489,23 +487,24 @@ def _bwd_call(p: _v.Problem, dout, q, k, v, out, causal: bool, deterministic: bo
               softcap: float) -> _BwdCall:
     """The :class:`_BwdCall` of valid arguments (``p``: their Problem, on a Hopper device). Selects the variant:
     MissingVariantError when no bwd variant serves the call (before any allocation)."""
+    if p.nothing_to_compute or p.seqlen_k == 0:
+        return _BwdCall(p, True, 0, None)
     es = _v.ELEMENT_SIZE[p.dtype]
     inputs = tuple(_input_layout(t, es) for t in (dout, q, k, v, out))
     dev = p.device
-    grads = tuple(_core.TensorArg(0, shape, _v.tma_strides(shape, _contiguous_strides(shape)), p.dtype, dev)
-                  for shape in (p.q_shape, p.k_shape, p.v_shape))
-    if p.nothing_to_compute or p.seqlen_k == 0:
-        return _BwdCall(p, True, 0, inputs, grads, None)
     if None in inputs:  # copied per call (_launch_backward)
         nbytes = _core.backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.heads_k, p.head_dim, p.dtype,
                                                 causal, dev, seqlen_k=p.seqlen_k, window_size=window, softcap=softcap,
                                                 head_dim_v=p.head_dim_v)
-        return _BwdCall(p, False, nbytes, inputs, grads, None)
+        return _BwdCall(p, False, nbytes, None)
+    # the fresh contiguous dq, dk, dv that _bwd_impl allocates per call
+    grads = tuple(_core.TensorArg(0, shape, _v.tma_strides(shape, _contiguous_strides(shape)), p.dtype, dev)
+                  for shape in (p.q_shape, p.k_shape, p.v_shape))
     prepared = _core.prepare_backward(
         *(_core.TensorArg(0, shape, strides, p.dtype, dev) for shape, strides in inputs),
         _core.TensorArg(0, p.lse_shape, _contiguous_strides(p.lse_shape), "fp32", dev), *grads, causal, deterministic,
         window_size=window, softcap=softcap)
-    return _BwdCall(p, False, prepared.nbytes, inputs, grads, prepared)
+    return _BwdCall(p, False, prepared.nbytes, prepared)
 
 
 def _bwd_impl(
