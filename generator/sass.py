@@ -145,19 +145,31 @@ def check(fatbin: str, required: dict) -> dict:
     return report
 
 
-def check_manifest(path: str) -> dict:
+def check_manifest(path: str, jobs: int | None = None) -> dict:
     """Check every kernel of every variant a manifest lists against its recorded ``sass``
-    requirement. Returns {symbol: opcodes}; AssertionError listing every failing kernel."""
+    requirement. Returns {symbol: opcodes}, in the manifest's order; AssertionError listing every
+    failing kernel. The time is cuobjdump's (about 0.4 s per fatbin), so ``jobs`` of them run at once
+    (default: one per CPU; a 16-core machine checks 350 variants in seconds, not minutes)."""
     import json
+    import os
+    from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
     data = json.loads(Path(path).read_text())
-    report, problems = {}, []
-    for v in data["variants"]:
+
+    def one(v):
         try:
-            report.update(check(str(Path(path).parent / v["fatbin"]), {k["symbol"]: k["sass"] for k in v["kernels"]}))
+            return check(str(Path(path).parent / v["fatbin"]), {k["symbol"]: k["sass"] for k in v["kernels"]}), None
         except AssertionError as e:
-            problems.append(str(e))
+            return {}, str(e)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as pool:
+        results = list(pool.map(one, data["variants"]))
+    report, problems = {}, []
+    for found, problem in results:
+        report.update(found)
+        if problem:
+            problems.append(problem)
     if problems:
         raise AssertionError("; ".join(problems))
     return report

@@ -322,3 +322,40 @@ def test_manifest_schema_readable_by_runtime(tmp_path, monkeypatch):
     m = manifest_mod.parse_manifest(proj.manifest_path)
     assert len(m.variants) == 8 and all(v.default for v in m.variants)
     assert json.loads(proj.manifest_path.read_text())["variants"][0]["name"] == sorted(v.name for v in m.variants)[0]
+
+
+def test_sass_check_manifest_runs_variants_in_parallel_and_reports_every_failure(tmp_path, monkeypatch):
+    """check_manifest runs cuobjdump for several fatbins at once (generator/sass.py): the report keeps the
+    manifest's order and every failing variant is named, not only the first one a worker finished."""
+    import json
+    import threading
+    import time
+
+    from flashgen.generator import sass
+
+    names = [f"v{i}" for i in range(6)]
+    (tmp_path / "manifest.json").write_text(json.dumps({"variants": [
+        {"fatbin": f"{n}.fatbin", "kernels": [{"symbol": f"k_{n}", "sass": ["HGMMA"]}]} for n in names]}))
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def fake_check(fatbin, required):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05 if fatbin.endswith("v0.fatbin") else 0.01)  # the first one finishes last
+        with lock:
+            running[0] -= 1
+        if fatbin.endswith(("v1.fatbin", "v4.fatbin")):
+            raise AssertionError(f"{fatbin}: SASS lacks HGMMA")
+        return {sym: ["HGMMA"] for sym in required}
+
+    monkeypatch.setattr(sass, "check", fake_check)
+    with pytest.raises(AssertionError) as e:
+        sass.check_manifest(str(tmp_path / "manifest.json"), jobs=4)
+    msg = str(e.value)
+    assert "v0" not in msg and 0 <= msg.find("v1.fatbin") < msg.find("v4.fatbin")
+    assert most[0] > 1
+    monkeypatch.setattr(sass, "check", lambda f, r: time.sleep(0.05 * f.endswith("v0.fatbin")) or
+                        {s: ["HGMMA"] for s in r})
+    assert list(sass.check_manifest(str(tmp_path / "manifest.json"))) == [f"k_{n}" for n in names]
