@@ -1381,15 +1381,17 @@ def launch_backward(prep: PreparedBackward, dout_ptr: int, q_ptr: int, k_ptr: in
     out, lse, dq, dk, dv; ``workspace_ptr``: ``prep.nbytes`` of device memory, 256-byte aligned, any contents;
     ``varlen``: a varlen call's :meth:`BwdVarlen.addresses`, as its prepare_backward was given a BwdVarlen) on
     ``stream``; returns the variant. The per-call work of :func:`attention_backward`: ValueError for an array's
-    address TMA cannot use (not 16-byte aligned) or a bad softmax_scale / softcap, then the preprocess, the main
-    kernel's TMA maps (cached by address) and the main kernel, the postprocess (CudaError if a launch fails). The
-    workspace's alignment is the caller's (unchecked, as before: torch's and the DLPack entry's allocators give
-    512-byte blocks)."""
+    address TMA cannot use (not 16-byte aligned), a workspace_ptr not 256-byte aligned (the kernels' vector
+    accesses to its regions would fault, a sticky error of the context) or a bad softmax_scale / softcap, then the
+    preprocess, the main kernel's TMA maps (cached by address) and the main kernel, the postprocess (CudaError if a
+    launch fails)."""
     if (dout_ptr | q_ptr | k_ptr | v_ptr | out_ptr | dq_ptr | dk_ptr | dv_ptr) % TMA_ALIGN_BYTES:
         _raise_misaligned(dout=dout_ptr, q=q_ptr, k=k_ptr, v=v_ptr, out=out_ptr, dq=dq_ptr, dk=dk_ptr, dv=dv_ptr)
+    w = int(workspace_ptr)
+    if w % _WS_ALIGN:
+        raise ValueError(f"flashgen: workspace_ptr must be {_WS_ALIGN}-byte aligned, got {w:#x}")
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
-    w = int(workspace_ptr)
     o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts = prep.workspace
     split = prep.split
     values = (out_ptr, dout_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, w + o_lse, w + o_dpsum, w + o_acc, w + o_sem,

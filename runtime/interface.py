@@ -113,11 +113,18 @@ def _check_device_capability(device: int) -> None:
 def _workspace(like: torch.Tensor, nbytes: int) -> torch.Tensor:
     """``nbytes`` of uninitialised uint8 scratch memory on ``like``'s device for the backward.
 
-    From torch's caching allocator on the current stream (blocks are 512-byte aligned, more
-    than the 256 the core needs), so it is CUDA-graph capturable, and freeing it once the
-    kernels are enqueued is stream-ordered: the memory is reused only by later work.
+    From torch's caching allocator on the current stream, so it is CUDA-graph capturable, and
+    freeing it once the kernels are enqueued is stream-ordered: the memory is reused only by later
+    work. Its address is 256-byte aligned, as the launches require (ValueError otherwise): CUDA
+    blocks are 512-byte aligned; an allocator that gives less (the CPU tests' emulated device)
+    gets a view at the next aligned byte of a block 255 bytes longer.
     """
-    return like.new_empty(size=(nbytes,), dtype=torch.uint8)  # (size= as a keyword: see _fwd_run)
+    ws = like.new_empty(size=(nbytes,), dtype=torch.uint8)  # (size= as a keyword: see _fwd_run)
+    if ws.data_ptr() % 256:
+        ws = like.new_empty(size=(nbytes + 255,), dtype=torch.uint8)
+        skip = -ws.data_ptr() % 256
+        ws = ws[skip:skip + nbytes]
+    return ws
 
 
 # --------------------------------------------------------------------------------------

@@ -295,11 +295,20 @@ def prepare_quantize(p: Problem, strides: Sequence[Sequence[int]], incoherent: b
     return PreparedQuantize(plan.variant, prep[0], prep[1], nbytes, tuple(o for _, o in used))
 
 
+def _workspace_address(workspace_ptr: int) -> int:
+    """``workspace_ptr`` as an int; ValueError unless it is 256-byte aligned (the regions' alignment,
+    :func:`workspace_layout`)."""
+    ws = int(workspace_ptr)
+    if ws % _WS_ALIGN:
+        raise ValueError(f"flashgen: workspace_ptr must be {_WS_ALIGN}-byte aligned, got {ws:#x}")
+    return ws
+
+
 def launch_quantize(prep: PreparedQuantize, pointers: Sequence[int], workspace_ptr: int, stream: int) -> None:
     """Launch ``prep`` on ``stream``: ``pointers``, the addresses of q, k, v, q8, k8, v8, q_descale,
     k_descale, v_descale (the layouts :func:`prepare_quantize` was made for); ``workspace_ptr``,
-    ``prep.workspace_bytes`` of device memory, 256-byte aligned. Never synchronises."""
-    ws = int(workspace_ptr)
+    ``prep.workspace_bytes`` of device memory, 256-byte aligned (ValueError if not). Never synchronises."""
+    ws = _workspace_address(workspace_ptr)
     values = (*pointers, *(ws + o for o in prep.amax_offsets))
     for lp in (prep.amax, prep.quant):
         if lp is not None:
@@ -315,8 +324,8 @@ def quantize_fp8_launch(q: TensorArg, k: TensorArg, v: TensorArg, q8: TensorArg,
     q, k, v: the inputs (fp16 / bf16, last dim contiguous, 16-byte aligned rows); q8, k8, v8:
     contiguous e4m3 outputs of their shapes; q/k/v_descale: contiguous fp32 outputs of
     :func:`descale_shapes`; ``workspace_ptr``: :func:`workspace_layout` bytes of device memory,
-    256-byte aligned, any contents, alive until the kernels ran (stream order; unused when its
-    size is 0); ``sign_bits``: :func:`pack_sign_bits` of the ±1 vector (ignored unless
+    256-byte aligned (ValueError if not), any contents, alive until the kernels ran (stream order;
+    unused when its size is 0); ``sign_bits``: :func:`pack_sign_bits` of the ±1 vector (ignored unless
     ``incoherent``). Launches on ``stream``; never synchronises.
 
     Every output element is written, except the descales of a tensor with no rows, which the
@@ -328,11 +337,12 @@ def quantize_fp8_launch(q: TensorArg, k: TensorArg, v: TensorArg, q8: TensorArg,
     problems = _launch_problems(args, p, block_quant)
     if problems:
         raise ValueError("flashgen: quantize_fp8_launch: " + "; ".join(problems))
+    ws = _workspace_address(workspace_ptr)
     plan = _plan(p.dtype, p.device)
     amax_grid, quant_grid = _grids(p, block_quant)
     _, offs = workspace_layout(p, block_quant)
     params = _fixed_params(p, (q.strides, k.strides, v.strides), incoherent, block_quant, sign_bits,
-                           [None if o is None else int(workspace_ptr) + o for o in offs])
+                           [None if o is None else ws + o for o in offs])
     params.update({name: args[name].ptr for name in _POINTERS})
     if amax_grid:
         launch.launch(plan.amax, (amax_grid, 1, 1), (), params, stream, p.device)

@@ -1608,16 +1608,16 @@ def test_prepared_backward_keys_hold_all_the_metadata(bwd_core_all):
 
 def test_prepared_backward_refuses_a_misaligned_address_as_before(bwd_core):
     """On a cached key, launch_backward refuses an address TMA cannot use (not 16-byte aligned) with the message the
-    uncached checks give, naming the array, and a bad softmax_scale / softcap, before any launch; a key whose first
-    call raised is not cached."""
+    uncached checks give, naming the array, a workspace_ptr not 256-byte aligned and a bad softmax_scale / softcap,
+    before any launch; a key whose first call raised is not cached."""
     args, _ = _bwd_case_args(_PREPARED_CASES["hd64_causal_gqa"], 0)
     order = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
 
     def call(**change):
         a = {n: args[n]._replace(ptr=args[n].ptr + change.get(n, 0)) for n in order}
         scale = change.get("scale", 0.1)
-        return core.attention_backward(*(a[n] for n in order), scale, True, False, 77, 0xA00000,
-                                       softcap=change.get("softcap", 0.0))
+        return core.attention_backward(*(a[n] for n in order), scale, True, False, 77,
+                                       0xA00000 + change.get("workspace", 0), softcap=change.get("softcap", 0.0))
 
     for name in ("dout", "q", "k", "v", "out", "dq", "dk", "dv"):
         core._prepared_backwards.clear()
@@ -1633,6 +1633,9 @@ def test_prepared_backward_refuses_a_misaligned_address_as_before(bwd_core):
         assert str(cached.value) == str(fresh.value) == \
             f"flashgen: TMA cannot address {name}: its base address 0x{ptr:x} is not 16-byte aligned"
         assert len(bwd_core.launches) == n and len(core._prepared_backwards) == 1
+    for off in (16, 128):  # the workspace's regions need 256-byte alignment (core._bwd_workspace)
+        with pytest.raises(ValueError, match=f"workspace_ptr must be 256-byte aligned, got {0xA00000 + off:#x}"):
+            call(workspace=off)
     with pytest.raises(ValueError, match="softmax_scale must be finite"):
         call(scale=float("nan"))
     with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):

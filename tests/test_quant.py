@@ -660,7 +660,11 @@ def test_launch_refuses_what_the_kernels_cannot_serve(fake_gpu):
     msg = str(ei.value)
     assert "q (strides" in msg and "k8 must be a contiguous e4m3" in msg and "k_descale has shape" in msg
     assert fake_gpu.calls == []
-    workspace = torch.empty(Q.workspace_layout(p, True)[0], dtype=torch.uint8)
+    workspace = interface._workspace(q, Q.workspace_layout(p, True)[0])
+    assert workspace.data_ptr() % 256 == 0  # (interface._workspace aligns what the CPU allocator gives)
+    with pytest.raises(ValueError, match="workspace_ptr must be 256-byte aligned"):
+        Q.quantize_fp8_launch(*good, workspace.data_ptr() + 64, p, False, True, (0,) * 8, STREAM)
+    assert fake_gpu.calls == []
     Q.quantize_fp8_launch(*good, workspace.data_ptr(), p, False, True, (0,) * 8, STREAM)
     assert [c["role"] for c in fake_gpu.calls] == ["amax", "quant"]
 
