@@ -180,7 +180,17 @@ pyt=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1
 for w in .wheels/*-"$pyt"-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps --no-index "$w" 2>&1 | tail -1; done
 t0=$(date +%s)
 # (BUILD_ALL=0: the default build set, without the tune candidates that `--all` adds)
-flashgen build $([ "${BUILD_ALL:-1}" = 0 ] || echo --all) ${BUILD_FILTER:+--filter "$BUILD_FILTER"} -j "$(nproc)" 2>&1 | tail -3 | tee "$out/build.log"
+build_args=($([ "${BUILD_ALL:-1}" = 0 ] || echo --all) ${BUILD_FILTER:+--filter "$BUILD_FILTER"})
+# A build carried from the workstation (scripts/prebuilt.py pack, carry [".prebuilt"]) replaces this one when its
+# stamp is this tree's, these build arguments' and this nvcc's; any difference builds here as before.
+if [ -f .prebuilt/stamp ] && [ "$(cat .prebuilt/stamp)" = "$(python3 scripts/prebuilt.py stamp "${build_args[@]}")" ]; then
+  mkdir -p build/fatbin && cp .prebuilt/fatbin/* build/fatbin/ && cp .prebuilt/manifest.json build/manifest.json \
+    && cp .prebuilt/sass_checked build/.sass_checked
+  echo "manifest: build/manifest.json carried from .prebuilt ($(ls .prebuilt/fatbin | wc -l) fatbins; stamp matches)" | tee "$out/build.log"
+else
+  [ -f .prebuilt/stamp ] && echo "prebuilt: .prebuilt/stamp is not this tree's / arguments' / nvcc's: building here"
+  flashgen build "${build_args[@]}" -j "$(nproc)" 2>&1 | tail -3 | tee "$out/build.log"
+fi
 echo "build: $(( $(date +%s) - t0 )) s"
 # The SASS check (cuobjdump on every fatbin, in parallel since session 16: before, one at a time, it took minutes of
 # every call, warm follow-ups included); skipped when this manifest's content passed it already on this machine.
