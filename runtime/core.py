@@ -47,6 +47,15 @@ def _raise_misaligned(**ptrs: int) -> None:
             raise ValueError(f"flashgen: TMA cannot address {name}: {tma_layout_problem((), (), 1, ptr)}")
 
 
+def _workspace_address(workspace_ptr: int) -> int:
+    """``workspace_ptr`` as an int; ValueError unless it is :data:`_WS_ALIGN`-byte aligned (every workspace's regions
+    are: the backward's, quantize's), which the kernels' vector accesses need (a fault, sticky in the context)."""
+    ws = int(workspace_ptr)
+    if ws % _WS_ALIGN:
+        raise ValueError(f"flashgen: workspace_ptr must be {_WS_ALIGN}-byte aligned, got {ws:#x}")
+    return ws
+
+
 def _check_tma(name: str, t: TensorArg) -> None:
     problem = tma_layout_problem(t.shape, t.strides, ELEMENT_SIZE[t.dtype], t.ptr)
     if problem is not None:
@@ -1387,9 +1396,7 @@ def launch_backward(prep: PreparedBackward, dout_ptr: int, q_ptr: int, k_ptr: in
     launch fails)."""
     if (dout_ptr | q_ptr | k_ptr | v_ptr | out_ptr | dq_ptr | dk_ptr | dv_ptr) % TMA_ALIGN_BYTES:
         _raise_misaligned(dout=dout_ptr, q=q_ptr, k=k_ptr, v=v_ptr, out=out_ptr, dq=dq_ptr, dk=dk_ptr, dv=dv_ptr)
-    w = int(workspace_ptr)
-    if w % _WS_ALIGN:
-        raise ValueError(f"flashgen: workspace_ptr must be {_WS_ALIGN}-byte aligned, got {w:#x}")
+    w = _workspace_address(workspace_ptr)
     scale = float(softmax_scale)
     scale_log2, softcap_scale = softmax_constants(scale, softcap)
     o_lse, o_dpsum, o_acc, o_sem, o_tickets, o_parts = prep.workspace

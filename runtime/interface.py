@@ -120,9 +120,10 @@ def _workspace(like: torch.Tensor, nbytes: int) -> torch.Tensor:
     gets a view at the next aligned byte of a block 255 bytes longer.
     """
     ws = like.new_empty(size=(nbytes,), dtype=torch.uint8)  # (size= as a keyword: see _fwd_run)
-    if ws.data_ptr() % 256:
-        ws = like.new_empty(size=(nbytes + 255,), dtype=torch.uint8)
-        skip = -ws.data_ptr() % 256
+    align = _core._WS_ALIGN
+    if ws.data_ptr() % align:
+        ws = like.new_empty(size=(nbytes + align - 1,), dtype=torch.uint8)
+        skip = -ws.data_ptr() % align
         ws = ws[skip:skip + nbytes]
     return ws
 

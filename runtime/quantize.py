@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Sequence
 from . import dispatch
 from . import launch
 from ._validate import ArrayInfo, Problem, _is_int, input_problems, raise_problems
-from .core import TensorArg
+from .core import _WS_ALIGN, TensorArg, _workspace_address  # (one workspace alignment for all kernels)
 from .manifest import Variant
 
 # The family module's constants, not copies.
@@ -57,7 +57,6 @@ __all__ = [
 CONTEXT = "quantize_fp8: "
 _INT32_MAX = 2**31 - 1
 _SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes as a non-negative int
-_WS_ALIGN = 256
 
 
 def blocks(seqlen: int) -> int:
@@ -293,15 +292,6 @@ def prepare_quantize(p: Problem, strides: Sequence[Sequence[int]], incoherent: b
     prep = [launch.prepare_launch(kernel, (grid, 1, 1), params, per_call) if grid else None
             for kernel, grid in ((plan.amax, amax_grid), (plan.quant, quant_grid))]
     return PreparedQuantize(plan.variant, prep[0], prep[1], nbytes, tuple(o for _, o in used))
-
-
-def _workspace_address(workspace_ptr: int) -> int:
-    """``workspace_ptr`` as an int; ValueError unless it is 256-byte aligned (the regions' alignment,
-    :func:`workspace_layout`)."""
-    ws = int(workspace_ptr)
-    if ws % _WS_ALIGN:
-        raise ValueError(f"flashgen: workspace_ptr must be {_WS_ALIGN}-byte aligned, got {ws:#x}")
-    return ws
 
 
 def launch_quantize(prep: PreparedQuantize, pointers: Sequence[int], workspace_ptr: int, stream: int) -> None:

@@ -8,9 +8,9 @@ same nvcc release is the one the device would compile. So:
     (device tool: carry [".prebuilt"]; scripts/device_check.sh uses it when its stamp matches)
     python3 scripts/prebuilt.py stamp [BUILD ARGS]   # the stamp of this tree, these build arguments, this nvcc
 
-``.prebuilt/`` holds manifest.json, the fatbins it lists (fatbin/), ``stamp`` and ``sass_checked`` (the manifest's
-sha256 once its SASS check passed). The stamp is a sha256 over the build arguments, the nvcc release that
-``flashgen build`` would use (generator.toolchain.find_nvcc) and every file the build reads (templates/,
+``.prebuilt/`` holds manifest.json, the fatbins it lists (fatbin/) and ``stamp``; pack runs the SASS check before
+it writes them, so the device skips that check for a carried build. The stamp is a sha256 over the build
+arguments, the nvcc release that ``flashgen build`` would use (generator.toolchain.find_nvcc) and every file the build reads (templates/,
 configs/, generator/: paths and contents), so a carried build is used only for the tree and arguments it was made
 from: device_check.sh compares it with its own ``stamp`` and builds as before on any difference. BUILD ARGS are
 ``flashgen build``'s own (``--all``, ``--filter PATTERN``), given in the same form as device_check.sh passes them
@@ -71,7 +71,6 @@ def pack(args: list[str]) -> int:
         for v in data["variants"]:
             shutil.copy2(build / v["fatbin"], OUT / v["fatbin"])
         shutil.copy2(manifest, OUT / "manifest.json")
-    (OUT / "sass_checked").write_text(hashlib.sha256((OUT / "manifest.json").read_bytes()).hexdigest() + "\n")
     (OUT / "stamp").write_text(before + "\n")
     size = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"prebuilt: {len(data['variants'])} variants, {size / 2**20:.1f} MiB in {OUT.relative_to(ROOT)}/ "
