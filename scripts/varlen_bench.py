@@ -165,10 +165,9 @@ def main() -> None:
                 bool(launch_sig.bind(*a, **kw).arguments.get("varlen"))) or saved[3](*a, **kw)
             results.append([fn().detach().clone()] + [t.grad.clone() for t in leaves])
             core.launch_backward = saved[3]
-            varlen = launches
             # the step ran the path it names: one varlen launch, or plain backward launches only
-            if (varlen != [True]) if fn in (kernels, kernels_dev) else (not varlen or any(varlen)):
-                raise RuntimeError(f"{name}: backward launches {len(launches)}, varlen {varlen}: not the path timed")
+            if (launches != [True]) if fn in (kernels, kernels_dev) else (not launches or any(launches)):
+                raise RuntimeError(f"{name}: backward launches {len(launches)}, varlen {launches}: not the path timed")
         err = [max((x.float() - y.float()).abs().max().item() for x, y in zip(results[i], results[2]))
                for i in (0, 1, 3)]
         steps = {"kernels": kernels, "kernels_dev": kernels_dev, "groups": grouped, "per_run": per_run, "sdpa": sdpa}
