@@ -346,6 +346,9 @@ QUANT_BLOCK = 64  # FP8 block quantization: rows of Q / K per descale (generator
 # a 16-head cap gave +16 %, docs/PERF.md "L2 sections of at most 16 K/V heads").
 L2_SECTION_BYTES = 32 << 20
 L2_SECTION_KV_HEADS = 16
+# The causal order's last section is up to this many sections long (tail_heads), where their K and V fit in
+# L2_SECTION_BYTES together; 1: every section of section_heads pairs, the last one what is left.
+CAUSAL_TAIL_SECTIONS = 2
 
 
 def section_heads(batch: int, heads: int, heads_k: int, seqlen_k: int, head_dim: int, head_dim_v: int,
@@ -357,6 +360,36 @@ def section_heads(batch: int, heads: int, heads_k: int, seqlen_k: int, head_dim:
     kv_bytes = seqlen_k * (head_dim + head_dim_v) * element_bytes
     kv_heads = max(1, min(L2_SECTION_BYTES // max(kv_bytes, 1), L2_SECTION_KV_HEADS))
     return max(1, min(batch * heads, kv_heads * (heads // heads_k)))
+
+
+def tail_heads(batch: int, heads: int, heads_k: int, seqlen_k: int, head_dim: int, head_dim_v: int,
+               element_bytes: int) -> int:
+    """(batch, head) pairs in the last L2 section of the causal tile order (scheduler.cuh), in
+    [1, batch * heads]: what is left after whole sections of :func:`section_heads` pairs, with the
+    sections before it up to CAUSAL_TAIL_SECTIONS sections in all, as many as keep their K/V heads
+    within L2_SECTION_BYTES together (no head cap: the launch ends on the shortest tiles of more
+    pairs, which balances its last wave: scripts/schedule_model.py, max / mean work per CTA 1.080 ->
+    1.031 at FA3's head_dim 256 causal 512). ``batch * heads - tail_heads`` is a multiple of
+    section_heads."""
+    pairs, sec = batch * heads, section_heads(batch, heads, heads_k, seqlen_k, head_dim, head_dim_v, element_bytes)
+    tail = pairs - (pairs - 1) // sec * sec  # the remainder's section (a whole one when sec divides pairs)
+    group = max(1, heads // heads_k)
+    kv_bytes = seqlen_k * (head_dim + head_dim_v) * element_bytes
+    for _ in range(CAUSAL_TAIL_SECTIONS - 1):
+        more = min(pairs, tail + sec)
+        if more == tail or -(-more // group) * kv_bytes > L2_SECTION_BYTES:
+            break
+        tail = more
+    return tail
+
+
+def tail_section(batch: int, heads: int, heads_k: int, seqlen_k: int, head_dim: int, head_dim_v: int,
+                 element_bytes: int) -> int:
+    """The index of the causal tile order's last L2 section (the forward's ``tail_section`` parameter):
+    ``(batch * heads - tail_heads) / section_heads``, with :func:`tail_heads` and :func:`section_heads`
+    of the same arguments."""
+    args = (batch, heads, heads_k, seqlen_k, head_dim, head_dim_v, element_bytes)
+    return (batch * heads - tail_heads(*args)) // section_heads(*args)
 
 
 class _Plan(NamedTuple):
@@ -757,6 +790,7 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     pairs_heads = hk if packed else h  # the scheduler's (batch, head) pairs: K/V heads when packed
     params = {"seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "num_m_blocks": num_m,
               "num_tiles": num_tiles, "section_heads": section_heads(b, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2),
+              "tail_section": tail_section(b, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2),
               "stream_tile_counter": 0, "group": group, "tile_queries": positions,
               "window_left": mask.left, "window_right": mask.right,
               "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1], "o_stride_head": out.strides[2],
@@ -787,7 +821,8 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
         mul, shift = fast_div(splits)
         params.update(batch=b * splits, num_tiles=num_tiles, num_splits=splits, o_stride_split=varlen.o_stride_split,
                       lse_stride_split=varlen.lse_stride_split, split_mul=mul, split_shift=shift,
-                      section_heads=section_heads(b * splits, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2))
+                      section_heads=section_heads(b * splits, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2),
+                      tail_section=tail_section(b * splits, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2))
     geometry = launch.map_geometry
     vp = plan.variant.params  # the tiles' shared-memory rows (64 or 128 bytes), which the maps' boxes match
     qk_rows = operand_row_bytes(vp["head_dim"], vp["dtype"])

@@ -77,6 +77,9 @@
 #                                          varlen_gpu_time.py --decode-only (decode and prefill steps, GPU and host us)
 #                                          of .base/ and this tree alternated twice, then memcheck over the varlen_prep
 #                                          cases (MEMCHECK=0: none)
+#   bash scripts/device_check.sh tailab    the causal order's last L2 section on the same kernels: core.CAUSAL_TAIL_SECTIONS 2
+#                                          (new) against 1 (old), alternated twice with SDPA peers (DTYPES, SEQLENS,
+#                                          HEAD_DIMS; default bf16,fp16 / 512,1024,2048 / 64,128,256); TESTS_K: forward GPU tests first
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
@@ -385,6 +388,23 @@ sections)
     done
   done
   python3 scripts/section_table.py "$out" ${SECTIONS:-32 16 8 4} | tee "$out/sections.md"
+  ;;
+tailab)
+  # the causal order's last L2 section (core.CAUSAL_TAIL_SECTIONS) A/B on the same kernels: 2 (new: the last two
+  # sections as one) against 1 (old), alternated twice, SDPA peers in every run; new/old table last, then each
+  # setting against the best SDPA backend (TESTS_K: GPU tests first, e.g. "causal_tile_claims or every_built")
+  if [ -n "${TESTS_K:-}" ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_fwd_gpu.py -k "$TESTS_K" 2>&1 \
+      | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  fi
+  g="--causal yes --dtypes ${DTYPES:-bf16,fp16} --seqlens ${SEQLENS:-512,1024,2048} --head-dims ${HEAD_DIMS:-64,128,256}"
+  for r in 1 2; do
+    python3 scripts/regress_fwd.py run --label new --tail-sections 2 --csv "$out/new$r.csv" $g 2>&1 | tail -1
+    python3 scripts/regress_fwd.py run --label old --tail-sections 1 --csv "$out/old$r.csv" $g 2>&1 | tail -1
+  done
+  python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt" | tail -22
+  echo "== new (tail 2) against SDPA"; python3 scripts/regress_fwd.py peers "$out"/new1.csv "$out"/new2.csv | tee "$out/peers_new.txt" | tail -22
+  echo "== old (tail 1) against SDPA"; python3 scripts/regress_fwd.py peers "$out"/old1.csv "$out"/old2.csv | tee "$out/peers_old.txt" | tail -22
   ;;
 sanity)
   SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-200} OUT=$out bash scripts/sanitize.sh synccheck 2>&1 | grep --line-buffered -vE '^ok ' | tail -12

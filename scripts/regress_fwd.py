@@ -38,6 +38,8 @@ def run(a) -> int:
         core.L2_SECTION_BYTES = int(a.l2_section_mb * (1 << 20))
     if a.l2_section_kv_heads is not None:
         core.L2_SECTION_KV_HEADS = a.l2_section_kv_heads
+    if a.tail_sections is not None:
+        core.CAUSAL_TAIL_SECTIONS = a.tail_sections
     causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
     rows = _bench_module().run_grid([int(x) for x in a.seqlens.split(",")], [int(x) for x in a.head_dims.split(",")],
                                     a.dtypes.split(","), causals, attn=flash_attn_func, peers=not a.no_peers)
@@ -127,6 +129,8 @@ def main(argv=None) -> int:
                    help="override core.L2_SECTION_BYTES (MiB) for this run: the causal tile order's L2 sections")
     r.add_argument("--l2-section-kv-heads", type=int, default=None,
                    help="override core.L2_SECTION_KV_HEADS (the cap on K/V heads per L2 section) for this run")
+    r.add_argument("--tail-sections", type=int, default=None,
+                   help="override core.CAUSAL_TAIL_SECTIONS (sections in the causal order's last one; 1: none merged)")
     c = sub.add_parser("compare")
     c.add_argument("csvs", nargs="+")
     pr = sub.add_parser("peers")

@@ -88,9 +88,10 @@ def test_family_structs_layouts():
     fwd = fwd_mod.PARAMS.layout()
     # 64 + the e4m3 descales, direct-store O, L2 sections, tile counter, PackGQA's group and tile queries,
     # vt_global's preprocess (V and its strides, V^T, its keys per row), varlen's arrays and lse strides (appended:
-    # every earlier field keeps its offset), a KV cache's batch index, left padding and page table (appended too)
-    assert fwd["struct"] == "FwdParams" and fwd["size"] == 344
-    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-28:] == [
+    # every earlier field keeps its offset), a KV cache's batch index, left padding and page table, split-KV, the
+    # causal order's last L2 section (appended too)
+    assert fwd["struct"] == "FwdParams" and fwd["size"] == 352
+    assert fwd["fields"][0] == ["lse", "ptr", 0] and fwd["fields"][-29:] == [
         ["head_dim_v", "i32", 160], ["section_heads", "i32", 164], ["stream_tile_counter", "ptr", 168], ["group", "i32", 176],
         ["tile_queries", "i32", 180], ["v", "ptr", 184], ["v_stride_batch", "i64", 192], ["v_stride_seq", "i64", 200],
         ["v_stride_head", "i64", 208], ["vt", "ptr", 216], ["vt_seqlen", "i32", 224], ["cu_seqlens_q", "ptr", 232],
@@ -98,7 +99,8 @@ def test_family_structs_layouts():
         ["lse_stride_batch", "i64", 264], ["lse_stride_head", "i64", 272], ["kv_batch_idx", "ptr", 280],
         ["leftpad_k", "ptr", 288], ["page_table", "ptr", 296], ["page_table_stride", "i32", 304],
         ["page_size", "i32", 308], ["page_box", "i32", 312], ["num_splits", "i32", 316], ["o_stride_split", "i64", 320],
-        ["lse_stride_split", "i64", 328], ["split_mul", "u32", 336], ["split_shift", "u32", 340]]
+        ["lse_stride_split", "i64", 328], ["split_mul", "u32", 336], ["split_shift", "u32", 340],
+        ["tail_section", "i32", 344]]
     assert ["sink", "ptr", 56] in fwd["fields"] and ["q_descale", "ptr", 64] in fwd["fields"]
     offs = {n: o for n, _, o in fwd["fields"]}
     assert (offs["softmax_scale"], offs["softcap_scale"], offs["window_left"], offs["window_right"]) == (40, 44, 48, 52)
@@ -193,10 +195,11 @@ def test_params_packer_bytes_match_struct_offsets():
                                        "lse_stride_batch": 0, "lse_stride_head": 1 << 34, "kv_batch_idx": 0x4000,
                                        "leftpad_k": 0, "page_table": 0x5000, "page_table_stride": 7, "page_size": 16,
                                        "page_box": 16, "num_splits": 3, "o_stride_split": 1 << 35,
-                                       "lse_stride_split": 12345, "split_mul": 0xAAAAAAAB, "split_shift": 1})
+                                       "lse_stride_split": 12345, "split_mul": 0xAAAAAAAB, "split_shift": 1,
+                                       "tail_section": 5})
     assert struct.unpack_from("<QQQiii", fb, 280) == (0x4000, 0, 0x5000, 7, 16, 16)
-    assert struct.unpack_from("<iqqII", fb, 316) == (3, 1 << 35, 12345, 0xAAAAAAAB, 1)
-    assert len(fb) == 344 and struct.unpack_from("<iQii", fb, 164) == (3, 0xC0FFEE00, 2, 128)
+    assert struct.unpack_from("<iqqIIi", fb, 316) == (3, 1 << 35, 12345, 0xAAAAAAAB, 1, 5)
+    assert len(fb) == 352 and struct.unpack_from("<iQii", fb, 164) == (3, 0xC0FFEE00, 2, 128)
     assert struct.unpack_from("<QqqqQi", fb, 184) == (0xABC000, 1 << 33, 4096, 128, 0xDEF000, 1040)
     assert struct.unpack_from("<QQQQqq", fb, 232) == (0x1000, 0x2000, 0, 0x3000, 0, 1 << 34)
     assert struct.unpack_from("<Q", fb, 0) == (0xDEAD0000,)

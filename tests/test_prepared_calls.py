@@ -529,6 +529,7 @@ def expected_params(q, k, v, out, lse, scale, causal, window, softcap, sink, bm,
             "o": out.ptr, "o_stride_batch": out.strides[0], "o_stride_seq": out.strides[1],
             "o_stride_head": out.strides[2], "head_dim_v": dv, "group": h // hk, "tile_queries": bm,
             "section_heads": core.section_heads(b, h, hk, sk, d, dv, 1 if q.dtype == "fp8_e4m3" else 2),
+            "tail_section": core.tail_section(b, h, hk, sk, d, dv, 1 if q.dtype == "fp8_e4m3" else 2),
             "stream_tile_counter": stream_tile_counter, "v": 0, "v_stride_batch": v.strides[0], "v_stride_seq": v.strides[1],
             "v_stride_head": v.strides[2], "vt": 0, "vt_seqlen": -(-sk // 16) * 16,
             **core._descale_params("q", descales[0], h, hk, True), **core._descale_params("k", descales[1], h, hk, True),
@@ -1046,6 +1047,7 @@ def test_packed_launch_maps_params_and_grid(tmp_path, monkeypatch):
         got = _params_of(rec)
         assert (got["group"], got["tile_queries"], got["num_m_blocks"], got["num_tiles"]) == (7, 18, num_m, num_m * hk * b)
         assert got["section_heads"] == core.section_heads(b, hk, hk, sk, 128, 128, 2) and got["heads"] == h
+        assert got["tail_section"] == core.tail_section(b, hk, hk, sk, 128, 128, 2)
         assert rec["grid"] == (min(num_m * hk * b, FakeDriver.SM_COUNT), 1, 1)
         qm = rec["maps"][0]  # 5-D: (head_dim, head in group, seqlen, K/V head, batch), box one chunk x 7 x 18
         assert (qm.dims, qm.box) == ((128, 7, sq, hk, b), (64, 7, 18, 1, 1))

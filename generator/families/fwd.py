@@ -173,6 +173,9 @@ PARAMS = params_struct(
     # o_stride_split and its LSE at lse + s x lse_stride_split (elements), merged by the combine family.
     ("num_splits", "i32"), ("o_stride_split", "i64"), ("lse_stride_split", "i64"),
     ("split_mul", "u32"), ("split_shift", "u32"),  # core.fast_div of num_splits (mul 0: no splits)
+    # causal: the index of the tile order's last L2 section (scheduler.cuh), which runs every (batch, head) pair
+    # from tail_section * section_heads on (core.tail_section / tail_heads: up to two sections)
+    ("tail_section", "i32"),
 )
 
 VT_KEY_ALIGN = 16  # V^T rows: whole 16-key groups (P's k order permutes within 16; TMA strides: 16 bytes)

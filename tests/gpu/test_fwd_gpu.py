@@ -113,19 +113,24 @@ def test_outliers_and_repeatability(d, causal):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_causal_tile_claims(d, monkeypatch):
+@pytest.mark.parametrize("tail", ["remainder", "merged"])
+def test_causal_tile_claims(d, tail, monkeypatch):
     """Causal persistent variants claim tiles from a per-launch counter, in L2 sections
     (scheduler.cuh): with many more tiles than SMs and sections of a few (batch, head) pairs
-    (L2_SECTION_BYTES shrunk so 3 pairs' K/V fill one), every tile is written and right
-    (FA3's rule, NaN-poisoned outputs), runs repeat bitwise, and launches on two streams at once
-    (each with its own counter) give the same bits."""
+    (L2_SECTION_BYTES shrunk so 3 pairs' K/V fill one, or the K/V head cap set to 3 with room for 8:
+    then the last section is the remainder's 2 pairs and the section before it, 5), every tile is
+    written and right (FA3's rule, NaN-poisoned outputs), runs repeat bitwise, and launches on two
+    streams at once (each with its own counter) give the same bits."""
     dtype = torch.bfloat16
     if not built(dtype, d, True):
         pytest.skip(f"MISSING-FWD-VARIANT {DT[dtype]} hd{d} causal=True")
     b, s, h = 5, 1531, 7  # 5 x 7 pairs, 12 query blocks each at block_m 128: 420 tiles on 132 SMs
-    monkeypatch.setattr(core, "L2_SECTION_BYTES", 3 * s * 2 * d * 2)
+    monkeypatch.setattr(core, "L2_SECTION_BYTES", (3 if tail == "remainder" else 8) * s * 2 * d * 2)
+    if tail == "merged":
+        monkeypatch.setattr(core, "L2_SECTION_KV_HEADS", 3)
     monkeypatch.setattr(core, "_prepared_forwards", {})
     assert core.section_heads(b, h, h, s, d, d, 2) == 3
+    assert core.tail_heads(b, h, h, s, d, d, 2) == (2 if tail == "remainder" else 5)
     q, k, v = make_inputs(b, s, s, h, h, d, dtype, seed=d + 1)
     out1, lse1 = check(q, k, v, True)
     side = [torch.cuda.Stream(), torch.cuda.Stream()]

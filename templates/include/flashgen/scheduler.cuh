@@ -50,6 +50,11 @@ struct WorkTile {
 // of all pairs (section_heads = heads * batch) this is the plain longest-first order, which at
 // short seqlen_k re-read every head's K/V from HBM once per query block (the other pairs' tiles
 // evicted it in between); so did sections of 32 MiB of short K/V (128 heads at seqlen 512).
+// The last section, number `tail_section` (tile()'s argument), runs every pair from tail_section *
+// section_heads on: the host makes it up to two sections long where their K/V still fit in L2
+// (core.py tail_heads), so that the launch ends on the shortest tiles of more pairs. With sections
+// of one size the last wave started long tiles of the last section while other CTAs ran out of
+// work (scripts/schedule_model.py: max / mean work per CTA 1.080 -> 1.031 at head_dim 256 causal 512).
 template <bool Causal, bool Dynamic = false>
 struct TileScheduler {
   int num_m_blocks;
@@ -84,14 +89,17 @@ struct TileScheduler {
     }
   }
 
-  FLASHGEN_HD WorkTile tile(int t) const {
+  // tail_section: an argument read from the kernel's parameters at the call, not a member: as a member
+  // (made at the kernel's top) it made ptxas serialize the WGMMAs of 4 causal variants, and a first form
+  // that compared t with the last section's first tile spilled 16-48 bytes in 18 (the 24-register producer)
+  FLASHGEN_HD WorkTile tile(int t, int tail_section) const {
     if constexpr (Causal) {
       const int per_section = section_heads * num_m_blocks;
-      const int sec = t / per_section;
+      const int sec = min(t / per_section, tail_section);
       const int r = t - sec * per_section;
       const int hb0 = sec * section_heads;
       const int rest = heads * batch - hb0;
-      const int pairs = rest < section_heads ? rest : section_heads;  // the last section may be short
+      const int pairs = sec < tail_section ? section_heads : rest;  // the last section: the rest
       const int m_rev = r / pairs;
       const int hb = hb0 + (r - m_rev * pairs);
       return {num_m_blocks - 1 - m_rev, hb % heads, hb / heads};
