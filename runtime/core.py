@@ -347,8 +347,9 @@ QUANT_BLOCK = 64  # FP8 block quantization: rows of Q / K per descale (generator
 L2_SECTION_BYTES = 32 << 20
 L2_SECTION_KV_HEADS = 16
 # The causal order's last section is up to this many sections long (tail_heads), where their K and V fit in
-# L2_SECTION_BYTES together; 1: every section of section_heads pairs, the last one what is left.
-CAUSAL_TAIL_SECTIONS = 2
+# L2_SECTION_BYTES together; 1 (FLASHGEN_CAUSAL_TAIL_SECTIONS=1): every section of section_heads pairs, the last one
+# what is left, the order before session 17 (H100, same kernels: hd256 causal 512 1.5-2.0 % slower).
+CAUSAL_TAIL_SECTIONS = int(os.environ.get("FLASHGEN_CAUSAL_TAIL_SECTIONS", "2"))
 
 
 def section_heads(batch: int, heads: int, heads_k: int, seqlen_k: int, head_dim: int, head_dim_v: int,

@@ -79,7 +79,8 @@
 #                                          cases (MEMCHECK=0: none)
 #   bash scripts/device_check.sh tailab    the causal order's last L2 section on the same kernels: core.CAUSAL_TAIL_SECTIONS 2
 #                                          (new) against 1 (old), alternated twice with SDPA peers (DTYPES, SEQLENS,
-#                                          HEAD_DIMS; default bf16,fp16 / 512,1024,2048 / 64,128,256); TESTS_K: forward GPU tests first
+#                                          HEAD_DIMS; default bf16,fp16 / 512,1024,2048 / 64,128,256); TESTS_K: forward GPU tests first;
+#                                          F8=1: then the e4m3 causal forward (fp8_bench.py) with FLASHGEN_CAUSAL_TAIL_SECTIONS 2 / 1
 #   bash scripts/device_check.sh fwdchange forward kernel change check: every GPU test, then .base/ and this tree alternated
 #                                          twice: the e4m3 forward (fp8_bench.py F8ARGS, default 2k/16k, each tree's tables)
 #                                          and the bf16 forward sub-grid (hd 64/128/256, 512/2k/16k; REGRESS_ARGS) with SDPA
@@ -405,6 +406,15 @@ tailab)
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt" | tail -22
   echo "== new (tail 2) against SDPA"; python3 scripts/regress_fwd.py peers "$out"/new1.csv "$out"/new2.csv | tee "$out/peers_new.txt" | tail -22
   echo "== old (tail 1) against SDPA"; python3 scripts/regress_fwd.py peers "$out"/old1.csv "$out"/old2.csv | tee "$out/peers_old.txt" | tail -22
+  if [ "${F8:-0}" = 1 ]; then  # F8=1: the e4m3 causal forward the same way (fp8_bench.py kernel column, no cuDNN)
+    for r in 1 2; do
+      for n in 2 1; do
+        echo "== e4m3 causal, tail sections $n, run $r"
+        FLASHGEN_CAUSAL_TAIL_SECTIONS=$n timeout 120 python3 scripts/fp8_bench.py --causal yes --no-cudnn \
+          --seqlens "${SEQLENS:-512,1024,2048}" --head-dims "${HEAD_DIMS:-64,128,256}" 2>&1 | grep '^|' | tail -9
+      done
+    done
+  fi
   ;;
 sanity)
   SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-200} OUT=$out bash scripts/sanitize.sh synccheck 2>&1 | grep --line-buffered -vE '^ok ' | tail -12

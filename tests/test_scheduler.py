@@ -155,3 +155,17 @@ def test_tail_sections_one_is_the_plain_remainder(monkeypatch):
     monkeypatch.setattr(core, "CAUSAL_TAIL_SECTIONS", 4)  # up to four sections, while their K/V fit
     assert tail_heads(32, 8, 8, 512, 256, 256, 2) == 64  # 64 K/V heads of 512 KiB: 32 MiB
     assert tail_heads(32, 8, 8, 1024, 256, 256, 2) == 32  # 1 MiB heads: three sections would be 48 MiB
+
+
+def test_tail_sections_from_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "import flashgen.core as c; print(c.CAUSAL_TAIL_SECTIONS, c.tail_heads(32, 8, 8, 512, 256, 256, 2))"
+    for env, want in (("1", "1 16"), ("2", "2 32"), (None, "2 32")):
+        e = {k: v for k, v in os.environ.items() if k != "FLASHGEN_CAUSAL_TAIL_SECTIONS"}
+        if env is not None:
+            e["FLASHGEN_CAUSAL_TAIL_SECTIONS"] = env
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True).stdout
+        assert out.split() == want.split()
