@@ -43,6 +43,19 @@ def stamp(args: list[str]) -> str:
     return h.hexdigest()
 
 
+def selected_names(args: list[str]) -> set:
+    """The variants that ``flashgen build ARGS`` selects (the default set, ``--all``, ``--filter``): all that a
+    build on the device lists, since its cache starts empty. A build here lists every configured variant whose
+    cache entry is intact (generator/build.py write_outputs), so after an ``--all`` build here a default build's
+    manifest holds the tune candidates too (session 17: 431 variants instead of 350)."""
+    from flashgen.generator.config import load_variants, select
+    from flashgen.generator.project import Project
+
+    pattern = args[args.index("--filter") + 1] if "--filter" in args else None
+    variants = load_variants(Project.locate(ROOT))
+    return {v.name for v in select(variants, pattern, "--all" in args)}
+
+
 def pack(args: list[str]) -> int:
     """Build with ``args`` into a fresh build directory (sharing build/cache, so unchanged variants are not
     recompiled; a fresh directory, because a build over build/ keeps earlier fatbins of configured variants it
@@ -66,11 +79,16 @@ def pack(args: list[str]) -> int:
             return 1
         data = json.loads(manifest.read_text())
         assert not any(v.get("stale") for v in data["variants"]), "a fresh build directory has no stale variants"
+        names = selected_names(args)
+        data["variants"] = [v for v in data["variants"] if v["name"] in names]  # what the device's build would list
+        if {v["name"] for v in data["variants"]} != names:
+            print("prebuilt: the build did not list every selected variant; not packed", file=sys.stderr)
+            return 1
         shutil.rmtree(OUT, ignore_errors=True)
         (OUT / "fatbin").mkdir(parents=True)
         for v in data["variants"]:
             shutil.copy2(build / v["fatbin"], OUT / v["fatbin"])
-        shutil.copy2(manifest, OUT / "manifest.json")
+        (OUT / "manifest.json").write_text(json.dumps(data, indent=1) + "\n")
     (OUT / "stamp").write_text(before + "\n")
     size = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"prebuilt: {len(data['variants'])} variants, {size / 2**20:.1f} MiB in {OUT.relative_to(ROOT)}/ "

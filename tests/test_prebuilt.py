@@ -51,3 +51,21 @@ def test_stamp_follows_every_build_input_and_nothing_else(prebuilt):
     (root / "templates" / "include" / "new_header.cuh").unlink()
     monkeypatch.setattr(toolchain, "find_nvcc", lambda: type("N", (), {"version": "13.1, V13.1.0"})())
     assert mod.stamp([]) != base
+
+
+def test_pack_lists_what_the_device_build_would():
+    """pack keeps the variants ``flashgen build ARGS`` selects: a build here also lists every configured variant
+    already in build/cache (after an --all build, the tune candidates), which a device build would not have."""
+    spec = importlib.util.spec_from_file_location("prebuilt_names", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from flashgen.generator.config import load_variants, select
+    from flashgen.generator.project import Project
+
+    variants = load_variants(Project.locate(mod.ROOT))
+    default, every = mod.selected_names([]), mod.selected_names(["--all"])
+    assert default == {v.name for v in select(variants)} and default < every
+    assert any(not v.default_build for v in variants if v.name in every - default)
+    some = mod.selected_names(["--filter", "fwd_bf16_hd64*"])
+    assert some and some <= default and all(n.startswith("fwd_bf16_hd64") for n in some)
+    assert mod.selected_names(["--all", "--filter", "fwd_bf16_hd64*"]) >= some
