@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                 c.clear()
                 c.update(saved)
 
-        forms = {}
+        forms, cut["tiles"] = {}, None
         for name, on in (("full", False), ("whole_waves", True)):
             use(({}, {}))
             cut["on"] = on
