@@ -72,11 +72,6 @@ def pack(args: list[str]) -> int:
         subprocess.run(["flashgen", "build", *args], cwd=ROOT, check=True,
                        env={**os.environ, "FLASHGEN_BUILD_DIR": str(build)})
         manifest = build / "manifest.json"
-        subprocess.run([sys.executable, "-m", "flashgen.generator.sass", str(manifest)], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL)
-        if stamp(args) != before:
-            print("prebuilt: the tree changed during the build; not packed", file=sys.stderr)
-            return 1
         data = json.loads(manifest.read_text())
         assert not any(v.get("stale") for v in data["variants"]), "a fresh build directory has no stale variants"
         names = selected_names(args)
@@ -84,11 +79,17 @@ def pack(args: list[str]) -> int:
         if {v["name"] for v in data["variants"]} != names:
             print("prebuilt: the build did not list every selected variant; not packed", file=sys.stderr)
             return 1
+        manifest.write_text(json.dumps(data, indent=1) + "\n")  # (the SASS check reads only what is carried)
+        subprocess.run([sys.executable, "-m", "flashgen.generator.sass", str(manifest)], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
+        if stamp(args) != before:
+            print("prebuilt: the tree changed during the build; not packed", file=sys.stderr)
+            return 1
         shutil.rmtree(OUT, ignore_errors=True)
         (OUT / "fatbin").mkdir(parents=True)
         for v in data["variants"]:
             shutil.copy2(build / v["fatbin"], OUT / v["fatbin"])
-        (OUT / "manifest.json").write_text(json.dumps(data, indent=1) + "\n")
+        shutil.copy2(manifest, OUT / "manifest.json")
     (OUT / "stamp").write_text(before + "\n")
     size = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"prebuilt: {len(data['variants'])} variants, {size / 2**20:.1f} MiB in {OUT.relative_to(ROOT)}/ "
