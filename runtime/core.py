@@ -39,6 +39,21 @@ class TensorArg(NamedTuple):
     device: int
 
 
+def _env_int(name: str, default: int, minimum: int) -> int:
+    """The integer setting of environment variable ``name`` (``default`` when unset); ValueError naming the variable
+    unless it is an integer of at least ``minimum``."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"flashgen: environment variable {name} must be an integer >= {minimum}, got {text!r}")
+    return value
+
+
 def _raise_misaligned(**ptrs: int) -> None:
     """ValueError naming the first of ``ptrs`` (array name -> device address) TMA cannot address, in
     :func:`_check_tma`'s words; for a prepared launch whose addresses' OR was found misaligned."""
@@ -349,7 +364,7 @@ L2_SECTION_KV_HEADS = 16
 # The causal order's last section is up to this many sections long (tail_heads), where their K and V fit in
 # L2_SECTION_BYTES together; 1 (FLASHGEN_CAUSAL_TAIL_SECTIONS=1): every section of section_heads pairs, the last one
 # what is left, the order before session 17 (H100, same kernels: hd256 causal 512 1.5-2.0 % slower).
-CAUSAL_TAIL_SECTIONS = int(os.environ.get("FLASHGEN_CAUSAL_TAIL_SECTIONS", "2"))
+CAUSAL_TAIL_SECTIONS = _env_int("FLASHGEN_CAUSAL_TAIL_SECTIONS", 2, 1)
 
 
 def section_heads(batch: int, heads: int, heads_k: int, seqlen_k: int, head_dim: int, head_dim_v: int,
@@ -533,7 +548,7 @@ MAX_SPLITS = 128
 #: tiles fill the SMs (16 or more such caches) more splits measured slower (16 caches of 8k: +7 % at 2 splits), and
 #: calls with several query blocks per tile keep FA3's rule (not measured). 0: FA3's rule alone
 #: (FLASHGEN_DECODE_SPLIT_BLOCKS). docs/results/decode_splits_h100/, docs/PERF.md session 14.
-DECODE_SPLIT_BLOCKS = int(os.environ.get("FLASHGEN_DECODE_SPLIT_BLOCKS", "32"))
+DECODE_SPLIT_BLOCKS = _env_int("FLASHGEN_DECODE_SPLIT_BLOCKS", 32, 0)
 
 
 def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, max_seqlen_k: int, device: int,

@@ -169,3 +169,7 @@ def test_tail_sections_from_the_environment():
             e["FLASHGEN_CAUSAL_TAIL_SECTIONS"] = env
         out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True).stdout
         assert out.split() == want.split()
+    for bad in ("two", "0"):  # not an integer >= 1: an error naming the variable, at import
+        e = {**os.environ, "FLASHGEN_CAUSAL_TAIL_SECTIONS": bad}
+        r = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True)
+        assert r.returncode != 0 and "FLASHGEN_CAUSAL_TAIL_SECTIONS must be an integer >= 1" in r.stderr, r.stderr
