@@ -652,7 +652,7 @@ regress)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite ./.base 2>&1 | tail -2
   (cd .base && FLASHGEN_ROOT=$PWD PYTHONPATH=/tmp/oldsite python3 -m flashgen.cli build -j "$(nproc)" 2>&1 | tail -1)
-  if [ -n "${GPU_TESTS:-}" ]; then  # GPU_TESTS=1: every GPU test first (correctness before timing)
+  if [ "${GPU_TESTS:-0}" != 0 ]; then  # GPU_TESTS=1 (0 or unset: none): every GPU test first (correctness before timing)
     timeout 330 python3 -m pytest -q -p no:cacheprovider --tb=line --durations=5 tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed|s call" | tail -25
   fi
   # REGRESS_ARGS: a sub-grid, e.g. "--dtypes bf16 --head-dims 128,256"
