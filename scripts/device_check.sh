@@ -77,6 +77,9 @@
 #                                          varlen_gpu_time.py --decode-only (decode and prefill steps, GPU and host us)
 #                                          of .base/ and this tree alternated twice, then memcheck over the varlen_prep
 #                                          cases (MEMCHECK=0: none)
+#   bash scripts/device_check.sh pagedab   the paged K / V loads A/B (carry .base): sanitize_driver's varlen cases, the
+#                                          varlen kernel GPU tests (TESTS_K), scripts/paged_decode.py of .base/ and this tree
+#                                          alternated twice (PAGED_ARGS; OLD_FILTER default 'varlen')
 #   bash scripts/device_check.sh tailab    the causal order's last L2 section on the same kernels: core.CAUSAL_TAIL_SECTIONS 2
 #                                          (new) against 1 (old), alternated twice with SDPA peers (DTYPES, SEQLENS,
 #                                          HEAD_DIMS; default bf16,fp16 / 512,1024,2048 / 64,128,256); TESTS_K: forward GPU tests first;
@@ -554,6 +557,21 @@ kvab)
   for f in old1 new1 old2 new2; do
     echo "== $f"; grep -E '^\| (decode|prefill)|Error|error' "$out/kv_$f.md" | cut -c1-230
   done
+  ;;
+pagedab)
+  # the paged K / V loads' A/B (carry .base; mask.cuh PageWalk): the sanitize_driver varlen cases (a paged cache among
+  # them), the varlen kernel's GPU tests (TESTS_K, default "varlen_kernel": paged caches of 16 and 128 rows, split-KV),
+  # then scripts/paged_decode.py (decode steps, pages of 16 / 64 / 256 against unpaged; PAGED_ARGS its arguments)
+  # of .base/ and this tree alternated old, new, old, new; the tables last
+  old_build "${OLD_FILTER:-varlen}"
+  SANITIZE_ONLY=varlen timeout 90 python3 scripts/sanitize_driver.py 2>&1 | tee "$out/smoke.log" | tail -2
+  timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest -q -p no:cacheprovider --tb=short -k "${TESTS_K:-varlen_kernel}" \
+    tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  for r in 1 2; do
+    oldenv timeout 120 python3 scripts/paged_decode.py ${PAGED_ARGS:-} > "$out/paged_old$r.md" 2>&1
+    timeout 120 python3 scripts/paged_decode.py ${PAGED_ARGS:-} > "$out/paged_new$r.md" 2>&1
+  done
+  for f in old1 new1 old2 new2; do echo "== $f"; grep -E '^\| [0-9]|Error|error' "$out/paged_$f.md"; done
   ;;
 fwdchange)
   old_build "${OLD_FILTER:-fwd_e4m3*,fwd_bf16*}"

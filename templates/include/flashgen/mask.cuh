@@ -88,6 +88,32 @@ __device__ __forceinline__ SeqRange seq_range(const Params& p, int b) {
           seq_offset(p.cu_seqlens_k, b) + pad, seq_length(p.cu_seqlens_k, p.seqused_k, b, p.seqlen_k) - pad};
 }
 
+#ifndef FLASHGEN_HD
+#define FLASHGEN_HD __host__ __device__ __forceinline__
+#endif
+
+// A paged K / V block as TMA boxes (FA3's page_table: key j of a sequence is row j % page_size of page
+// page_table[b, j / page_size]): the boxes of `box` rows (gcd(page_size, block_n), so box <= page_size and a box
+// never crosses a page) from key key0 on, walked box by box without a division per box. entry / row: the
+// current box's page entry (its index in the sequence's page list) and first row in that page; clamped(): the
+// entry clamped to the last key's (last: seqlen_k - 1), which boxes past the keys read (rows masked or never
+// used). The same (entry, row) as min(key, last) / page_size and key % page_size for key = key0 + i * box.
+struct PageWalk {
+  int entry;
+  int row;
+  int last_entry;
+  int box;
+  int page_size;
+  FLASHGEN_HD PageWalk(int key0, int last, int box_rows, int page_rows)
+      : entry(key0 / page_rows), row(key0 - key0 / page_rows * page_rows), last_entry(last / page_rows),
+        box(box_rows), page_size(page_rows) {}
+  FLASHGEN_HD int clamped() const { return entry < last_entry ? entry : last_entry; }
+  FLASHGEN_HD void next() {
+    row += box;
+    if (row >= page_size) row -= page_size, ++entry;
+  }
+};
+
 // The forward's view: S (rows queries, columns keys) of query block m and key block n.
 // PackGqa (FA3's PackGQA): a tile holds the query heads of one K/V head, `group` of them; its row r
 // is query position m * q_per_tile + r / group of head r % group of the group, q_per_tile =
