@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import math
 import random
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from flashgen.generator.errors import ToolchainError
-from flashgen.generator.toolchain import find_nvcc
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from fgutil import run_host_program  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-INCLUDE = REPO / "templates" / "include"
 BOXES = 24  # boxes walked per case (more than one block's: the walk is not reset per block)
 
 PROGRAM = r"""
@@ -52,17 +50,9 @@ def cases():
 
 @pytest.fixture(scope="module")
 def walks(tmp_path_factory):
-    try:
-        nvcc = find_nvcc().path
-    except ToolchainError as e:
-        pytest.fail(f"the page walk test needs nvcc: {e}")
-    d = tmp_path_factory.mktemp("pagewalk")
-    (d / "walk.cu").write_text(PROGRAM)
-    subprocess.run([nvcc, "-std=c++17", f"-I{INCLUDE}", "-o", str(d / "walk"), str(d / "walk.cu")],
-                   check=True, capture_output=True, timeout=300)
     cs = cases()
     stdin = "".join(" ".join(map(str, c)) + "\n" for c in cs)
-    out = subprocess.run([str(d / "walk")], input=stdin, capture_output=True, text=True, check=True).stdout
+    out = run_host_program(tmp_path_factory.mktemp("pagewalk"), PROGRAM, stdin, "the page walk test")
     rows = [list(map(int, line.split())) for line in out.splitlines()]
     assert len(rows) == len(cs)
     return list(zip(cs, rows))

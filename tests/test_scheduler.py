@@ -8,17 +8,15 @@ L2_SECTION_BYTES and L2_SECTION_KV_HEADS K/V heads, core.tail_heads merges the l
 where their K and V fit in L2_SECTION_BYTES."""
 from __future__ import annotations
 
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from flashgen.core import L2_SECTION_BYTES, L2_SECTION_KV_HEADS, section_heads, tail_heads, tail_section
-from flashgen.generator.errors import ToolchainError
-from flashgen.generator.toolchain import find_nvcc
 
-REPO = Path(__file__).resolve().parents[1]
-INCLUDE = REPO / "templates" / "include"
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from fgutil import run_host_program  # noqa: E402
 
 PROGRAM = r"""
 #include <cstdio>
@@ -46,16 +44,8 @@ CASES = [  # causal, num_m_blocks, heads, batch, section_heads, tail_heads (the 
 
 @pytest.fixture(scope="module")
 def orders(tmp_path_factory):
-    try:
-        nvcc = find_nvcc().path
-    except ToolchainError as e:
-        pytest.fail(f"the scheduler test needs nvcc: {e}")
-    d = tmp_path_factory.mktemp("sched")
-    (d / "order.cu").write_text(PROGRAM)
-    subprocess.run([nvcc, "-std=c++17", f"-I{INCLUDE}", "-o", str(d / "order"), str(d / "order.cu")],
-                   check=True, capture_output=True, timeout=300)
     stdin = "".join(" ".join(map(str, c)) + "\n" for c in CASES)
-    out = subprocess.run([str(d / "order")], input=stdin, capture_output=True, text=True, check=True).stdout
+    out = run_host_program(tmp_path_factory.mktemp("sched"), PROGRAM, stdin, "the scheduler test")
     rows = [tuple(map(int, line.split())) for line in out.splitlines()]
     res, at = {}, 0
     for c in CASES:
