@@ -31,6 +31,7 @@ def main(argv=None) -> int:
 
     import flashgen
     from flashgen.bench import _time_ms as time_ms
+    from varlen_bench import paged_copy  # (scripts/, this script's folder, is on sys.path)
 
     print(f"# {torch.cuda.get_device_name()}; flashgen from {Path(flashgen.__file__).resolve().parent}")
     print("| head_dim | pages | max abs diff vs unpaged | ms (rounds) | GB/s | ms / unpaged ms |")
@@ -46,14 +47,7 @@ def main(argv=None) -> int:
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         calls = {}
         for page in map(int, a.pages.split(",")):
-            table, kp, vp = None, kc, vc
-            if page:
-                per = a.cache // page
-                order = torch.randperm(a.batch * per, generator=torch.Generator().manual_seed(page))
-                table = order.view(a.batch, per).to(device="cuda", dtype=torch.int32)
-                kp, vp = (torch.empty(a.batch * per, page, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-                kp[table.long().flatten()] = kc.view(a.batch * per, page, hk, d)
-                vp[table.long().flatten()] = vc.view(a.batch * per, page, hk, d)
+            table, kp, vp = paged_copy(kc, vc, page, page) if page else (None, kc, vc)
             calls[page] = (lambda kp=kp, vp=vp, table=table: flashgen.flash_attn_with_kvcache(
                 q, kp, vp, cache_seqlens=seqlens, page_table=table, causal=True))
         ref = calls[0]() if 0 in calls else None

@@ -57,6 +57,20 @@ def packed_case(rng, n_docs: int, tokens: int, h: int = 16, d: int = 128):
     return run, sdpa, flops, f"packed {n_docs} docs / {tokens} tokens (max {max(lens)})"
 
 
+def paged_copy(kc, vc, page: int, seed: int):
+    """Padded caches kc, vc (batch, cache, heads_k, d) as pages of ``page`` rows in a pool shuffled by ``seed``:
+    (page_table (batch, cache / page) int32, k pool, v pool (batch * cache / page, page, heads_k, d)), the same keys
+    in the same order per entry (flash_attn_with_kvcache's page_table form)."""
+    batch, cache, hk, d = kc.shape
+    per = cache // page
+    order = torch.randperm(batch * per, generator=torch.Generator().manual_seed(seed))
+    table = order.view(batch, per).to(device=kc.device, dtype=torch.int32)
+    kp, vp = (torch.empty(batch * per, page, hk, d, device=kc.device, dtype=kc.dtype) for _ in range(2))
+    kp[table.long().flatten()] = kc.view(batch * per, page, hk, d)
+    vp[table.long().flatten()] = vc.view(batch * per, page, hk, d)
+    return table, kp, vp
+
+
 def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 128, page: int | None = None,
                 num_splits: int = 0):
     lens = [rng.randint(1, cache) for _ in range(batch)]
@@ -66,12 +80,7 @@ def decode_case(rng, batch: int, cache: int, h: int = 32, hk: int = 8, d: int = 
     flops = sum(2 * 2 * h * d * n for n in lens)
     table, kp, vp = None, kc, vc
     if page:  # the same caches as pages of `page` rows in a shuffled pool (SDPA below reads the padded ones)
-        per = cache // page
-        order = torch.randperm(batch * per, generator=torch.Generator().manual_seed(rng.randint(0, 1 << 30)))
-        table = order.view(batch, per).to(device="cuda", dtype=torch.int32)
-        kp, vp = (torch.empty(batch * per, page, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        kp[table.long().flatten()] = kc.view(batch * per, page, hk, d)
-        vp[table.long().flatten()] = vc.view(batch * per, page, hk, d)
+        table, kp, vp = paged_copy(kc, vc, page, rng.randint(0, 1 << 30))
 
     def run():  # (num_splits 0: FA3's heuristic, switched on for the call: core.SPLIT_KV_AUTO)
         auto, core.SPLIT_KV_AUTO = core.SPLIT_KV_AUTO, num_splits == 0
