@@ -22,6 +22,15 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ uint8_t* smem_ptr(uint32_t addr) {
   return static_cast<uint8_t*>(__cvta_shared_to_generic(addr));
 }
+// A 32-bit word at a shared-memory address (one register for the address where a generic pointer takes two).
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, int v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_shared_u32(uint32_t addr) {
+  int v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 
 // x, through a volatile asm that the compiler cannot see through or move: what a loop derives from
 // it is computed in the loop, not hoisted out of it and held (or spilled) across every iteration.
