@@ -80,6 +80,11 @@
 #   bash scripts/device_check.sh pagedab   the paged K / V loads A/B (carry .base): sanitize_driver's varlen cases, the
 #                                          varlen kernel GPU tests (TESTS_K), scripts/paged_decode.py of .base/ and this tree
 #                                          alternated twice (PAGED_ARGS; OLD_FILTER default 'varlen')
+#   bash scripts/device_check.sh tuneab    re-tune some keys against the shipped table: builds the candidates of TUNE_FILTER (default
+#                                          the 16-bit hd64 causal tiles), `flashgen tune --merge TUNE_KEYS --rounds 3` into a copy of
+#                                          this GPU's shipped table under $OUT, then regress_fwd.py over REGRESS_ARGS (default the
+#                                          keys' 512-2k points) with the shipped table (old) and the new one (new) alternated
+#                                          twice, SDPA peers in every run; the old/new and the peers tables last
 #   bash scripts/device_check.sh tailab    the causal order's last L2 section on the same kernels: core.CAUSAL_TAIL_SECTIONS 2
 #                                          (new) against 1 (old), alternated twice with SDPA peers (DTYPES, SEQLENS,
 #                                          HEAD_DIMS; default bf16,fp16 / 512,1024,2048 / 64,128,256); TESTS_K: forward GPU tests first;
@@ -665,6 +670,22 @@ grid)
   timeout 90 python3 scripts/fp8_bench.py --seqlens 16384 2>&1 | grep '^|' | tail -8
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m(n=1000).items()})"
   python3 scripts/regress_fwd.py peers "$out"/grid*.csv | tee "$out/peers.txt"
+  ;;
+tuneab)
+  flashgen build --all --filter "${TUNE_FILTER:-fwd_bf16_hd64_causal_m*,fwd_fp16_hd64_causal_m*}" -j "$(nproc)" 2>&1 | tail -1
+  slug=$(python3 -c "from flashgen import tune; print(tune.default_output(tune.gpu_name()).name)")
+  cp "configs/tune/$slug" "$out/$slug"
+  timeout 300 flashgen tune --merge -o "$out/$slug" --rounds 3 \
+    ${TUNE_KEYS:---dtypes bf16,fp16 --head-dims 64 --causal true --seqlens 512,1024,2048} 2>&1 \
+    | tee "$out/tune.log" | grep -E '^\| (bf16|fp16|e4m3)|wrote|rror' | tail -20
+  g="${REGRESS_ARGS:---dtypes bf16,fp16 --head-dims 64 --causal yes --seqlens 512,1024,2048}"
+  for r in 1 2; do
+    FLASHGEN_TUNE_TABLE="configs/tune/$slug" python3 scripts/regress_fwd.py run --label old --csv "$out/old$r.csv" $g 2>&1 | tail -1
+    FLASHGEN_TUNE_TABLE="$out/$slug" python3 scripts/regress_fwd.py run --label new --csv "$out/new$r.csv" $g 2>&1 | tail -1
+  done
+  python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt" | tail -16
+  python3 scripts/regress_fwd.py peers "$out"/new*.csv | tee "$out/peers_new.txt" | tail -16
+  python3 scripts/regress_fwd.py peers "$out"/old*.csv | tee "$out/peers_old.txt" | tail -16
   ;;
 regress)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
