@@ -85,6 +85,9 @@
 #                                          this GPU's shipped table under $OUT, then regress_fwd.py over REGRESS_ARGS (default the
 #                                          keys' 512-2k points) with the shipped table (old) and the new one (new) alternated
 #                                          twice, SDPA peers in every run; the old/new and the peers tables last
+#   bash scripts/device_check.sh packgqaab PackGQA A/B (carry .base): test_packgqa_gpu.py, then scripts/packgqa_bench.py (PACKGQA_ARGS,
+#                                          default --head-dim 64) of .base/ and this tree alternated twice (OLD_FILTER, default
+#                                          'fwd_bf16_hd64*'); the rule's pick of each tree side by side last
 #   bash scripts/device_check.sh tailab    the causal order's last L2 section on the same kernels: core.CAUSAL_TAIL_SECTIONS 2
 #                                          (new) against 1 (old), alternated twice with SDPA peers (DTYPES, SEQLENS,
 #                                          HEAD_DIMS; default bf16,fp16 / 512,1024,2048 / 64,128,256); TESTS_K: forward GPU tests first;
@@ -670,6 +673,27 @@ grid)
   timeout 90 python3 scripts/fp8_bench.py --seqlens 16384 2>&1 | grep '^|' | tail -8
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m(n=1000).items()})"
   python3 scripts/regress_fwd.py peers "$out"/grid*.csv | tee "$out/peers.txt"
+  ;;
+packgqaab)
+  old_build "${OLD_FILTER:-fwd_bf16_hd64*}"
+  timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_packgqa_gpu.py \
+    2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  for r in 1 2; do
+    oldenv timeout 150 python3 scripts/packgqa_bench.py ${PACKGQA_ARGS:---head-dim 64} --csv "$out/packgqa_old$r.csv" > "$out/packgqa_old$r.md" 2>&1
+    timeout 150 python3 scripts/packgqa_bench.py ${PACKGQA_ARGS:---head-dim 64} --csv "$out/packgqa_new$r.csv" > "$out/packgqa_new$r.md" 2>&1
+  done
+  python3 - "$out" <<'PY'
+import csv, sys
+d = sys.argv[1]
+runs = {n: list(csv.DictReader(open(f"{d}/packgqa_{n}.csv"))) for n in ("old1", "new1", "old2", "new2")}
+print("| seqlen_q | seqlen_k | group | causal | rule old / new | flashgen us old r1 / r2 | new r1 / r2 | old / new |")
+print("|---|---|---|---|---|---|---|---|")
+for i, r in enumerate(runs["old1"]):
+    us = {n: float(runs[n][i]["packed_us" if runs[n][i]["rule"] == "pack" else "unpacked_us"]) for n in runs}
+    print(f"| {r['seqlen_q']} | {r['seqlen_k']} | {r['group']} | {r['causal']} | {r['rule']} / {runs['new1'][i]['rule']} | "
+          f"{us['old1']:.1f} / {us['old2']:.1f} | {us['new1']:.1f} / {us['new2']:.1f} | "
+          f"{min(us['old1'], us['old2']) / min(us['new1'], us['new2']):.3f} |")
+PY
   ;;
 tuneab)
   flashgen build --all --filter "${TUNE_FILTER:-fwd_bf16_hd64_causal_m*,fwd_fp16_hd64_causal_m*}" -j "$(nproc)" 2>&1 | tail -1
