@@ -70,4 +70,3 @@ def test_boxes_stay_inside_their_page(walks):
         if key0 % box:
             continue  # (an arbitrary start: checked against the division form only)
         assert all(row[2 * i + 1] + box <= page for i in range(BOXES)), (key0, box, page)
-
