@@ -84,7 +84,8 @@
 #                                          the 16-bit hd64 causal tiles), `flashgen tune --merge TUNE_KEYS --rounds 3` into a copy of
 #                                          this GPU's shipped table under $OUT, then regress_fwd.py over REGRESS_ARGS (default the
 #                                          keys' 512-2k points) with the shipped table (old) and the new one (new) alternated
-#                                          twice, SDPA peers in every run; the old/new and the peers tables last
+#                                          twice, SDPA peers in every run; the old/new and the peers tables last (GRID=1:
+#                                          then the whole forward grid twice with the new table, its peers table last)
 #   bash scripts/device_check.sh packgqaab PackGQA A/B (carry .base): test_packgqa_gpu.py, then scripts/packgqa_bench.py (PACKGQA_ARGS,
 #                                          default --head-dim 64) of .base/ and this tree alternated twice (OLD_FILTER, default
 #                                          'fwd_bf16_hd64*'); the rule's pick of each tree side by side last
@@ -710,6 +711,11 @@ tuneab)
   python3 scripts/regress_fwd.py compare "$out"/new1.csv "$out"/old1.csv "$out"/new2.csv "$out"/old2.csv | tee "$out/regress.txt" | tail -16
   python3 scripts/regress_fwd.py peers "$out"/new*.csv | tee "$out/peers_new.txt" | tail -16
   python3 scripts/regress_fwd.py peers "$out"/old*.csv | tee "$out/peers_old.txt" | tail -16
+  if [ "${GRID:-0}" = 1 ]; then  # GRID=1: then the whole forward grid twice with the new table (no rebuild: a default
+    # build here would drop the candidates' fatbins that the new table may name), SDPA peers in every run
+    for r in 1 2; do FLASHGEN_TUNE_TABLE="$out/$slug" python3 scripts/regress_fwd.py run --label new --csv "$out/grid$r.csv" 2>&1 | tail -1; done
+    python3 scripts/regress_fwd.py peers "$out"/grid*.csv | tee "$out/peers_grid.txt" | tail -16
+  fi
   ;;
 regress)
   test -d .base || { echo "no .base/: run scripts/make_base.sh here first and carry .base"; exit 2; }
