@@ -182,6 +182,9 @@ out=${OUT:-/tmp/flashgen-out}
 # 560 s from this script's start, bash's SECONDS) caps the test run's timeout (`cap N`: N, or less where the call's
 # time left minus 20 s is less; at least 30), so that a slow test file ends with its log and summary, not the call.
 cap() { local left=$(( ${CALL_LIMIT:-560} - SECONDS - 20 )); [ "$left" -lt 30 ] && left=30; echo $(( $1 < left ? $1 : left )); }
+# The forward grid with SDPA peers (scripts/regress_fwd.py), once per run of GRID_RUNS (default "1 2") into
+# $out/grid<run>.csv; arguments go to regress_fwd.py run (grid, and tuneab's GRID=1)
+fwd_grid_runs() { for r in ${GRID_RUNS:-1 2}; do python3 scripts/regress_fwd.py run --label new --csv "$out/grid$r.csv" "$@" 2>&1 | tail -1; done; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
@@ -670,7 +673,7 @@ grid)
     timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   fi
   # (GRID_RUNS: which grid runs, default "1 2"; GPU_TESTS=0: no tests)
-  for r in ${GRID_RUNS:-1 2}; do python3 scripts/regress_fwd.py run --label new --csv "$out/grid$r.csv" ${REGRESS_ARGS:-} 2>&1 | tail -1; done
+  fwd_grid_runs ${REGRESS_ARGS:-}
   timeout 90 python3 scripts/fp8_bench.py --seqlens 16384 2>&1 | grep '^|' | tail -8
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m(n=1000).items()})"
   python3 scripts/regress_fwd.py peers "$out"/grid*.csv | tee "$out/peers.txt"
@@ -713,7 +716,7 @@ tuneab)
   python3 scripts/regress_fwd.py peers "$out"/old*.csv | tee "$out/peers_old.txt" | tail -16
   if [ "${GRID:-0}" = 1 ]; then  # GRID=1: then the whole forward grid twice with the new table (no rebuild: a default
     # build here would drop the candidates' fatbins that the new table may name), SDPA peers in every run
-    for r in 1 2; do FLASHGEN_TUNE_TABLE="$out/$slug" python3 scripts/regress_fwd.py run --label new --csv "$out/grid$r.csv" 2>&1 | tail -1; done
+    FLASHGEN_TUNE_TABLE="$out/$slug" fwd_grid_runs
     python3 scripts/regress_fwd.py peers "$out"/grid*.csv | tee "$out/peers_grid.txt" | tail -16
   fi
   ;;
