@@ -443,18 +443,29 @@ def _check_named_variant(var: Variant, dtype: str, d: int, dv: int, mask: MaskSp
         raise ValueError(f"flashgen: variant {var.name} does not serve this call: " + "; ".join(bad))
 
 
+#: PackGQA calls with seqlen_q at most this (decode-like) run on the key's decode tile where one is built
+#: (_PACK_GQA_DECODE_TILE; configs/fwd.yaml extra: head_dim 64's non-varlen PackGQA keys), longer ones on the
+#: key's tile. H100, bf16, batch 16, heads 32 (scripts/packgqa_bench.py --head-dim 64, 128 x 128 wg2 against
+#: 192 x 128 wg3 alternated twice; docs/results/packgqa_hd64_tile_h100/): seqlen_q 1-64 1.03-1.17x, group 4 and
+#: 8, causal or not, seqlen_k 1k and 8k; seqlen_q 128 0.91-0.95x (more tiles, each reading all of K / V).
+PACK_GQA_DECODE_MAX_SEQLEN_Q = 64
+_PACK_GQA_DECODE_TILE = {"block_m": 128, "consumer_wgs": 2}
+
+
 def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
-          bucket: int = 0, pack_gqa: bool = False, varlen: bool = False) -> _Plan:
+          bucket: int = 0, pack_gqa: bool = False, varlen: bool = False, seqlen_q: int = 0) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
 
     ``bucket``: the call's seqlen_k bucket (``tuning.seqlen_bucket``); the GPU's tune table
     (flashgen/tuning.py) may name another built tile than the default for it. ``pack_gqa``: a
-    PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``); ``varlen``: a varlen variant (fwd.py's
-    varlen; ignored with ``variant``).
+    PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``); with ``seqlen_q`` from 1 to
+    PACK_GQA_DECODE_MAX_SEQLEN_Q, the key's decode tile where one is built. ``varlen``: a varlen variant
+    (fwd.py's varlen; ignored with ``variant``).
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
+    decode = variant is None and pack_gqa and 0 < seqlen_q <= PACK_GQA_DECODE_MAX_SEQLEN_Q
     key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device,
-           pack_gqa, bucket, varlen)
+           pack_gqa, bucket, varlen, decode)
     plan = _plans.get(key)
     if plan is None:
         if variant is not None:
@@ -464,6 +475,8 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
                     "softcap": softcap, "pack_gqa": pack_gqa, "varlen": varlen}, round_up=_ROUND_UP)
         if variant is None:
             var = tuning.tuned_variant(var, bucket, device, load_manifest())
+        if decode:
+            var = _twin_variant(var, **_PACK_GQA_DECODE_TILE)
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
         vt = launch.get_kernel(var, "vt", device) if p.get("vt_global") else None
@@ -529,7 +542,7 @@ def pack_gqa_served(dtype: str, head_dim: int, head_dim_v: int, causal: bool, wi
         return False
     mask = mask_spec(causal, window_size, seqlen_q, seqlen_k)
     return _packed_plan(dtype, head_dim, head_dim_v, mask, softcap > 0, device, (seqlen_k - 1).bit_length(),
-                        group) is not None
+                        group, seqlen_q=seqlen_q) is not None
 
 
 #: Split-KV: the largest split count the varlen forward uses (within the combine kernel's limit,
@@ -618,11 +631,15 @@ _built: set = set()  # variant_built's keys found built (only added to: safe to 
 
 
 def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
-                 group: int, varlen: bool = False) -> _Plan | None:
-    """The PackGQA plan of a call key (``varlen``: of the varlen variants) when a PackGQA variant is built
-    for it and ``group`` query heads fit its tile (group <= block_m); else None (the unpacked kernel serves)."""
+                 group: int, varlen: bool = False, seqlen_q: int = 0) -> _Plan | None:
+    """The PackGQA plan of a call key (``varlen``: of the varlen variants; ``seqlen_q``: the decode tile's
+    choice, _plan) when a PackGQA variant is built for it and ``group`` query heads fit its tile
+    (group <= block_m; else the key's own tile if they fit that); else None (the unpacked kernel serves)."""
     try:
-        plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen)
+        plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen,
+                     seqlen_q=seqlen_q)
+        if group > plan.block_m and seqlen_q:
+            plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen)
     except MissingVariantError:
         return None
     return plan if group <= plan.block_m else None
@@ -789,11 +806,13 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     may_pack = not (vl and varlen.cu_seqlens_q)  # (PackGQA's 5-D Q map needs a padded q)
     if variant is not None or pack_gqa:  # a named variant, or PackGQA asked for (MissingVariantError if none)
         plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, pack_gqa=bool(pack_gqa),
-                     varlen=vl)
+                     varlen=vl, seqlen_q=sq)
+        if variant is None and group > plan.block_m:  # the decode tile too small for the group: the key's own
+            plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, pack_gqa=True, varlen=vl)
         packed = bool(plan.variant.params.get("pack_gqa"))
     else:
         plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, varlen=vl)
-        pp = (_packed_plan(q.dtype, d, dv, mask, softcap > 0, q.device, bucket, group, varlen=vl)
+        pp = (_packed_plan(q.dtype, d, dv, mask, softcap > 0, q.device, bucket, group, varlen=vl, seqlen_q=sq)
               if pack_gqa is None and may_pack and pack_gqa_rule(sq, h, hk, plan.block_m) else None)
         packed = pp is not None
         plan = pp or plan

@@ -228,9 +228,17 @@ def test_real_configs():
     # + bwd's varlen variants (bwd.py varlen): {dtype} x {head_dim} x {none, causal, local}, without softcap (30)
     # + fwd's varlen softcap variants: {dtype} x {head_dim} x {none, causal, local}, unpacked (30)
     # + varlen_prep's one variant
+    # + fwd's PackGQA decode tiles (head_dim 64, {dtype} x {none, causal, local}: not dispatch defaults;
+    # core.PACK_GQA_DECODE_MAX_SEQLEN_Q)
+    decode = [v for v in vs if v.family == "fwd" and v.params.get("pack_gqa") and not v.params.get("varlen")
+              and not v.default and not v.tuned]
+    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["block_m"],
+                   v.params["consumer_wgs"], v.default_build) for v in decode) == \
+        sorted((d, 64, c, lo, 128, 2, True) for d in ("bf16", "fp16") for c, lo in ((False, False), (True, False),
+                                                                                   (False, True)))
     assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(built_twins) + \
-        len(tuned)
-    packed = [v for v in select(vs) if v.params.get("pack_gqa") and not v.params.get("varlen")]
+        len(decode) + len(tuned)
+    packed = [v for v in select(vs) if v.params.get("pack_gqa") and not v.params.get("varlen") and v.default]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
     # + varlen (fwd.py varlen) for {dtype} x {head_dim} x {none, causal, local} x {PackGQA}, without softcap (60)
     bwd_varlen = [v for v in select(vs) if v.family == "bwd" and v.params.get("varlen")]
@@ -258,7 +266,7 @@ def test_real_configs():
             for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
         fam = [v for v in select(vs) if v.family == family and v.params["head_dim_v" if family == "fwd" else "head_dim"]
-               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap and v not in twins]  # FP8 has no backward
+               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap + twins + decode]  # FP8 has no backward
         assert all(v.default for v in fam)
         assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"])
                 for v in fam} == keys
@@ -267,7 +275,7 @@ def test_real_configs():
              v.params["softcap"]) for v in mla} == {(d, 192, 128, c, lo, sc) for d in ("bf16", "fp16")
                                                    for c, lo in ((False, False), (True, False), (False, True))
                                                    for sc in (False, True)}
-    default_set = [v for v in select(vs) if v.family == "fwd"]
+    default_set = [v for v in select(vs) if v.family == "fwd" and v not in decode]
     # every default variant takes block_m/block_n/consumer_wgs from its tile-table row (the most
     # specific one), whatever the tuned values are
     import yaml
@@ -298,7 +306,7 @@ def test_real_configs():
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(twins)
+    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(twins) + len(decode)
                                     + len({v.name for v in abl + tune + tuned if not v.default}))
     assert len(select(vs, all_=True)) == len(vs)
 
@@ -322,11 +330,11 @@ def test_register_budget_rejects_hd96_on_three_wgs(tmp_path):
 
 def test_select_filter():
     vs = [v for v in load_variants(Project(REPO)) if not v.tuned]  # the shipped tune tables' tiles: test_tune.py
-    # {bf16, fp16} x ({none, causal, local} x {softcap} + PackGQA {none, causal, local} + varlen {none, causal,
-    # local} x {PackGQA, softcap}); e4m3 x {none, causal, local} x {softcap}
-    assert len(select(vs, "fwd_*hd64*")) == 42
-    assert len(select(vs, "*hd64*")) == 60  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
+    # {bf16, fp16} x ({none, causal, local} x {softcap} + PackGQA {none, causal, local} x {its tile, the decode
+    # tile} + varlen {none, causal, local} x {PackGQA, softcap}); e4m3 x {none, causal, local} x {softcap}
+    assert len(select(vs, "fwd_*hd64*")) == 48
+    assert len(select(vs, "*hd64*")) == 66  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
-    # 6 + 3 packed + 9 varlen; causal, causal_softcap, packed, 3 varlen
-    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 24
+    # 6 + 6 packed + 9 varlen; causal, causal_softcap, packed, 3 varlen
+    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 27

@@ -436,10 +436,11 @@ def _fresh_state(monkeypatch):
     tuning.reset()
 
 
-def _fake_driver(tmp_path, monkeypatch, keys):
-    """The real core and launcher on a FakeDriver, with a manifest of fwd variants for ``keys``."""
+def _fake_driver(tmp_path, monkeypatch, keys, extra=()):
+    """The real core and launcher on a FakeDriver, with a manifest of fwd variants for ``keys`` (and the
+    records ``extra``)."""
     (tmp_path / "manifest.json").write_text(json.dumps({"schema": 2, "arch": "sm_90a", "nvcc": {"version": "13.0"},
-                                                        "variants": [record(k) for k in keys]}))
+                                                        "variants": [record(k) for k in keys] + list(extra)}))
     monkeypatch.setenv("FLASHGEN_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("FLASHGEN_TUNE_TABLE", "off")
     for var in ("FLASHGEN_ROOT", "FLASHGEN_BUILD_DIR"):
@@ -1063,6 +1064,58 @@ def test_packed_launch_maps_params_and_grid(tmp_path, monkeypatch):
         with pytest.raises(core.MissingVariantError):  # asked for: no fallback
             core.attention_forward(q16, kv16, kv16, targ((b, sq, h, 128), "fp16", 11 << 24), lse, 0.1, True, 5,
                                    pack_gqa=True)
+    finally:
+        tuning.reset()
+
+
+def _tile_record(key: dict, block_m: int, consumer_wgs: int, default: bool, tag: str) -> dict:
+    """record(key) at another tile, named with ``tag``."""
+    rec = record(key)
+    name = rec["name"] + tag
+    rec.update(name=name, fatbin=f"fatbin/{name}.fatbin", default=default)
+    rec["params"].update(block_m=block_m, consumer_wgs=consumer_wgs)
+    rec["kernels"][0]["symbol"] = f"flashgen_{name}_main"
+    return rec
+
+
+def test_decode_like_packed_calls_take_the_decode_tile(tmp_path, monkeypatch):
+    """PackGQA calls with seqlen_q <= core.PACK_GQA_DECODE_MAX_SEQLEN_Q run on the key's decode tile (configs/fwd.yaml
+    extra: 128 x 128, 2 consumer warpgroups at head_dim 64) where one is built, by the rule or asked for; longer
+    ones, a group that the decode tile cannot hold, keys without one and a named variant run on the key's own tile."""
+    packed = dict(dtype="bf16", head_dim=64, head_dim_v=64, causal=False, local=False, softcap=False, pack_gqa=True)
+    own16 = dict(packed, dtype="fp16")
+    recs = [_tile_record(packed, 192, 3, True, "_own"), _tile_record(packed, 128, 2, False, "_decode"),
+            _tile_record(own16, 192, 3, True, "_own")]
+    d = _fake_driver(tmp_path, monkeypatch, KEYS, recs)
+    try:
+        assert core.PACK_GQA_DECODE_MAX_SEQLEN_Q == 64 and core._PACK_GQA_DECODE_TILE == {"block_m": 128, "consumer_wgs": 2}
+        b, sk, hk = 2, 1000, 4
+
+        def run(sq, h, dtype="bf16", **kw):
+            q, out = targ((b, sq, h, 64), dtype, 1 << 24), targ((b, sq, h, 64), dtype, 4 << 24)
+            k, v = targ((b, sk, hk, 64), dtype, 2 << 24), targ((b, sk, hk, 64), dtype, 3 << 24)
+            used = core.attention_forward(q, k, v, out, targ((b, h, sq), "fp32", 5 << 24), 0.1, False, 5, **kw)
+            return used, d.launches[-1]["symbol"], _params_of(d.launches[-1])["tile_queries"]
+
+        for sq in (1, 4, 64):  # group 4: 32 positions per 128-row tile
+            used, sym, tq = run(sq, 4 * hk)
+            assert used.params["pack_gqa"] and "_decode" in sym and tq == 32 and not used.default, sq
+        used, sym, tq = run(65, 4 * hk, pack_gqa=True)  # past the bound: the key's 192-row tile, 48 positions
+        assert "_own" in sym and tq == 48 and used.default
+        used, sym, tq = run(16, 4 * hk, pack_gqa=True)  # asked for
+        assert "_decode" in sym and tq == 32
+        used, sym, tq = run(1, 160 * hk)  # group 160 > 128 rows: the key's tile holds it (one position)
+        assert used.params["pack_gqa"] and "_own" in sym and tq == 1
+        used, sym, tq = run(1, 160 * hk, pack_gqa=True)
+        assert "_own" in sym and tq == 1
+        used, sym, tq = run(1, 4 * hk, "fp16")  # no decode tile built for the key
+        assert "_own" in sym and tq == 48
+        from flashgen.manifest import load_manifest
+        own = next(v for v in load_manifest().variants if v.name.endswith("_own") and v.params["dtype"] == "bf16")
+        used, sym, tq = run(1, 4 * hk, variant=own)
+        assert used is own and tq == 48
+        assert core.pack_gqa_served("bf16", 64, 64, False, (-1, -1), 1, sk, 0.0, 160 * hk, hk, 0)
+        assert not core.pack_gqa_served("bf16", 64, 64, False, (-1, -1), 1, sk, 0.0, 200 * hk, hk, 0)
     finally:
         tuning.reset()
 

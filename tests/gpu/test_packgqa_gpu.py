@@ -24,6 +24,7 @@ import flashgen  # noqa: E402
 import flashgen.core as core  # noqa: E402
 import flashgen.interface as interface  # noqa: E402
 from flashgen.core import mask_spec  # noqa: E402
+from flashgen.manifest import load_manifest  # noqa: E402
 from _ref import DTYPE_NAMES, bitwise_equal, check_fwd, make_qkv, poison_cached_blocks, variant_missing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +35,7 @@ BF16, FP16 = torch.bfloat16, torch.float16
 CASES = [
     (2, 1, 1000, 32, 4, 128, BF16, False, (-1, -1)),    # decode, group 8
     (2, 1, 1000, 32, 4, 128, BF16, True, (-1, -1)),     # causal decode = unmasked (FA3)
-    (3, 7, 333, 12, 2, 64, FP16, True, (-1, -1)),       # group 6: 192 rows = 32 positions x 6
+    (3, 7, 333, 12, 2, 64, FP16, True, (-1, -1)),       # group 6, the decode tile: 21 positions x 6 of 128 rows
     (1, 17, 513, 28, 4, 128, BF16, True, (-1, -1)),     # group 7 (Qwen2): 126 of 128 rows, 2 padding
     (2, 113, 203, 16, 2, 256, BF16, False, (-1, -1)),   # several tiles per head
     (2, 113, 203, 16, 2, 256, FP16, True, (-1, -1)),
@@ -141,6 +142,24 @@ def test_rule_packs_decode_and_not_prefill(used, monkeypatch):
         out, lse = run(q, k, v, True, (-1, -1))
         assert bool(used[-1].params.get("pack_gqa")) == want, (sq, used[-1].name)
         check_fwd(q, k, v, True, out, lse)
+
+
+def test_decode_tile_by_seqlen_q(used, monkeypatch):
+    """head_dim 64's PackGQA decode tile (configs/fwd.yaml extra, 128 x 128 with 2 consumer warpgroups) serves
+    seqlen_q <= core.PACK_GQA_DECODE_MAX_SEQLEN_Q, the key's 192-row tile longer ones; each against the
+    reference, groups 4 and 8, causal or not."""
+    built = [v for v in load_manifest().variants if v.family == "fwd" and v.params.get("pack_gqa")
+             and not v.params.get("varlen") and v.params["head_dim"] == 64 and v.params["dtype"] == "bf16"
+             and not v.default and v.params["block_m"] == 128]
+    if not built:
+        pytest.skip("MISSING-FWD-VARIANT: no head_dim 64 PackGQA decode tile built")
+    forced(monkeypatch, True)
+    for sq, hk, causal in ((1, 8, False), (64, 4, True), (64, 8, False), (65, 4, True), (128, 8, False)):
+        q, k, v = make_qkv(2, sq, 777, 32, hk, 64, BF16, seed=sq + hk)
+        out, lse = run(q, k, v, causal, (-1, -1))
+        var = used[-1]
+        assert var.params.get("pack_gqa") and var.params["block_m"] == (128 if sq <= 64 else 192), (sq, var.name)
+        check_fwd(q, k, v, causal, out, lse)
 
 
 def test_packed_is_deterministic(used, monkeypatch):
