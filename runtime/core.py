@@ -630,16 +630,24 @@ def variant_built(family: str, key: dict, round_up: tuple = ()) -> bool:
 _built: set = set()  # variant_built's keys found built (only added to: safe to share between threads)
 
 
+def _pack_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
+               group: int, varlen: bool = False, seqlen_q: int = 0) -> _Plan:
+    """The PackGQA plan of a call key (``varlen``: of the varlen variants): with ``seqlen_q`` up to
+    PACK_GQA_DECODE_MAX_SEQLEN_Q the key's decode tile (_plan) unless ``group`` query heads overflow its
+    block_m, else the key's own tile. MissingVariantError where no PackGQA variant serves the key."""
+    plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen,
+                 seqlen_q=seqlen_q)
+    if group > plan.block_m and seqlen_q:
+        plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen)
+    return plan
+
+
 def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
                  group: int, varlen: bool = False, seqlen_q: int = 0) -> _Plan | None:
-    """The PackGQA plan of a call key (``varlen``: of the varlen variants; ``seqlen_q``: the decode tile's
-    choice, _plan) when a PackGQA variant is built for it and ``group`` query heads fit its tile
-    (group <= block_m; else the key's own tile if they fit that); else None (the unpacked kernel serves)."""
+    """_pack_plan's plan when a PackGQA variant is built for the key and ``group`` query heads fit its tile
+    (group <= block_m); else None (the unpacked kernel serves)."""
     try:
-        plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen,
-                     seqlen_q=seqlen_q)
-        if group > plan.block_m and seqlen_q:
-            plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen)
+        plan = _pack_plan(dtype, d, dv, mask, softcap, device, bucket, group, varlen, seqlen_q)
     except MissingVariantError:
         return None
     return plan if group <= plan.block_m else None
@@ -805,10 +813,8 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
     vl = varlen is not None  # a varlen call: the varlen variants (MissingVariantError where none serves it)
     may_pack = not (vl and varlen.cu_seqlens_q)  # (PackGQA's 5-D Q map needs a padded q)
     if variant is not None or pack_gqa:  # a named variant, or PackGQA asked for (MissingVariantError if none)
-        plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, pack_gqa=bool(pack_gqa),
-                     varlen=vl, seqlen_q=sq)
-        if variant is None and group > plan.block_m:  # the decode tile too small for the group: the key's own
-            plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, pack_gqa=True, varlen=vl)
+        plan = (_plan(q.dtype, d, dv, mask, softcap > 0, q.device, variant, bucket=bucket, varlen=vl)
+                if variant is not None else _pack_plan(q.dtype, d, dv, mask, softcap > 0, q.device, bucket, group, vl, sq))
         packed = bool(plan.variant.params.get("pack_gqa"))
     else:
         plan = _plan(q.dtype, d, dv, mask, softcap > 0, q.device, None, bucket=bucket, varlen=vl)
