@@ -635,11 +635,9 @@ def _pack_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, devic
     """The PackGQA plan of a call key (``varlen``: of the varlen variants): with ``seqlen_q`` up to
     PACK_GQA_DECODE_MAX_SEQLEN_Q the key's decode tile (_plan) unless ``group`` query heads overflow its
     block_m, else the key's own tile. MissingVariantError where no PackGQA variant serves the key."""
-    plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen,
-                 seqlen_q=seqlen_q)
-    if group > plan.block_m and seqlen_q:
-        plan = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen)
-    return plan
+    fits = group <= _PACK_GQA_DECODE_TILE["block_m"]
+    return _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen,
+                 seqlen_q=seqlen_q if fits else 0)
 
 
 def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
