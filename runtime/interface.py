@@ -198,6 +198,19 @@ class _FwdCall(NamedTuple):
     empty: bool  # nothing to launch: batch, seqlen_q or seqlen_k is 0
     launch: Optional[_core.PreparedForward]  # when q, k, v are all read in place (and not empty); else None
     pack_gqa: Optional[bool] = None  # the core's pack_gqa for this call (:func:`_pack_gqa_arg`)
+    split: Optional["_SplitForward"] = None  # FA3's num_splits: the call runs split-KV (:func:`_split_forward`)
+
+
+class _SplitForward(NamedTuple):
+    """A flash_attn_func call run split-KV (FA3's ``num_splits``; flash-decoding, FA3 paper §3 / FlashDecoding):
+    the varlen kernel over the padded batch (core.Varlen with no length arrays: every sequence is seqlen_q x
+    seqlen_k, the mask aligned as the non-varlen kernel's) writes each split's fp32 O and LSE, and the combine
+    kernel merges them into out and lse. Made once per key by :func:`_split_forward`; immutable."""
+
+    splits: int
+    launch: _core.PreparedForward  # the varlen kernel writing the partials (its Varlen: num_splits, split strides)
+    parts_shape: tuple  # (splits, batch, seqlen_q, heads, head_dim_v): the fp32 partial O, contiguous
+    parts_lse_shape: tuple  # (splits, batch, heads, seqlen_q): the fp32 partial LSE, contiguous
 
 
 _fwd_calls: dict = {}  # key (see flash_attn_func) -> _FwdCall; immutable values
@@ -234,10 +247,48 @@ def _pack_gqa_arg(p: _v.Problem, causal: bool, window_left: int, window_right: i
                                  p.seqlen_k, softcap, p.heads, p.heads_k, p.device)
 
 
+def _split_forward(p: _v.Problem, inputs: tuple, causal: bool, window: tuple, softcap: float, descales: tuple,
+                   pack_gqa: Optional[bool], num_splits: int) -> Optional[_SplitForward]:
+    """The :class:`_SplitForward` of a flash_attn_func call with FA3's ``num_splits`` (an int: <= 0 chosen by
+    :func:`flashgen.core.varlen_num_splits` while core.SPLIT_KV_AUTO, FA3's heuristic as flash_attn_with_kvcache's
+    default; n > 1 that many, at most core.MAX_SPLITS and one per 64 keys), or None where the call runs unsplit: 1
+    split, FP8 or descales, softcap without core.VARLEN_SOFTCAP, the varlen kernel switched off
+    (core.VARLEN_KERNEL), or no varlen variant or combine variant built for the key. ``inputs``: q, k, v's
+    in-place layouts (:func:`_input_layout`, none None); ``pack_gqa``: the core's (:func:`_pack_gqa_arg`; True
+    becomes None, the rule, as the varlen PackGQA variants are not those pack_gqa_served found)."""
+    if (num_splits == 1 or p.dtype not in ("fp16", "bf16") or not _no_descales(descales) or not _core.VARLEN_KERNEL
+            or (softcap and not _core.VARLEN_SOFTCAP)):
+        return None
+    b, sq, sk, dev = p.batch, p.seqlen_q, p.seqlen_k, p.device
+    if num_splits > 0:
+        n = num_splits
+    elif _core.SPLIT_KV_AUTO:
+        n = _core.varlen_num_splits(b, p.heads, p.heads_k, sq, sk, dev, _core.mask_spec(causal, window, sq, sk))
+    else:
+        n = 1
+    n = max(1, min(n, _core.MAX_SPLITS, -(-sk // 64)))
+    if (n == 1 or not _core.varlen_variant_built(p.dtype, p.head_dim, p.head_dim_v, causal, window, sq, sk, softcap)
+            or not _core.variant_built("combine", {"dtype": p.out_dtype})):
+        return None
+    parts_shape, parts_lse_shape = (n,) + tuple(p.out_shape), (n,) + tuple(p.lse_shape)
+    o_strides, l_strides = _contiguous_strides(parts_shape), _contiguous_strides(parts_lse_shape)
+    (qs, qst), (ks, kst), (vs, vst) = inputs
+    prep = _core.prepare_forward(
+        _core.TensorArg(0, qs, qst, p.dtype, dev), _core.TensorArg(0, ks, kst, p.dtype, dev),
+        _core.TensorArg(0, vs, vst, p.dtype, dev),
+        _core.TensorArg(0, tuple(p.out_shape), _v.tma_strides(p.out_shape, o_strides[1:]), "fp32", dev), causal,
+        window_size=window, softcap=softcap, pack_gqa=None if pack_gqa else pack_gqa,
+        varlen=_core.Varlen(0, 0, 0, 0, b, sq, sk, num_splits=n, o_stride_split=o_strides[0],
+                            lse_stride_split=l_strides[0]))
+    return _SplitForward(n, prep, parts_shape, parts_lse_shape)
+
+
 def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_left: int,
-              window_right: int, softcap: float, descales=(None, None, None), pack_gqa: Optional[bool] = None) -> _FwdCall:
+              window_right: int, softcap: float, descales=(None, None, None), pack_gqa: Optional[bool] = None,
+              num_splits: int = 1) -> _FwdCall:
     """The :class:`_FwdCall` of valid arguments (``p``: q, k, v's Problem; ``pack_gqa``: the
-    caller's hint). When q, k, v can be read in place this prepares the core's launch:
+    caller's hint; ``num_splits``: FA3's, see :func:`_split_forward`). When q, k, v can be read in
+    place this prepares the core's launch (and the split-KV one where the call splits):
     RuntimeError on a GPU that is not Hopper, then MissingVariantError when no built variant
     serves the call (before any allocation)."""
     es = _v.ELEMENT_SIZE[p.dtype]
@@ -260,29 +311,32 @@ def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             causal, window_size=(window_left, window_right), softcap=softcap,
             q_descale=_descale_arg(descales[0], dev, 0), k_descale=_descale_arg(descales[1], dev, 0),
             v_descale=_descale_arg(descales[2], dev, 0), pack_gqa=core_pack)
+    split = None if prepared is None else _split_forward(p, inputs, causal, (window_left, window_right), softcap,
+                                                         descales, core_pack, num_splits)
     return _FwdCall(p, p.out_shape, p.lse_shape, _TORCH_DTYPES[p.out_dtype], inputs, out_strides,
-                    _contiguous_strides(p.lse_shape), empty, prepared, core_pack)
+                    _contiguous_strides(p.lse_shape), empty, prepared, core_pack, split)
 
 
 def _new_fwd_call(key: tuple, q, k, v, causal: bool, window_left: int, window_right: int, softcap: float, sink,
-                  descales: tuple, pack_gqa: Optional[bool] = None) -> _FwdCall:
+                  descales: tuple, pack_gqa: Optional[bool] = None, num_splits: int = 1) -> _FwdCall:
     """flash_attn_func's eager path on a key not in ``_fwd_calls``: validate q, k, v (and the sink,
     the descales and what FP8 lacks), make the key's :class:`_FwdCall` and cache it (bounded)."""
     p = _v.check_inputs(_array_info(q), _array_info(k), _array_info(v))
     if sink is not None or p.dtype == "fp8_e4m3" or not _no_descales(descales):
         _check_extras(p, sink, *descales)
-    call = _fwd_call(p, q, k, v, causal, window_left, window_right, softcap, descales, pack_gqa)
+    call = _fwd_call(p, q, k, v, causal, window_left, window_right, softcap, descales, pack_gqa, num_splits)
     return _launch.cache_put(_fwd_calls, key, call, _FWD_CALL_CACHE_MAX)
 
 
 def _fwd_call_key(q, k, v, causal: bool, window_left: int, window_right: int, softcap: float, sink, descales: tuple,
-                  pack_gqa) -> tuple:
+                  pack_gqa, num_splits: int = 1) -> tuple:
     """``_fwd_calls``' key of a call: q, k, v's shapes, strides, dtypes and devices, the mask, whether softcap is on,
-    the sink's and descales' metadata (:func:`_extras_key`), the PackGQA hint. (flash_attn_func's inline fast path
-    builds the same tuple itself, one function call less: test_api_validation.py checks that both find one entry.)"""
+    the sink's and descales' metadata (:func:`_extras_key`), the PackGQA hint, FA3's num_splits. (flash_attn_func's
+    inline fast path builds the same tuple itself, one function call less: test_api_validation.py checks that both
+    find one entry.)"""
     return (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
             v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0,
-            _extras_key(sink, descales), pack_gqa)
+            _extras_key(sink, descales), pack_gqa, num_splits)
 
 
 def _fwd_grad_impl(q, k, v, softmax_scale: float, causal: bool, deterministic: bool = False, window_left: int = -1,
@@ -401,6 +455,12 @@ def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window
     dev = p.device
     if call.launch is not None:  # q, k, v read in place: the prepared launch, unless an address is misaligned
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if call.split is not None and not (q_ptr | k_ptr | v_ptr) % _v.TMA_ALIGN_BYTES:
+            if lse is None:  # (the combine writes lse)
+                lse = q.new_empty(size=call.lse_shape, dtype=torch.float32)
+            _split_run(call, q_ptr, k_ptr, v_ptr, out, lse, softmax_scale, softcap, sink_ptr, _current_stream(dev))
+            del sink  # a copy is released only after the launches are enqueued
+            return out, lse
         if not (q_ptr | k_ptr | v_ptr) % _v.TMA_ALIGN_BYTES:
             qd, kd, vd = descales
             _core.launch_forward(call.launch, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0 if lse is None else lse.data_ptr(),
@@ -437,6 +497,23 @@ def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window
     )  # selects the variant (cached per key) and raises MissingVariantError before launching
     del qc, kc, vc, sink  # any copies are released only after the launch is enqueued
     return out, lse
+
+
+def _split_run(call: _FwdCall, q_ptr: int, k_ptr: int, v_ptr: int, out: torch.Tensor, lse: torch.Tensor,
+               softmax_scale, softcap, sink_ptr: int, stream: int) -> None:
+    """A split-KV call's launches (:class:`_SplitForward`): the varlen kernel writes each split's fp32 O and LSE
+    into fresh partial buffers of this call (LSE -inf first: a split with no key of a row writes none), then the
+    combine kernel (FA3's flash_attn_combine) merges them into ``out`` and ``lse`` (contiguous, as flash_attn_func
+    returns them), all on ``stream``."""
+    s, p, dev = call.split, call.problem, call.problem.device
+    parts = out.new_empty(size=s.parts_shape, dtype=torch.float32)
+    parts_lse = out.new_full(s.parts_lse_shape, -math.inf, dtype=torch.float32)
+    _core.launch_forward(s.launch, q_ptr, k_ptr, v_ptr, parts.data_ptr(), parts_lse.data_ptr(), float(softmax_scale),
+                         float(softcap), stream, sink_ptr, varlen=(0,) * len(_core._VARLEN_PER_CALL))
+    # (the merge as flash_attn_combine's: partials (splits, batch, seqlen_q, heads, ...), lse its transpose view)
+    _combine_launch(parts, parts_lse.transpose(2, 3), out, lse.transpose(1, 2),
+                    _combine.CombineProblem(*s.parts_shape, p.out_dtype, dev))
+    del parts, parts_lse  # released after the launches are enqueued (stream-ordered)
 
 
 def _input_arg(t: torch.Tensor, layout, dtype: str, device: int) -> tuple:
@@ -779,8 +856,16 @@ def flash_attn_func(
             packed when the call has GQA (heads > heads_k) and a built PackGQA variant serves it
             (no softcap, no FP8 ones yet), else unpacked. Anything but None/True/False raises
             TypeError.
-        num_splits, sm_margin: FA3 scheduling hints; accepted and ignored (they never change
-            the result).
+        num_splits: FA3's split-KV count (flash-decoding: the keys of each tile split into that many
+            shares run as separate tiles, their partial outputs merged by the combine kernel, as
+            :func:`flash_attn_combine`): an int; 1 (FA3's default) none, 0 or less chosen by
+            core.varlen_num_splits (FA3's heuristic: split where the tiles do not fill the GPU, e.g.
+            decode-like calls over long keys; unsplit otherwise or with FLASHGEN_SPLIT_KV_AUTO=0), n
+            that many (at most core.MAX_SPLITS and one per 64 keys). It runs on the varlen kernel over
+            the padded batch where one is built for the call, for eager calls on fp16 / bf16 inputs
+            that TMA reads in place, without gradients or descales; elsewhere the call runs unsplit. It
+            never changes the result beyond fp32 rounding order (the merge is in fp32, fixed order).
+        sm_margin: FA3 scheduling hint; accepted and ignored (it never changes the result).
         deterministic: the backward gives bitwise-reproducible gradients (its dq
             accumulation runs in a fixed order, at some cost in speed); the forward is
             always deterministic. Without it, causal calls with seqlen_k <= 512 (2048 at
@@ -816,7 +901,7 @@ def flash_attn_func(
     stream with no host synchronisation, so CUDA graphs capture them.
 
     Raises:
-        TypeError: q, k or v not a torch.Tensor; dtype not float16/bfloat16/float8_e4m3fn;
+        TypeError: q, k or v not a torch.Tensor; num_splits not an int; dtype not float16/bfloat16/float8_e4m3fn;
             dtypes of q, k, v differ; softmax_scale or softcap not a real number; window_size
             not a tuple/list or an entry not an int or None; learnable_sink or a descale not a
             torch.Tensor or not float32; attention_chunk not an int.
@@ -850,7 +935,7 @@ def flash_attn_func(
             and (softmax_scale is None or type(softmax_scale) is float and -math.inf < softmax_scale < math.inf)
             and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
             and type(window_size[1]) is int and window_size[0] >= -1 and window_size[1] >= -1
-            and (pack_gqa is None or type(pack_gqa) is bool)
+            and (pack_gqa is None or type(pack_gqa) is bool) and type(num_splits) is int
             and not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
             and not torch.compiler.is_compiling()):
         # The common call, eager, checked inline: plain tensors, no sink, qv or attention_chunk,
@@ -867,9 +952,9 @@ def flash_attn_func(
         extras = None if _no_descales(descales) else _extras_key(None, descales)
         key = (q.shape, q.stride(), q.dtype, _device_of(q), k.shape, k.stride(), k.dtype, _device_of(k),
                v.shape, v.stride(), v.dtype, _device_of(v), causal, window_left, window_right, softcap != 0.0, extras,
-               pack_gqa)
+               pack_gqa, num_splits)
         call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap, None,
-                                                    descales, pack_gqa)
+                                                    descales, pack_gqa, num_splits)
         out, lse = _fwd_run(call, q, k, v, call.problem.head_dim ** -0.5 if softmax_scale is None else softmax_scale,
                             causal, window_left, window_right, softcap, None, descales, return_attn_probs)
         return (out, lse) if return_attn_probs else out
@@ -881,6 +966,9 @@ def flash_attn_func(
                                        f"{type(learnable_sink).__name__}"))
     if pack_gqa is not None and type(pack_gqa) is not bool:
         not_tensors.append((TypeError, f"pack_gqa must be None, True or False, got {type(pack_gqa).__name__}"))
+    if not _v._is_int(num_splits):
+        not_tensors.append((TypeError, "num_splits must be an int (FA3's: 1 = none, 0 or less = chosen, n = n "
+                                       f"splits), got {type(num_splits).__name__}"))
     if q_descale is not None or k_descale is not None or v_descale is not None:
         for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
             if t is not None and not isinstance(t, torch.Tensor):
@@ -928,9 +1016,10 @@ def flash_attn_func(
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
         # window_size and softcap were validated above; q, k, v, the sink and the descales are
         # validated once per key: everything the checks and the _FwdCall depend on.
-        key = _fwd_call_key(q, k, v, causal, window_left, window_right, softcap, sink, descales, pack_gqa)
+        splits = int(num_splits)
+        key = _fwd_call_key(q, k, v, causal, window_left, window_right, softcap, sink, descales, pack_gqa, splits)
         call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap, sink,
-                                                    descales, pack_gqa)
+                                                    descales, pack_gqa, splits)
         out, lse = _fwd_run(call, q, k, v, scale, causal, window_left, window_right, softcap, sink, descales,
                             return_attn_probs)
     elif (grad and plain and (sink is None or type(sink) is _Tensor) and all(

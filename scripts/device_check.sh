@@ -86,6 +86,9 @@
 #                                          keys' 512-2k points) with the shipped table (old) and the new one (new) alternated
 #                                          twice, SDPA peers in every run; the old/new and the peers tables last (GRID=1:
 #                                          then the whole forward grid twice with the new table, its peers table last)
+#   bash scripts/device_check.sh splitkv   flash_attn_func's num_splits (split-KV on the varlen kernel): the split and PackGQA GPU
+#                                          tests (test_packgqa_gpu.py, the combine's), then scripts/split_bench.py twice
+#                                          (num_splits 1 against 0, SDPA peers; SPLIT_ARGS), one build (no .base)
 #   bash scripts/device_check.sh packgqaab PackGQA A/B (carry .base): test_packgqa_gpu.py, then scripts/packgqa_bench.py (PACKGQA_ARGS,
 #                                          default --head-dim 64) of .base/ and this tree alternated twice (OLD_FILTER, default
 #                                          'fwd_bf16_hd64*'); the rule's pick of each tree side by side last
@@ -677,6 +680,15 @@ grid)
   timeout 90 python3 scripts/fp8_bench.py --seqlens 16384 2>&1 | grep '^|' | tail -8
   python3 -c "from flashgen.bench import measure_overhead as m; print('host us/call', {k: round(v, 1) for k, v in m(n=1000).items()})"
   python3 scripts/regress_fwd.py peers "$out"/grid*.csv | tee "$out/peers.txt"
+  ;;
+splitkv)
+  timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/gpu/test_packgqa_gpu.py \
+    ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed|SKIP" | tail -15
+  for r in 1 2; do
+    timeout 200 python3 scripts/split_bench.py ${SPLIT_ARGS:-} --csv "$out/split$r.csv" > "$out/split$r.md" 2>&1
+    echo "split_bench run $r rc $?"
+  done
+  cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d'|' -f2-12
   ;;
 packgqaab)
   old_build "${OLD_FILTER:-fwd_bf16_hd64*}"

@@ -231,10 +231,16 @@ class FakeCore:
         return variant
 
     def prepare_forward(self, q, k, v, out, causal, variant=None, *, window_size=(-1, -1), softcap=0.0,
-                        softmax_scale=None, q_descale=None, k_descale=None, v_descale=None, pack_gqa=None):
-        """As core.prepare_forward: metadata only (addresses 0), the variant selected here."""
+                        softmax_scale=None, q_descale=None, k_descale=None, v_descale=None, pack_gqa=None,
+                        varlen=None):
+        """As core.prepare_forward: metadata only (addresses 0), the variant selected here (a ``varlen`` call's
+        when it launches: :meth:`_varlen_forward`)."""
         for a in (q, k, v, out, q_descale, k_descale, v_descale):
             assert a is None or (isinstance(a, core.TensorArg) and a.ptr == 0)
+        if varlen is not None:
+            assert not any(varlen.addresses())  # (the arrays' addresses come with each launch)
+            return dict(q=q, k=k, v=v, out=out, causal=causal, variant=None, window_size=window_size,
+                        descales=(q_descale, k_descale, v_descale), pack_gqa=pack_gqa, varlen=varlen)
         if variant is None:
             m = core.mask_spec(causal, window_size, q.shape[1], k.shape[1])
             variant = core.select_variant(
@@ -244,10 +250,21 @@ class FakeCore:
                     descales=(q_descale, k_descale, v_descale), pack_gqa=pack_gqa)
 
     def launch_forward(self, prep, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, softmax_scale, softcap, stream, sink=0,
-                       q_descale=0, k_descale=0, v_descale=0):
+                       q_descale=0, k_descale=0, v_descale=0, varlen=()):
         """As core.launch_forward: the prepared metadata at these addresses, emulated by attention_forward
-        (lse: the contiguous (batch, heads, seqlen_q) the kernel writes; lse_ptr 0: none written)."""
+        (lse: the contiguous (batch, heads, seqlen_q) the kernel writes; lse_ptr 0: none written; a varlen
+        prep's: its arrays at the ``varlen`` addresses)."""
         q = prep["q"]
+        if prep.get("varlen") is not None:
+            vl = prep["varlen"]
+            assert len(varlen) == len(core._VARLEN_PER_CALL) and not any(prep["descales"])
+            b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+            lse = core.TensorArg(lse_ptr, (b, h, sq), (h * sq, sq, 1), "fp32", q.device)
+            return self.attention_forward(q._replace(ptr=q_ptr), prep["k"]._replace(ptr=k_ptr),
+                                          prep["v"]._replace(ptr=v_ptr), prep["out"]._replace(ptr=out_ptr), lse,
+                                          softmax_scale, prep["causal"], stream, window_size=prep["window_size"],
+                                          softcap=softcap, sink=sink, pack_gqa=prep["pack_gqa"],
+                                          varlen=vl._replace(**dict(zip(core._VARLEN_PER_CALL, varlen))))
         b, sq, h = q.shape[0], q.shape[1], q.shape[2]
         lse = None if lse_ptr == 0 else core.TensorArg(lse_ptr, (b, h, sq), (h * sq, sq, 1), "fp32", q.device)
         descales = [None if t is None else t._replace(ptr=ptr) for t, ptr in zip(prep["descales"],

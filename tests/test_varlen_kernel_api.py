@@ -1542,3 +1542,92 @@ def test_kvcache_step_on_device_refuses_lengths_that_are_not_an_int32_tensor(ker
             kvcache._step_on_device(q, kc, vc, k, v, None, None, lens, None, (None, None, None), None, True,
                                     (-1, -1), 0, 0.0, True, None, rows)
     assert torch.equal(kc, kc0) and kernel_on.calls == [] and kernel_on.kvcache_preps == []
+
+
+# ---------------------------------------------------------------- flash_attn_func's num_splits (split-KV)
+def _func_calls(fc) -> tuple:
+    """(varlen launches, plain launches) the emulated core ran."""
+    return varlen_calls(fc), [c for c in fc.calls if c.get("varlen") is None]
+
+
+@pytest.mark.parametrize("causal,window,sink", [(False, (-1, -1), False), (True, (-1, -1), True), (False, (90, 3), False)])
+def test_flash_attn_func_num_splits_runs_split_kv(kernel_on, causal, window, sink):
+    """flash_attn_func(num_splits=n) (FA3's split-KV): one launch of the varlen kernel over the padded batch (no
+    length arrays, lengths seqlen_q x seqlen_k) writing each split's fp32 partials, merged by the combine into FA3's
+    out and lse; the sink in split 0 only. Poisoned partial buffers would show: the emulated kernel writes only its
+    rows, the merge reads every split."""
+    from flashgen import flash_attn_func
+    from test_api_validation import reference
+
+    torch.manual_seed(3)
+    b, sq, sk, h, hk, d = 2, 3, 700, 8, 2, 64
+    q, k, v = (torch.randn(b, n, hh, d).to(torch.bfloat16) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
+    s = torch.randn(h) if sink else None
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, num_splits=3, learnable_sink=s,
+                               return_attn_probs=True)
+    ref, ref_lse = reference(q, k, v, d ** -0.5, causal, window, 0.0, s)
+    assert (out.float() - ref).abs().max().item() <= 1.6e-2
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert out.shape == (b, sq, h, d) and out.dtype == q.dtype and lse.shape == (b, h, sq) and lse.is_contiguous()
+    split, plain = _func_calls(kernel_on)
+    assert not plain and len(split) == 1
+    vl, o = split[0]["varlen"], split[0]["out"]
+    assert (vl.num_splits, vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (3, b, sq, sk)
+    assert not any(vl.addresses()) and o.dtype == "fp32" and vl.o_stride_split == b * sq * h * d
+    assert vl.lse_stride_split == b * h * sq and split[0]["causal"] is causal
+
+
+def test_flash_attn_func_num_splits_rules(kernel_on, monkeypatch):
+    """Which flash_attn_func calls split: 1 (FA3's default) never; 0 as core.varlen_num_splits says (a decode-like
+    call over 700 keys: several splits; a call whose tiles fill the GPU: none) while core.SPLIT_KV_AUTO; n at most
+    one split per 64 keys; each (key, num_splits) prepared once; calls wanting gradients, FP8, the varlen kernel
+    switched off, or a misaligned input (the copy path) run unsplit with the same result; num_splits must be an
+    int (TypeError naming it)."""
+    from flashgen import flash_attn_func
+    import flashgen.interface as interface
+    from test_api_validation import reference
+
+    torch.manual_seed(4)
+    b, sk, h, hk, d = 2, 700, 8, 2, 64
+
+    def inputs(sq, bb=b):
+        return [torch.randn(bb, n, hh, d).to(torch.float16) for n, hh in ((sq, h), (sk, hk), (sk, hk))]
+
+    def splits_of(*args, **kw):
+        n = len(kernel_on.calls)
+        out = flash_attn_func(*args, **kw)
+        q, k, v = args
+        assert (out.float() - reference(q, k, v, d ** -0.5, kw.get("causal", False))[0]).abs().max() <= 2e-3
+        new = kernel_on.calls[n:]
+        assert len(new) == 1
+        return new[0]["varlen"].num_splits if new[0].get("varlen") is not None else 1
+
+    q, k, v = inputs(1)
+    assert splits_of(q, k, v) == 1 and splits_of(q, k, v, num_splits=1) == 1
+    chosen = core.varlen_num_splits(b, h, hk, 1, sk, 0, core.mask_spec(False, (-1, -1), 1, sk))
+    assert chosen > 1 and splits_of(q, k, v, num_splits=0) == chosen and splits_of(q, k, v, num_splits=-2) == chosen
+    assert splits_of(q, k, v, num_splits=100) == -(-sk // 64)  # one split per 64 keys at most
+    entries = len(interface._fwd_calls)
+    assert splits_of(q, k, v, num_splits=0) == chosen and len(interface._fwd_calls) == entries  # prepared once
+    big = inputs(128 * 16, 16)  # 16 x 8 x 16 tiles: they fill the GPU
+    assert splits_of(*big, num_splits=0) == 1
+    monkeypatch.setattr(core, "SPLIT_KV_AUTO", False)
+    interface._fwd_calls.clear()
+    assert splits_of(q, k, v, num_splits=0) == 1 and splits_of(q, k, v, num_splits=4) == 4
+    monkeypatch.setattr(core, "VARLEN_KERNEL", False)
+    interface._fwd_calls.clear()
+    assert splits_of(q, k, v, num_splits=4) == 1
+    monkeypatch.setattr(core, "VARLEN_KERNEL", True)
+    interface._fwd_calls.clear()
+    assert splits_of(q, k, v, num_splits=4) == 4
+    qg = q.clone().requires_grad_()
+    n = len(kernel_on.calls)
+    flash_attn_func(qg, k, v, num_splits=4)
+    assert all(c.get("varlen") is None for c in kernel_on.calls[n:])
+    storage = torch.empty(q.numel() + 1, dtype=q.dtype)  # a q at an address TMA cannot read: copied, unsplit
+    qm = storage[1:].view(q.shape)
+    qm.copy_(q)
+    assert splits_of(qm, k, v, num_splits=4) == 1
+    for bad in (2.0, True, "2"):
+        with pytest.raises(TypeError, match="num_splits must be an int"):
+            flash_attn_func(q, k, v, num_splits=bad)

@@ -1,0 +1,75 @@
+"""Split-KV through flash_attn_func (FA3's ``num_splits``; interface._split_forward) on decode-like calls:
+microseconds per call with num_splits=1 (FA3's default: the non-varlen kernel, unsplit) and num_splits=0 (the
+split count core.varlen_num_splits chooses, on the varlen kernel plus the combine), beside SDPA's cuDNN and flash
+backends (``enable_gqa=True``, BSHD strides as a user calls it; K/V expanded where a backend refuses GQA) in the
+same process. Not causal (SDPA's causal is top-left aligned, FA3's bottom-right; at seqlen_q 1 they differ).
+
+Timing: flashgen.bench._time_ms (triton do_bench, median, the L2 flushed before each repetition): events around
+each call, so host time that outruns the GPU shows. bf16, heads 32, one row per (head_dim, batch, group,
+seqlen_q, seqlen_k).
+
+    python scripts/split_bench.py [--head-dims 64,128] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+import torch
+
+import flashgen
+import flashgen.core as core
+from flashgen.bench import _time_ms
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from packgqa_bench import _sdpa  # noqa: E402
+
+
+def main(argv=None) -> int:
+    from torch.nn.attention import SDPBackend
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--csv")
+    a = ap.parse_args(argv)
+    h, rows = a.heads, []
+    print(f"# split-KV in flash_attn_func, {torch.cuda.get_device_name()}, bf16, heads {h}, not causal; us per call")
+    print("| head_dim | batch | group | seqlen_q | seqlen_k | splits | num_splits=1 | num_splits=0 | 1 / 0 | cuDNN "
+          "| FA2 "
+          "| best SDPA / flashgen(0) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for d in (int(x) for x in a.head_dims.split(",")):
+        for b, group, sq, sk in ((16, 8, 1, 8192), (16, 4, 1, 8192), (16, 8, 1, 1024), (16, 8, 4, 8192),
+                                 (16, 8, 16, 8192), (16, 8, 64, 8192), (4, 8, 1, 8192), (4, 8, 1, 32768),
+                                 (1, 8, 1, 32768), (1, 8, 16, 32768), (8, 1, 1, 8192), (2, 1, 1, 32768)):
+            hk = h // group
+            g = torch.Generator(device="cuda").manual_seed(sq + sk + b)
+            q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+            t = {n: 1e3 * _time_ms(lambda n=n: flashgen.flash_attn_func(q, k, v, num_splits=n)) for n in (1, 0)}
+            splits = core.varlen_num_splits(b, h, hk, sq, sk, 0, core.mask_spec(False, (-1, -1), sq, sk))
+            peers = {}
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+                fn, _ = _sdpa(backend, q, k, v)
+                peers[name] = 1e3 * _time_ms(fn) if fn else float("nan")
+            best = min((x for x in peers.values() if x == x), default=float("nan"))
+            row = dict(head_dim=d, batch=b, group=group, seqlen_q=sq, seqlen_k=sk, splits=splits, unsplit_us=t[1],
+                       split_us=t[0], speedup=t[1] / t[0], cudnn_us=peers["cudnn"], fa2_us=peers["fa2"],
+                       vs_best_sdpa=best / t[0])
+            rows.append(row)
+            print(f"| {d} | {b} | {group} | {sq} | {sk} | {splits} | {t[1]:.1f} | {t[0]:.1f} | {row['speedup']:.2f} | "
+                  f"{peers['cudnn']:.1f} | {peers['fa2']:.1f} | {row['vs_best_sdpa']:.2f} |", flush=True)
+            del q, k, v
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
