@@ -38,6 +38,9 @@ __all__ = [
     "combine_lse_problems",
     "use_vec4",
     "attention_combine",
+    "PreparedCombine",
+    "prepare_combine",
+    "launch_combine",
 ]
 
 # The family module's limits, not copies: MAX_SPLITS (the kernel keeps every split's scale of its
@@ -367,30 +370,73 @@ def attention_combine(out_partial: TensorArg, lse_partial: TensorArg, out: Tenso
         flashgen.dispatch.MissingVariantError: no combine variant for out_dtype is built.
         flashgen.launch.CudaError: the driver refuses the load or the launch.
     """
+    plan, grid, params = _launch_params(out_partial, lse_partial, out, lse, out_dtype)
+    if grid:
+        params.update(out_partial=out_partial.ptr, lse_partial=lse_partial.ptr, out=out.ptr, lse=lse.ptr,
+                      vec4=1 if use_vec4(out_partial, out) else 0)
+        launch.launch(plan.kernel, (grid, 1, 1), (), params, stream, out_partial.device)
+    return plan.variant
+
+
+def _launch_params(out_partial: TensorArg, lse_partial: TensorArg, out: TensorArg, lse: TensorArg,
+                   out_dtype: str) -> tuple:
+    """``(plan, grid, params)`` of a combine launch: the kernel's checks (ValueError), the variant (loaded), the
+    CTAs (0: no rows, nothing to launch) and the params but for the addresses and ``vec4`` (:data:`_PER_CALL`)."""
     problems = _launch_problems(out_partial, lse_partial, out, lse, out_dtype)
     if problems:
         raise ValueError("flashgen: attention_combine: " + "; ".join(problems))
     ns, b, s, h, d = out_partial.shape
-    device = out_partial.device
-    plan = _plan(out_dtype, device)
+    plan = _plan(out_dtype, out_partial.device)
     rows = b * h * s
-    if rows == 0:
-        return plan.variant
     grid = -(-rows // plan.block_m)
     if grid > _INT32_MAX:
         raise ValueError(f"flashgen: attention_combine: {rows} rows need {grid} CTAs of {plan.block_m} rows, "
                          f"more than the grid limit {_INT32_MAX}")
     ops, lps, os_ = out_partial.strides, lse_partial.strides, out.strides
     params = {
-        "out_partial": out_partial.ptr,
-        "lse_partial": lse_partial.ptr,
-        "out": out.ptr,
-        "lse": lse.ptr,
         "op_stride_split": ops[0], "op_stride_batch": ops[1], "op_stride_seq": ops[2], "op_stride_head": ops[3],
         "lp_stride_split": lps[0], "lp_stride_batch": lps[1], "lp_stride_seq": lps[2], "lp_stride_head": lps[3],
         "o_stride_batch": os_[0], "o_stride_seq": os_[1], "o_stride_head": os_[2],
         "num_splits": ns, "batch": b, "seqlen": s, "heads": h, "head_dim": d,
-        "vec4": 1 if use_vec4(out_partial, out) else 0,
     }
-    launch.launch(plan.kernel, (grid, 1, 1), (), params, stream, device)
-    return plan.variant
+    return plan, grid, params
+
+
+#: The params fields each prepared combine launch fills itself, in launch.launch_prepared's order.
+_PER_CALL = ("out_partial", "lse_partial", "out", "lse", "vec4")
+
+
+class PreparedCombine(NamedTuple):
+    """A combine launch resolved from its arrays' metadata alone (:func:`prepare_combine`): the variant, the grid
+    and the params but for :data:`_PER_CALL`. Immutable, so calls on any thread may share it;
+    :func:`launch_combine` launches it."""
+
+    launch: Optional[launch.PreparedLaunch]  # None: no rows (nothing to launch)
+    variant: Variant
+    vec4: bool  # head_dim and the strides allow the 16-byte path (the addresses are checked per launch)
+    out_align: int  # bytes of 4 elements of out: its address's alignment for the 16-byte path
+
+
+def prepare_combine(out_partial: TensorArg, lse_partial: TensorArg, out: TensorArg, lse: TensorArg,
+                    out_dtype: str) -> PreparedCombine:
+    """:func:`attention_combine`'s checks and launch for arrays of this metadata (shapes, strides, dtypes,
+    device; the ``ptr`` fields are not read: each :func:`launch_combine` gives the addresses), made once by a caller
+    that merges the same shapes again and again (flash_attn_func's split-KV calls, interface._split_forward).
+    Raises what :func:`attention_combine` raises."""
+    plan, grid, params = _launch_params(*(t._replace(ptr=0) for t in (out_partial, lse_partial, out, lse)),
+                                        out_dtype)
+    prepared = launch.prepare_launch(plan.kernel, (grid, 1, 1), params, _PER_CALL) if grid else None
+    vec4 = use_vec4(out_partial._replace(ptr=0), out._replace(ptr=0))
+    return PreparedCombine(prepared, plan.variant, vec4, 4 * ELEMENT_SIZE[out.dtype])
+
+
+def launch_combine(prep: PreparedCombine, out_partial: int, lse_partial: int, out: int, lse: int,
+                   stream: int) -> Variant:
+    """Launch a :class:`PreparedCombine` on arrays of its metadata at these device addresses on ``stream``
+    (the 16-byte path where the addresses allow it, as :func:`use_vec4`); returns the variant. CudaError if the
+    launch fails. The caller vouches that the addresses hold arrays of the prepared metadata, aligned to their
+    elements (the checks :func:`attention_combine` runs per call ran once, at :func:`prepare_combine`)."""
+    if prep.launch is not None:
+        vec4 = 1 if prep.vec4 and not (out_partial % 16 or out % prep.out_align) else 0
+        launch.launch_prepared(prep.launch, (), (out_partial, lse_partial, out, lse, vec4), stream)
+    return prep.variant

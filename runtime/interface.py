@@ -209,6 +209,7 @@ class _SplitForward(NamedTuple):
 
     splits: int
     launch: _core.PreparedForward  # the varlen kernel writing the partials (its Varlen: num_splits, split strides)
+    combine: "_combine.PreparedCombine"  # the merge of the partials into out and lse
     parts_shape: tuple  # (splits, batch, seqlen_q, heads, head_dim_v): the fp32 partial O, contiguous
     parts_lse_shape: tuple  # (splits, batch, heads, seqlen_q): the fp32 partial LSE, contiguous
 
@@ -280,7 +281,15 @@ def _split_forward(p: _v.Problem, inputs: tuple, causal: bool, window: tuple, so
         window_size=window, softcap=softcap, pack_gqa=None if pack_gqa else pack_gqa,
         varlen=_core.Varlen(0, 0, 0, 0, b, sq, sk, num_splits=n, o_stride_split=o_strides[0],
                             lse_stride_split=l_strides[0]))
-    return _SplitForward(n, prep, parts_shape, parts_lse_shape)
+    # the merge, as flash_attn_combine's: partials (splits, batch, seqlen_q, heads, ...), the LSEs (batch, seqlen_q,
+    # heads) transpose views of the contiguous (batch, heads, seqlen_q) buffers
+    h, dv = p.heads, p.head_dim_v
+    combine = _combine.prepare_combine(
+        _core.TensorArg(0, parts_shape, o_strides, "fp32", dev),
+        _core.TensorArg(0, (n, b, sq, h), (l_strides[0], h * sq, 1, sq), "fp32", dev),
+        _core.TensorArg(0, tuple(p.out_shape), _contiguous_strides(p.out_shape), p.out_dtype, dev),
+        _core.TensorArg(0, (b, sq, h), (h * sq, 1, sq), "fp32", dev), p.out_dtype)
+    return _SplitForward(n, prep, combine, parts_shape, parts_lse_shape)
 
 
 def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_left: int,
@@ -502,18 +511,21 @@ def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window
 def _split_run(call: _FwdCall, q_ptr: int, k_ptr: int, v_ptr: int, out: torch.Tensor, lse: torch.Tensor,
                softmax_scale, softcap, sink_ptr: int, stream: int) -> None:
     """A split-KV call's launches (:class:`_SplitForward`): the varlen kernel writes each split's fp32 O and LSE
-    into fresh partial buffers of this call (LSE -inf first: a split with no key of a row writes none), then the
-    combine kernel (FA3's flash_attn_combine) merges them into ``out`` and ``lse`` (contiguous, as flash_attn_func
-    returns them), all on ``stream``."""
-    s, p, dev = call.split, call.problem, call.problem.device
+    into fresh partial buffers of this call, then the combine kernel (FA3's flash_attn_combine) merges them into
+    ``out`` and ``lse`` (contiguous, as flash_attn_func returns them), both on ``stream``. The partials need no
+    initialisation: every sequence is a whole padded entry, so each split's tile writes every row of it, O 0 and
+    LSE -inf for a row that sees no key of the split's share (fwd.cu.j2's epilogue; an empty share runs it too)."""
+    s = call.split
     parts = out.new_empty(size=s.parts_shape, dtype=torch.float32)
-    parts_lse = out.new_full(s.parts_lse_shape, -math.inf, dtype=torch.float32)
-    _core.launch_forward(s.launch, q_ptr, k_ptr, v_ptr, parts.data_ptr(), parts_lse.data_ptr(), float(softmax_scale),
-                         float(softcap), stream, sink_ptr, varlen=(0,) * len(_core._VARLEN_PER_CALL))
-    # (the merge as flash_attn_combine's: partials (splits, batch, seqlen_q, heads, ...), lse its transpose view)
-    _combine_launch(parts, parts_lse.transpose(2, 3), out, lse.transpose(1, 2),
-                    _combine.CombineProblem(*s.parts_shape, p.out_dtype, dev))
+    parts_lse = out.new_empty(size=s.parts_lse_shape, dtype=torch.float32)
+    parts_ptr, parts_lse_ptr = parts.data_ptr(), parts_lse.data_ptr()
+    _core.launch_forward(s.launch, q_ptr, k_ptr, v_ptr, parts_ptr, parts_lse_ptr, float(softmax_scale), float(softcap),
+                         stream, sink_ptr, varlen=_NO_VARLEN_ARRAYS)
+    _combine.launch_combine(s.combine, parts_ptr, parts_lse_ptr, out.data_ptr(), lse.data_ptr(), stream)
     del parts, parts_lse  # released after the launches are enqueued (stream-ordered)
+
+
+_NO_VARLEN_ARRAYS = (0,) * len(_core._VARLEN_PER_CALL)  # a split call's core.Varlen addresses: no length arrays
 
 
 def _input_arg(t: torch.Tensor, layout, dtype: str, device: int) -> tuple:

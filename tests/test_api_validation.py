@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+import flashgen.combine as combine
 import flashgen.core as core
 import flashgen.dispatch as dispatch
 import flashgen.dlpack_api as dlpack_api
@@ -122,6 +123,19 @@ class FakeCore:
         self.kvcache_preps.append((lens, seqlen_const, rows, pads, page_table, 0 if k is None else k.shape[1]))
         self.kvcache_ropes.append(rope is not None)
         fake_kvcache_prep(lens, seqlen_const, rows, pads, page_table, total, k, v, k_cache, v_cache, capacity, rope)
+
+    def prepare_combine(self, out_partial, lse_partial, out, lse, out_dtype):
+        """As combine.prepare_combine: metadata only (addresses 0)."""
+        args = (out_partial, lse_partial, out, lse)
+        assert all(isinstance(t, core.TensorArg) and t.ptr == 0 for t in args) and out.dtype == out_dtype
+        return args
+
+    def launch_combine(self, prep, out_partial, lse_partial, out, lse, stream):
+        """As combine.launch_combine: the prepared metadata at these addresses, merged as :func:`_fake_combine_launch`
+        (recorded in ``calls`` as a ``combine`` entry)."""
+        op, lp, o, l = (t._replace(ptr=ptr) for t, ptr in zip(prep, (out_partial, lse_partial, out, lse)))
+        self.calls.append(dict(combine=(op, lp, o, l), stream=stream))
+        _fake_combine_launch(_view(op), _view(lp), _view(o), _view(l), None)
 
     def pack_gqa_served(self, dtype, head_dim, head_dim_v, causal, window_size, seqlen_q, seqlen_k, softcap, heads,
                         heads_k, device):
@@ -301,6 +315,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(core, "launch_forward", fc.launch_forward)
     monkeypatch.setattr(core, "pack_gqa_served", fc.pack_gqa_served)
     monkeypatch.setattr(interface, "_combine_launch", _fake_combine_launch)
+    monkeypatch.setattr(combine, "prepare_combine", fc.prepare_combine)
+    monkeypatch.setattr(combine, "launch_combine", fc.launch_combine)
     monkeypatch.setattr(interface, "_varlen_prep_launch", fc.varlen_prep_launch)
     monkeypatch.setattr(kvcache, "_kvcache_prep_launch", fc.kvcache_prep_launch)
     monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)  # (an H100 SXM's: split-KV's heuristic)

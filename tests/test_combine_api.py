@@ -789,3 +789,50 @@ def test_dlpack_module_still_does_not_import_torch():
     code = ("import sys\nimport flashgen.dlpack_api, flashgen.combine\n"
             "assert 'torch' not in sys.modules, 'imported torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("case", ["aligned", "op_base_misaligned", "out_base_off", "empty"])
+def test_prepared_combine_launches_what_attention_combine_launches(fake_gpu, monkeypatch, case):
+    """combine.prepare_combine once + launch_combine per call (flash_attn_func's split-KV calls): the params of each
+    launch are attention_combine's for the same arrays (addresses and vec4 per call: the 16-byte path only where
+    this call's addresses allow it), the merge is right, and an empty problem prepares no launch."""
+    prepared = []
+
+    def prepare_launch(kernel, grid, params, per_call, counter=None):
+        assert counter is None and not set(per_call) & set(params)  # (the real one zeroes them)
+        prepared.append(per_call)
+        return (kernel, grid, params, per_call)
+
+    def launch_prepared(prep, tensor_maps, values, stream):
+        kernel, grid, params, per_call = prep
+        fake_gpu.launch(kernel, grid, tensor_maps, {**params, **dict(zip(per_call, values))}, stream, kernel.device)
+
+    monkeypatch.setattr(launch, "prepare_launch", prepare_launch)
+    monkeypatch.setattr(launch, "launch_prepared", launch_prepared)
+    ns, b, s, h, d = 3, 2, (0 if case == "empty" else 5), 4, 64
+    op, lp = partials(ns, b, s, h, d, seed=4)
+    if case == "op_base_misaligned":
+        flat = torch.empty(op.numel() + 1)
+        op = flat[1:].view(op.shape).copy_(op)
+    out_full = torch.empty(b * s * h * d + 4, dtype=torch.bfloat16)
+    shift = (-out_full.data_ptr() // 2) % 8 + (2 if case == "out_base_off" else 0)
+    out = out_full[shift:shift + b * s * h * d].view(b, s, h, d)
+    lse = torch.empty(b, h, s).transpose(1, 2)
+
+    def arg(t, dt, ptr=None):
+        return core.TensorArg(t.data_ptr() if ptr is None else ptr, tuple(t.shape), tuple(t.stride()), dt, 0)
+
+    prep = C.prepare_combine(arg(op, "fp32", 0), arg(lp, "fp32", 0), arg(out, "bf16", 0), arg(lse, "fp32", 0), "bf16")
+    if case == "empty":
+        assert prep.launch is None and not prepared
+        C.launch_combine(prep, op.data_ptr(), lp.data_ptr(), out.data_ptr(), lse.data_ptr(), STREAM)
+        assert not fake_gpu.calls
+        return
+    for _ in range(2):
+        var = C.launch_combine(prep, op.data_ptr(), lp.data_ptr(), out.data_ptr(), lse.data_ptr(), STREAM)
+    assert var is prep.variant and len(fake_gpu.calls) == 2 and prepared == [C._PER_CALL]
+    assert_matches(out.float(), lse, op, lp)
+    C.attention_combine(arg(op, "fp32"), arg(lp, "fp32"), arg(out, "bf16"), arg(lse, "fp32"), "bf16", STREAM)
+    first, plain = fake_gpu.calls[0], fake_gpu.calls[-1]
+    assert first["params"] == plain["params"] and first["grid"] == plain["grid"] and first["stream"] == STREAM
+    assert first["params"]["vec4"] == (1 if case == "aligned" else 0)

@@ -1546,8 +1546,9 @@ def test_kvcache_step_on_device_refuses_lengths_that_are_not_an_int32_tensor(ker
 
 # ---------------------------------------------------------------- flash_attn_func's num_splits (split-KV)
 def _func_calls(fc) -> tuple:
-    """(varlen launches, plain launches) the emulated core ran."""
-    return varlen_calls(fc), [c for c in fc.calls if c.get("varlen") is None]
+    """(varlen launches, plain forward launches, combine launches) the emulated core ran."""
+    return (varlen_calls(fc), [c for c in fc.calls if c.get("varlen") is None and "combine" not in c],
+            [c for c in fc.calls if "combine" in c])
 
 
 @pytest.mark.parametrize("causal,window,sink", [(False, (-1, -1), False), (True, (-1, -1), True), (False, (90, 3), False)])
@@ -1569,8 +1570,11 @@ def test_flash_attn_func_num_splits_runs_split_kv(kernel_on, causal, window, sin
     assert (out.float() - ref).abs().max().item() <= 1.6e-2
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     assert out.shape == (b, sq, h, d) and out.dtype == q.dtype and lse.shape == (b, h, sq) and lse.is_contiguous()
-    split, plain = _func_calls(kernel_on)
-    assert not plain and len(split) == 1
+    split, plain, merges = _func_calls(kernel_on)
+    assert not plain and len(split) == 1 and len(merges) == 1 and kernel_on.calls[-1] is merges[0]
+    op, lp, mo, ml = merges[0]["combine"]  # the merge reads the partials the kernel wrote, writes out and lse
+    assert (op.ptr, op.shape, lp.ptr, mo.ptr, ml.ptr) == (split[0]["out"].ptr, (3, b, sq, h, d), split[0]["lse"].ptr,
+                                                        out.data_ptr(), lse.data_ptr())
     vl, o = split[0]["varlen"], split[0]["out"]
     assert (vl.num_splits, vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (3, b, sq, sk)
     assert not any(vl.addresses()) and o.dtype == "fp32" and vl.o_stride_split == b * sq * h * d
@@ -1599,8 +1603,11 @@ def test_flash_attn_func_num_splits_rules(kernel_on, monkeypatch):
         q, k, v = args
         assert (out.float() - reference(q, k, v, d ** -0.5, kw.get("causal", False))[0]).abs().max() <= 2e-3
         new = kernel_on.calls[n:]
-        assert len(new) == 1
-        return new[0]["varlen"].num_splits if new[0].get("varlen") is not None else 1
+        if new[0].get("varlen") is None:
+            assert len(new) == 1
+            return 1
+        assert len(new) == 2 and "combine" in new[1]
+        return new[0]["varlen"].num_splits
 
     q, k, v = inputs(1)
     assert splits_of(q, k, v) == 1 and splits_of(q, k, v, num_splits=1) == 1

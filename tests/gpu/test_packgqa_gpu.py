@@ -206,17 +206,19 @@ SPLIT_CASES = [
     (2, 1, 8192, 32, 4, 128, FP16, True, (-1, -1), 3),
     (3, 5, 1000, 16, 2, 128, BF16, True, (-1, -1), 4),    # causal rows: the last split's keys differ per row
     (2, 3, 777, 8, 8, 64, FP16, False, (-1, -1), 3),      # MHA, keys not a multiple of 128
+    (2, 4, 700, 8, 2, 64, FP16, False, (-1, -1), 10),     # more splits than key blocks: empty shares (0 / -inf)
     (2, 2, 3000, 16, 2, 64, BF16, False, (500, 0), 0),    # a window
-    (1, 239, 61, 8, 2, 128, BF16, True, (-1, -1), 2),     # seqlen_q > seqlen_k: rows that see no key
+    (1, 239, 200, 8, 2, 128, BF16, True, (-1, -1), 3),    # seqlen_q > seqlen_k: rows that see no key
 ]
 
 
 @pytest.mark.parametrize("c", SPLIT_CASES, ids=lambda c: case_id(c[:9]) + f"-splits{c[9]}")
 def test_flash_attn_func_num_splits(c, used):
     """FA3's num_splits through flash_attn_func: split-KV on the varlen kernel over the padded batch, the
-    partials merged by the combine kernel (interface._split_forward). Against the reference (NaN-poisoned
-    outputs), with a sink on the first case; which kernel ran (the varlen variant when the call splits); 10
-    repeats bitwise equal (the merge's order is fixed)."""
+    partials merged by the combine kernel (interface._split_forward). Against the reference, out, lse and the
+    partial buffers (uninitialised: every split's tile writes every row) from NaN-poisoned blocks, with a sink on
+    the first case; which kernel ran (the varlen variant when the call splits); 10 repeats bitwise equal (the
+    merge's order is fixed)."""
     b, sq, sk, h, hk, d, dt, causal, w, n = c
     m = mask_spec(causal, w, sq, sk)
     why = variant_missing("fwd", {"dtype": DTYPE_NAMES[dt], "head_dim": d, "head_dim_v": d, "causal": m.causal,
@@ -229,10 +231,11 @@ def test_flash_attn_func_num_splits(c, used):
     if b == 16:  # (the first case)
         sink = 2.0 * torch.randn(h, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda")
     interface._fwd_calls.clear()
-    splits = n or core.varlen_num_splits(b, h, hk, sq, sk, q.device.index, m)
+    splits = min(n or core.varlen_num_splits(b, h, hk, sq, sk, q.device.index, m), -(-sk // 64))
     first = None
     for _ in range(10):
-        poison_cached_blocks(q.element_size() * b * sq * h * d + 4 * b * h * sq)
+        poison_cached_blocks(4 * splits * b * sq * h * d)  # the partial O (and, smaller, out and the LSEs)
+        poison_cached_blocks(4 * splits * b * h * sq)
         with torch.no_grad():
             out, lse = flashgen.flash_attn_func(q, k, v, causal=causal, window_size=w, num_splits=n,
                                                learnable_sink=sink, return_attn_probs=True)
