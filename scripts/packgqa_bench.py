@@ -115,12 +115,17 @@ def main(argv=None) -> int:
     print(f"rule disagrees with the faster kernel by more than 3 % at {len(wrong)} of {len(rows)} points"
           + "".join(f"\n  q{r['seqlen_q']} k{r['seqlen_k']} g{r['group']} causal={r['causal']}: "
                     f"rule {r['rule']}, unpacked/packed {r['speedup']:.2f}" for r in wrong))
-    if a.csv:
-        with open(a.csv, "w", newline="") as f:
+    _write_csv(a.csv, rows)
+    return 0
+
+
+def _write_csv(path, rows: list) -> None:
+    """``rows`` (dicts of one set of keys) as a CSV at ``path``; nothing when ``path`` is None."""
+    if path:
+        with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    return 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ seqlen_q, seqlen_k).
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 
 import torch
@@ -24,7 +23,7 @@ import flashgen.core as core
 from flashgen.bench import _time_ms
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from packgqa_bench import _sdpa  # noqa: E402
+from packgqa_bench import _sdpa, _write_csv  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -63,11 +62,7 @@ def main(argv=None) -> int:
             print(f"| {d} | {b} | {group} | {sq} | {sk} | {splits} | {t[1]:.1f} | {t[0]:.1f} | {row['speedup']:.2f} | "
                   f"{peers['cudnn']:.1f} | {peers['fa2']:.1f} | {row['vs_best_sdpa']:.2f} |", flush=True)
             del q, k, v
-    if a.csv:
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+    _write_csv(a.csv, rows)
     return 0
 
 

@@ -56,11 +56,12 @@ def case_id(c) -> str:
     return s + ("-causal" if causal else "") + ("" if w == (-1, -1) else "-w{}_{}".format(*w))
 
 
-def need_pack(c) -> None:
-    b, sq, sk, h, hk, d, dt, causal, w = c
+def need_pack(c, kind: str = "pack_gqa") -> None:
+    """Skip unless the case's ``kind`` of fwd variant (``pack_gqa``, or ``varlen``) is built for its key."""
+    b, sq, sk, h, hk, d, dt, causal, w = c[:9]
     m = mask_spec(causal, w, sq, sk)
     why = variant_missing("fwd", {"dtype": DTYPE_NAMES[dt], "head_dim": d, "head_dim_v": d, "causal": m.causal,
-                                  "local": m.local, "softcap": False, "pack_gqa": True},
+                                  "local": m.local, "softcap": False, kind: True},
                           round_up=("head_dim", "head_dim_v"))
     if why:
         pytest.skip(why)
@@ -219,13 +220,9 @@ def test_flash_attn_func_num_splits(c, used):
     partial buffers (uninitialised: every split's tile writes every row) from NaN-poisoned blocks, with a sink on
     the first case; which kernel ran (the varlen variant when the call splits); 10 repeats bitwise equal (the
     merge's order is fixed)."""
+    need_pack(c, "varlen")
     b, sq, sk, h, hk, d, dt, causal, w, n = c
     m = mask_spec(causal, w, sq, sk)
-    why = variant_missing("fwd", {"dtype": DTYPE_NAMES[dt], "head_dim": d, "head_dim_v": d, "causal": m.causal,
-                                  "local": m.local, "softcap": False, "varlen": True},
-                          round_up=("head_dim", "head_dim_v"))
-    if why:
-        pytest.skip(why)
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dt, seed=sq + sk)
     sink = None
     if b == 16:  # (the first case)
