@@ -11,7 +11,7 @@ implementation:
 
 * ``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
   window_right=-1, softcap=0.0, learnable_sink=None, q_descale=None, k_descale=None,
-  v_descale=None, pack_gqa=None) -> (out, lse)``, whose autograd formula
+  v_descale=None, pack_gqa=None, num_splits=1) -> (out, lse)``, whose autograd formula
   saves q, k, v, out and lse (and learnable_sink when given; no more) and calls
 * ``torch.ops.flashgen.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
   window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)``; the sink's gradient is
@@ -350,15 +350,16 @@ def _fwd_call_key(q, k, v, causal: bool, window_left: int, window_right: int, so
 
 def _fwd_grad_impl(q, k, v, softmax_scale: float, causal: bool, deterministic: bool = False, window_left: int = -1,
                    window_right: int = -1, softcap: float = 0.0, learnable_sink=None, q_descale=None, k_descale=None,
-                   v_descale=None, pack_gqa=None) -> tuple:
+                   v_descale=None, pack_gqa=None, num_splits: int = 1) -> tuple:
     """:func:`_fwd_impl` for flash_attn_func's eager calls that want gradients (:class:`_FwdFn`), whose
     softmax_scale, window and softcap flash_attn_func has checked: q, k, v, the sink and the descales are validated
     and the launch prepared once per metadata key (``_fwd_calls``, shared with the no-grad path), not per call.
     Returns ``(out, lse)`` as :func:`_fwd_impl`; raises what it raises (on a key's first call)."""
     descales = (q_descale, k_descale, v_descale)
-    key = _fwd_call_key(q, k, v, causal, window_left, window_right, softcap, learnable_sink, descales, pack_gqa)
+    key = _fwd_call_key(q, k, v, causal, window_left, window_right, softcap, learnable_sink, descales, pack_gqa,
+                        num_splits)
     call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap,
-                                                learnable_sink, descales, pack_gqa)
+                                                learnable_sink, descales, pack_gqa, num_splits)
     return _fwd_run(call, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink, descales)
 
 
@@ -403,11 +404,11 @@ def _fwd_impl(
     deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
     learnable_sink: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
     k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
-    pack_gqa: Optional[bool] = None,
+    pack_gqa: Optional[bool] = None, num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
     window_right=-1, softcap=0.0, learnable_sink=None, q_descale=None, k_descale=None,
-    v_descale=None, pack_gqa=None) -> (out, lse)``.
+    v_descale=None, pack_gqa=None, num_splits=1) -> (out, lse)``.
 
     The registered op behind :func:`flash_attn_func`; same arguments (softmax_scale already
     resolved to a float; ``window_size`` as two ints, -1 unbounded), always returns
@@ -417,12 +418,13 @@ def _fwd_impl(
     its arguments itself (see :func:`flash_attn_func`), so calling it directly is safe.
     ``deterministic`` does not change the forward (always deterministic); it is an argument of
     the op so that its autograd formula hands it to the backward, also in a torch.compile graph.
-    ``pack_gqa``: FA3's PackGQA hint (see :func:`flash_attn_func`); it never changes the result.
+    ``pack_gqa``: FA3's PackGQA hint; ``num_splits``: FA3's split-KV count (both: see :func:`flash_attn_func`);
+    neither changes the result beyond fp32 rounding order.
     """
     p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, q_descale, k_descale, v_descale)
     descales = (q_descale, k_descale, v_descale)
     call = _fwd_call(p, q, k, v, bool(causal), int(window_left), int(window_right), float(softcap), descales,
-                     None if pack_gqa is None else bool(pack_gqa))
+                     None if pack_gqa is None else bool(pack_gqa), int(num_splits))
     return _fwd_run(call, q, k, v, softmax_scale, causal, window_left, window_right, softcap, learnable_sink, descales)
 
 
@@ -543,7 +545,7 @@ _fwd = torch.library.custom_op("flashgen::fwd", _fwd_impl, mutates_args=())
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-              learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, pack_gqa=None):
+              learnable_sink=None, q_descale=None, k_descale=None, v_descale=None, pack_gqa=None, num_splits=1):
     p = _check_fwd(q, k, v, window_left, window_right, softcap, learnable_sink, q_descale, k_descale, v_descale)
     out = q.new_empty(p.out_shape, dtype=_TORCH_DTYPES[p.out_dtype])  # contiguous, on q's device: as the real op
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
@@ -730,7 +732,7 @@ def _backward(ctx, grad_out, grad_lse, bwd=None):
     d_sink = None
     if ctx.has_sink and ctx.needs_input_grad[9]:
         d_sink = _sink_grad(grad_out, out, lse, rest[0])
-    return dq, dk, dv, None, None, None, None, None, None, d_sink, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, d_sink, None, None, None, None, None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -874,8 +876,8 @@ def flash_attn_func(
             core.varlen_num_splits (FA3's heuristic: split where the tiles do not fill the GPU, e.g.
             decode-like calls over long keys; unsplit otherwise or with FLASHGEN_SPLIT_KV_AUTO=0), n
             that many (at most core.MAX_SPLITS and one per 64 keys). It runs on the varlen kernel over
-            the padded batch where one is built for the call, for eager calls on fp16 / bf16 inputs
-            that TMA reads in place, without gradients or descales; elsewhere the call runs unsplit. It
+            the padded batch where one is built for the call, for fp16 / bf16 inputs that TMA reads in
+            place (a copied input runs unsplit); the backward reads the merged out and lse as any. It
             never changes the result beyond fp32 rounding order (the merge is in fp32, fixed order).
         sm_margin: FA3 scheduling hint; accepted and ignored (it never changes the result).
         deterministic: the backward gives bitwise-reproducible gradients (its dq
@@ -1011,6 +1013,7 @@ def flash_attn_func(
         raise NotImplementedError("flashgen: the FP8 (float8_e4m3fn) forward has no backward (FA3 has none either); "
                                   "call it under torch.no_grad() or with inputs that do not require grad")
     causal = bool(causal)
+    splits = int(num_splits)
     if isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[3] > _v.MAX_HEAD_DIM:
         # FA3's head_dim_v up to 512 (16-bit): two calls, each on half of v's columns
         return _split_head_dim_v(q, k, v, scale, causal, window_size, attention_chunk, softcap, sink, descales,
@@ -1028,7 +1031,6 @@ def flash_attn_func(
         # torch.compile, tensor subclasses and autograd go through torch.ops.flashgen.fwd.
         # window_size and softcap were validated above; q, k, v, the sink and the descales are
         # validated once per key: everything the checks and the _FwdCall depend on.
-        splits = int(num_splits)
         key = _fwd_call_key(q, k, v, causal, window_left, window_right, softcap, sink, descales, pack_gqa, splits)
         call = _fwd_calls.get(key) or _new_fwd_call(key, q, k, v, causal, window_left, window_right, softcap, sink,
                                                     descales, pack_gqa, splits)
@@ -1038,10 +1040,10 @@ def flash_attn_func(
             d is None or type(d) is _Tensor for d in descales) and not torch.compiler.is_compiling()):
         # eager, gradients wanted, plain tensors: the op's code without the dispatcher (_FwdFn)
         out, lse = _FwdFn.apply(q, k, v, scale, causal, bool(deterministic), window_left, window_right, softcap, sink,
-                                *descales, pack_gqa)
+                                *descales, pack_gqa, splits)
     else:
         out, lse = torch.ops.flashgen.fwd(q, k, v, scale, causal, bool(deterministic), window_left,
-                                          window_right, softcap, sink, *descales, pack_gqa)
+                                          window_right, softcap, sink, *descales, pack_gqa, splits)
     if return_attn_probs:
         return out, lse
     return out

@@ -1581,12 +1581,12 @@ def test_flash_attn_func_num_splits_runs_split_kv(kernel_on, causal, window, sin
     assert vl.lse_stride_split == b * h * sq and split[0]["causal"] is causal
 
 
-def test_flash_attn_func_num_splits_rules(kernel_on, monkeypatch):
+def test_flash_attn_func_num_splits_rules(kernel_on, gpu, monkeypatch):
     """Which flash_attn_func calls split: 1 (FA3's default) never; 0 as core.varlen_num_splits says (a decode-like
     call over 700 keys: several splits; a call whose tiles fill the GPU: none) while core.SPLIT_KV_AUTO; n at most
-    one split per 64 keys; each (key, num_splits) prepared once; calls wanting gradients, FP8, the varlen kernel
-    switched off, or a misaligned input (the copy path) run unsplit with the same result; num_splits must be an
-    int (TypeError naming it)."""
+    one split per 64 keys; each (key, num_splits) prepared once; calls wanting gradients split too (their gradients
+    right); the varlen kernel switched off or a misaligned input (the copy path) run unsplit with the same result;
+    num_splits must be an int (TypeError naming it)."""
     from flashgen import flash_attn_func
     import flashgen.interface as interface
     from test_api_validation import reference
@@ -1627,10 +1627,21 @@ def test_flash_attn_func_num_splits_rules(kernel_on, monkeypatch):
     monkeypatch.setattr(core, "VARLEN_KERNEL", True)
     interface._fwd_calls.clear()
     assert splits_of(q, k, v, num_splits=4) == 4
-    qg = q.clone().requires_grad_()
-    n = len(kernel_on.calls)
-    flash_attn_func(qg, k, v, num_splits=4)
-    assert all(c.get("varlen") is None for c in kernel_on.calls[n:])
+    # gradients: the forward splits too (its merged out and lse are what the backward reads), both through the
+    # eager autograd function and the custom op (torch.ops.flashgen.fwd's num_splits)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    qr, kr, vr = (t.clone().float().requires_grad_() for t in (q, k, v))
+    reference(qr, kr, vr, d ** -0.5, False)[0].sum().backward()
+    for run in (lambda: flash_attn_func(qg, kg, vg, num_splits=4),
+                lambda: torch.ops.flashgen.fwd(qg, kg, vg, d ** -0.5, False, False, -1, -1, 0.0, None, None, None,
+                                               None, None, 4)[0]):
+        n = len(kernel_on.calls)
+        out = run()
+        assert [c["varlen"].num_splits for c in varlen_calls(kernel_on)[-1:]] == [4] and len(kernel_on.calls) == n + 2
+        qg.grad = kg.grad = vg.grad = None
+        out.float().sum().backward()
+        for g, r in ((qg.grad, qr.grad), (kg.grad, kr.grad), (vg.grad, vr.grad)):
+            assert (g.float() - r).abs().max().item() <= 2e-2
     storage = torch.empty(q.numel() + 1, dtype=q.dtype)  # a q at an address TMA cannot read: copied, unsplit
     qm = storage[1:].view(q.shape)
     qm.copy_(q)
