@@ -1649,3 +1649,28 @@ def test_flash_attn_func_num_splits_rules(kernel_on, gpu, monkeypatch):
     for bad in (2.0, True, "2"):
         with pytest.raises(TypeError, match="num_splits must be an int"):
             flash_attn_func(q, k, v, num_splits=bad)
+
+
+def test_flash_attn_func_num_splits_under_torch_compile(kernel_on, gpu):
+    """torch.compile(fullgraph=True) of a training step with num_splits=3: the graph's torch.ops.flashgen.fwd takes
+    num_splits and splits as eager does (varlen + combine launches), gradients equal to eager's."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    from flashgen import flash_attn_func
+    from test_api_validation import qkv
+
+    torch._dynamo.reset()
+
+    def loss_fn(q, k, v):
+        return (flash_attn_func(q, k, v, causal=True, num_splits=3).float() ** 2).sum()
+
+    eager_in = [t.requires_grad_(True) for t in qkv(sq=3, sk=400, h=8, hk=2)]
+    compiled_in = [t.detach().clone().requires_grad_(True) for t in eager_in]
+    loss_fn(*eager_in).backward()
+    n = len(varlen_calls(kernel_on))
+    backend = AotEagerAndRecordGraphs()
+    torch.compile(loss_fn, fullgraph=True, backend=backend)(*compiled_in).backward()
+    assert n == 1 and [c["varlen"].num_splits for c in varlen_calls(kernel_on)] == [3, 3]
+    for a, b in zip(eager_in, compiled_in):
+        assert torch.equal(a.grad, b.grad)
+    (fw,) = backend.fw_graphs
+    assert "flashgen.fwd" in fw.code
