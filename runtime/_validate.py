@@ -263,6 +263,15 @@ def window_pair(window_size) -> tuple:
     return (-1 if left is None else int(left), -1 if right is None else int(right))
 
 
+def num_splits_problems(num_splits) -> list:
+    """The problems (see :func:`raise_problems`) of FA3's ``num_splits`` (split-KV shares of each tile's keys):
+    valid is an int, not a bool (1 = none, 0 or less = chosen by the heuristic, n = n); TypeError naming it."""
+    if _is_int(num_splits):
+        return []
+    return [(TypeError, "num_splits must be an int (FA3's: 1 = none, 0 or less = chosen, n = n splits), got "
+                        f"{type(num_splits).__name__}")]
+
+
 def softcap_problems(softcap) -> list:
     """The problems (see :func:`raise_problems`) of a ``softcap`` (FA3 / Gemma 2 logit soft-capping).
 
@@ -787,6 +796,16 @@ def check_backward(problem: Problem, dout: ArrayInfo, out: ArrayInfo, lse: Array
     Every problem is listed in one exception (see :func:`raise_problems`).
     """
     raise_problems(backward_problems(problem, dout, out, lse, lse_ptr))
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple:
+    """The strides (elements) of a fresh C-contiguous array of ``shape``, as torch and CuPy give them (an
+    extent 0 counts as 1)."""
+    strides, acc = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(strides))
 
 
 def is_c_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from . import _validate as _v
 from . import core as _core
+from . import split_kv as _split_kv
 
 __all__ = ["flash_attn_forward", "flash_attn_backward"]
 
@@ -122,14 +123,6 @@ def _dtype_name(view, obj) -> tuple:
     return _DTYPE_BY_NAME.get(key), spelled
 
 
-def _c_strides(shape) -> tuple:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(out))
-
-
 def _not_dlpack(name: str, obj: Any) -> list:
     """[(TypeError, message)] when ``obj`` is not a DLPack array, else []."""
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
@@ -180,7 +173,7 @@ def _read(name: str, obj: Any, dl_stream: int) -> _Array:
         shape = tuple(getattr(obj, "shape", ()))
         spelled = str(getattr(obj, "dtype", "?"))
         where = f"DLPack device type {dev_type} ({_DEVICE_TYPE_NAMES.get(dev_type, '?')})"
-        info = _v.ArrayInfo(shape, _c_strides(shape), _DTYPE_BY_NAME.get(spelled.rsplit(".", 1)[-1]), spelled,
+        info = _v.ArrayInfo(shape, _v.contiguous_strides(shape), _DTYPE_BY_NAME.get(spelled.rsplit(".", 1)[-1]), spelled,
                             False, None, where)
         return _Array(name, obj, info, None, None)
     # The producer makes the data ready for work on our stream (DLPack stream handshake);
@@ -197,7 +190,7 @@ def _read(name: str, obj: Any, dl_stream: int) -> _Array:
             smv(_CapsuleOnly(obj), stream_ptr=sp)
     shape = tuple(int(n) for n in view.shape)
     strides = view.strides
-    strides = _c_strides(shape) if strides is None else tuple(int(s) for s in strides)
+    strides = _v.contiguous_strides(shape) if strides is None else tuple(int(s) for s in strides)
     dtype, spelled = _dtype_name(view, obj)
     info = _v.ArrayInfo(shape, strides, dtype, spelled, True, dev_id, f"cuda:{dev_id}")
     return _Array(name, obj, info, int(view.ptr), view)
@@ -213,17 +206,17 @@ def _fp32_arg(a: Optional[_Array], device: int):
     return None if a is None else _core.TensorArg(a.ptr, a.info.shape, a.info.strides, "fp32", device)
 
 
-def _read_inputs(named, dl_stream: int, softmax_scale, window_size=(-1, -1), softcap=0.0) -> tuple:
+def _read_inputs(named, dl_stream: int, softmax_scale, window_size=(-1, -1), softcap=0.0, also=()) -> tuple:
     """``(arrays, Problem, scale)``: the first checks of both entries.
 
     Reads the ``(name, obj)`` pairs (which include q, k and v) into ``{name: _Array}``; raises
     one error naming every argument that is no DLPack array and every problem of q, k, v,
-    softmax_scale, window_size and softcap (the same messages as flash_attn_func's); then
-    checks the GPU (Hopper). ``scale``: softmax_scale as a float, None resolved to
-    ``head_dim ** -0.5``."""
+    softmax_scale, window_size and softcap, and the problems ``also`` lists (the same messages as
+    flash_attn_func's); then checks the GPU (Hopper). ``scale``: softmax_scale as a float, None
+    resolved to ``head_dim ** -0.5``."""
     arrays, not_arrays = _read_all(named, dl_stream)
     scale_problems = (_v.softmax_scale_problems(softmax_scale) + _v.window_size_problems(window_size)
-                      + _v.softcap_problems(softcap))
+                      + _v.softcap_problems(softcap) + list(also))
     if not_arrays:
         infos = [arrays[name].info if name in arrays else None for name in ("q", "k", "v")]
         _v.raise_problems(not_arrays + _v.input_problems(*infos) + scale_problems)
@@ -428,7 +421,7 @@ def _fill_attend_nothing(out: _Array, lse: _Array, p: _v.Problem, handle: int, s
 def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal: bool = False,
                        window_size=(-1, -1), softcap: float = 0.0, learnable_sink: Any = None,
                        q_descale: Any = None, k_descale: Any = None, v_descale: Any = None,
-                       stream: Any = None, out: Any = None, lse: Any = None):
+                       num_splits: int = 1, stream: Any = None, out: Any = None, lse: Any = None):
     """FlashAttention-3 forward on DLPack arrays; returns ``(out, lse)``.
 
     Same computation, rules and errors as :func:`flashgen.interface.flash_attn_func`
@@ -464,6 +457,16 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             k_descale ``(batch, heads_k)`` or ``(batch, heads_k, ceil(seqlen_k / 64))``;
             v_descale ``(batch, heads_k)``. FP8 serves every mask, softcap (the descales
             scale q.k before the tanh) and sinks; head_dim_v == head_dim only.
+        num_splits: FA3's split-KV count (flash-decoding; FA3 paper §3), an int: 1 (default, FA3's)
+            unsplit; 0 or less chosen by ``flashgen.core.varlen_num_splits`` (FA3's heuristic:
+            splits where the tiles do not fill the GPU, e.g. a decode step over a long cache); n:
+            each tile's keys in n shares (at most core.MAX_SPLITS and one per 64 keys), merged by
+            the combine kernel. Results differ from unsplit ones by fp32 rounding only. FP8,
+            descales, or no built varlen / combine variant: unsplit. A split call needs scratch
+            device memory (fp32 partials: about ``4 x splits x batch x heads x seqlen_q x
+            (head_dim_v + 1)`` bytes), allocated on ``stream`` as missing outputs are (torch for
+            torch arrays, else CuPy) and released once the launches are enqueued
+            (:mod:`flashgen.split_kv`).
         stream: where to launch: None (default) = the legacy default stream (handle 0, which
             synchronises with all blocking streams), an int CUstream handle, or a stream
             object (``__cuda_stream__``, torch.cuda.Stream, cupy.cuda.Stream). It is also
@@ -491,7 +494,8 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     Raises:
         TypeError: an argument is not a DLPack array; dtypes unsupported or mismatched;
             softmax_scale or softcap not a number; window_size not a tuple/list of ints or
-            None; learnable_sink not float32; no allocator for missing outputs.
+            None; learnable_sink not float32; num_splits not an int; no allocator for missing
+            outputs or for a split call's scratch memory.
         ValueError: arrays not in CUDA memory or not on one device; shapes (see
             :func:`flashgen.interface.flash_attn_func`); layouts TMA cannot address; out /
             lse with the wrong shape, dtype, device, layout, or read-only; softmax_scale /
@@ -515,7 +519,8 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
     handle = _stream_handle(stream)  # first: reading the arrays needs it (DLPack handshake)
     dl_stream = _dlpack_stream(handle)
     # Every problem of q, k, v, softmax_scale, window_size and softcap in one error (as flash_attn_func's).
-    arrays, p, scale = _read_inputs((("q", q), ("k", k), ("v", v)), dl_stream, softmax_scale, window_size, softcap)
+    arrays, p, scale = _read_inputs((("q", q), ("k", k), ("v", v)), dl_stream, softmax_scale, window_size, softcap,
+                                    also=_v.num_splits_problems(num_splits))
     qa, ka, va = arrays["q"], arrays["k"], arrays["v"]
     causal = bool(causal)
     window, softcap = _v.window_pair(window_size), float(softcap)
@@ -548,6 +553,18 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
         _fill_attend_nothing(oa, la, p, handle, sa)
         return out, lse
     dev = p.device
+    split = None if num_splits == 1 else _split_kv.prepare_split_forward(
+        p, tuple((a.info.shape, _tensor_arg(a, p.dtype, dev).strides) for a in (qa, ka, va)), causal, window, softcap,
+        any(d is not None for d in descales), None, int(num_splits),
+        out_strides=_tensor_arg(oa, p.out_dtype, dev).strides)
+    if split is not None:  # split-KV: the partials in a workspace of this call, merged into out and lse
+        workspace, workspace_ptr = _workspace(
+            q, dev, handle, dl_stream, split.workspace_bytes,
+            f"flash_attn_forward with num_splits={num_splits} ({split.splits} splits; num_splits=1 needs none) ")
+        _split_kv.launch_split_forward(split, qa.ptr, ka.ptr, va.ptr, workspace_ptr, oa.ptr, la.ptr, scale, softcap,
+                                       handle, 0 if sa is None else sa.ptr)
+        del workspace  # released after the launches are enqueued (stream-ordered)
+        return out, lse
     _core.attention_forward(
         _tensor_arg(qa, p.dtype, dev),
         _tensor_arg(ka, p.dtype, dev),

@@ -61,6 +61,7 @@ except ModuleNotFoundError as e:
 from . import _validate as _v
 from . import core as _core
 from . import launch as _launch
+from . import split_kv as _split_kv
 from . import varlen_prep as _varlen_prep
 from .generator.families import varlen_prep as _prep_family
 
@@ -198,33 +199,11 @@ class _FwdCall(NamedTuple):
     empty: bool  # nothing to launch: batch, seqlen_q or seqlen_k is 0
     launch: Optional[_core.PreparedForward]  # when q, k, v are all read in place (and not empty); else None
     pack_gqa: Optional[bool] = None  # the core's pack_gqa for this call (:func:`_pack_gqa_arg`)
-    split: Optional["_SplitForward"] = None  # FA3's num_splits: the call runs split-KV (:func:`_split_forward`)
-
-
-class _SplitForward(NamedTuple):
-    """A flash_attn_func call run split-KV (FA3's ``num_splits``; flash-decoding, FA3 paper §3 / FlashDecoding):
-    the varlen kernel over the padded batch (core.Varlen with no length arrays: every sequence is seqlen_q x
-    seqlen_k, the mask aligned as the non-varlen kernel's) writes each split's fp32 O and LSE, and the combine
-    kernel merges them into out and lse. Made once per key by :func:`_split_forward`; immutable."""
-
-    splits: int
-    launch: _core.PreparedForward  # the varlen kernel writing the partials (its Varlen: num_splits, split strides)
-    combine: "_combine.PreparedCombine"  # the merge of the partials into out and lse
-    parts_shape: tuple  # (splits, batch, seqlen_q, heads, head_dim_v): the fp32 partial O, contiguous
-    parts_lse_shape: tuple  # (splits, batch, heads, seqlen_q): the fp32 partial LSE, contiguous
+    split: Optional[_split_kv.SplitForward] = None  # FA3's num_splits: the call runs split-KV (split_kv module)
 
 
 _fwd_calls: dict = {}  # key (see flash_attn_func) -> _FwdCall; immutable values
 _FWD_CALL_CACHE_MAX = 1024  # bounded: cleared when full (dropping entries is safe)
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    """The strides torch gives a fresh contiguous tensor of ``shape`` (elements; an extent 0 counts as 1)."""
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _input_layout(t: torch.Tensor, elem_size: int):
@@ -248,61 +227,17 @@ def _pack_gqa_arg(p: _v.Problem, causal: bool, window_left: int, window_right: i
                                  p.seqlen_k, softcap, p.heads, p.heads_k, p.device)
 
 
-def _split_forward(p: _v.Problem, inputs: tuple, causal: bool, window: tuple, softcap: float, descales: tuple,
-                   pack_gqa: Optional[bool], num_splits: int) -> Optional[_SplitForward]:
-    """The :class:`_SplitForward` of a flash_attn_func call with FA3's ``num_splits`` (an int: <= 0 chosen by
-    :func:`flashgen.core.varlen_num_splits` while core.SPLIT_KV_AUTO, FA3's heuristic as flash_attn_with_kvcache's
-    default; n > 1 that many, at most core.MAX_SPLITS and one per 64 keys), or None where the call runs unsplit: 1
-    split, FP8 or descales, softcap without core.VARLEN_SOFTCAP, the varlen kernel switched off
-    (core.VARLEN_KERNEL), or no varlen variant or combine variant built for the key. ``inputs``: q, k, v's
-    in-place layouts (:func:`_input_layout`, none None); ``pack_gqa``: the core's (:func:`_pack_gqa_arg`; True
-    becomes None, the rule, as the varlen PackGQA variants are not those pack_gqa_served found)."""
-    if (num_splits == 1 or p.dtype not in ("fp16", "bf16") or not _no_descales(descales) or not _core.VARLEN_KERNEL
-            or (softcap and not _core.VARLEN_SOFTCAP)):
-        return None
-    b, sq, sk, dev = p.batch, p.seqlen_q, p.seqlen_k, p.device
-    if num_splits > 0:
-        n = num_splits
-    elif _core.SPLIT_KV_AUTO:
-        n = _core.varlen_num_splits(b, p.heads, p.heads_k, sq, sk, dev, _core.mask_spec(causal, window, sq, sk))
-    else:
-        n = 1
-    n = max(1, min(n, _core.MAX_SPLITS, -(-sk // 64)))
-    if (n == 1 or not _core.varlen_variant_built(p.dtype, p.head_dim, p.head_dim_v, causal, window, sq, sk, softcap)
-            or not _core.variant_built("combine", {"dtype": p.out_dtype})):
-        return None
-    parts_shape, parts_lse_shape = (n,) + tuple(p.out_shape), (n,) + tuple(p.lse_shape)
-    o_strides, l_strides = _contiguous_strides(parts_shape), _contiguous_strides(parts_lse_shape)
-    (qs, qst), (ks, kst), (vs, vst) = inputs
-    prep = _core.prepare_forward(
-        _core.TensorArg(0, qs, qst, p.dtype, dev), _core.TensorArg(0, ks, kst, p.dtype, dev),
-        _core.TensorArg(0, vs, vst, p.dtype, dev),
-        _core.TensorArg(0, tuple(p.out_shape), _v.tma_strides(p.out_shape, o_strides[1:]), "fp32", dev), causal,
-        window_size=window, softcap=softcap, pack_gqa=None if pack_gqa else pack_gqa,
-        varlen=_core.Varlen(0, 0, 0, 0, b, sq, sk, num_splits=n, o_stride_split=o_strides[0],
-                            lse_stride_split=l_strides[0]))
-    # the merge, as flash_attn_combine's: partials (splits, batch, seqlen_q, heads, ...), the LSEs (batch, seqlen_q,
-    # heads) transpose views of the contiguous (batch, heads, seqlen_q) buffers
-    h, dv = p.heads, p.head_dim_v
-    combine = _combine.prepare_combine(
-        _core.TensorArg(0, parts_shape, o_strides, "fp32", dev),
-        _core.TensorArg(0, (n, b, sq, h), (l_strides[0], h * sq, 1, sq), "fp32", dev),
-        _core.TensorArg(0, tuple(p.out_shape), _contiguous_strides(p.out_shape), p.out_dtype, dev),
-        _core.TensorArg(0, (b, sq, h), (h * sq, 1, sq), "fp32", dev), p.out_dtype)
-    return _SplitForward(n, prep, combine, parts_shape, parts_lse_shape)
-
-
 def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_left: int,
               window_right: int, softcap: float, descales=(None, None, None), pack_gqa: Optional[bool] = None,
               num_splits: int = 1) -> _FwdCall:
     """The :class:`_FwdCall` of valid arguments (``p``: q, k, v's Problem; ``pack_gqa``: the
-    caller's hint; ``num_splits``: FA3's, see :func:`_split_forward`). When q, k, v can be read in
+    caller's hint; ``num_splits``: FA3's, see :func:`flashgen.split_kv.prepare_split_forward`). When q, k, v can be read in
     place this prepares the core's launch (and the split-KV one where the call splits):
     RuntimeError on a GPU that is not Hopper, then MissingVariantError when no built variant
     serves the call (before any allocation)."""
     es = _v.ELEMENT_SIZE[p.dtype]
     inputs = tuple(_input_layout(t, es) for t in (q, k, v))
-    out_strides = _v.tma_strides(p.out_shape, _contiguous_strides(p.out_shape))
+    out_strides = _v.tma_strides(p.out_shape, _v.contiguous_strides(p.out_shape))
     empty = p.nothing_to_compute or p.seqlen_k == 0
     prepared = None
     core_pack = None
@@ -320,10 +255,10 @@ def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             causal, window_size=(window_left, window_right), softcap=softcap,
             q_descale=_descale_arg(descales[0], dev, 0), k_descale=_descale_arg(descales[1], dev, 0),
             v_descale=_descale_arg(descales[2], dev, 0), pack_gqa=core_pack)
-    split = None if prepared is None else _split_forward(p, inputs, causal, (window_left, window_right), softcap,
-                                                         descales, core_pack, num_splits)
+    split = None if prepared is None else _split_kv.prepare_split_forward(
+        p, inputs, causal, (window_left, window_right), softcap, not _no_descales(descales), core_pack, num_splits)
     return _FwdCall(p, p.out_shape, p.lse_shape, _TORCH_DTYPES[p.out_dtype], inputs, out_strides,
-                    _contiguous_strides(p.lse_shape), empty, prepared, core_pack, split)
+                    _v.contiguous_strides(p.lse_shape), empty, prepared, core_pack, split)
 
 
 def _new_fwd_call(key: tuple, q, k, v, causal: bool, window_left: int, window_right: int, softcap: float, sink,
@@ -512,22 +447,14 @@ def _fwd_run(call: _FwdCall, q, k, v, softmax_scale, causal, window_left, window
 
 def _split_run(call: _FwdCall, q_ptr: int, k_ptr: int, v_ptr: int, out: torch.Tensor, lse: torch.Tensor,
                softmax_scale, softcap, sink_ptr: int, stream: int) -> None:
-    """A split-KV call's launches (:class:`_SplitForward`): the varlen kernel writes each split's fp32 O and LSE
-    into fresh partial buffers of this call, then the combine kernel (FA3's flash_attn_combine) merges them into
-    ``out`` and ``lse`` (contiguous, as flash_attn_func returns them), both on ``stream``. The partials need no
-    initialisation: every sequence is a whole padded entry, so each split's tile writes every row of it, O 0 and
-    LSE -inf for a row that sees no key of the split's share (fwd.cu.j2's epilogue; an empty share runs it too)."""
+    """A split-KV call's launches (:func:`flashgen.split_kv.launch_split_forward`) into ``out`` and ``lse``
+    (contiguous, as flash_attn_func returns them) on ``stream``, with a workspace of this call for the partials
+    (one allocation; uninitialised: the kernel writes every row of it)."""
     s = call.split
-    parts = out.new_empty(size=s.parts_shape, dtype=torch.float32)
-    parts_lse = out.new_empty(size=s.parts_lse_shape, dtype=torch.float32)
-    parts_ptr, parts_lse_ptr = parts.data_ptr(), parts_lse.data_ptr()
-    _core.launch_forward(s.launch, q_ptr, k_ptr, v_ptr, parts_ptr, parts_lse_ptr, float(softmax_scale), float(softcap),
-                         stream, sink_ptr, varlen=_NO_VARLEN_ARRAYS)
-    _combine.launch_combine(s.combine, parts_ptr, parts_lse_ptr, out.data_ptr(), lse.data_ptr(), stream)
-    del parts, parts_lse  # released after the launches are enqueued (stream-ordered)
-
-
-_NO_VARLEN_ARRAYS = (0,) * len(_core._VARLEN_PER_CALL)  # a split call's core.Varlen addresses: no length arrays
+    workspace = out.new_empty(size=(-(-s.workspace_bytes // 4),), dtype=torch.float32)
+    _split_kv.launch_split_forward(s, q_ptr, k_ptr, v_ptr, workspace.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                                   softmax_scale, softcap, stream, sink_ptr)
+    del workspace  # released after the launches are enqueued (stream-ordered)
 
 
 def _input_arg(t: torch.Tensor, layout, dtype: str, device: int) -> tuple:
@@ -597,11 +524,11 @@ def _bwd_call(p: _v.Problem, dout, q, k, v, out, causal: bool, deterministic: bo
                                                 head_dim_v=p.head_dim_v)
         return _BwdCall(p, False, nbytes, None)
     # the fresh contiguous dq, dk, dv that _bwd_impl allocates per call
-    grads = tuple(_core.TensorArg(0, shape, _v.tma_strides(shape, _contiguous_strides(shape)), p.dtype, dev)
+    grads = tuple(_core.TensorArg(0, shape, _v.tma_strides(shape, _v.contiguous_strides(shape)), p.dtype, dev)
                   for shape in (p.q_shape, p.k_shape, p.v_shape))
     prepared = _core.prepare_backward(
         *(_core.TensorArg(0, shape, strides, p.dtype, dev) for shape, strides in inputs),
-        _core.TensorArg(0, p.lse_shape, _contiguous_strides(p.lse_shape), "fp32", dev), *grads, causal, deterministic,
+        _core.TensorArg(0, p.lse_shape, _v.contiguous_strides(p.lse_shape), "fp32", dev), *grads, causal, deterministic,
         window_size=window, softcap=softcap)
     return _BwdCall(p, False, prepared.nbytes, prepared)
 
@@ -980,9 +907,7 @@ def flash_attn_func(
                                        f"{type(learnable_sink).__name__}"))
     if pack_gqa is not None and type(pack_gqa) is not bool:
         not_tensors.append((TypeError, f"pack_gqa must be None, True or False, got {type(pack_gqa).__name__}"))
-    if not _v._is_int(num_splits):
-        not_tensors.append((TypeError, "num_splits must be an int (FA3's: 1 = none, 0 or less = chosen, n = n "
-                                       f"splits), got {type(num_splits).__name__}"))
+    not_tensors += _v.num_splits_problems(num_splits)
     if q_descale is not None or k_descale is not None or v_descale is not None:
         for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
             if t is not None and not isinstance(t, torch.Tensor):
@@ -1101,9 +1026,7 @@ def _varlen_kernel_serves(q, k, v, sink, descales: tuple, attention_chunk: int, 
 def _splits_arg(num_splits) -> int:
     """FA3's ``num_splits`` as the varlen kernel's: an int, <= 0 chosen (the heuristic's while core.SPLIT_KV_AUTO, the
     default; else unsplit), else that many (capped by :func:`_varlen_kernel`). TypeError for a non-int."""
-    if not _v._is_int(num_splits):
-        raise TypeError(f"flashgen: num_splits must be an int (FA3's: 0 or less = chosen, 1 = none, n = n splits), got "
-                        f"{type(num_splits).__name__}")
+    _v.raise_problems(_v.num_splits_problems(num_splits))
     return max(int(num_splits), 0)
 
 

@@ -1674,3 +1674,99 @@ def test_flash_attn_func_num_splits_under_torch_compile(kernel_on, gpu):
         assert torch.equal(a.grad, b.grad)
     (fw,) = backend.fw_graphs
     assert "flashgen.fwd" in fw.code
+
+
+# -------------------------------------------------- the DLPack entry's num_splits (flashgen.split_kv, shared)
+@pytest.fixture
+def dlpack_kernel_on(kernel_on, monkeypatch):
+    """kernel_on with the DLPack entry reading CPU arrays as device 0 (test_api_validation's fake_gpu_dlpack)."""
+    pytest.importorskip("cuda.core.utils", reason="cuda-core is not installed")
+    import flashgen.dlpack_api as dlpack_api
+
+    monkeypatch.setattr(dlpack_api, "_CUDA_DEVICE_TYPES", frozenset({dlpack_api.kDLCPU}))
+    return kernel_on
+
+
+@pytest.mark.parametrize("causal,window,sink", [(False, (-1, -1), False), (True, (-1, -1), True), (False, (90, 3), False)])
+def test_dlpack_forward_num_splits_runs_split_kv(dlpack_kernel_on, monkeypatch, causal, window, sink):
+    """flash_attn_forward(num_splits=3) on torch arrays: the varlen launch writes the partials into one workspace of
+    the call (partial O at its start, partial LSE at a 256-byte aligned offset after it), the combine merges them into
+    out and lse; the same bits as flash_attn_func(num_splits=3), and the reference's values."""
+    import flashgen.dlpack_api as dlpack_api
+    from flashgen import flash_attn_func
+    from fgutil import torch_allocates_on_cpu
+    from test_api_validation import reference
+
+    torch_allocates_on_cpu(monkeypatch)
+    torch.manual_seed(5)
+    b, sq, sk, h, hk, d = 2, 3, 700, 8, 2, 64
+    q, k, v = (torch.randn(b, n, hh, d).to(torch.bfloat16) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
+    s = torch.randn(h) if sink else None
+    out, lse = dlpack_api.flash_attn_forward(q, k, v, causal=causal, window_size=window, learnable_sink=s,
+                                             num_splits=3)
+    split, plain, merges = _func_calls(dlpack_kernel_on)
+    assert not plain and len(split) == 1 and len(merges) == 1 and dlpack_kernel_on.calls[-1] is merges[0]
+    vl, o, l = split[0]["varlen"], split[0]["out"], split[0]["lse"]
+    assert (vl.num_splits, vl.batch, vl.max_seqlen_q, vl.max_seqlen_k) == (3, b, sq, sk) and not any(vl.addresses())
+    o_bytes = 4 * 3 * b * sq * h * d
+    assert o.dtype == "fp32" and l.ptr - o.ptr == -(-o_bytes // 256) * 256  # one workspace: O, then LSE
+    op, lp, mo, ml = merges[0]["combine"]
+    assert (op.ptr, lp.ptr, mo.ptr, ml.ptr) == (o.ptr, l.ptr, out.data_ptr(), lse.data_ptr())
+    ref, ref_lse = reference(q, k, v, d ** -0.5, causal, window, 0.0, s)
+    assert (out.float() - ref).abs().max().item() <= 1.6e-2
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    want, want_lse = flash_attn_func(q, k, v, causal=causal, window_size=window, learnable_sink=s, num_splits=3,
+                                     return_attn_probs=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_dlpack_forward_num_splits_rules(dlpack_kernel_on, monkeypatch):
+    """The DLPack entry splits as flash_attn_func does: 1 (default) never, 0 as core.varlen_num_splits says, FP8
+    never; a given out with padded strides is written in place by the merge (its padding untouched); without an
+    allocator for the workspace (numpy arrays, no CuPy) a split call raises TypeError naming num_splits and the
+    memory it needs, while num_splits=1 runs; num_splits must be an int (TypeError naming it, with q's problems)."""
+    import flashgen.dlpack_api as dlpack_api
+    from fgutil import torch_allocates_on_cpu
+    from test_api_validation import reference
+
+    torch_allocates_on_cpu(monkeypatch)
+    torch.manual_seed(6)
+    b, sq, sk, h, hk, d = 2, 1, 700, 8, 2, 64
+    q, k, v = (torch.randn(b, n, hh, d).to(torch.float16) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
+
+    def splits_of(*args, **kw):
+        n = len(dlpack_kernel_on.calls)
+        out, _ = dlpack_api.flash_attn_forward(*args, **kw)
+        new = dlpack_kernel_on.calls[n:]
+        if new[0].get("varlen") is None:
+            assert len(new) == 1
+            return 1
+        assert len(new) == 2 and "combine" in new[1]
+        return new[0]["varlen"].num_splits
+
+    chosen = core.varlen_num_splits(b, h, hk, sq, sk, 0, core.mask_spec(False, (-1, -1), sq, sk))
+    assert chosen > 1 and splits_of(q, k, v) == 1 and splits_of(q, k, v, num_splits=0) == chosen
+    assert splits_of(q, k, v, num_splits=100) == -(-sk // 64)
+    f8 = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
+    assert splits_of(*f8, num_splits=4) == 1
+    # a given out with padded rows: the merge writes its 64 columns and leaves the rest
+    big = torch.full((b, sq, h, d + 8), 7.0, dtype=q.dtype)
+    out, lse = big[..., :d], torch.full((b, h, sq), float("nan"))
+    dlpack_api.flash_attn_forward(q, k, v, num_splits=4, out=out, lse=lse)
+    assert dlpack_kernel_on.calls[-1]["combine"][2].strides == tuple(out.stride())
+    ref, ref_lse = reference(q, k, v, d ** -0.5, False)
+    assert (out.float() - ref).abs().max().item() <= 2e-3 and torch.equal(big[..., d:], torch.full_like(big[..., d:], 7))
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # numpy arrays and no CuPy: no allocator for the workspace
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    qn, kn, vn = (t.numpy() for t in (q, k, v))
+    on, ln = out.numpy().copy(), lse.numpy().copy()
+    with pytest.raises(TypeError, match=r"num_splits=4 \(4 splits; num_splits=1 needs none\) needs \d+ bytes"):
+        dlpack_api.flash_attn_forward(qn, kn, vn, num_splits=4, out=on, lse=ln)
+    dlpack_api.flash_attn_forward(qn, kn, vn, num_splits=1, out=on, lse=ln)
+    assert abs(on.astype("float32") - ref.numpy()).max() <= 2e-3
+    with pytest.raises(TypeError, match="num_splits must be an int"):
+        dlpack_api.flash_attn_forward(q, k, v, num_splits=2.0)
+    with pytest.raises(TypeError, match="2 problems") as err:  # listed with q's dtype problem, in one error
+        dlpack_api.flash_attn_forward(q.float(), k, v, num_splits="2")
+    assert "num_splits must be an int" in str(err.value)

@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 import flashgen.core as core  # noqa: E402
+import flashgen.dlpack_api as dlpack_api  # noqa: E402
 import flashgen.interface as interface  # noqa: E402
 from flashgen.core import mask_spec  # noqa: E402
 from flashgen.manifest import load_manifest  # noqa: E402
@@ -216,10 +217,10 @@ SPLIT_CASES = [
 @pytest.mark.parametrize("c", SPLIT_CASES, ids=lambda c: case_id(c[:9]) + f"-splits{c[9]}")
 def test_flash_attn_func_num_splits(c, used):
     """FA3's num_splits through flash_attn_func: split-KV on the varlen kernel over the padded batch, the
-    partials merged by the combine kernel (interface._split_forward). Against the reference, out, lse and the
+    partials merged by the combine kernel (flashgen.split_kv). Against the reference, out, lse and the
     partial buffers (uninitialised: every split's tile writes every row) from NaN-poisoned blocks, with a sink on
     the first case; which kernel ran (the varlen variant when the call splits); 10 repeats bitwise equal (the
-    merge's order is fixed)."""
+    merge's order is fixed); the DLPack entry's num_splits: the same bits, into a given out with padded rows."""
     need_pack(c, "varlen")
     b, sq, sk, h, hk, d, dt, causal, w, n = c
     m = mask_spec(causal, w, sq, sk)
@@ -229,10 +230,10 @@ def test_flash_attn_func_num_splits(c, used):
         sink = 2.0 * torch.randn(h, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda")
     interface._fwd_calls.clear()
     splits = min(n or core.varlen_num_splits(b, h, hk, sq, sk, q.device.index, m), -(-sk // 64))
+    workspace = -(-4 * splits * b * sq * h * d // 256) * 256 + 4 * splits * b * h * sq  # the partial O, then LSE
     first = None
     for _ in range(10):
-        poison_cached_blocks(4 * splits * b * sq * h * d)  # the partial O (and, smaller, out and the LSEs)
-        poison_cached_blocks(4 * splits * b * h * sq)
+        poison_cached_blocks(workspace)  # (and, smaller, out and lse)
         with torch.no_grad():
             out, lse = flashgen.flash_attn_func(q, k, v, causal=causal, window_size=w, num_splits=n,
                                                learnable_sink=sink, return_attn_probs=True)
@@ -244,3 +245,13 @@ def test_flash_attn_func_num_splits(c, used):
         else:
             assert bitwise_equal(out, first)
     assert splits > 1, "the case should split"
+    # the DLPack entry (flashgen.split_kv, shared with flash_attn_func): the same launches, so the same bits, here
+    # into a given out with padded rows (its padding untouched)
+    poison_cached_blocks(workspace)
+    padded = torch.full((b, sq, h, d + 8), float("nan"), dtype=dt, device="cuda")
+    out2, lse2 = dlpack_api.flash_attn_forward(q, k, v, causal=causal, window_size=w, num_splits=n,
+                                               learnable_sink=sink, out=padded[..., :d],
+                                               stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    assert bool(used[-1].params.get("varlen")), used[-1].name
+    assert bitwise_equal(out2, first) and bitwise_equal(lse2, lse) and torch.isnan(padded[..., d:]).all()
