@@ -88,7 +88,9 @@
 #                                          then the whole forward grid twice with the new table, its peers table last)
 #   bash scripts/device_check.sh splitkv   flash_attn_func's num_splits (split-KV on the varlen kernel): the split and PackGQA GPU
 #                                          tests (test_packgqa_gpu.py, the combine's), then scripts/split_bench.py twice
-#                                          (num_splits 1 against 0, SDPA peers; SPLIT_ARGS), one build (no .base)
+#                                          (num_splits 1 against 0, SDPA peers; SPLIT_ARGS, e.g. "--sweep 2,4,8,16,32
+#                                          --shapes 16:8:1:2048,...": the fastest split count per row too; SPLIT_TIMEOUT
+#                                          per run, default 200 s), one build (no .base)
 #   bash scripts/device_check.sh packgqaab PackGQA A/B (carry .base): test_packgqa_gpu.py, then scripts/packgqa_bench.py (PACKGQA_ARGS,
 #                                          default --head-dim 64) of .base/ and this tree alternated twice (OLD_FILTER, default
 #                                          'fwd_bf16_hd64*'); the rule's pick of each tree side by side last
@@ -685,10 +687,10 @@ splitkv)
   timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/gpu/test_packgqa_gpu.py \
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed|SKIP" | tail -15
   for r in 1 2; do
-    timeout 200 python3 scripts/split_bench.py ${SPLIT_ARGS:-} --csv "$out/split$r.csv" > "$out/split$r.md" 2>&1
+    timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py ${SPLIT_ARGS:-} --csv "$out/split$r.csv" > "$out/split$r.md" 2>&1
     echo "split_bench run $r rc $?"
   done
-  cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d'|' -f2-12
+  cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d'|' -f2-15
   ;;
 packgqaab)
   old_build "${OLD_FILTER:-fwd_bf16_hd64*}"
