@@ -277,6 +277,12 @@ def main(argv=None) -> int:
 
         fns["flash_attn_with_kvcache, 8 entries, 4 splits + combine, varlen kernel"] = decode_split
 
+        def func_split():  # flash_attn_func's num_splits (flashgen.split_kv): the prepared varlen + combine launches
+            core.VARLEN_KERNEL = True
+            return interface.flash_attn_func(qd[:8], kc[:8], vc[:8], num_splits=4)
+
+        fns["flash_attn_func, 8 entries of 1 row over 1k keys, 4 splits + combine"] = func_split
+
         # training on packed documents: flash_attn_varlen_func forward + backward (torch.autograd.grad), 16 documents of
         # distinct lengths, on the varlen kernels both ways against the composed path (its padded groups). Small
         # tensors (1 head, 8-53 tokens): the composed path's index copies and the autograd graph's own ops are real
