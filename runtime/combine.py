@@ -417,17 +417,26 @@ class PreparedCombine(NamedTuple):
     out_align: int  # bytes of 4 elements of out: its address's alignment for the 16-byte path
 
 
+_prepared_combines: dict = {}  # metadata key -> PreparedCombine (immutable: shared by concurrent calls)
+_PREPARED_CACHE_MAX = 256  # bounded: emptied when full (a miss only prepares again)
+
+
 def prepare_combine(out_partial: TensorArg, lse_partial: TensorArg, out: TensorArg, lse: TensorArg,
                     out_dtype: str) -> PreparedCombine:
     """:func:`attention_combine`'s checks and launch for arrays of this metadata (shapes, strides, dtypes,
-    device; the ``ptr`` fields are not read: each :func:`launch_combine` gives the addresses), made once by a caller
-    that merges the same shapes again and again (flash_attn_func's split-KV calls, interface._split_forward).
-    Raises what :func:`attention_combine` raises."""
-    plan, grid, params = _launch_params(*(t._replace(ptr=0) for t in (out_partial, lse_partial, out, lse)),
-                                        out_dtype)
-    prepared = launch.prepare_launch(plan.kernel, (grid, 1, 1), params, _PER_CALL) if grid else None
-    vec4 = use_vec4(out_partial._replace(ptr=0), out._replace(ptr=0))
-    return PreparedCombine(prepared, plan.variant, vec4, 4 * ELEMENT_SIZE[out.dtype])
+    device; the ``ptr`` fields are not read: each :func:`launch_combine` gives the addresses), for callers that
+    merge the same shapes again and again (the split-KV calls: flashgen.split_kv, the varlen / kvcache kernel path).
+    Resolved once per metadata key and cached (bounded), as core.prepare_forward. Raises what
+    :func:`attention_combine` raises (a key that raised is not cached)."""
+    args = tuple(t._replace(ptr=0) for t in (out_partial, lse_partial, out, lse))
+    key = (args, out_dtype)
+    prep = _prepared_combines.get(key)
+    if prep is None:
+        plan, grid, params = _launch_params(*args, out_dtype)
+        prepared = launch.prepare_launch(plan.kernel, (grid, 1, 1), params, _PER_CALL) if grid else None
+        prep = PreparedCombine(prepared, plan.variant, use_vec4(args[0], args[2]), 4 * ELEMENT_SIZE[out.dtype])
+        launch.cache_put(_prepared_combines, key, prep, _PREPARED_CACHE_MAX)
+    return prep
 
 
 def launch_combine(prep: PreparedCombine, out_partial: int, lse_partial: int, out: int, lse: int,

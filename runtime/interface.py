@@ -1165,12 +1165,19 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     del qc, kc, vc, arrays, sink_t  # released only after the launch is enqueued (stream-ordered)
     if splits == 1:
         return out, lse
-    # the partials as flash_attn_combine's (splits, batch, seqlen, heads, ...) (a packed q: batch 1)
+    # the merge (flash_attn_combine's kernel, prepared per metadata: combine.prepare_combine): the partials as its
+    # (splits, batch, seqlen, heads, ...) and out / lse as its (batch, seqlen, heads, ...) views (a packed q: batch 1)
     merged = q.new_empty(out_shape, dtype=_out_dtype(q))
-    parts, part_lse = (out[:, None], lse.transpose(1, 2)[:, None]) if packed_q else (out, lse.transpose(2, 3))
-    _, merged_lse = flash_attn_combine(parts, part_lse, out=merged[None] if packed_q else merged,
-                                       out_dtype=merged.dtype)
-    return merged, (merged_lse.transpose(1, 2)[0] if packed_q else merged_lse.transpose(1, 2))
+    merged_lse = q.new_empty(lse_shape, dtype=torch.float32)
+    views = ((out[:, None], lse.transpose(1, 2)[:, None], merged[None], merged_lse.t()[None]) if packed_q
+             else (out, lse.transpose(2, 3), merged, merged_lse.transpose(1, 2)))
+    out_dtype = _DTYPE_NAMES[merged.dtype]
+    merge = _combine.prepare_combine(*(_core.TensorArg(0, tuple(t.shape), tuple(t.stride()), dt, dev) for t, dt in
+                                       zip(views, ("fp32", "fp32", out_dtype, "fp32"))), out_dtype)
+    _combine.launch_combine(merge, out.data_ptr(), lse.data_ptr(), merged.data_ptr(), merged_lse.data_ptr(),
+                            _current_stream(dev))
+    del out, lse  # the partials: released after the merge is enqueued (stream-ordered)
+    return merged, merged_lse
 
 
 def _varlen_bwd_serves(q, k, v, batch: int, seqused: tuple, sink, descales: tuple, attention_chunk: int,

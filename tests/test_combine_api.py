@@ -793,7 +793,7 @@ def test_dlpack_module_still_does_not_import_torch():
 
 @pytest.mark.parametrize("case", ["aligned", "op_base_misaligned", "out_base_off", "empty"])
 def test_prepared_combine_launches_what_attention_combine_launches(fake_gpu, monkeypatch, case):
-    """combine.prepare_combine once + launch_combine per call (flash_attn_func's split-KV calls): the params of each
+    """combine.prepare_combine once (cached per metadata) + launch_combine per call (split-KV calls): the params of each
     launch are attention_combine's for the same arrays (addresses and vec4 per call: the 16-byte path only where
     this call's addresses allow it), the merge is right, and an empty problem prepares no launch."""
     prepared = []
@@ -809,6 +809,7 @@ def test_prepared_combine_launches_what_attention_combine_launches(fake_gpu, mon
 
     monkeypatch.setattr(launch, "prepare_launch", prepare_launch)
     monkeypatch.setattr(launch, "launch_prepared", launch_prepared)
+    monkeypatch.setattr(C, "_prepared_combines", {})  # (prepared per metadata: the cases share it)
     ns, b, s, h, d = 3, 2, (0 if case == "empty" else 5), 4, 64
     op, lp = partials(ns, b, s, h, d, seed=4)
     if case == "op_base_misaligned":
@@ -823,6 +824,9 @@ def test_prepared_combine_launches_what_attention_combine_launches(fake_gpu, mon
         return core.TensorArg(t.data_ptr() if ptr is None else ptr, tuple(t.shape), tuple(t.stride()), dt, 0)
 
     prep = C.prepare_combine(arg(op, "fp32", 0), arg(lp, "fp32", 0), arg(out, "bf16", 0), arg(lse, "fp32", 0), "bf16")
+    # cached per metadata: the same key (any addresses) gives the same prepared launch, prepared once
+    assert C.prepare_combine(arg(op, "fp32"), arg(lp, "fp32"), arg(out, "bf16"), arg(lse, "fp32"), "bf16") is prep
+    assert len(prepared) == (0 if case == "empty" else 1)
     if case == "empty":
         assert prep.launch is None and not prepared
         C.launch_combine(prep, op.data_ptr(), lp.data_ptr(), out.data_ptr(), lse.data_ptr(), STREAM)
