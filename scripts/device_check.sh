@@ -87,7 +87,8 @@
 #                                          twice, SDPA peers in every run; the old/new and the peers tables last (GRID=1:
 #                                          then the whole forward grid twice with the new table, its peers table last)
 #   bash scripts/device_check.sh splitkv   flash_attn_func's num_splits (split-KV on the varlen kernel): the split and PackGQA GPU
-#                                          tests (test_packgqa_gpu.py, the combine's), then scripts/split_bench.py twice
+#                                          tests (test_packgqa_gpu.py), the varlen / kvcache split tests (test_kvcache_gpu.py,
+#                                          test_features_gpu.py: -k "split_kv or varlen_kernel_forward"), then scripts/split_bench.py twice
 #                                          (num_splits 1 against 0, SDPA peers; SPLIT_ARGS, e.g. "--sweep 2,4,8,16,32
 #                                          --shapes 16:8:1:2048,...": the fastest split count per row too; SPLIT_TIMEOUT
 #                                          per run, default 200 s), one build (no .base)
@@ -686,6 +687,10 @@ grid)
 splitkv)
   timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/gpu/test_packgqa_gpu.py \
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed|SKIP" | tail -15
+  # the varlen / kvcache split path (its merge: combine.prepare_combine since session 23)
+  timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
+    tests/gpu/test_kvcache_gpu.py tests/gpu/test_features_gpu.py -k "split_kv or varlen_kernel_forward" 2>&1 \
+    | tee "$out/test_varlen_split.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   for r in 1 2; do
     timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py ${SPLIT_ARGS:-} --csv "$out/split$r.csv" > "$out/split$r.md" 2>&1
     echo "split_bench run $r rc $?"
