@@ -1692,11 +1692,13 @@ def dlpack_kernel_on(kernel_on, monkeypatch):
     return kernel_on
 
 
-@pytest.mark.parametrize("causal,window,sink", [(False, (-1, -1), False), (True, (-1, -1), True), (False, (90, 3), False)])
-def test_dlpack_forward_num_splits_runs_split_kv(dlpack_kernel_on, monkeypatch, causal, window, sink):
+@pytest.mark.parametrize("causal,window,sink,d", [(False, (-1, -1), False, 64), (True, (-1, -1), True, 64),
+                                                   (False, (90, 3), False, 64), (True, (-1, -1), False, 72)])
+def test_dlpack_forward_num_splits_runs_split_kv(dlpack_kernel_on, monkeypatch, causal, window, sink, d):
     """flash_attn_forward(num_splits=3) on torch arrays: the varlen launch writes the partials into one workspace of
-    the call (partial O at its start, partial LSE at a 256-byte aligned offset after it), the combine merges them into
-    out and lse; the same bits as flash_attn_func(num_splits=3), and the reference's values."""
+    the call (partial O at its start, partial LSE at the next 256-byte boundary after it, head_dim 72 making that
+    boundary differ from O's end), the combine merges them into out and lse; the same bits as
+    flash_attn_func(num_splits=3), and the reference's values."""
     import flashgen.dlpack_api as dlpack_api
     from flashgen import flash_attn_func
     from fgutil import torch_allocates_on_cpu
@@ -1704,7 +1706,7 @@ def test_dlpack_forward_num_splits_runs_split_kv(dlpack_kernel_on, monkeypatch, 
 
     torch_allocates_on_cpu(monkeypatch)
     torch.manual_seed(5)
-    b, sq, sk, h, hk, d = 2, 3, 700, 8, 2, 64
+    b, sq, sk, h, hk = (2, 3, 700, 8, 2) if d == 64 else (1, 3, 700, 2, 1)  # d 72: the partial O not 256-byte sized
     q, k, v = (torch.randn(b, n, hh, d).to(torch.bfloat16) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
     s = torch.randn(h) if sink else None
     out, lse = dlpack_api.flash_attn_forward(q, k, v, causal=causal, window_size=window, learnable_sink=s,
