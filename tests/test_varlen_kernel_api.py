@@ -1550,6 +1550,17 @@ def test_kvcache_step_on_device_refuses_lengths_that_are_not_an_int32_tensor(ker
 
 
 # ---------------------------------------------------------------- flash_attn_func's num_splits (split-KV)
+def _splits_since(fc, n: int) -> int:
+    """The split count of the one forward the emulated core ran after its first ``n`` calls: 1 for a plain launch
+    alone, else the varlen launch's num_splits (followed by exactly one combine launch)."""
+    new = fc.calls[n:]
+    if new[0].get("varlen") is None:
+        assert len(new) == 1
+        return 1
+    assert len(new) == 2 and "combine" in new[1]
+    return new[0]["varlen"].num_splits
+
+
 def _func_calls(fc) -> tuple:
     """(varlen launches, plain forward launches, combine launches) the emulated core ran."""
     return (varlen_calls(fc), [c for c in fc.calls if c.get("varlen") is None and "combine" not in c],
@@ -1607,12 +1618,7 @@ def test_flash_attn_func_num_splits_rules(kernel_on, gpu, monkeypatch):
         out = flash_attn_func(*args, **kw)
         q, k, v = args
         assert (out.float() - reference(q, k, v, d ** -0.5, kw.get("causal", False))[0]).abs().max() <= 2e-3
-        new = kernel_on.calls[n:]
-        if new[0].get("varlen") is None:
-            assert len(new) == 1
-            return 1
-        assert len(new) == 2 and "combine" in new[1]
-        return new[0]["varlen"].num_splits
+        return _splits_since(kernel_on, n)
 
     q, k, v = inputs(1)
     assert splits_of(q, k, v) == 1 and splits_of(q, k, v, num_splits=1) == 1
@@ -1743,13 +1749,8 @@ def test_dlpack_forward_num_splits_rules(dlpack_kernel_on, monkeypatch):
 
     def splits_of(*args, **kw):
         n = len(dlpack_kernel_on.calls)
-        out, _ = dlpack_api.flash_attn_forward(*args, **kw)
-        new = dlpack_kernel_on.calls[n:]
-        if new[0].get("varlen") is None:
-            assert len(new) == 1
-            return 1
-        assert len(new) == 2 and "combine" in new[1]
-        return new[0]["varlen"].num_splits
+        dlpack_api.flash_attn_forward(*args, **kw)
+        return _splits_since(dlpack_kernel_on, n)
 
     chosen = core.varlen_num_splits(b, h, hk, sq, sk, 0, core.mask_spec(False, (-1, -1), sq, sk))
     assert chosen > 1 and splits_of(q, k, v) == 1 and splits_of(q, k, v, num_splits=0) == chosen
