@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 import flashgen  # noqa: E402
 import flashgen.core  # noqa: E402,F401  (flashgen imports its submodules lazily: the tests patch flashgen.core)
 from _ref import (  # noqa: E402  (tests/gpu on sys.path)
-    assert_child_asserts, captured, kvcache_reference, logical_cache, start_child, variant_missing, varlen_launches)
+    assert_child_asserts, captured, kvcache_reference, logical_cache, poison_cached_blocks, start_child, variant_missing,
+    varlen_launches)
 
 pytestmark = pytest.mark.gpu
 
@@ -186,6 +187,9 @@ def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type
         angle = torch.rand(seqlen_k, 32, generator=g, device="cuda") * 2 * math.pi
         rope = (torch.cos(angle).to(torch.bfloat16), torch.sin(angle).to(torch.bfloat16))
     kc0, vc0 = kc.clone(), vc.clone()
+    # scratch taken from torch right after (a split call's fp32 partials, up to 32 splits) starts as NaN, not as the
+    # zeros of fresh memory: a partial row that no split writes and the merge reads would show in out
+    poison_cached_blocks(4 * 32 * batch * seqlen_q * heads * (d + 1))
     out, lse = flashgen.flash_attn_with_kvcache(
         q, kc, vc, k, v, rotary_cos=rope and rope[0], rotary_sin=rope and rope[1], cache_seqlens=lens,
         cache_leftpad=leftpad, page_table=table, causal=causal, window_size=window,
