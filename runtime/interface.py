@@ -231,8 +231,8 @@ def _fwd_call(p: _v.Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
               window_right: int, softcap: float, descales=(None, None, None), pack_gqa: Optional[bool] = None,
               num_splits: int = 1) -> _FwdCall:
     """The :class:`_FwdCall` of valid arguments (``p``: q, k, v's Problem; ``pack_gqa``: the
-    caller's hint; ``num_splits``: FA3's, see :func:`flashgen.split_kv.prepare_split_forward`). When q, k, v can be read in
-    place this prepares the core's launch (and the split-KV one where the call splits):
+    caller's hint; ``num_splits``: FA3's, see :func:`flashgen.split_kv.prepare_split_forward`). When
+    q, k, v can be read in place this prepares the core's launch (and the split-KV one where the call splits):
     RuntimeError on a GPU that is not Hopper, then MissingVariantError when no built variant
     serves the call (before any allocation)."""
     es = _v.ELEMENT_SIZE[p.dtype]
@@ -1117,10 +1117,8 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     vc, va = _input_arg(v, _input_layout(v, es), p.dtype, dev)
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_shape = (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1])
-    splits = num_splits if num_splits > 0 else 1 if not _core.SPLIT_KV_AUTO else _core.varlen_num_splits(
-        batch, p.heads, p.heads_k, max_seqlen_q, max_seqlen_k, dev, _core.mask_spec(causal, window, max_seqlen_q,
-                                                                                      max_seqlen_k))
-    splits = max(1, min(splits, _core.MAX_SPLITS, -(-max_seqlen_k // 64)))
+    splits = _split_kv.split_count(num_splits, batch, p.heads, p.heads_k, max_seqlen_q, max_seqlen_k, dev, causal,
+                                   window)
     if splits > 1 and not _core.variant_built("combine", {"dtype": p.out_dtype}):
         splits = 1  # the merge needs a combine variant for out's dtype: without one, no split
     arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued

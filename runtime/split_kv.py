@@ -46,22 +46,24 @@ class SplitForward(NamedTuple):
     workspace_bytes: int  # scratch device memory a launch needs (partial O, then partial LSE)
 
 
-def split_count(p: _v.Problem, causal: bool, window: tuple, num_splits: int) -> int:
-    """The shares a call of Problem ``p`` runs with for FA3's ``num_splits`` (an int): 1 = unsplit (FA3's
-    default); <= 0 = chosen by :func:`flashgen.core.varlen_num_splits` (FA3's heuristic, hopper/heuristics.h)
-    while core.SPLIT_KV_AUTO, else 1; n = n. Capped at core.MAX_SPLITS and at one share per 64 keys. Kernel
+def split_count(num_splits: int, batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int, device: int,
+                causal: bool, window: tuple) -> int:
+    """The shares each tile's keys are split into for FA3's ``num_splits`` (an int), in every split-KV path (the
+    forward entries here, the varlen / kvcache kernel path: interface._varlen_kernel): 1 = unsplit; <= 0 = chosen by
+    :func:`flashgen.core.varlen_num_splits` (FA3's heuristic, hopper/heuristics.h) while core.SPLIT_KV_AUTO, else 1;
+    n = n. Capped at core.MAX_SPLITS and at one share per 64 keys. ``seqlen_q`` / ``seqlen_k``: the call's (the
+    longest sequence's for varlen calls); ``causal``, ``window``: its mask (``(left, right)``, -1 unbounded). Kernel
     availability is not looked at here (:func:`prepare_split_forward`)."""
     if num_splits == 1:
         return 1
     if num_splits > 0:
         n = num_splits
     elif _core.SPLIT_KV_AUTO:
-        sq, sk = p.seqlen_q, p.seqlen_k
-        n = _core.varlen_num_splits(p.batch, p.heads, p.heads_k, sq, sk, p.device,
-                                    _core.mask_spec(causal, window, sq, sk))
+        n = _core.varlen_num_splits(batch, heads, heads_k, seqlen_q, seqlen_k, device,
+                                    _core.mask_spec(causal, window, seqlen_q, seqlen_k))
     else:
         n = 1
-    return max(1, min(n, _core.MAX_SPLITS, -(-p.seqlen_k // 64)))
+    return max(1, min(n, _core.MAX_SPLITS, -(-seqlen_k // 64)))
 
 
 def prepare_split_forward(p: _v.Problem, inputs: tuple, causal: bool, window: tuple, softcap: float,
@@ -88,7 +90,7 @@ def prepare_split_forward(p: _v.Problem, inputs: tuple, causal: bool, window: tu
     if (p.dtype not in ("fp16", "bf16") or descales or not _core.VARLEN_KERNEL
             or (softcap > 0 and not _core.VARLEN_SOFTCAP)):
         return None
-    n = split_count(p, causal, window, num_splits)
+    n = split_count(num_splits, p.batch, p.heads, p.heads_k, p.seqlen_q, p.seqlen_k, p.device, causal, window)
     b, sq, sk, h, dv, dev = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim_v, p.device
     if (n == 1 or not _core.varlen_variant_built(p.dtype, p.head_dim, dv, causal, window, sq, sk, softcap)
             or not _core.variant_built("combine", {"dtype": p.out_dtype})):
