@@ -173,8 +173,8 @@ def _read(name: str, obj: Any, dl_stream: int) -> _Array:
         shape = tuple(getattr(obj, "shape", ()))
         spelled = str(getattr(obj, "dtype", "?"))
         where = f"DLPack device type {dev_type} ({_DEVICE_TYPE_NAMES.get(dev_type, '?')})"
-        info = _v.ArrayInfo(shape, _v.contiguous_strides(shape), _DTYPE_BY_NAME.get(spelled.rsplit(".", 1)[-1]), spelled,
-                            False, None, where)
+        info = _v.ArrayInfo(shape, _v.contiguous_strides(shape), _DTYPE_BY_NAME.get(spelled.rsplit(".", 1)[-1]),
+                            spelled, False, None, where)
         return _Array(name, obj, info, None, None)
     # The producer makes the data ready for work on our stream (DLPack stream handshake);
     # -1 (no synchronisation) for host memory, which has no stream.

@@ -1277,8 +1277,7 @@ def _varlen_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if res is None:
         raise _core.MissingVariantError("flashgen: no varlen forward variant serves this call (flashgen add-variant "
                                         "fwd --set varlen=true ...)")
-    out, lse = res
-    return out, lse.contiguous()  # (split-KV's merged lse is a transposed view)
+    return res  # (out and lse contiguous, split or not)
 
 
 _varlen_fwd = torch.library.custom_op("flashgen::varlen_fwd", _varlen_fwd_impl, mutates_args=())

@@ -10,10 +10,10 @@ seqlen_q, seqlen_k).
 
     python scripts/split_bench.py [--head-dims 64,128] [--shapes 16:8:1:8192,...] [--sweep 2,4,8,16,32] [--csv out.csv]
 
-``--sweep``: each row also times those explicit num_splits (each capped as flash_attn_func caps it: one split per
-64 keys) and reports the fastest count of 1, 0's choice and the sweep, with its time and 0's time over it: the data a
-better rule than FA3's (core.varlen_num_splits) would be fitted to. ``--shapes``: batch:group:seqlen_q:seqlen_k
-rows instead of the default twelve.
+``--sweep``: each row also times those explicit num_splits (each capped as flash_attn_func caps it:
+flashgen.split_kv.split_count) and reports the fastest count of 1, 0's choice and the sweep, with its time and
+0's time over it: the data a better rule than FA3's (core.varlen_num_splits) would be fitted to.
+``--shapes``: batch:group:seqlen_q:seqlen_k rows instead of the default twelve.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import flashgen
 import flashgen.core as core
 from flashgen.bench import _time_ms
+from flashgen.split_kv import split_count
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from packgqa_bench import _sdpa, _write_csv  # noqa: E402
@@ -59,11 +60,11 @@ def main(argv=None) -> int:
             q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
             k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
             splits = core.varlen_num_splits(b, h, hk, sq, sk, 0, core.mask_spec(False, (-1, -1), sq, sk))
-            cap = min(core.MAX_SPLITS, -(-sk // 64))
-            extra = sorted({min(n, cap) for n in sweep} - {1, min(splits, cap)})
+            runs = {n: split_count(n, b, h, hk, sq, sk, 0, False, (-1, -1)) for n in (0, *sweep)}  # as called
+            extra = sorted({runs[n] for n in sweep} - {1, runs[0]})
             t = {n: 1e3 * _time_ms(lambda n=n: flashgen.flash_attn_func(q, k, v, num_splits=n))
                  for n in (1, 0, *extra)}
-            counts = {1: t[1], min(splits, cap): t[0], **{n: t[n] for n in extra}}
+            counts = {1: t[1], runs[0]: t[0], **{n: t[n] for n in extra}}
             fastest = min(counts, key=counts.get)
             peers = {}
             for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
@@ -74,12 +75,14 @@ def main(argv=None) -> int:
                        split_us=t[0], speedup=t[1] / t[0], cudnn_us=peers["cudnn"], fa2_us=peers["fa2"],
                        vs_best_sdpa=best / t[0])
             if sweep:
-                row.update(fastest_splits=fastest, fastest_us=counts[fastest], split_over_fastest=t[0] / counts[fastest],
+                row.update(fastest_splits=fastest, fastest_us=counts[fastest],
+                           split_over_fastest=t[0] / counts[fastest],
                            sweep_us=";".join(f"{n}:{t[n]:.1f}" for n in extra))
             rows.append(row)
             print(f"| {d} | {b} | {group} | {sq} | {sk} | {splits} | {t[1]:.1f} | {t[0]:.1f} | {row['speedup']:.2f} | "
                   f"{peers['cudnn']:.1f} | {peers['fa2']:.1f} | {row['vs_best_sdpa']:.2f} |"
-                  + (f" {fastest} | {counts[fastest]:.1f} | {t[0] / counts[fastest]:.2f} |" if sweep else ""), flush=True)
+                  + (f" {fastest} | {counts[fastest]:.1f} | {t[0] / counts[fastest]:.2f} |" if sweep else ""),
+                  flush=True)
             del q, k, v
     _write_csv(a.csv, rows)
     return 0
