@@ -564,9 +564,39 @@ MAX_SPLITS = 128
 DECODE_SPLIT_BLOCKS = _env_int("FLASHGEN_DECODE_SPLIT_BLOCKS", 32, 0)
 
 
+#: Split-KV of decode-like calls whose sequences all have max_seqlen_k keys (a padded batch: flash_attn_func and the
+#: DLPack entry with num_splits=0), chosen by a cost model instead of FA3's wave rule (session 24). A tile's time is
+#: its key blocks one after another, SPLIT_BLOCK_US each (latency-bound: one tile per SM reads a 128-key block of
+#: K and V in 1.15 us at hd64 and 1.28 us at hd128 on an H100, whatever the tile count), or the whole call's K / V
+#: bytes at SPLIT_BANDWIDTH of the DRAM's peak (cuDeviceGetAttribute's memory clock and bus width), whichever is
+#: longer; a split call adds SPLIT_COST_US (the combine's launch and the partials' round trip, 5-6 us measured) and
+#: SPLIT_COST_PER_SPLIT_US per split. The fewest splits (a power of two) within 2 % of the fastest predicted
+#: count win. Fitted to
+#: scripts/split_bench.py --sweep on an H100 (docs/results/split_sweep_h100/: 20 shapes, bf16, hd64 / hd128, GQA 8
+#: and MHA, 1k-32k keys, two runs): the chosen count's time over the fastest measured count, geomean 1.035 -> 1.003
+#: and worst 1.19 -> 1.04 (FA3's rule split hd128's memory-bound 64 tiles and hd64's 1k keys, where the combine
+#: costs more than the split gains). FLASHGEN_SPLIT_MODEL=0: FA3's rule (varlen_num_splits) for these calls too.
+SPLIT_MODEL = _env_int("FLASHGEN_SPLIT_MODEL", 1, 0) > 0
+SPLIT_BLOCK_US = 1.2
+SPLIT_BANDWIDTH = 0.84
+SPLIT_COST_US = 5.0
+SPLIT_COST_PER_SPLIT_US = 0.05
+#: The model's K + V bytes per key at most: hd128's at 16 bits, the widest it was measured on (hd256's key blocks
+#: may take another time each; they keep FA3's rule).
+SPLIT_MODEL_MAX_KV_BYTES = 512
+
+
+def _decode_tiles(batch: int, heads: int, heads_k: int, max_seqlen_q: int) -> tuple[int, int]:
+    """(tiles, query rows per tile) of a forward launch: PackGQA (:func:`pack_gqa_rule`) packs a K/V head's query
+    heads into one tile's rows."""
+    group = max(heads // max(heads_k, 1), 1)
+    m_rows = max_seqlen_q * group if pack_gqa_rule(max_seqlen_q, heads, heads_k, 128) else max_seqlen_q
+    return batch * (heads_k if m_rows != max_seqlen_q else heads) * -(-m_rows // 128), m_rows
+
+
 def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, max_seqlen_k: int, device: int,
-                      mask: MaskSpec | None = None) -> int:
-    """The split count of a varlen forward's key range (split-KV, flash-decoding; FA3's ``num_splits=0``).
+                      mask: MaskSpec | None = None, kv_bytes_per_key: int = 0) -> int:
+    """The split count of a forward's key range (split-KV, flash-decoding; FA3's ``num_splits=0``).
 
     FA3's heuristic (hopper/heuristics.h) for a call whose tiles do not fill the GPU: the tiles are counted at 128
     rows (packed by :func:`pack_gqa_rule` where it packs) and the key blocks at 128 keys (a local ``mask``
@@ -574,21 +604,42 @@ def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, m
     of the SMs or there are 4 key blocks or fewer; otherwise the fewest splits whose wave efficiency (tiles x
     splits / SMs, over that rounded up) is within 85 % of the best, and for decode-like calls (one block of
     query rows per tile) at least ceil(key blocks / DECODE_SPLIT_BLOCKS). At most MAX_SPLITS, the SMs and the key
-    blocks."""
-    group = max(heads // max(heads_k, 1), 1)
-    m_rows = max_seqlen_q * group if pack_gqa_rule(max_seqlen_q, heads, heads_k, 128) else max_seqlen_q
-    tiles = batch * (heads_k if m_rows != max_seqlen_q else heads) * -(-m_rows // 128)
+    blocks.
+
+    ``kv_bytes_per_key`` > 0 says that every sequence has ``max_seqlen_k`` keys (a padded batch) and what one key's
+    K and V rows of one K/V head take ((head_dim + head_dim_v) x element size): a decode-like call of that kind
+    takes :func:`_modelled_splits` instead (while SPLIT_MODEL, up to SPLIT_MODEL_MAX_KV_BYTES). 0: the lengths are
+    not known on the host (varlen, a KV cache's positions), where FA3's rule and the decode floor stand
+    (docs/results/decode_splits_h100/)."""
+    tiles, m_rows = _decode_tiles(batch, heads, heads_k, max_seqlen_q)
     keys = max_seqlen_k if mask is None or not mask.local else min(max_seqlen_k, mask.left + mask.right + 1 + 128)
     blocks = -(-keys // 128)
     sms = launch.num_sms(device)
     if tiles >= 0.8 * sms or blocks <= 4:
         return 1
     cap = min(MAX_SPLITS, sms, blocks)
+    if SPLIT_MODEL and 0 < kv_bytes_per_key <= SPLIT_MODEL_MAX_KV_BYTES and m_rows <= 128:
+        kv_bytes = batch * max(heads_k, 1) * keys * kv_bytes_per_key
+        return _modelled_splits(tiles, blocks, kv_bytes, sms, cap, launch.dram_bandwidth(device))
     efficiency = [tiles * n / sms / math.ceil(tiles * n / sms) for n in range(1, cap + 1)]
     n = next(n for n, e in enumerate(efficiency, 1) if e >= 0.85 * max(efficiency))
     if DECODE_SPLIT_BLOCKS > 0 and m_rows <= 128:
         n = max(n, min(-(-blocks // DECODE_SPLIT_BLOCKS), cap))
     return n
+
+
+def _modelled_splits(tiles: int, blocks: int, kv_bytes: int, sms: int, cap: int, bandwidth: float) -> int:
+    """The split count (a power of two up to ``cap``) of a decode-like call whose ``tiles`` each read ``blocks`` key
+    blocks of 128, with ``kv_bytes`` of K and V in all, on ``sms`` SMs whose DRAM peak is ``bandwidth`` bytes per us
+    (the model of SPLIT_MODEL's comment): the fewest splits whose predicted time is within 2 % of the fastest
+    count's. Powers of two only: the counts the model was fitted on (between them it was not measured)."""
+    def predicted_us(n: int) -> float:
+        serial = -(-blocks // n) * SPLIT_BLOCK_US * -(-tiles * n // sms)  # a tile's share, in waves of one per SM
+        merge = SPLIT_COST_US + SPLIT_COST_PER_SPLIT_US * n if n > 1 else 0.0
+        return merge + max(serial, kv_bytes / (SPLIT_BANDWIDTH * bandwidth))
+    counts = [1 << i for i in range(cap.bit_length())]  # powers of two up to cap: the counts measured
+    times = [predicted_us(n) for n in counts]
+    return next(n for n, us in zip(counts, times) if us <= 1.02 * min(times))
 
 
 def varlen_variant_built(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window_size, max_seqlen_q: int,

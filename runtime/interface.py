@@ -1117,8 +1117,9 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     vc, va = _input_arg(v, _input_layout(v, es), p.dtype, dev)
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_shape = (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1])
+    equal = all(t is None for t in (*seqlens, cache[1], cache[2]))  # every sequence max_seqlen_k keys, unpaged
     splits = _split_kv.split_count(num_splits, batch, p.heads, p.heads_k, max_seqlen_q, max_seqlen_k, dev, causal,
-                                   window)
+                                   window, (p.head_dim + p.head_dim_v) * es if equal else 0)
     if splits > 1 and not _core.variant_built("combine", {"dtype": p.out_dtype}):
         splits = 1  # the merge needs a combine variant for out's dtype: without one, no split
     arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued

@@ -159,6 +159,14 @@ def num_sms(device: int) -> int:
     return device_attribute(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
 
 
+def dram_bandwidth(device: int) -> float:
+    """The device memory's peak bandwidth in bytes per microsecond: 2 transfers per memory clock (kHz, as the
+    driver reports it) times the bus width (bits) / 8 (an H100 SXM: 3.35e6, 3.35 TB/s)."""
+    clock_khz = device_attribute(device, "CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE")
+    bus_bits = device_attribute(device, "CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH")
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e6
+
+
 _names: dict[int, str] = {}
 
 

@@ -47,20 +47,22 @@ class SplitForward(NamedTuple):
 
 
 def split_count(num_splits: int, batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int, device: int,
-                causal: bool, window: tuple) -> int:
+                causal: bool, window: tuple, kv_bytes_per_key: int = 0) -> int:
     """The shares each tile's keys are split into for FA3's ``num_splits`` (an int), in every split-KV path (the
     forward entries here, the varlen / kvcache kernel path: interface._varlen_kernel): 1 = unsplit; <= 0 = chosen by
-    :func:`flashgen.core.varlen_num_splits` (FA3's heuristic, hopper/heuristics.h) while core.SPLIT_KV_AUTO, else 1;
-    n = n. Capped at core.MAX_SPLITS and at one share per 64 keys. ``seqlen_q`` / ``seqlen_k``: the call's (the
-    longest sequence's for varlen calls); ``causal``, ``window``: its mask (``(left, right)``, -1 unbounded). Kernel
-    availability is not looked at here (:func:`prepare_split_forward`)."""
+    :func:`flashgen.core.varlen_num_splits` while core.SPLIT_KV_AUTO, else 1; n = n. Capped at core.MAX_SPLITS and
+    at one share per 64 keys. ``seqlen_q`` / ``seqlen_k``: the call's (the longest sequence's for varlen calls);
+    ``causal``, ``window``: its mask (``(left, right)``, -1 unbounded); ``kv_bytes_per_key``: (head_dim +
+    head_dim_v) x element size where every sequence has ``seqlen_k`` keys (a padded batch: the decode cost model),
+    0 where the lengths are not known (FA3's rule; :func:`flashgen.core.varlen_num_splits`). Kernel availability is
+    not looked at here (:func:`prepare_split_forward`)."""
     if num_splits == 1:
         return 1
     if num_splits > 0:
         n = num_splits
     elif _core.SPLIT_KV_AUTO:
         n = _core.varlen_num_splits(batch, heads, heads_k, seqlen_q, seqlen_k, device,
-                                    _core.mask_spec(causal, window, seqlen_q, seqlen_k))
+                                    _core.mask_spec(causal, window, seqlen_q, seqlen_k), kv_bytes_per_key)
     else:
         n = 1
     return max(1, min(n, _core.MAX_SPLITS, -(-seqlen_k // 64)))
@@ -90,7 +92,8 @@ def prepare_split_forward(p: _v.Problem, inputs: tuple, causal: bool, window: tu
     if (p.dtype not in ("fp16", "bf16") or descales or not _core.VARLEN_KERNEL
             or (softcap > 0 and not _core.VARLEN_SOFTCAP)):
         return None
-    n = split_count(num_splits, p.batch, p.heads, p.heads_k, p.seqlen_q, p.seqlen_k, p.device, causal, window)
+    n = split_count(num_splits, p.batch, p.heads, p.heads_k, p.seqlen_q, p.seqlen_k, p.device, causal, window,
+                    (p.head_dim + p.head_dim_v) * _v.ELEMENT_SIZE[p.dtype])
     b, sq, sk, h, dv, dev = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim_v, p.device
     if (n == 1 or not _core.varlen_variant_built(p.dtype, p.head_dim, dv, causal, window, sq, sk, softcap)
             or not _core.variant_built("combine", {"dtype": p.out_dtype})):

@@ -695,7 +695,7 @@ splitkv)
     timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py ${SPLIT_ARGS:-} --csv "$out/split$r.csv" > "$out/split$r.md" 2>&1
     echo "split_bench run $r rc $?"
   done
-  cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d'|' -f2-15
+  cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d"|" -f2-17
   ;;
 packgqaab)
   old_build "${OLD_FILTER:-fwd_bf16_hd64*}"

@@ -138,7 +138,8 @@ def fake_driver():
         return (ok, _Handle())
 
     attrs = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 9, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 0,
-             "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": 132}
+             "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": 132, "CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE": 2619000,
+             "CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH": 5120}
     d = SimpleNamespace(
         calls=calls,
         cuInit=lambda flags: (ok,),

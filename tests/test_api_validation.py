@@ -320,6 +320,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(interface, "_varlen_prep_launch", fc.varlen_prep_launch)
     monkeypatch.setattr(kvcache, "_kvcache_prep_launch", fc.kvcache_prep_launch)
     monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)  # (an H100 SXM's: split-KV's heuristic)
+    monkeypatch.setattr(core.launch, "dram_bandwidth", lambda device: 3.35e6)  # (its HBM3's peak, bytes per us)
     return fc
 
 

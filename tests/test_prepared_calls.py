@@ -297,7 +297,10 @@ class FakeDriver:
         self.lock = threading.Lock()
         self.attributes = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 9,
                            "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 0,
-                           "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": self.SM_COUNT}
+                           "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": self.SM_COUNT,
+                           # an H100 SXM's HBM3: 2619 MHz x 5120 bits (launch.dram_bandwidth: 3.35e6 bytes per us)
+                           "CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE": 2619000,
+                           "CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH": 5120}
         self.CUdevice_attribute = type("CUdevice_attribute", (), {n: i for i, n in enumerate(self.attributes)})
         self.mem_ops = []  # tile counters: ("alloc" | "memset" | "launch" | "free", pointer, stream, ...) in call order
         self.next_ptr = 0x7000_0000

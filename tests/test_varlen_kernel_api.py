@@ -632,6 +632,36 @@ def test_varlen_num_splits_heuristic(monkeypatch):
         (8 * m / 132) / -(-8 * m // 132) for m in range(1, 129))
 
 
+def test_modelled_splits_of_padded_decodes(monkeypatch):
+    """Decode-like calls of a padded batch (kv_bytes_per_key > 0: flash_attn_func, the DLPack entry, a kvcache call
+    without lengths) take the cost model's count (core.SPLIT_MODEL): the fastest measured count of
+    docs/results/split_sweep_h100/ (bf16, heads 32, H100: 132 SMs, 3.35e6 bytes per us) where FA3's rule was off, FA3's
+    where it was right; lengths not known (0) or SPLIT_MODEL off: FA3's rule and the decode floor, as before."""
+    monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(core.launch, "dram_bandwidth", lambda device: 3.35e6)
+
+    def model(batch, group, seqlen_k, head_dim, seqlen_q=1):
+        return core.varlen_num_splits(batch, 32, 32 // group, seqlen_q, seqlen_k, 0, None, 4 * head_dim)
+
+    def fa3(batch, group, seqlen_k, seqlen_q=1):
+        return core.varlen_num_splits(batch, 32, 32 // group, seqlen_q, seqlen_k, 0)
+
+    # 64 tiles of hd64: 1k keys unsplit (FA3's 2 splits measured 0.88x), from 2k 2 splits (1.06-1.27x)
+    assert (model(16, 8, 1024, 64), fa3(16, 8, 1024)) == (1, 2)
+    assert [model(16, 8, n, 64) for n in (2048, 4096, 8192)] == [2, 2, 2] and model(16, 8, 8192, 64, 16) == 2
+    # 64 tiles of hd128 already read K / V at the DRAM's pace: unsplit (FA3's 2 measured 0.84-0.98x)
+    assert [model(16, 8, n, 128) for n in (1024, 2048, 4096, 8192)] == [1, 1, 1, 1] and model(16, 8, 8192, 128, 16) == 1
+    assert (model(4, 8, 1024, 64), model(4, 8, 1024, 128)) == (8, 4)  # 16 tiles (FA3: 7)
+    assert model(1, 8, 4096, 64) == 16 and fa3(1, 8, 4096) == 28  # 4 tiles: 16 measured fastest, 28 2-3 % slower
+    assert (model(1, 8, 32768, 64), model(1, 8, 32768, 128)) == (32, 16)  # FA3: 29 (2 % slower)
+    assert model(2, 1, 32768, 64) == 2 and fa3(2, 1, 32768) == 8  # (FA3's decode floor: 4 % slower)
+    assert model(8, 1, 8192, 64) == 1  # 256 tiles fill the GPU
+    assert model(1, 32, 32768, 128, 256) == fa3(1, 32, 32768, 256)  # 2 query blocks a tile: FA3's rule
+    assert model(16, 8, 1024, 256) == fa3(16, 8, 1024) == 2  # hd256 (not measured): FA3's rule
+    monkeypatch.setattr(core, "SPLIT_MODEL", False)
+    assert model(16, 8, 1024, 128) == fa3(16, 8, 1024) == 2
+
+
 @pytest.mark.parametrize("splits", [0, 3])
 def test_kvcache_split_kv_merges_the_partials(kernel_on, monkeypatch, splits):
     """num_splits (forced 3, or 0 with the heuristic made to choose 4): the kernel launch gets fp32 partial buffers
@@ -1599,7 +1629,7 @@ def test_flash_attn_func_num_splits_runs_split_kv(kernel_on, causal, window, sin
 
 def test_flash_attn_func_num_splits_rules(kernel_on, gpu, monkeypatch):
     """Which flash_attn_func calls split: 1 (FA3's default) never; 0 as core.varlen_num_splits says (a decode-like
-    call over 700 keys: several splits; a call whose tiles fill the GPU: none) while core.SPLIT_KV_AUTO; n at most
+    call over 1500 keys: several splits; a call whose tiles fill the GPU: none) while core.SPLIT_KV_AUTO; n at most
     one split per 64 keys; each (key, num_splits) prepared once; calls wanting gradients split too (their gradients
     right); the varlen kernel switched off or a misaligned input (the copy path) run unsplit with the same result;
     num_splits must be an int (TypeError naming it)."""
@@ -1608,7 +1638,7 @@ def test_flash_attn_func_num_splits_rules(kernel_on, gpu, monkeypatch):
     from test_api_validation import reference
 
     torch.manual_seed(4)
-    b, sk, h, hk, d = 2, 700, 8, 2, 64
+    b, sk, h, hk, d = 2, 1500, 8, 2, 64
 
     def inputs(sq, bb=b):
         return [torch.randn(bb, n, hh, d).to(torch.float16) for n, hh in ((sq, h), (sk, hk), (sk, hk))]
@@ -1622,7 +1652,7 @@ def test_flash_attn_func_num_splits_rules(kernel_on, gpu, monkeypatch):
 
     q, k, v = inputs(1)
     assert splits_of(q, k, v) == 1 and splits_of(q, k, v, num_splits=1) == 1
-    chosen = core.varlen_num_splits(b, h, hk, 1, sk, 0, core.mask_spec(False, (-1, -1), 1, sk))
+    chosen = core.varlen_num_splits(b, h, hk, 1, sk, 0, core.mask_spec(False, (-1, -1), 1, sk), 2 * d * 2)  # padded
     assert chosen > 1 and splits_of(q, k, v, num_splits=0) == chosen and splits_of(q, k, v, num_splits=-2) == chosen
     assert splits_of(q, k, v, num_splits=100) == -(-sk // 64)  # one split per 64 keys at most
     entries = len(interface._fwd_calls)
@@ -1744,7 +1774,7 @@ def test_dlpack_forward_num_splits_rules(dlpack_kernel_on, monkeypatch):
 
     torch_allocates_on_cpu(monkeypatch)
     torch.manual_seed(6)
-    b, sq, sk, h, hk, d = 2, 1, 700, 8, 2, 64
+    b, sq, sk, h, hk, d = 2, 1, 1500, 8, 2, 64
     q, k, v = (torch.randn(b, n, hh, d).to(torch.float16) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
 
     def splits_of(*args, **kw):
@@ -1752,7 +1782,7 @@ def test_dlpack_forward_num_splits_rules(dlpack_kernel_on, monkeypatch):
         dlpack_api.flash_attn_forward(*args, **kw)
         return _splits_since(dlpack_kernel_on, n)
 
-    chosen = core.varlen_num_splits(b, h, hk, sq, sk, 0, core.mask_spec(False, (-1, -1), sq, sk))
+    chosen = core.varlen_num_splits(b, h, hk, sq, sk, 0, core.mask_spec(False, (-1, -1), sq, sk), 2 * d * 2)
     assert chosen > 1 and splits_of(q, k, v) == 1 and splits_of(q, k, v, num_splits=0) == chosen
     assert splits_of(q, k, v, num_splits=100) == -(-sk // 64)
     f8 = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
