@@ -656,6 +656,9 @@ def test_modelled_splits_of_padded_decodes(monkeypatch):
     assert (model(1, 8, 32768, 64), model(1, 8, 32768, 128)) == (32, 16)  # FA3: 29 (2 % slower)
     assert model(2, 1, 32768, 64) == 2 and fa3(2, 1, 32768) == 8  # (FA3's decode floor: 4 % slower)
     assert model(8, 1, 8192, 64) == 1  # 256 tiles fill the GPU
+    # 32 tiles of hd128 (the second sweep): 4 splits, 2-5 % ahead of 2
+    assert [model(8, 8, 4096, 128), model(8, 8, 16384, 128), model(4, 4, 8192, 128), model(1, 1, 65536, 128)] == [4] * 4
+    assert model(1, 1, 65536, 64) == 4 and fa3(1, 1, 65536) == 16  # (FA3's 16: 5 % slower)
     assert model(1, 32, 32768, 128, 256) == fa3(1, 32, 32768, 256)  # 2 query blocks a tile: FA3's rule
     assert model(16, 8, 1024, 256) == fa3(16, 8, 1024) == 2  # hd256 (not measured): FA3's rule
     monkeypatch.setattr(core, "SPLIT_MODEL", False)

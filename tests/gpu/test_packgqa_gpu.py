@@ -24,6 +24,7 @@ import flashgen  # noqa: E402
 import flashgen.core as core  # noqa: E402
 import flashgen.dlpack_api as dlpack_api  # noqa: E402
 import flashgen.interface as interface  # noqa: E402
+import flashgen.split_kv as split_kv  # noqa: E402
 from flashgen.core import mask_spec  # noqa: E402
 from flashgen.manifest import load_manifest  # noqa: E402
 from _ref import DTYPE_NAMES, bitwise_equal, check_fwd, make_qkv, poison_cached_blocks, variant_missing  # noqa: E402
@@ -209,7 +210,7 @@ SPLIT_CASES = [
     (3, 5, 1000, 16, 2, 128, BF16, True, (-1, -1), 4),    # causal rows: the last split's keys differ per row
     (2, 3, 777, 8, 8, 64, FP16, False, (-1, -1), 3),      # MHA, keys not a multiple of 128
     (2, 4, 700, 8, 2, 64, FP16, False, (-1, -1), 10),     # more splits than key blocks: empty shares (0 / -inf)
-    (2, 2, 3000, 16, 2, 64, BF16, False, (500, 0), 0),    # a window
+    (2, 2, 3000, 16, 2, 64, BF16, False, (500, 0), 3),    # a window (its 5 key blocks: the heuristic says 1)
     (1, 239, 200, 8, 2, 128, BF16, True, (-1, -1), 3),    # seqlen_q > seqlen_k: rows that see no key
 ]
 
@@ -223,13 +224,12 @@ def test_flash_attn_func_num_splits(c, used):
     merge's order is fixed); the DLPack entry's num_splits: the same bits, into a given out with padded rows."""
     need_pack(c, "varlen")
     b, sq, sk, h, hk, d, dt, causal, w, n = c
-    m = mask_spec(causal, w, sq, sk)
     q, k, v = make_qkv(b, sq, sk, h, hk, d, dt, seed=sq + sk)
     sink = None
     if b == 16:  # (the first case)
         sink = 2.0 * torch.randn(h, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda")
     interface._fwd_calls.clear()
-    splits = min(n or core.varlen_num_splits(b, h, hk, sq, sk, q.device.index, m), -(-sk // 64))
+    splits = split_kv.split_count(n, b, h, hk, sq, sk, q.device.index, causal, w, 2 * d * 2)  # flash_attn_func's
     workspace = -(-4 * splits * b * sq * h * d // 256) * 256 + 4 * splits * b * h * sq  # the partial O, then LSE
     first = None
     for _ in range(10):
