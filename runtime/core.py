@@ -566,24 +566,26 @@ DECODE_SPLIT_BLOCKS = _env_int("FLASHGEN_DECODE_SPLIT_BLOCKS", 32, 0)
 
 #: Split-KV of decode-like calls whose sequences all have max_seqlen_k keys (a padded batch: flash_attn_func and the
 #: DLPack entry with num_splits=0, a kvcache call without lengths), chosen by a cost model instead of FA3's wave rule
-#: (session 24). Two limits on the keys' part of a call: a tile's key blocks one after another, SPLIT_BLOCK_US each
-#: (latency-bound: a tile alone on its SM reads a 128-key block of K and V in 1.15 us at hd64 and 1.28 us at hd128 on
-#: an H100, whatever the tile count), in waves of one tile per SM; and the call's K / V bytes at SPLIT_BANDWIDTH of
-#: the DRAM's peak (cuDeviceGetAttribute's memory clock and bus width). The time is their smooth maximum (the
-#: SPLIT_NORM-norm: near the knee both limits show), plus, for a split call, SPLIT_COST_US (the combine's launch and
-#: the partials' round trip, 5-6 us measured) and SPLIT_COST_PER_SPLIT_US per split. The fewest splits (a power of
-#: two, the counts measured) within 2 % of the fastest predicted count win. Fitted to two scripts/split_bench.py
-#: --sweep runs on an H100 (docs/results/split_sweep_h100/: 40 shapes, bf16, hd64 / hd128, GQA 4 / 8 and MHA, 1k-128k
-#: keys, each timed twice): the model picks the fastest measured count on all 80 rows, where FA3's rule's count took
-#: 1.032x / 1.015x the fastest in geomean (worst 1.19x: hd64 1k keys over 64 tiles, and hd128's 64 tiles that already
-#: read K / V at the DRAM's pace, split where the combine costs more than the split gains). FLASHGEN_SPLIT_MODEL=0:
-#: FA3's rule for these calls too.
+#: (session 24). Two limits on a call's time: its tiles in waves of one per SM, each tile SPLIT_TILE_US (prologue,
+#: epilogue) plus its key blocks one after another, SPLIT_BLOCK_US each (latency-bound: a tile alone on its SM reads a
+#: 128-key block of K and V in 1.15 us at hd64 and 1.28 us at hd128 on an H100, whatever the tile count); and the
+#: call's K / V bytes at SPLIT_BANDWIDTH of the DRAM's peak (cuDeviceGetAttribute's memory clock and bus width). The
+#: time is their smooth maximum (the SPLIT_NORM-norm: near the knee both limits show), plus, for a split call,
+#: SPLIT_COST_US (the combine's launch and the partials' round trip, 5-6 us measured) and SPLIT_COST_PER_SPLIT_US per
+#: split. The fewest splits (a power of two, the counts measured) within 2 % of the fastest predicted count win.
+#: Fitted to three scripts/split_bench.py --sweep runs on an H100 (docs/results/split_sweep_h100/: 60 shapes, bf16,
+#: hd64 / hd128, GQA 2 / 4 / 8 and MHA, 1k-128k keys, each timed twice): on all 120 rows it picks the fastest power
+#: of two measured (within 3 % of the fastest count of any kind; FA3's rule sometimes picks 3 or 10), where FA3's
+#: rule's own count took 1.032x, 1.015x and 1.050x the fastest in geomean per sweep, worst 1.39x (GQA 2 over 20k keys
+#: at batch 2: 5 splits against 4's 1.39x faster; hd64 1k keys over 64 tiles; hd128's 64 tiles that already read K /
+#: V at the DRAM's pace). FLASHGEN_SPLIT_MODEL=0: FA3's rule for these calls too.
 SPLIT_MODEL = _env_int("FLASHGEN_SPLIT_MODEL", 1, 0) > 0
 SPLIT_BLOCK_US = 1.2
-SPLIT_BANDWIDTH = 0.84
+SPLIT_TILE_US = 1.0
+SPLIT_BANDWIDTH = 0.9
 SPLIT_NORM = 6
 SPLIT_COST_US = 5.0
-SPLIT_COST_PER_SPLIT_US = 0.1
+SPLIT_COST_PER_SPLIT_US = 0.2
 #: The model's K + V bytes per key at most: hd128's at 16 bits, the widest it was measured on (hd256's key blocks
 #: may take another time each; they keep FA3's rule).
 SPLIT_MODEL_MAX_KV_BYTES = 512
@@ -637,7 +639,7 @@ def _modelled_splits(tiles: int, blocks: int, kv_bytes: int, sms: int, cap: int,
     (the model of SPLIT_MODEL's comment): the fewest splits whose predicted time is within 2 % of the fastest
     count's. Powers of two only: the counts the model was fitted on (between them it was not measured)."""
     def predicted_us(n: int) -> float:
-        serial = -(-blocks // n) * SPLIT_BLOCK_US * -(-tiles * n // sms)  # a tile's share, in waves of one per SM
+        serial = (SPLIT_TILE_US + -(-blocks // n) * SPLIT_BLOCK_US) * -(-tiles * n // sms)  # waves of one per SM
         merge = SPLIT_COST_US + SPLIT_COST_PER_SPLIT_US * n if n > 1 else 0.0
         memory = kv_bytes / (SPLIT_BANDWIDTH * bandwidth)
         return merge + (serial ** SPLIT_NORM + memory ** SPLIT_NORM) ** (1 / SPLIT_NORM)

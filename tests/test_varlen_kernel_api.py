@@ -659,6 +659,11 @@ def test_modelled_splits_of_padded_decodes(monkeypatch):
     # 32 tiles of hd128 (the second sweep): 4 splits, 2-5 % ahead of 2
     assert [model(8, 8, 4096, 128), model(8, 8, 16384, 128), model(4, 4, 8192, 128), model(1, 1, 65536, 128)] == [4] * 4
     assert model(1, 1, 65536, 64) == 4 and fa3(1, 1, 65536) == 16  # (FA3's 16: 5 % slower)
+    # the third sweep: GQA 2 over 20k keys at batch 2 (FA3's 5: 1.21-1.39x of 4's time), 96 tiles of 4k keys (FA3's 4:
+    # 1.04-1.08x of unsplit), 20 tiles over 64k keys (several waves of splits: 32 at hd64, 4 at hd128)
+    assert (model(2, 2, 20000, 64), model(2, 2, 20000, 128), fa3(2, 2, 20000)) == (4, 4, 5)
+    assert (model(24, 8, 4096, 64), model(24, 8, 4096, 128), fa3(24, 8, 4096)) == (1, 1, 4)
+    assert (model(5, 8, 65536, 64), model(5, 8, 65536, 128)) == (32, 4)
     assert model(1, 32, 32768, 128, 256) == fa3(1, 32, 32768, 256)  # 2 query blocks a tile: FA3's rule
     assert model(16, 8, 1024, 256) == fa3(16, 8, 1024) == 2  # hd256 (not measured): FA3's rule
     monkeypatch.setattr(core, "SPLIT_MODEL", False)
