@@ -458,8 +458,9 @@ def flash_attn_forward(q, k, v, *, softmax_scale: Optional[float] = None, causal
             v_descale ``(batch, heads_k)``. FP8 serves every mask, softcap (the descales
             scale q.k before the tanh) and sinks; head_dim_v == head_dim only.
         num_splits: FA3's split-KV count (flash-decoding; FA3 paper §3), an int: 1 (default, FA3's)
-            unsplit; 0 or less chosen by ``flashgen.core.varlen_num_splits`` (FA3's heuristic:
-            splits where the tiles do not fill the GPU, e.g. a decode step over a long cache); n:
+            unsplit; 0 or less chosen by ``flashgen.core.varlen_num_splits`` (splits where the tiles
+            do not fill the GPU, e.g. a decode step over a long cache: decode-like calls by a cost model,
+            core.SPLIT_MODEL, others by FA3's heuristic); n:
             each tile's keys in n shares (at most core.MAX_SPLITS and one per 64 keys), merged by
             the combine kernel. Results differ from unsplit ones by fp32 rounding only. FP8,
             descales, or no built varlen / combine variant: unsplit. A split call needs scratch

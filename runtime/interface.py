@@ -800,8 +800,9 @@ def flash_attn_func(
         num_splits: FA3's split-KV count (flash-decoding: the keys of each tile split into that many
             shares run as separate tiles, their partial outputs merged by the combine kernel, as
             :func:`flash_attn_combine`): an int; 1 (FA3's default) none, 0 or less chosen by
-            core.varlen_num_splits (FA3's heuristic: split where the tiles do not fill the GPU, e.g.
-            decode-like calls over long keys; unsplit otherwise or with FLASHGEN_SPLIT_KV_AUTO=0), n
+            core.varlen_num_splits (split where the tiles do not fill the GPU, e.g. decode-like calls over
+            long keys, by a cost model fitted on an H100 (core.SPLIT_MODEL; FA3's heuristic for other calls);
+            unsplit otherwise or with FLASHGEN_SPLIT_KV_AUTO=0), n
             that many (at most core.MAX_SPLITS and one per 64 keys). It runs on the varlen kernel over
             the padded batch where one is built for the call, for fp16 / bf16 inputs that TMA reads in
             place (a copied input runs unsplit); the backward reads the merged out and lse as any. It

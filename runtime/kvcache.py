@@ -178,8 +178,9 @@ def flash_attn_with_kvcache(
             :func:`flashgen.flash_attn_func`.
         num_splits: FA3's split-KV count (flash-decoding) where the varlen kernel runs the call: 0 (default)
             chosen by core.varlen_num_splits (FA3's heuristic: splits when the tiles do not fill the GPU, and for a
-            decode step then at least one per 32 blocks of 128 cache positions, core.DECODE_SPLIT_BLOCKS; none with
-            FLASHGEN_SPLIT_KV_AUTO=0: core.SPLIT_KV_AUTO), 1 none, n that many;
+            decode step then at least one per 32 blocks of 128 cache positions, core.DECODE_SPLIT_BLOCKS; a call
+            without cache_seqlens, cache_leftpad or page_table, every cache full, by the decode cost model,
+            core.SPLIT_MODEL; none with FLASHGEN_SPLIT_KV_AUTO=0: core.SPLIT_KV_AUTO), 1 none, n that many;
             the partials are merged by :func:`flashgen.flash_attn_combine`. The composed path ignores it.
         qv: not implemented (NotImplementedError). scheduler_metadata, sm_margin: accepted and ignored.
         return_softmax_lse: also return lse, float32 ``(batch, heads, seqlen_q)`` (``(heads,
