@@ -578,7 +578,8 @@ DECODE_SPLIT_BLOCKS = _env_int("FLASHGEN_DECODE_SPLIT_BLOCKS", 32, 0)
 #: of two measured (within 3 % of the fastest count of any kind; FA3's rule sometimes picks 3 or 10), where FA3's
 #: rule's own count took 1.032x, 1.015x and 1.050x the fastest in geomean per sweep, worst 1.39x (GQA 2 over 20k keys
 #: at batch 2: 5 splits against 4's 1.39x faster; hd64 1k keys over 64 tiles; hd128's 64 tiles that already read K /
-#: V at the DRAM's pace). FLASHGEN_SPLIT_MODEL=0: FA3's rule for these calls too.
+#: V at the DRAM's pace). On 20 shapes it was not fitted to (a fourth sweep): 1.003x the fastest count in geomean,
+#: worst 1.055x, where FA3's rule took 1.074x, worst 1.39x. FLASHGEN_SPLIT_MODEL=0: FA3's rule for these calls too.
 SPLIT_MODEL = _env_int("FLASHGEN_SPLIT_MODEL", 1, 0) > 0
 SPLIT_BLOCK_US = 1.2
 SPLIT_TILE_US = 1.0
