@@ -574,9 +574,9 @@ DECODE_SPLIT_BLOCKS = _env_int("FLASHGEN_DECODE_SPLIT_BLOCKS", 32, 0)
 #: SPLIT_COST_US (the combine's launch and the partials' round trip, 5-6 us measured) and SPLIT_COST_PER_SPLIT_US per
 #: split. The fewest splits (a power of two, the counts measured) within 2 % of the fastest predicted count win.
 #: Fitted to three scripts/split_bench.py --sweep runs on an H100 (docs/results/split_sweep_h100/: 60 shapes, bf16,
-#: hd64 / hd128, GQA 2 / 4 / 8 and MHA, 1k-128k keys, each timed twice): on all 120 rows it picks the fastest power
-#: of two measured (within 3 % of the fastest count of any kind; FA3's rule sometimes picks 3 or 10), where FA3's
-#: rule's own count took 1.032x, 1.015x and 1.050x the fastest in geomean per sweep, worst 1.39x (GQA 2 over 20k keys
+#: hd64 / hd128, GQA 2 / 4 / 8 and MHA, 1k-128k keys, each timed twice): on 119 of the 120 rows it picks the fastest
+#: power of two measured (the other: a row whose two runs disagreed), 1.000-1.005x the fastest count of any kind in
+#: geomean per sweep (FA3's rule's 3 or 10 splits were fastest at a few rows), where FA3's rule's own count took 1.032x, 1.015x and 1.050x the fastest in geomean per sweep, worst 1.39x (GQA 2 over 20k keys
 #: at batch 2: 5 splits against 4's 1.39x faster; hd64 1k keys over 64 tiles; hd128's 64 tiles that already read K /
 #: V at the DRAM's pace). On 20 shapes it was not fitted to (a fourth sweep): 1.003x the fastest count in geomean,
 #: worst 1.055x, where FA3's rule took 1.074x, worst 1.39x. FLASHGEN_SPLIT_MODEL=0: FA3's rule for these calls too.

@@ -91,7 +91,9 @@
 #                                          test_features_gpu.py: -k "split_kv or varlen_kernel_forward"), then scripts/split_bench.py twice
 #                                          (num_splits 1 against 0, SDPA peers; SPLIT_ARGS, e.g. "--sweep 2,4,8,16,32
 #                                          --shapes 16:8:1:2048,...": the fastest split count per row too; SPLIT_TIMEOUT
-#                                          per run, default 200 s), one build (no .base)
+#                                          per run, default 200 s), one build (no .base); PDLAB=1: test_combine_gpu.py
+#                                          too, and split_bench with FLASHGEN_PDL 0 / 1 (the combine as the split
+#                                          forward's programmatic dependent) alternated twice, off / on last
 #   bash scripts/device_check.sh packgqaab PackGQA A/B (carry .base): test_packgqa_gpu.py, then scripts/packgqa_bench.py (PACKGQA_ARGS,
 #                                          default --head-dim 64) of .base/ and this tree alternated twice (OLD_FILTER, default
 #                                          'fwd_bf16_hd64*'); the rule's pick of each tree side by side last
@@ -691,11 +693,37 @@ splitkv)
   timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
     tests/gpu/test_kvcache_gpu.py tests/gpu/test_features_gpu.py -k "split_kv or varlen_kernel_forward" 2>&1 \
     | tee "$out/test_varlen_split.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
-  for r in 1 2; do
-    timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py ${SPLIT_ARGS:-} --csv "$out/split$r.csv" > "$out/split$r.md" 2>&1
-    echo "split_bench run $r rc $?"
-  done
-  cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d"|" -f2-17
+  if [ "${PDLAB:-0}" = 1 ]; then
+    # the combine as a programmatic dependent of the split forward: the same build with FLASHGEN_PDL 0 (plain
+    # stream order) and 1 alternated twice, then the public combine's tests (a pdl kernel after any kernel)
+    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_combine_gpu.py 2>&1 \
+      | tee "$out/test_combine.log" | grep -E "FAILED|ERROR|passed|failed" | tail -5
+    for r in 1 2; do
+      for p in 0 1; do
+        FLASHGEN_PDL=$p timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py ${SPLIT_ARGS:-} \
+          --csv "$out/pdl${p}_$r.csv" > "$out/pdl${p}_$r.md" 2>&1
+        echo "split_bench FLASHGEN_PDL=$p run $r rc $?"
+      done
+    done
+    python3 - "$out" <<'PY'
+import csv, sys
+d = sys.argv[1]
+runs = {k: list(csv.DictReader(open(f"{d}/pdl{k}.csv"))) for k in ("0_1", "1_1", "0_2", "1_2")}
+print("| head_dim | batch | group | seqlen_q | seqlen_k | splits | PDL off us r1 / r2 | on r1 / r2 | off / on r1 / r2 | cuDNN |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for i, r in enumerate(runs["0_1"]):
+    t = {k: float(runs[k][i]["split_us"]) for k in runs}
+    print(f"| {r['head_dim']} | {r['batch']} | {r['group']} | {r['seqlen_q']} | {r['seqlen_k']} | {r['splits']} | "
+          f"{t['0_1']:.1f} / {t['0_2']:.1f} | {t['1_1']:.1f} / {t['1_2']:.1f} | "
+          f"{t['0_1'] / t['1_1']:.3f} / {t['0_2'] / t['1_2']:.3f} | {float(r['cudnn_us']):.1f} |")
+PY
+  else
+    for r in 1 2; do
+      timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py ${SPLIT_ARGS:-} --csv "$out/split$r.csv" > "$out/split$r.md" 2>&1
+      echo "split_bench run $r rc $?"
+    done
+    cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d"|" -f2-17
+  fi
   ;;
 packgqaab)
   old_build "${OLD_FILTER:-fwd_bf16_hd64*}"

@@ -488,3 +488,24 @@ def test_mufu_probe_paces_the_exponentials_as_the_kernel_does(tmp_path):
         assert len(qgmma) >= 4 * sum("gsb0" in x for x in qgmma), name
         gemm = re.search(r"probe_gemmILi(\d)E", name)  # the Gemm template argument: 0 = no GEMM
         assert bool(gemm and gemm.group(1) != "0") == bool(qgmma), name
+
+
+def test_real_split_forward_lets_the_combine_launch_early(tmp_path):
+    """Split-KV's two launches overlap (PDL, docs/CONTRACTS.md §4 and the combine section): a varlen forward variant
+    runs griddepcontrol.launch_dependents (PREEXIT) before its first TMA load, and the combine, a programmatic
+    dependent, waits (ACQBULK) before its first global load (the partials); a non-varlen forward has no trigger (its
+    SASS, and so its timing, as before)."""
+    proj = Project(REPO, build_override=tmp_path)
+    vs = select(load_variants(proj), "combine_bf16_*,fwd_bf16_hd64_noncausal_packgqa_varlen_m*,fwd_bf16_hd64_noncausal_m*")
+    vs = [v for v in vs if not v.tuned]
+    assert {v.family for v in vs} == {"combine", "fwd"} and len(vs) == 3, [v.name for v in vs]
+    r = build(proj, vs, jobs=2, log=lambda s: None)
+    assert r.failed == []
+    for v in vs:
+        body = sass.functions(sass.dump(str(proj.fatbin_dir / f"{v.name}.fatbin")))[v.symbol("main")]
+        if v.family == "combine":
+            assert -1 < body.find("ACQBULK") < body.find("LDG"), v.name
+        elif v.params.get("varlen"):
+            assert -1 < body.find("PREEXIT") < body.find("UTMALDG"), v.name
+        else:
+            assert "PREEXIT" not in body and "ACQBULK" not in body, v.name

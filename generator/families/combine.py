@@ -56,7 +56,9 @@ class CombineFamily(Family):
         return []
 
     def kernels(self, params, resources):
-        return [KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS)]
+        # a programmatic dependent (PDL) of the kernel before it: the split forward (the varlen fwd variants
+        # trigger at their start); ACQBULK: its griddepcontrol.wait before the first read of the partials
+        return [KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS, sass=("ACQBULK",), pdl=True)]
 
     def name_parts(self, p):
         return [p["dtype"], f"m{p['block_m']}", f"t{p['threads']}"]

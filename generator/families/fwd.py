@@ -447,8 +447,11 @@ class FwdFamily(Family):
         mma = "QGMMA" if resources["fp8"] else "HGMMA"  # e4m3 WGMMA is QGMMA in SASS
         # e4m3 with an O tile: O staged and TMA-stored (the other e4m3 tiles store it from registers)
         tma_o = ("UTMASTG",) if resources["fp8"] and resources["separate_o"] else ()
+        # varlen: PREEXIT (griddepcontrol.launch_dependents at the start: a split call's combine, a programmatic
+        # dependent, launches while this grid runs and waits for its completion; templates/fwd.cu.j2)
+        trigger = ("PREEXIT",) if params.get("varlen") else ()
         main = KernelSpec("main", resources["threads"], resources["smem_bytes"], PARAMS,
-                          tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG") + tma_o)
+                          tensor_maps=("q", "k", "v", "o"), sass=(mma, "UTMALDG", "USETMAXREG") + tma_o + trigger)
         if resources.get("vt_global"):  # the V^T preprocess first; main's map "v" is then V^T's
             return [KernelSpec("vt", resources["vt_threads"], 0, PARAMS), main]
         return [main]
