@@ -617,10 +617,30 @@ def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, m
     takes :func:`_modelled_splits` instead (while SPLIT_MODEL, up to SPLIT_MODEL_MAX_KV_BYTES). 0: the lengths are
     not known on the host (varlen, a KV cache's positions), where FA3's rule and the decode floor stand
     (docs/results/decode_splits_h100/)."""
-    tiles, m_rows = _decode_tiles(batch, heads, heads_k, max_seqlen_q)
     keys = max_seqlen_k if mask is None or not mask.local else min(max_seqlen_k, mask.left + mask.right + 1 + 128)
-    blocks = -(-keys // 128)
+    tiles, m_rows = _decode_tiles(batch, heads, heads_k, max_seqlen_q)
     sms = launch.num_sms(device)
+    # (a decode step asks on every call: FA3's rule scans up to MAX_SPLITS counts, 15-20 us of Python, so the
+    # answers are kept per question and settings)
+    question = (tiles, m_rows, batch, heads_k, keys, device, kv_bytes_per_key, sms, SPLIT_MODEL, DECODE_SPLIT_BLOCKS,
+                MAX_SPLITS)
+    n = _split_counts.get(question)
+    if n is None:
+        n = launch.cache_put(_split_counts, question,
+                             _num_splits(tiles, m_rows, batch, heads_k, keys, device, kv_bytes_per_key, sms),
+                             _SPLIT_COUNTS_MAX)
+    return n
+
+
+_split_counts: dict = {}  # varlen_num_splits's question -> its answer
+_SPLIT_COUNTS_MAX = 4096
+
+
+def _num_splits(tiles: int, m_rows: int, batch: int, heads_k: int, keys: int, device: int, kv_bytes_per_key: int,
+                sms: int) -> int:
+    """:func:`varlen_num_splits` of ``tiles`` of ``m_rows`` query rows (:func:`_decode_tiles`) over a tile's
+    ``keys`` (the window's span for a local mask) on ``sms`` SMs."""
+    blocks = -(-keys // 128)
     if tiles >= 0.8 * sms or blocks <= 4:
         return 1
     cap = min(MAX_SPLITS, sms, blocks)

@@ -670,6 +670,22 @@ def test_modelled_splits_of_padded_decodes(monkeypatch):
     assert model(16, 8, 1024, 128) == fa3(16, 8, 1024) == 2
 
 
+def test_split_counts_are_kept_per_question(monkeypatch):
+    """varlen_num_splits answers a question (shape, device, SMs, settings) once: a decode step asks on every call and
+    FA3's rule scans up to MAX_SPLITS counts; another setting or SM count is another question."""
+    monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(core, "_split_counts", {})
+    asked = []
+    real = core._num_splits
+    monkeypatch.setattr(core, "_num_splits", lambda *a: asked.append(a) or real(*a))
+    first = core.varlen_num_splits(8, 32, 8, 1, 32768, 0)
+    assert core.varlen_num_splits(8, 32, 8, 1, 32768, 0) == first == 8 and len(asked) == 1
+    monkeypatch.setattr(core, "DECODE_SPLIT_BLOCKS", 0)
+    assert core.varlen_num_splits(8, 32, 8, 1, 32768, 0) == 2 and len(asked) == 2
+    monkeypatch.setattr(core.launch, "num_sms", lambda device: 66)
+    assert core.varlen_num_splits(8, 32, 8, 1, 32768, 0) == 1 and len(asked) == 3  # 64 tiles fill 80 % of 66 SMs
+
+
 @pytest.mark.parametrize("splits", [0, 3])
 def test_kvcache_split_kv_merges_the_partials(kernel_on, monkeypatch, splits):
     """num_splits (forced 3, or 0 with the heuristic made to choose 4): the kernel launch gets fp32 partial buffers
