@@ -622,8 +622,9 @@ def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, m
     sms = launch.num_sms(device)
     # (a decode step asks on every call: FA3's rule scans up to MAX_SPLITS counts, 15-20 us of Python, so the
     # answers are kept per question and settings)
-    question = (tiles, m_rows, batch, heads_k, keys, device, kv_bytes_per_key, sms, SPLIT_MODEL, DECODE_SPLIT_BLOCKS,
-                MAX_SPLITS)
+    question = (tiles, m_rows, batch, heads_k, keys, device, kv_bytes_per_key, sms, DECODE_SPLIT_BLOCKS, MAX_SPLITS,
+                SPLIT_MODEL, SPLIT_BLOCK_US, SPLIT_TILE_US, SPLIT_BANDWIDTH, SPLIT_NORM, SPLIT_COST_US,
+                SPLIT_COST_PER_SPLIT_US, SPLIT_MODEL_MAX_KV_BYTES)
     n = _split_counts.get(question)
     if n is None:
         n = launch.cache_put(_split_counts, question,

@@ -670,6 +670,26 @@ def test_modelled_splits_of_padded_decodes(monkeypatch):
     assert model(16, 8, 1024, 128) == fa3(16, 8, 1024) == 2
 
 
+def test_split_model_reproduces_the_h100_sweeps(monkeypatch):
+    """The shipped constants pick, on docs/results/split_sweep_h100's rows (H100, each count timed), counts within
+    1 % of the fastest in geomean per run (scripts/fit_split_model.py, the runtime's own model): a change of the
+    constants or the model that loses on the measured rows fails here, before any GPU."""
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("fit_split_model", repo / "scripts" / "fit_split_model.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    monkeypatch.setattr(core.launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(core.launch, "dram_bandwidth", lambda device: 3.352e6)
+    monkeypatch.setattr(core, "_split_counts", {})
+    files = {str(f): fit.read_rows(str(f)) for f in sorted((repo / "docs/results/split_sweep_h100").glob("call*/split*.csv"))}
+    assert len(files) == 8 and sum(map(len, files.values())) == 160
+    scores = fit.score(files)
+    assert all(s is not None and s[0] <= 1.01 and s[1] <= 1.15 for s in scores.values()), scores
+
+
 def test_split_counts_are_kept_per_question(monkeypatch):
     """varlen_num_splits answers a question (shape, device, SMs, settings) once: a decode step asks on every call and
     FA3's rule scans up to MAX_SPLITS counts; another setting or SM count is another question."""
