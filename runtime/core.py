@@ -622,13 +622,15 @@ def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, m
     sms = launch.num_sms(device)
     # (a decode step asks on every call: FA3's rule scans up to MAX_SPLITS counts, 15-20 us of Python, so the
     # answers are kept per question and settings)
-    question = (tiles, m_rows, batch, heads_k, keys, device, kv_bytes_per_key, sms, DECODE_SPLIT_BLOCKS, MAX_SPLITS,
-                SPLIT_MODEL, SPLIT_BLOCK_US, SPLIT_TILE_US, SPLIT_BANDWIDTH, SPLIT_NORM, SPLIT_COST_US,
-                SPLIT_COST_PER_SPLIT_US, SPLIT_MODEL_MAX_KV_BYTES)
+    modelled = SPLIT_MODEL and 0 < kv_bytes_per_key <= SPLIT_MODEL_MAX_KV_BYTES and m_rows <= 128
+    bandwidth = launch.dram_bandwidth(device) if modelled else 0.0  # 0: FA3's rule (also where the driver says 0)
+    question = (tiles, m_rows, batch, heads_k, keys, kv_bytes_per_key, sms, bandwidth, DECODE_SPLIT_BLOCKS,
+                MAX_SPLITS, SPLIT_BLOCK_US, SPLIT_TILE_US, SPLIT_BANDWIDTH, SPLIT_NORM, SPLIT_COST_US,
+                SPLIT_COST_PER_SPLIT_US)
     n = _split_counts.get(question)
     if n is None:
         n = launch.cache_put(_split_counts, question,
-                             _num_splits(tiles, m_rows, batch, heads_k, keys, device, kv_bytes_per_key, sms),
+                             _num_splits(tiles, m_rows, batch, heads_k, keys, kv_bytes_per_key, sms, bandwidth),
                              _SPLIT_COUNTS_MAX)
     return n
 
@@ -637,17 +639,17 @@ _split_counts: dict = {}  # varlen_num_splits's question -> its answer
 _SPLIT_COUNTS_MAX = 4096
 
 
-def _num_splits(tiles: int, m_rows: int, batch: int, heads_k: int, keys: int, device: int, kv_bytes_per_key: int,
-                sms: int) -> int:
+def _num_splits(tiles: int, m_rows: int, batch: int, heads_k: int, keys: int, kv_bytes_per_key: int, sms: int,
+                bandwidth: float) -> int:
     """:func:`varlen_num_splits` of ``tiles`` of ``m_rows`` query rows (:func:`_decode_tiles`) over a tile's
-    ``keys`` (the window's span for a local mask) on ``sms`` SMs."""
+    ``keys`` (the window's span for a local mask) on ``sms`` SMs: the cost model where ``bandwidth`` (the DRAM's
+    peak, bytes per us) is given, else FA3's rule."""
     blocks = -(-keys // 128)
     if tiles >= 0.8 * sms or blocks <= 4:
         return 1
     cap = min(MAX_SPLITS, sms, blocks)
-    if SPLIT_MODEL and 0 < kv_bytes_per_key <= SPLIT_MODEL_MAX_KV_BYTES and m_rows <= 128:
-        kv_bytes = batch * max(heads_k, 1) * keys * kv_bytes_per_key
-        return _modelled_splits(tiles, blocks, kv_bytes, sms, cap, launch.dram_bandwidth(device))
+    if bandwidth > 0:
+        return _modelled_splits(tiles, blocks, batch * max(heads_k, 1) * keys * kv_bytes_per_key, sms, cap, bandwidth)
     efficiency = [tiles * n / sms / math.ceil(tiles * n / sms) for n in range(1, cap + 1)]
     n = next(n for n, e in enumerate(efficiency, 1) if e >= 0.85 * max(efficiency))
     if DECODE_SPLIT_BLOCKS > 0 and m_rows <= 128:

@@ -666,6 +666,9 @@ def test_modelled_splits_of_padded_decodes(monkeypatch):
     assert (model(5, 8, 65536, 64), model(5, 8, 65536, 128)) == (32, 4)
     assert model(1, 32, 32768, 128, 256) == fa3(1, 32, 32768, 256)  # 2 query blocks a tile: FA3's rule
     assert model(16, 8, 1024, 256) == fa3(16, 8, 1024) == 2  # hd256 (not measured): FA3's rule
+    monkeypatch.setattr(core.launch, "dram_bandwidth", lambda device: 0.0)  # a driver that reports no memory clock
+    assert model(16, 8, 1024, 128) == fa3(16, 8, 1024) == 2  # FA3's rule
+    monkeypatch.setattr(core.launch, "dram_bandwidth", lambda device: 3.35e6)
     monkeypatch.setattr(core, "SPLIT_MODEL", False)
     assert model(16, 8, 1024, 128) == fa3(16, 8, 1024) == 2
 
