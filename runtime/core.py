@@ -592,7 +592,7 @@ SPLIT_COST_PER_SPLIT_US = 0.2
 SPLIT_MODEL_MAX_KV_BYTES = 512
 
 
-def _decode_tiles(batch: int, heads: int, heads_k: int, max_seqlen_q: int) -> tuple[int, int]:
+def _forward_tiles(batch: int, heads: int, heads_k: int, max_seqlen_q: int) -> tuple[int, int]:
     """(tiles, query rows per tile) of a forward launch: PackGQA (:func:`pack_gqa_rule`) packs a K/V head's query
     heads into one tile's rows."""
     group = max(heads // max(heads_k, 1), 1)
@@ -618,7 +618,7 @@ def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, m
     not known on the host (varlen, a KV cache's positions), where FA3's rule and the decode floor stand
     (docs/results/decode_splits_h100/)."""
     keys = max_seqlen_k if mask is None or not mask.local else min(max_seqlen_k, mask.left + mask.right + 1 + 128)
-    tiles, m_rows = _decode_tiles(batch, heads, heads_k, max_seqlen_q)
+    tiles, m_rows = _forward_tiles(batch, heads, heads_k, max_seqlen_q)
     sms = launch.num_sms(device)
     # (a decode step asks on every call: FA3's rule scans up to MAX_SPLITS counts, 15-20 us of Python, so the
     # answers are kept per question and settings)
@@ -641,7 +641,7 @@ _SPLIT_COUNTS_MAX = 4096
 
 def _num_splits(tiles: int, m_rows: int, batch: int, heads_k: int, keys: int, kv_bytes_per_key: int, sms: int,
                 bandwidth: float) -> int:
-    """:func:`varlen_num_splits` of ``tiles`` of ``m_rows`` query rows (:func:`_decode_tiles`) over a tile's
+    """:func:`varlen_num_splits` of ``tiles`` of ``m_rows`` query rows (:func:`_forward_tiles`) over a tile's
     ``keys`` (the window's span for a local mask) on ``sms`` SMs: the cost model where ``bandwidth`` (the DRAM's
     peak, bytes per us) is given, else FA3's rule."""
     blocks = -(-keys // 128)
