@@ -450,20 +450,39 @@ def _check_named_variant(var: Variant, dtype: str, d: int, dv: int, mask: MaskSp
 #: 8, causal or not, seqlen_k 1k and 8k; seqlen_q 128 0.91-0.95x (more tiles, each reading all of K / V).
 PACK_GQA_DECODE_MAX_SEQLEN_Q = 64
 _PACK_GQA_DECODE_TILE = {"block_m": 128, "consumer_wgs": 2}
+#: PackGQA calls whose packed rows (group x seqlen_q) fit one warpgroup's 64 run on the key's one-warpgroup tile
+#: (_DECODE_WG1_TILE: 64 x 128 with 1 consumer warpgroup and no pingpong; configs/fwd.yaml extra, head dims 64 and
+#: 128) where one is built, else as above. A one-token decode with GQA group 4 or 8 fills 4 or 8 of a 128-row tile's
+#: rows: its second warpgroup runs both GEMMs and an exponential per score of every block on padding, in pingpong
+#: turns with the first. FLASHGEN_DECODE_WG1=0: the 128-row decode tile for them too.
+DECODE_WG1 = _env_int("FLASHGEN_DECODE_WG1", 1, 0) > 0
+_DECODE_WG1_TILE = {"block_m": 64, "consumer_wgs": 1}
+
+
+def _decode_tile(group: int, seqlen_q: int) -> int:
+    """Which decode tile a PackGQA call of ``group`` query heads per K/V head and ``seqlen_q`` positions asks
+    for (_plan): 0 the key's own tile (seqlen_q past PACK_GQA_DECODE_MAX_SEQLEN_Q, or a group that the 128-row
+    decode tile cannot hold), 1 the 128-row decode tile (_PACK_GQA_DECODE_TILE), 2 the one-warpgroup tile
+    (_DECODE_WG1_TILE, while DECODE_WG1: group x seqlen_q <= 64)."""
+    if not 0 < seqlen_q <= PACK_GQA_DECODE_MAX_SEQLEN_Q:
+        return 0
+    if DECODE_WG1 and group * seqlen_q <= _DECODE_WG1_TILE["block_m"]:
+        return 2
+    return 1 if group <= _PACK_GQA_DECODE_TILE["block_m"] else 0
 
 
 def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
-          bucket: int = 0, pack_gqa: bool = False, varlen: bool = False, seqlen_q: int = 0) -> _Plan:
+          bucket: int = 0, pack_gqa: bool = False, varlen: bool = False, decode: int = 0) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
 
     ``bucket``: the call's seqlen_k bucket (``tuning.seqlen_bucket``); the GPU's tune table
     (flashgen/tuning.py) may name another built tile than the default for it. ``pack_gqa``: a
-    PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``); with ``seqlen_q`` from 1 to
-    PACK_GQA_DECODE_MAX_SEQLEN_Q, the key's decode tile where one is built. ``varlen``: a varlen variant
-    (fwd.py's varlen; ignored with ``variant``).
+    PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``); ``decode`` (:func:`_decode_tile`) 1 or 2:
+    the key's decode tile where one is built (2: the one-warpgroup tile, else the 128-row one). ``varlen``: a
+    varlen variant (fwd.py's varlen; ignored with ``variant``).
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
-    decode = variant is None and pack_gqa and 0 < seqlen_q <= PACK_GQA_DECODE_MAX_SEQLEN_Q
+    decode = decode if variant is None and pack_gqa else 0
     key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device,
            pack_gqa, bucket, varlen, decode)
     plan = _plans.get(key)
@@ -475,7 +494,10 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
                     "softcap": softcap, "pack_gqa": pack_gqa, "varlen": varlen}, round_up=_ROUND_UP)
         if variant is None:
             var = tuning.tuned_variant(var, bucket, device, load_manifest())
-        if decode:
+        if decode == 2:
+            wg1 = _key_tile(var, **_DECODE_WG1_TILE)
+            var = wg1 if wg1 is not None else _twin_variant(var, **_PACK_GQA_DECODE_TILE)
+        elif decode:
             var = _twin_variant(var, **_PACK_GQA_DECODE_TILE)
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
@@ -714,11 +736,10 @@ _built: set = set()  # variant_built's keys found built (only added to: safe to 
 def _pack_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
                group: int, varlen: bool = False, seqlen_q: int = 0) -> _Plan:
     """The PackGQA plan of a call key (``varlen``: of the varlen variants): with ``seqlen_q`` up to
-    PACK_GQA_DECODE_MAX_SEQLEN_Q the key's decode tile (_plan) unless ``group`` query heads overflow its
-    block_m, else the key's own tile. MissingVariantError where no PackGQA variant serves the key."""
-    fits = group <= _PACK_GQA_DECODE_TILE["block_m"]
+    PACK_GQA_DECODE_MAX_SEQLEN_Q a decode tile of the key (:func:`_decode_tile`, _plan) unless ``group`` query
+    heads overflow it, else the key's own tile. MissingVariantError where no PackGQA variant serves the key."""
     return _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen,
-                 seqlen_q=seqlen_q if fits else 0)
+                 decode=_decode_tile(group, seqlen_q))
 
 
 def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
@@ -1104,6 +1125,15 @@ BWD_DKV_STEPS = True
 # 16k 1.024-1.030; head_dim 64 non-causal 2k 0.981 (so 64 keeps the steps). This rule on / off (bf16 and fp16,
 # two runs): +1.1 % to +4.4 % at head_dim 128. docs/results/bwd_det_nosteps/.
 DET_NOSTEPS_HEAD_DIMS = (128,)
+
+
+def _key_tile(var: Variant, **tile) -> Variant | None:
+    """A built variant of ``var``'s dispatch key whose params include ``tile`` (e.g. block_m and consumer_wgs),
+    whatever its other knobs; None if none is built."""
+    for v in load_manifest().by_key().get((var.family, *sorted(var.dispatch.items())), ()):
+        if all(v.params.get(k) == x for k, x in tile.items()):
+            return v
+    return None
 
 
 def _twin_variant(var: Variant, **params) -> Variant:

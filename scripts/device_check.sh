@@ -94,6 +94,9 @@
 #                                          per run, default 200 s), one build (no .base); PDLAB=1: test_combine_gpu.py
 #                                          too, and split_bench with FLASHGEN_PDL 0 / 1 (the combine as the split
 #                                          forward's programmatic dependent) alternated twice, off / on last
+#   bash scripts/device_check.sh decodeab  the one-warpgroup PackGQA decode tile: test_packgqa_gpu.py and test_kvcache_gpu.py
+#                                          (TESTS_K), then split_bench.py (DECODE_ARGS) and paged_decode.py (pages 0, 16) with
+#                                          FLASHGEN_DECODE_WG1 0 / 1 alternated twice, one build; the off / on tables last
 #   bash scripts/device_check.sh packgqaab PackGQA A/B (carry .base): test_packgqa_gpu.py, then scripts/packgqa_bench.py (PACKGQA_ARGS,
 #                                          default --head-dim 64) of .base/ and this tree alternated twice (OLD_FILTER, default
 #                                          'fwd_bf16_hd64*'); the rule's pick of each tree side by side last
@@ -705,18 +708,7 @@ splitkv)
         echo "split_bench FLASHGEN_PDL=$p run $r rc $?"
       done
     done
-    python3 - "$out" <<'PY'
-import csv, sys
-d = sys.argv[1]
-runs = {k: list(csv.DictReader(open(f"{d}/pdl{k}.csv"))) for k in ("0_1", "1_1", "0_2", "1_2")}
-print("| head_dim | batch | group | seqlen_q | seqlen_k | splits | PDL off us r1 / r2 | on r1 / r2 | off / on r1 / r2 | cuDNN |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for i, r in enumerate(runs["0_1"]):
-    t = {k: float(runs[k][i]["split_us"]) for k in runs}
-    print(f"| {r['head_dim']} | {r['batch']} | {r['group']} | {r['seqlen_q']} | {r['seqlen_k']} | {r['splits']} | "
-          f"{t['0_1']:.1f} / {t['0_2']:.1f} | {t['1_1']:.1f} / {t['1_2']:.1f} | "
-          f"{t['0_1'] / t['1_1']:.3f} / {t['0_2'] / t['1_2']:.3f} | {float(r['cudnn_us']):.1f} |")
-PY
+    python3 scripts/split_ab.py "$out" pdl0 pdl1 --labels "PDL off,on"
   else
     for r in 1 2; do
       timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py ${SPLIT_ARGS:-} --csv "$out/split$r.csv" > "$out/split$r.md" 2>&1
@@ -724,6 +716,25 @@ PY
     done
     cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d"|" -f2-17
   fi
+  ;;
+decodeab)
+  # the one-warpgroup PackGQA decode tile (core.DECODE_WG1, one build): test_packgqa_gpu.py (its decode tile tests,
+  # hd64 and hd128) and test_kvcache_gpu.py (decode steps on the varlen tiles) with it on, then scripts/split_bench.py
+  # (DECODE_ARGS: num_splits 1 and 0, SDPA peers) and scripts/paged_decode.py (pages 0 and 16) with
+  # FLASHGEN_DECODE_WG1 0 / 1 alternated twice; the off / on tables last
+  timeout "$(cap "${TEST_TIMEOUT:-150}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/gpu/test_packgqa_gpu.py \
+    tests/gpu/test_kvcache_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  for r in 1 2; do
+    for w in 0 1; do
+      FLASHGEN_DECODE_WG1=$w timeout "${SPLIT_TIMEOUT:-100}" python3 scripts/split_bench.py ${DECODE_ARGS:---shapes \
+        1:8:1:4096,4:8:1:1024,16:8:1:2048,16:4:1:8192,1:8:1:32768,8:8:4:4096,2:8:8:12000,64:8:1:2048} \
+        --csv "$out/wg1_${w}_$r.csv" > "$out/wg1_${w}_$r.md" 2>&1
+      echo "split_bench FLASHGEN_DECODE_WG1=$w run $r rc $?"
+      FLASHGEN_DECODE_WG1=$w timeout 60 python3 scripts/paged_decode.py --pages 0,16 --rounds 1 > "$out/paged_${w}_$r.md" 2>&1
+    done
+  done
+  for f in 0_1 1_1 0_2 1_2; do echo "== paged, FLASHGEN_DECODE_WG1 run: $f"; grep -E '^\| [0-9]|rror' "$out/paged_$f.md"; done
+  python3 scripts/split_ab.py "$out" wg1_0 wg1_1 --columns unsplit_us,split_us --labels "128-row tile,wg1"
   ;;
 packgqaab)
   old_build "${OLD_FILTER:-fwd_bf16_hd64*}"

@@ -496,7 +496,7 @@ def test_real_split_forward_lets_the_combine_launch_early(tmp_path):
     dependent, waits (ACQBULK) before its first global load (the partials); a non-varlen forward has no trigger (its
     SASS, and so its timing, as before)."""
     proj = Project(REPO, build_override=tmp_path)
-    vs = select(load_variants(proj), "combine_bf16_*,fwd_bf16_hd64_noncausal_packgqa_varlen_m*,fwd_bf16_hd64_noncausal_m*")
+    vs = select(load_variants(proj), "combine_bf16_*,fwd_bf16_hd64_noncausal_packgqa_varlen_m128*,fwd_bf16_hd64_noncausal_m*")
     vs = [v for v in vs if not v.tuned]
     assert {v.family for v in vs} == {"combine", "fwd"} and len(vs) == 3, [v.name for v in vs]
     r = build(proj, vs, jobs=2, log=lambda s: None)

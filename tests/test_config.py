@@ -230,14 +230,22 @@ def test_real_configs():
     # + varlen_prep's one variant
     # + fwd's PackGQA decode tiles (head_dim 64, {dtype} x {none, causal, local}: not dispatch defaults;
     # core.PACK_GQA_DECODE_MAX_SEQLEN_Q)
+    # + fwd's one-warpgroup PackGQA decode tiles (64 x 128, head_dims 64 and 128, {dtype} x {none, causal, local} x
+    # {varlen}: not dispatch defaults; core.DECODE_WG1)
+    wg1 = [v for v in vs if v.family == "fwd" and v.params["consumer_wgs"] == 1]
+    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["varlen"],
+                   v.params["pack_gqa"], v.params["block_m"], v.params["pingpong"], v.default, v.default_build)
+                  for v in wg1) == \
+        sorted((d, h, c, lo, vl, True, 64, False, False, True) for d in ("bf16", "fp16") for h in (64, 128)
+               for c, lo in ((False, False), (True, False), (False, True)) for vl in (False, True))
     decode = [v for v in vs if v.family == "fwd" and v.params.get("pack_gqa") and not v.params.get("varlen")
-              and not v.default and not v.tuned]
+              and not v.default and not v.tuned and v not in wg1]
     assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["block_m"],
                    v.params["consumer_wgs"], v.default_build) for v in decode) == \
         sorted((d, 64, c, lo, 128, 2, True) for d in ("bf16", "fp16") for c, lo in ((False, False), (True, False),
                                                                                    (False, True)))
     assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(built_twins) + \
-        len(decode) + len(tuned)
+        len(decode) + len(wg1) + len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa") and not v.params.get("varlen") and v.default]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
     # + varlen (fwd.py varlen) for {dtype} x {head_dim} x {none, causal, local} x {PackGQA}, without softcap (60)
@@ -247,7 +255,7 @@ def test_real_configs():
         sorted((d, h, c, lo, 128 if h == 64 else 64) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
                for c, lo in ((False, False), (True, False), (False, True)))
     assert not any(v.params["softcap"] or not v.default or not v.params["dkv_steps"] for v in bwd_varlen)
-    varlen = [v for v in select(vs) if v.family == "fwd" and v.params.get("varlen")]
+    varlen = [v for v in select(vs) if v.family == "fwd" and v.params.get("varlen") and v not in wg1]
     assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["pack_gqa"],
                    v.params["softcap"]) for v in varlen) == \
         sorted((d, h, c, lo, pk, sc) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
@@ -266,7 +274,7 @@ def test_real_configs():
             for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
         fam = [v for v in select(vs) if v.family == family and v.params["head_dim_v" if family == "fwd" else "head_dim"]
-               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap + twins + decode]  # FP8 has no backward
+               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap + twins + decode + wg1]  # FP8 has no backward
         assert all(v.default for v in fam)
         assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"])
                 for v in fam} == keys
@@ -275,7 +283,7 @@ def test_real_configs():
              v.params["softcap"]) for v in mla} == {(d, 192, 128, c, lo, sc) for d in ("bf16", "fp16")
                                                    for c, lo in ((False, False), (True, False), (False, True))
                                                    for sc in (False, True)}
-    default_set = [v for v in select(vs) if v.family == "fwd" and v not in decode]
+    default_set = [v for v in select(vs) if v.family == "fwd" and v not in decode + wg1]
     # every default variant takes block_m/block_n/consumer_wgs from its tile-table row (the most
     # specific one), whatever the tuned values are
     import yaml
@@ -306,7 +314,7 @@ def test_real_configs():
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
     assert tune and not any(v.default or v.default_build for v in tune)
-    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(twins) + len(decode)
+    assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(twins) + len(decode) + len(wg1)
                                     + len({v.name for v in abl + tune + tuned if not v.default}))
     assert len(select(vs, all_=True)) == len(vs)
 
@@ -331,10 +339,11 @@ def test_register_budget_rejects_hd96_on_three_wgs(tmp_path):
 def test_select_filter():
     vs = [v for v in load_variants(Project(REPO)) if not v.tuned]  # the shipped tune tables' tiles: test_tune.py
     # {bf16, fp16} x ({none, causal, local} x {softcap} + PackGQA {none, causal, local} x {its tile, the decode
-    # tile} + varlen {none, causal, local} x {PackGQA, softcap}); e4m3 x {none, causal, local} x {softcap}
-    assert len(select(vs, "fwd_*hd64*")) == 48
-    assert len(select(vs, "*hd64*")) == 66  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
+    # tile} + varlen {none, causal, local} x {PackGQA, softcap} + the one-warpgroup decode tiles {none, causal, local}
+    # x {varlen}); e4m3 x {none, causal, local} x {softcap}
+    assert len(select(vs, "fwd_*hd64*")) == 60
+    assert len(select(vs, "*hd64*")) == 78  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
-    # 6 + 6 packed + 9 varlen; causal, causal_softcap, packed, 3 varlen
-    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 27
+    # 6 + 6 packed + 9 varlen + 6 one-warpgroup decode tiles; causal, causal_softcap, packed, 3 varlen
+    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 33

@@ -1123,6 +1123,42 @@ def test_decode_like_packed_calls_take_the_decode_tile(tmp_path, monkeypatch):
         tuning.reset()
 
 
+def test_one_warpgroup_decode_tile_by_packed_rows(tmp_path, monkeypatch):
+    """PackGQA calls whose packed rows (group x seqlen_q) fit 64 run on the key's one-warpgroup tile (64 x 128,
+    core.DECODE_WG1) where one is built, 64 query rows per tile; more rows with seqlen_q <= 64 on the 128-row
+    decode tile; without a one-warpgroup tile or with DECODE_WG1 off, the 128-row tile (or the key's own)."""
+    packed = dict(dtype="bf16", head_dim=64, head_dim_v=64, causal=False, local=False, softcap=False, pack_gqa=True)
+    own16 = dict(packed, dtype="fp16")
+    wg1 = _tile_record(packed, 64, 1, False, "_wg1")
+    wg1["params"].update(pingpong=False)
+    recs = [_tile_record(packed, 192, 3, True, "_own"), _tile_record(packed, 128, 2, False, "_decode"), wg1,
+            _tile_record(own16, 192, 3, True, "_own")]
+    d = _fake_driver(tmp_path, monkeypatch, KEYS, recs)
+    try:
+        assert core.DECODE_WG1 and core._DECODE_WG1_TILE == {"block_m": 64, "consumer_wgs": 1}
+        b, sk, hk = 2, 1000, 4
+
+        def run(sq, h, dtype="bf16", **kw):
+            q, out = targ((b, sq, h, 64), dtype, 1 << 24), targ((b, sq, h, 64), dtype, 4 << 24)
+            k, v = targ((b, sk, hk, 64), dtype, 2 << 24), targ((b, sk, hk, 64), dtype, 3 << 24)
+            core.attention_forward(q, k, v, out, targ((b, h, sq), "fp32", 5 << 24), 0.1, False, 5, **kw)
+            return d.launches[-1]["symbol"], _params_of(d.launches[-1])["tile_queries"]
+
+        # group 4: rows 4 x seqlen_q; group 8: 8 x seqlen_q; group 64: 64 rows at seqlen_q 1
+        for sq, group, tag, tq in ((1, 4, "_wg1", 16), (16, 4, "_wg1", 16), (17, 4, "_decode", 32),
+                                   (8, 8, "_wg1", 8), (9, 8, "_decode", 16), (1, 64, "_wg1", 1),
+                                   (64, 4, "_decode", 32), (65, 4, "_own", 48)):
+            sym, got = run(sq, group * hk, pack_gqa=True)
+            assert tag in sym and got == tq, (sq, group, sym, got)
+        sym, tq = run(1, 4 * hk, "fp16", pack_gqa=True)  # no decode tile built for the key: its own
+        assert "_own" in sym and tq == 48
+        monkeypatch.setattr(core, "DECODE_WG1", False)
+        sym, tq = run(2, 4 * hk, pack_gqa=True)  # a new question (seqlen_q 2): the 128-row decode tile
+        assert "_decode" in sym and tq == 32
+    finally:
+        tuning.reset()
+
+
 class _ExDriver(FakeDriver):
     """FakeDriver whose launches record only the symbol, the stream and (cuLaunchKernelEx) the
     attributes as (id, value) pairs."""

@@ -29,7 +29,11 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
 - block_n a multiple of 16 in [16, 256]: the N of the S = Q K^T WGMMA (N <= 256) and the PV GEMM
   steps k16 over it. e4m3: a multiple of 32 (k32 steps); S's K-descale groups are 64 columns, or 32
   where block_n is not a multiple of 64 (FA3's 128 x 224), so none straddles two 64-key blocks.
-- consumer_wgs in {2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows).
+- consumer_wgs in {1, 2, 3} and block_m == 64 * consumer_wgs (each consumer warpgroup owns 64 rows). One
+  consumer warpgroup (block_m 64): 16-bit PackGQA decode tiles only (a decode step's group x seqlen_q <= 64
+  packed rows fill one warpgroup's 64, where a 128-row tile's second warpgroup runs its GEMMs and
+  exponentials on padding, in pingpong turns with the first: core.DECODE_WG1), without pingpong or
+  exponential turns (both pass turns between warpgroups).
 - stages in 1..4.
 - Shared memory (:func:`smem_layout`; P = head_dim rounded up to whole rows: 128 bytes = 64
   16-bit elements, or 128 e4m3 ones, except that an e4m3 head_dim <= 64 takes one 64-byte row
@@ -39,9 +43,9 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   it still fits (``separate_o``, else O is staged in Q's buffer; e4m3: a bf16 O tile beside the V^T
   ring, else O is stored from registers), 1024 bytes of mbarriers, plus
   1024 bytes of alignment slack: at most 227 KB = 232448 bytes.
-- Registers (setmaxnreg, :func:`register_split`): 2 consumer WGs get 240 regs/thread, 3 get 160
+- Registers (setmaxnreg, :func:`register_split`): 1 or 2 consumer WGs get 240 regs/thread, 3 get 160
   (producer 24 / 32). e4m3 and PackGQA with 2 consumer WGs: 40 / 232 (the V transpose and the
-  5-D Q load need the producer's registers), except e4m3 tiles whose accumulators need more than
+  5-D Q load need the producer's registers; PackGQA with 1 consumer WG too), except e4m3 tiles whose accumulators need more than
   200 (head_dim 256 at block_n 128, head_dim 128 at block_n 224): 24 / 240, as FA3.
   With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128. For both, the fp32 S accumulator
   (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4; e4m3 block_n/8)
@@ -74,11 +78,11 @@ DTYPES = ("bf16", "fp16", "e4m3")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
 OUT_DTYPE = {"bf16": "bf16", "fp16": "fp16", "e4m3": "bf16"}  # FP8 attention writes bf16 (FA3)
 QUANT_BLOCK = 64  # FP8 block quantization: one descale per 64 rows of Q and of K (runtime quantize_fp8)
-CONSUMER_WGS = (2, 3)
+CONSUMER_WGS = (1, 2, 3)
 STAGES = (1, 2, 3, 4)
 BARRIER_BYTES = 1024
 ALIGN_SLACK_BYTES = 1024
-REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
+REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, consumer_regs)
 # e4m3: the producer warpgroup also transposes V (warps 1-3), which spilled at 24 registers.
 # pack_gqa: the producer's 5-D Q load and packed tile bounds spilled 8 bytes at 24 (causal, 2 WGs).
 # varlen: the producer's per-sequence offsets and bounds spilled 32-48 bytes at 24 (hd192 / hd256 causal).
@@ -86,7 +90,7 @@ REG_SPLIT = {2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (producer_regs, cons
 # thread; tests/test_families.py checks every variant): setmaxnreg.inc waits for registers that the
 # other warpgroups have released, so 32 / 240 with 2 consumer warpgroups (128 x 32 + 256 x 240 =
 # 65536 > 384 x 168 = 64512) hangs every launch (H200, tried).
-REG_SPLIT_FP8 = {2: (40, 232), 3: (32, 160)}
+REG_SPLIT_FP8 = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
 # e4m3 with 2 consumer warpgroups whose accumulators do not fit 232 (head_dim 256 at block_n 128):
 # FA3's 24 / 240; the transposer's loop over key groups (fp8.cuh: VTransposer) fits 24 registers.
 REG_SPLIT_FP8_WIDE = (24, 240)
@@ -394,6 +398,14 @@ class FwdFamily(Family):
             out.append(("local", True, "false with causal: true (the local kernel serves causal with a window)"))
         if wgs in CONSUMER_WGS and bm != 64 * wgs:
             out.append(("block_m", bm, f"64 * consumer_wgs = {64 * wgs} (consumer_wgs is {wgs})"))
+        if wgs == 1:  # the decode tile (module docstring): what it was built and measured as
+            if params.get("pingpong", True):
+                out.append(("pingpong", True, "false with consumer_wgs 1 (the turns pass between warpgroups)"))
+            if params.get("exp_turns"):
+                out.append(("exp_turns", True, "false with consumer_wgs 1 (the turns pass between warpgroups)"))
+            if params["dtype"] == "e4m3" or not params.get("pack_gqa"):
+                out.append(("consumer_wgs", 1, "2 or 3 unless dtype is 16-bit and pack_gqa is true (one consumer "
+                                               "warpgroup is PackGQA's decode tile)"))
         if params["dtype"] == "e4m3":
             if isinstance(bn, int) and bn % 32:
                 out.append(("block_n", bn, "a multiple of 32 with dtype e4m3 (the P V GEMM steps k32 over block_n; "
@@ -500,7 +512,7 @@ FAMILY = FwdFamily(
         Key("varlen", bool, "axis", default=False,
             doc="FA3's varlen: per-sequence lengths and offsets read by the kernel (cu_seqlens_q / cu_seqlens_k, "
                 "seqused_q / seqused_k); O and LSE stored with row bounds"),
-        Key("block_m", int, "tile", allowed=(128, 192), doc="query rows per CTA tile (64 x consumer_wgs)"),
+        Key("block_m", int, "tile", allowed=(64, 128, 192), doc="query rows per CTA tile (64 x consumer_wgs)"),
         Key("block_n", int, "tile", check=_block_n, doc="key rows per K/V stage"),
         Key("stages", int, "knob", allowed=STAGES, default=2, doc="K/V ring depth"),
         Key("q_stages", int, "knob", allowed=(1, 2), default=1,

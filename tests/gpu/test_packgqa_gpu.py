@@ -147,22 +147,54 @@ def test_rule_packs_decode_and_not_prefill(used, monkeypatch):
         check_fwd(q, k, v, True, out, lse)
 
 
-def test_decode_tile_by_seqlen_q(used, monkeypatch):
-    """head_dim 64's PackGQA decode tile (configs/fwd.yaml extra, 128 x 128 with 2 consumer warpgroups) serves
-    seqlen_q <= core.PACK_GQA_DECODE_MAX_SEQLEN_Q, the key's 192-row tile longer ones; each against the
-    reference, groups 4 and 8, causal or not."""
-    built = [v for v in load_manifest().variants if v.family == "fwd" and v.params.get("pack_gqa")
-             and not v.params.get("varlen") and v.params["head_dim"] == 64 and v.params["dtype"] == "bf16"
-             and not v.default and v.params["block_m"] == 128]
-    if not built:
-        pytest.skip("MISSING-FWD-VARIANT: no head_dim 64 PackGQA decode tile built")
+def _decode_tiles_built(head_dim: int) -> bool:
+    """Whether bf16 ``head_dim``'s non-varlen PackGQA decode tiles are built: 128 x 128 wg2 (head_dim 64) and the
+    one-warpgroup 64 x 128 tile (configs/fwd.yaml extra)."""
+    tiles = {(v.params["block_m"], v.params["consumer_wgs"]) for v in load_manifest().variants
+             if v.family == "fwd" and v.params.get("pack_gqa") and not v.params.get("varlen")
+             and v.params["head_dim"] == head_dim and v.params["dtype"] == "bf16" and not v.default}
+    return (64, 1) in tiles and (head_dim != 64 or (128, 2) in tiles)
+
+
+@pytest.mark.parametrize("wg1", [True, False], ids=["wg1", "nowg1"])
+def test_decode_tile_by_seqlen_q(used, monkeypatch, wg1):
+    """head_dim 64's PackGQA decode tiles (configs/fwd.yaml extra): calls whose packed rows (group x seqlen_q) fit
+    64 run on the one-warpgroup 64 x 128 tile while core.DECODE_WG1 (wg1), the others with seqlen_q <=
+    core.PACK_GQA_DECODE_MAX_SEQLEN_Q on 128 x 128 with 2 consumer warpgroups, longer ones on the key's 192-row
+    tile; each against the reference, groups 4 and 8, causal or not, seqlen_q 1-128."""
+    if not _decode_tiles_built(64):
+        pytest.skip("MISSING-FWD-VARIANT: head_dim 64's PackGQA decode tiles not built")
+    monkeypatch.setattr(core, "DECODE_WG1", wg1)
     forced(monkeypatch, True)
-    for sq, hk, causal in ((1, 8, False), (64, 4, True), (64, 8, False), (65, 4, True), (128, 8, False)):
+    for sq, hk, causal in ((1, 8, False), (1, 4, True), (2, 4, False), (8, 4, True), (16, 8, False), (9, 4, False),
+                           (64, 4, True), (64, 8, False), (65, 4, True), (128, 8, False)):
         q, k, v = make_qkv(2, sq, 777, 32, hk, 64, BF16, seed=sq + hk)
         out, lse = run(q, k, v, causal, (-1, -1))
         var = used[-1]
-        assert var.params.get("pack_gqa") and var.params["block_m"] == (128 if sq <= 64 else 192), (sq, var.name)
+        rows = 32 // hk * sq
+        want = (64 if wg1 and rows <= 64 else 128) if sq <= 64 else 192
+        assert var.params.get("pack_gqa") and var.params["block_m"] == want, (sq, hk, var.name)
         check_fwd(q, k, v, causal, out, lse)
+
+
+def test_one_warpgroup_decode_tile_hd128(used, monkeypatch):
+    """head_dim 128's one-warpgroup decode tile (64 x 128, configs/fwd.yaml extra) against the reference: one to
+    eight new tokens with groups 4 and 8, causal, a window, a sink, keys from 1 to 5000, several tiles per CTA
+    (batch 40); calls past 64 packed rows on the key's own tile."""
+    if not _decode_tiles_built(128):
+        pytest.skip("MISSING-FWD-VARIANT: head_dim 128's one-warpgroup decode tile not built")
+    monkeypatch.setattr(core, "DECODE_WG1", True)
+    forced(monkeypatch, True)
+    for b, sq, sk, hk, causal, window, sink in ((2, 1, 1, 8, False, (-1, -1), False), (3, 1, 4999, 4, True, (-1, -1), True),
+                                               (40, 2, 777, 8, False, (-1, -1), False), (2, 8, 1000, 4, True, (-1, -1), False),
+                                               (2, 4, 3000, 8, False, (100, 0), True), (2, 9, 513, 4, True, (-1, -1), False)):
+        q, k, v = make_qkv(b, sq, sk, 32, hk, 128, BF16, seed=sq + sk + hk)
+        s = torch.randn(32, device="cuda", dtype=torch.float32) if sink else None
+        out, lse = run(q, k, v, causal, window, s)
+        var = used[-1]
+        want = 64 if 32 // hk * sq <= 64 else 128
+        assert var.params.get("pack_gqa") and var.params["block_m"] == want, (b, sq, sk, var.name)
+        check_fwd(q, k, v, causal, out, lse, window_size=window, sink=s)
 
 
 def test_packed_is_deterministic(used, monkeypatch):
