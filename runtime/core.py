@@ -454,8 +454,8 @@ _PACK_GQA_DECODE_TILE = {"block_m": 128, "consumer_wgs": 2}
 #: (_DECODE_WG1_TILE: 64 x 128 with 1 consumer warpgroup and no pingpong; configs/fwd.yaml extra, head dims 64 and
 #: 128) where one is built, else as above. A one-token decode with GQA group 4 or 8 fills 4 or 8 of a 128-row tile's
 #: rows: its second warpgroup runs both GEMMs and an exponential per score of every block on padding, in pingpong
-#: turns with the first. FLASHGEN_DECODE_WG1=0: the 128-row decode tile for them too.
-DECODE_WG1 = _env_int("FLASHGEN_DECODE_WG1", 1, 0) > 0
+#: turns with the first. Off until measured on a GPU (FLASHGEN_DECODE_WG1=1: on).
+DECODE_WG1 = _env_int("FLASHGEN_DECODE_WG1", 0, 0) > 0
 _DECODE_WG1_TILE = {"block_m": 64, "consumer_wgs": 1}
 
 

@@ -722,8 +722,8 @@ decodeab)
   # hd64 and hd128) and test_kvcache_gpu.py (decode steps on the varlen tiles) with it on, then scripts/split_bench.py
   # (DECODE_ARGS: num_splits 1 and 0, SDPA peers) and scripts/paged_decode.py (pages 0 and 16) with
   # FLASHGEN_DECODE_WG1 0 / 1 alternated twice; the off / on tables last
-  timeout "$(cap "${TEST_TIMEOUT:-150}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short tests/gpu/test_packgqa_gpu.py \
-    tests/gpu/test_kvcache_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  FLASHGEN_DECODE_WG1=1 timeout "$(cap "${TEST_TIMEOUT:-150}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
+    tests/gpu/test_packgqa_gpu.py tests/gpu/test_kvcache_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
   for r in 1 2; do
     for w in 0 1; do
       FLASHGEN_DECODE_WG1=$w timeout "${SPLIT_TIMEOUT:-100}" python3 scripts/split_bench.py ${DECODE_ARGS:---shapes \

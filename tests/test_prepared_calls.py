@@ -1134,8 +1134,9 @@ def test_one_warpgroup_decode_tile_by_packed_rows(tmp_path, monkeypatch):
     recs = [_tile_record(packed, 192, 3, True, "_own"), _tile_record(packed, 128, 2, False, "_decode"), wg1,
             _tile_record(own16, 192, 3, True, "_own")]
     d = _fake_driver(tmp_path, monkeypatch, KEYS, recs)
+    monkeypatch.setattr(core, "DECODE_WG1", True)
     try:
-        assert core.DECODE_WG1 and core._DECODE_WG1_TILE == {"block_m": 64, "consumer_wgs": 1}
+        assert core._DECODE_WG1_TILE == {"block_m": 64, "consumer_wgs": 1}
         b, sk, hk = 2, 1000, 4
 
         def run(sq, h, dtype="bf16", **kw):
