@@ -456,7 +456,8 @@ _PACK_GQA_DECODE_TILE = {"block_m": 128, "consumer_wgs": 2}
 #: rows: its second warpgroup runs both GEMMs and an exponential per score of every block on padding, in pingpong
 #: turns with the first. H100 (session 25, docs/results/decode_wg1_h100/, bf16, heads 32, the same build with
 #: FLASHGEN_DECODE_WG1 0 / 1 alternated in two calls): flash_attn_func's unsplit decode (num_splits=1, FA3's
-#: default) 1.10-1.37x at 16 shapes in four runs (1.00-1.04x where the call is at the DRAM's pace); kvcache decode
+#: default) 1.10-1.37x where a few tiles walk many key blocks, 1.00-1.05x where the call reads K / V at the DRAM's
+#: pace (16 shapes, four runs); kvcache decode
 #: steps (64 caches up to 8k, FA3's split rule) 1.03-1.04x at hd128 and 1.10-1.16x at hd64, paged or not; the
 #: split path (num_splits=0) 0.96-1.06x per shape, 1.013 geomean (best of each side's runs). FLASHGEN_DECODE_WG1=0:
 #: the 128-row decode tile for these calls too.
