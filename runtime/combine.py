@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional, Sequence
 from . import dispatch
 from . import launch
 from ._validate import ELEMENT_SIZE, ArrayInfo, InputError, raise_problems
-from .core import TensorArg
+from .core import TensorArg, _env_int
 from .manifest import Variant
 
 __all__ = [
@@ -49,6 +49,12 @@ __all__ = [
 from .generator.families.combine import DTYPES as OUT_DTYPES, MAX_HEAD_DIM, MAX_SPLITS  # noqa: E402
 _OUT_DTYPE_SPELLING = "torch.float32, torch.bfloat16 or torch.float16"
 _INT32_MAX = 2**31 - 1
+
+#: CTAs whose 16-byte (row, chunk) items are at most 2 per thread (a decode's few rows) walk 8-16 splits per step
+#: instead of 4 (templates/combine.cu.j2 one_pass): each step is a round trip to L2 after the split forward, and a
+#: 16-split decode's merge ended 4-6.5 us after the forward with 4 steps (session 25, H100; docs/PERF.md).
+#: FLASHGEN_COMBINE_ONE_PASS=0: 4 per step everywhere.
+ONE_PASS = _env_int("FLASHGEN_COMBINE_ONE_PASS", 1, 0) > 0
 
 _OP_LAYOUT = "(num_splits, batch, seqlen, heads, head_dim)"
 _LP_LAYOUT = "(num_splits, batch, seqlen, heads)"
@@ -397,7 +403,7 @@ def _launch_params(out_partial: TensorArg, lse_partial: TensorArg, out: TensorAr
         "op_stride_split": ops[0], "op_stride_batch": ops[1], "op_stride_seq": ops[2], "op_stride_head": ops[3],
         "lp_stride_split": lps[0], "lp_stride_batch": lps[1], "lp_stride_seq": lps[2], "lp_stride_head": lps[3],
         "o_stride_batch": os_[0], "o_stride_seq": os_[1], "o_stride_head": os_[2],
-        "num_splits": ns, "batch": b, "seqlen": s, "heads": h, "head_dim": d,
+        "num_splits": ns, "batch": b, "seqlen": s, "heads": h, "head_dim": d, "one_pass": 1 if ONE_PASS else 0,
     }
     return plan, grid, params
 

@@ -105,10 +105,10 @@ def test_family_structs_layouts():
     offs = {n: o for n, _, o in fwd["fields"]}
     assert (offs["softmax_scale"], offs["softcap_scale"], offs["window_left"], offs["window_right"]) == (40, 44, 48, 52)
     comb = combine_mod.PARAMS.layout()
-    assert comb["struct"] == "CombineParams" and comb["size"] == 144
+    assert comb["struct"] == "CombineParams" and comb["size"] == 152
     offs = {n: o for n, _, o in comb["fields"]}
-    assert (offs["out_partial"], offs["lse"], offs["op_stride_split"], offs["num_splits"], offs["vec4"]) == \
-        (0, 24, 32, 120, 140)
+    assert (offs["out_partial"], offs["lse"], offs["op_stride_split"], offs["num_splits"], offs["vec4"],
+            offs["one_pass"]) == (0, 24, 32, 120, 140, 144)
 
 
 def test_field_types_checked():

@@ -31,6 +31,7 @@ PARAMS = params_struct(
     ("o_stride_batch", "i64"), ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
     ("num_splits", "i32"), ("batch", "i32"), ("seqlen", "i32"), ("heads", "i32"), ("head_dim", "i32"),
     ("vec4", "i32"),  # 1: float4 loads of out_partial and 4-element stores of out are legal
+    ("one_pass", "i32"),  # 1: CTAs of at most 2 float4 items per thread take 8-16 splits per step (runtime.combine)
 )
 
 
