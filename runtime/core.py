@@ -1133,23 +1133,22 @@ BWD_DKV_STEPS = True
 DET_NOSTEPS_HEAD_DIMS = (128,)
 
 
+def _key_variants(var: Variant) -> tuple[Variant, ...]:
+    """The built variants of ``var``'s dispatch key (every tile and knob)."""
+    return load_manifest().by_key().get((var.family, *sorted(var.dispatch.items())), ())
+
+
 def _key_tile(var: Variant, **tile) -> Variant | None:
     """A built variant of ``var``'s dispatch key whose params include ``tile`` (e.g. block_m and consumer_wgs),
     whatever its other knobs; None if none is built."""
-    for v in load_manifest().by_key().get((var.family, *sorted(var.dispatch.items())), ()):
-        if all(v.params.get(k) == x for k, x in tile.items()):
-            return v
-    return None
+    return next((v for v in _key_variants(var) if all(v.params.get(k) == x for k, x in tile.items())), None)
 
 
 def _twin_variant(var: Variant, **params) -> Variant:
     """The built variant of ``var``'s dispatch key whose params are ``var``'s with ``params`` set, else ``var``
     (block_m=80: the key's block_m 80 tile, bwd.py dq_swap; dkv_steps=False: its A/B twin)."""
     want = {**var.params, **params}
-    for v in load_manifest().by_key().get((var.family, *sorted(var.dispatch.items())), ()):
-        if v.params == want:
-            return v
-    return var
+    return next((v for v in _key_variants(var) if v.params == want), var)
 
 
 def _bwd_plan(dtype: str, d: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
