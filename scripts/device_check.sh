@@ -192,6 +192,19 @@ out=${OUT:-/tmp/flashgen-out}
 # A call that runs past the device tool's 600 s limit costs all of it and loses what comes after; CALL_LIMIT (default
 # 560 s from this script's start, bash's SECONDS) caps the test run's timeout (`cap N`: N, or less where the call's
 # time left minus 20 s is less; at least 30), so that a slow test file ends with its log and summary, not the call.
+# split_bench.py with the environment variable $1 at 0 and 1, alternated twice (more arguments: split_bench's):
+# $out/$2<0|1>_<run>.csv / .md, the tables scripts/split_ab.py compares
+split_alternate() {
+  local var=$1 name=$2 r x
+  shift 2
+  for r in 1 2; do
+    for x in 0 1; do
+      env "$var=$x" timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py "$@" \
+        --csv "$out/$name${x}_$r.csv" > "$out/$name${x}_$r.md" 2>&1
+      echo "split_bench $var=$x run $r rc $?"
+    done
+  done
+}
 cap() { local left=$(( ${CALL_LIMIT:-560} - SECONDS - 20 )); [ "$left" -lt 30 ] && left=30; echo $(( $1 < left ? $1 : left )); }
 # The forward grid with SDPA peers (scripts/regress_fwd.py), once per run of GRID_RUNS (default "1 2") into
 # $out/grid<run>.csv; arguments go to regress_fwd.py run (grid, and tuneab's GRID=1)
@@ -701,13 +714,7 @@ splitkv)
     # stream order) and 1 alternated twice, then the public combine's tests (a pdl kernel after any kernel)
     timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_combine_gpu.py 2>&1 \
       | tee "$out/test_combine.log" | grep -E "FAILED|ERROR|passed|failed" | tail -5
-    for r in 1 2; do
-      for p in 0 1; do
-        FLASHGEN_PDL=$p timeout "${SPLIT_TIMEOUT:-200}" python3 scripts/split_bench.py ${SPLIT_ARGS:-} \
-          --csv "$out/pdl${p}_$r.csv" > "$out/pdl${p}_$r.md" 2>&1
-        echo "split_bench FLASHGEN_PDL=$p run $r rc $?"
-      done
-    done
+    split_alternate FLASHGEN_PDL pdl ${SPLIT_ARGS:-}
     python3 scripts/split_ab.py "$out" pdl0 pdl1 --labels "PDL off,on"
   else
     for r in 1 2; do
@@ -724,12 +731,10 @@ decodeab)
   # FLASHGEN_DECODE_WG1 0 / 1 alternated twice; the off / on tables last
   FLASHGEN_DECODE_WG1=1 timeout "$(cap "${TEST_TIMEOUT:-150}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
     tests/gpu/test_packgqa_gpu.py tests/gpu/test_kvcache_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-100} split_alternate FLASHGEN_DECODE_WG1 wg1_ ${DECODE_ARGS:---shapes \
+    1:8:1:4096,4:8:1:1024,16:8:1:2048,16:4:1:8192,1:8:1:32768,8:8:4:4096,2:8:8:12000,64:8:1:2048}
   for r in 1 2; do
     for w in 0 1; do
-      FLASHGEN_DECODE_WG1=$w timeout "${SPLIT_TIMEOUT:-100}" python3 scripts/split_bench.py ${DECODE_ARGS:---shapes \
-        1:8:1:4096,4:8:1:1024,16:8:1:2048,16:4:1:8192,1:8:1:32768,8:8:4:4096,2:8:8:12000,64:8:1:2048} \
-        --csv "$out/wg1_${w}_$r.csv" > "$out/wg1_${w}_$r.md" 2>&1
-      echo "split_bench FLASHGEN_DECODE_WG1=$w run $r rc $?"
       FLASHGEN_DECODE_WG1=$w timeout 60 python3 scripts/paged_decode.py --pages 0,16 --rounds 1 > "$out/paged_${w}_$r.md" 2>&1
     done
   done
