@@ -95,7 +95,8 @@
 #                                          too, and split_bench with FLASHGEN_PDL 0 / 1 (the combine as the split
 #                                          forward's programmatic dependent) alternated twice, off / on last
 #   bash scripts/device_check.sh decodeab  the one-warpgroup PackGQA decode tile: test_packgqa_gpu.py and test_kvcache_gpu.py
-#                                          (TESTS_K), then split_bench.py (DECODE_ARGS) and paged_decode.py (pages 0, 16) with
+#                                          (TESTS_K), then split_bench.py (DECODE_ARGS) and paged_decode.py (PAGED_ARGS, default
+#                                          pages 0, 16) with
 #                                          FLASHGEN_DECODE_WG1 0 / 1 alternated twice, one build; the off / on tables last
 #   bash scripts/device_check.sh packgqaab PackGQA A/B (carry .base): test_packgqa_gpu.py, then scripts/packgqa_bench.py (PACKGQA_ARGS,
 #                                          default --head-dim 64) of .base/ and this tree alternated twice (OLD_FILTER, default
@@ -735,7 +736,7 @@ decodeab)
     1:8:1:4096,4:8:1:1024,16:8:1:2048,16:4:1:8192,1:8:1:32768,8:8:4:4096,2:8:8:12000,64:8:1:2048}
   for r in 1 2; do
     for w in 0 1; do
-      FLASHGEN_DECODE_WG1=$w timeout 60 python3 scripts/paged_decode.py --pages 0,16 --rounds 1 > "$out/paged_${w}_$r.md" 2>&1
+      FLASHGEN_DECODE_WG1=$w timeout 60 python3 scripts/paged_decode.py ${PAGED_ARGS:---pages 0,16} --rounds 1 > "$out/paged_${w}_$r.md" 2>&1
     done
   done
   for f in 0_1 1_1 0_2 1_2; do echo "== paged, FLASHGEN_DECODE_WG1 run: $f"; grep -E '^\| [0-9]|rror' "$out/paged_$f.md"; done

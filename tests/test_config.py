@@ -230,13 +230,13 @@ def test_real_configs():
     # + varlen_prep's one variant
     # + fwd's PackGQA decode tiles (head_dim 64, {dtype} x {none, causal, local}: not dispatch defaults;
     # core.PACK_GQA_DECODE_MAX_SEQLEN_Q)
-    # + fwd's one-warpgroup PackGQA decode tiles (64 x 128, head_dims 64 and 128, {dtype} x {none, causal, local} x
-    # {varlen}: not dispatch defaults; core.DECODE_WG1)
+    # + fwd's one-warpgroup PackGQA decode tiles (64 x 128 at head_dims 64 and 128, 64 x 64 at 256, {dtype} x
+    # {none, causal, local} x {varlen}: not dispatch defaults; core.DECODE_WG1)
     wg1 = [v for v in vs if v.family == "fwd" and v.params["consumer_wgs"] == 1]
     assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["varlen"],
                    v.params["pack_gqa"], v.params["block_m"], v.params["pingpong"], v.default, v.default_build)
                   for v in wg1) == \
-        sorted((d, h, c, lo, vl, True, 64, False, False, True) for d in ("bf16", "fp16") for h in (64, 128)
+        sorted((d, h, c, lo, vl, True, 64, False, False, True) for d in ("bf16", "fp16") for h in (64, 128, 256)
                for c, lo in ((False, False), (True, False), (False, True)) for vl in (False, True))
     decode = [v for v in vs if v.family == "fwd" and v.params.get("pack_gqa") and not v.params.get("varlen")
               and not v.default and not v.tuned and v not in wg1]
@@ -345,5 +345,5 @@ def test_select_filter():
     assert len(select(vs, "*hd64*")) == 78  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
-    # 6 + 6 packed + 9 varlen + 6 one-warpgroup decode tiles; causal, causal_softcap, packed, 3 varlen
-    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 33
+    # 6 + 6 packed + 9 varlen + 6 one-warpgroup decode tiles; causal, causal_softcap, packed, 3 varlen, 2 one-warpgroup
+    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 35

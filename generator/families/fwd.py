@@ -45,7 +45,8 @@ Feasibility (sm_90a, this kernel's layout), checked before anything is rendered:
   1024 bytes of alignment slack: at most 227 KB = 232448 bytes.
 - Registers (setmaxnreg, :func:`register_split`): 1 or 2 consumer WGs get 240 regs/thread, 3 get 160
   (producer 24 / 32). e4m3 and PackGQA with 2 consumer WGs: 40 / 232 (the V transpose and the
-  5-D Q load need the producer's registers; PackGQA with 1 consumer WG too), except e4m3 tiles whose accumulators need more than
+  5-D Q load need the producer's registers; PackGQA with 1 consumer WG: 40 / 240, its 256 threads launch
+  with 256 registers each; hd256 local at 232 spilled 8 bytes), except e4m3 tiles whose accumulators need more than
   200 (head_dim 256 at block_n 128, head_dim 128 at block_n 224): 24 / 240, as FA3.
   With 3 consumer WGs: head_dim_padded <= 128 and block_n <= 128. For both, the fp32 S accumulator
   (block_n/2), O accumulator (head_dim_v_padded/2) and packed P (block_n/4; e4m3 block_n/8)
@@ -90,7 +91,9 @@ REG_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}  # consumer_wgs -> (produ
 # thread; tests/test_families.py checks every variant): setmaxnreg.inc waits for registers that the
 # other warpgroups have released, so 32 / 240 with 2 consumer warpgroups (128 x 32 + 256 x 240 =
 # 65536 > 384 x 168 = 64512) hangs every launch (H200, tried).
-REG_SPLIT_FP8 = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
+REG_SPLIT_FP8 = {1: (40, 240), 2: (40, 232), 3: (32, 160)}
+# 1 consumer warpgroup (PackGQA's decode tile): 40 / 240 fits its 256 threads' 256 registers each; at 40 / 232
+# the hd256 64 x 64 local tile spilled 8 bytes.
 # e4m3 with 2 consumer warpgroups whose accumulators do not fit 232 (head_dim 256 at block_n 128):
 # FA3's 24 / 240; the transposer's loop over key groups (fp8.cuh: VTransposer) fits 24 registers.
 REG_SPLIT_FP8_WIDE = (24, 240)

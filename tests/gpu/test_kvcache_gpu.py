@@ -110,6 +110,36 @@ def test_kvcache_varlen_kernel_split_kv_mha(seqlen_q, causal, local, monkeypatch
     assert len(launches) == 1 and launches[0] is not None and launches[0].num_splits == 3
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 339), (3, 1024), (1, 4096)])
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+def test_kvcache_decode_hd256_one_warpgroup(seqlen_q, seqlen_k, page_size, causal, local, monkeypatch):
+    """head_dim 256's decode steps (Gemma's) on the one-warpgroup PackGQA varlen tile (64 x 64, configs/fwd.yaml
+    extra; core.DECODE_WG1): GQA, unpaged with left padding or in pages of 16, against FA3's kvcache reference;
+    the launch's variant is that tile."""
+    launches = count_launches(monkeypatch)
+    plans = []
+    real = flashgen.core._plan
+
+    def spy(*a, **kw):
+        plan = real(*a, **kw)
+        plans.append(plan.variant)
+        return plan
+
+    monkeypatch.setattr(flashgen.core, "_plan", spy)
+    monkeypatch.setattr(flashgen.core, "DECODE_WG1", True)
+    check_kvcache(seqlen_q, seqlen_k, page_size, None, causal, local, "gqa", leftpad_on=page_size is None,
+                  varlen=True, d=256)
+    assert len(launches) == 1 and launches[0] is not None
+    if not any(v.params["consumer_wgs"] == 1 for v in plans):
+        names = [v.name for v in plans]
+        if variant_missing("fwd", {"dtype": "bf16", "head_dim": 256, "head_dim_v": 256, "causal": causal, "local": local,
+                                   "softcap": False, "varlen": True, "pack_gqa": True}):
+            pytest.skip("MISSING-FWD-VARIANT: head_dim 256's PackGQA varlen variants not built")
+        pytest.fail(f"no one-warpgroup variant served the step: {names}")
+    assert all(v.params["head_dim"] == 256 for v in plans)
+
+
 def count_launches(monkeypatch) -> list:
     """The varlen kernel switched on; the Varlen of each core.attention_forward call (None: not varlen) collected."""
     monkeypatch.setattr(flashgen.core, "VARLEN_KERNEL", True)
@@ -143,13 +173,13 @@ def poison_unused(kc, vc, table, ends, starts=None, rows=None) -> None:
 
 
 def check_kvcache(seqlen_q, seqlen_k, page_size, rotary, causal, local, mha_type, leftpad_on=True, varlen=False,
-                  batch_idx=False, num_splits=0, softcap=0.0):
+                  batch_idx=False, num_splits=0, softcap=0.0, d=128):
     """One call of FA3's kvcache test against the reference (the module docstring's rule; 3x the max error under
     softcap, FA3's forward factor there); ``leftpad_on`` False: no left padding; ``varlen``: the key is the varlen
     kernels' (the skip names them); ``batch_idx``: an unpaged cache of more rows than entries, read through
-    cache_batch_idx (FA3's has_batch_idx); ``num_splits``: FA3's (0: chosen); ``softcap``: FA3's. Returns the
-    entries' drawn left paddings."""
-    d, batch, heads = 128, 5, 6
+    cache_batch_idx (FA3's has_batch_idx); ``num_splits``: FA3's (0: chosen); ``softcap``: FA3's; ``d``: the head
+    dim. Returns the entries' drawn left paddings."""
+    batch, heads = 5, 6
     heads_k = {"mha": 6, "gqa": 3, "mqa": 1}[mha_type]
     if page_size is not None and seqlen_k % page_size:
         pytest.skip("FA3's test: seqlen_k a multiple of the page size")

@@ -177,23 +177,25 @@ def test_decode_tile_by_seqlen_q(used, monkeypatch, wg1):
         check_fwd(q, k, v, causal, out, lse)
 
 
-def test_one_warpgroup_decode_tile_hd128(used, monkeypatch):
-    """head_dim 128's one-warpgroup decode tile (64 x 128, configs/fwd.yaml extra) against the reference: one to
-    eight new tokens with groups 4 and 8, causal, a window, a sink, keys from 1 to 5000, several tiles per CTA
-    (batch 40); calls past 64 packed rows on the key's own tile."""
-    if not _decode_tiles_built(128):
-        pytest.skip("MISSING-FWD-VARIANT: head_dim 128's one-warpgroup decode tile not built")
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_one_warpgroup_decode_tile(used, monkeypatch, head_dim):
+    """The one-warpgroup decode tile of head_dim 128 (64 x 128) and 256 (64 x 64, 3 stages; configs/fwd.yaml extra)
+    against the reference: one to eight new tokens with groups 4 and 8, causal, a window, a sink, keys from 1 to
+    5000, several tiles per CTA (batch 40); calls past 64 packed rows on the key's own tile (128 rows)."""
+    if not _decode_tiles_built(head_dim):
+        pytest.skip(f"MISSING-FWD-VARIANT: head_dim {head_dim}'s one-warpgroup decode tile not built")
     monkeypatch.setattr(core, "DECODE_WG1", True)
     forced(monkeypatch, True)
     for b, sq, sk, hk, causal, window, sink in ((2, 1, 1, 8, False, (-1, -1), False), (3, 1, 4999, 4, True, (-1, -1), True),
                                                (40, 2, 777, 8, False, (-1, -1), False), (2, 8, 1000, 4, True, (-1, -1), False),
                                                (2, 4, 3000, 8, False, (100, 0), True), (2, 9, 513, 4, True, (-1, -1), False)):
-        q, k, v = make_qkv(b, sq, sk, 32, hk, 128, BF16, seed=sq + sk + hk)
+        q, k, v = make_qkv(b, sq, sk, 32, hk, head_dim, BF16, seed=sq + sk + hk)
         s = torch.randn(32, device="cuda", dtype=torch.float32) if sink else None
         out, lse = run(q, k, v, causal, window, s)
         var = used[-1]
         want = 64 if 32 // hk * sq <= 64 else 128
-        assert var.params.get("pack_gqa") and var.params["block_m"] == want, (b, sq, sk, var.name)
+        assert var.params.get("pack_gqa") and var.params["block_m"] == want and var.params["head_dim"] == head_dim, \
+            (b, sq, sk, var.name)
         check_fwd(q, k, v, causal, out, lse, window_size=window, sink=s)
 
 
