@@ -98,6 +98,9 @@
 #                                          (TESTS_K), then split_bench.py (DECODE_ARGS) and paged_decode.py (PAGED_ARGS, default
 #                                          pages 0, 16) with
 #                                          FLASHGEN_DECODE_WG1 0 / 1 alternated twice, one build; the off / on tables last
+#   bash scripts/device_check.sh cfgab     a config A/B on one machine: CFG_FILE (default configs/fwd.yaml) as it is (a) and
+#                                          through CFG_SED (b), CFG_FILTER rebuilt per side, split_bench.py (DECODE_ARGS)
+#                                          alternated twice (CFG_OFF=1: FLASHGEN_DECODE_WG1=0 too); the a / b table last
 #   bash scripts/device_check.sh packgqaab PackGQA A/B (carry .base): test_packgqa_gpu.py, then scripts/packgqa_bench.py (PACKGQA_ARGS,
 #                                          default --head-dim 64) of .base/ and this tree alternated twice (OLD_FILTER, default
 #                                          'fwd_bf16_hd64*'); the rule's pick of each tree side by side last
@@ -741,6 +744,33 @@ decodeab)
   done
   for f in 0_1 1_1 0_2 1_2; do echo "== paged, FLASHGEN_DECODE_WG1 run: $f"; grep -E '^\| [0-9]|rror' "$out/paged_$f.md"; done
   python3 scripts/split_ab.py "$out" wg1_0 wg1_1 --columns unsplit_us,split_us --labels "128-row tile,wg1"
+  ;;
+cfgab)
+  # a config A/B on one machine, one build tree: side a is this tree's CFG_FILE (default configs/fwd.yaml), side b the
+  # same file through CFG_SED (a sed expression); CFG_FILTER's variants rebuilt for each side (from the cache after
+  # the first round); scripts/split_bench.py (DECODE_ARGS) on a and b alternated twice, with FLASHGEN_DECODE_WG1=0
+  # too (CFG_OFF=1: the 128-row decode tile, once per round); the a / b (and off / a) tables last
+  cfg=${CFG_FILE:-configs/fwd.yaml}
+  cp "$cfg" "$out/cfg_a.yaml"
+  sed "${CFG_SED:?set CFG_SED}" "$out/cfg_a.yaml" > "$out/cfg_b.yaml"
+  diff "$out/cfg_a.yaml" "$out/cfg_b.yaml" | head -3
+  for r in 1 2; do
+    for side in a b; do
+      cp "$out/cfg_$side.yaml" "$cfg"
+      flashgen build --filter "${CFG_FILTER:?set CFG_FILTER}" -j "$(nproc)" 2>&1 | tail -1
+      timeout "${SPLIT_TIMEOUT:-100}" python3 scripts/split_bench.py $DECODE_ARGS --csv "$out/cfg_${side}_$r.csv" \
+        > "$out/cfg_${side}_$r.md" 2>&1
+      echo "split_bench side $side run $r rc $?"
+    done
+    if [ -n "${CFG_OFF:-}" ]; then
+      FLASHGEN_DECODE_WG1=0 timeout "${SPLIT_TIMEOUT:-100}" python3 scripts/split_bench.py $DECODE_ARGS \
+        --csv "$out/cfg_off_$r.csv" > "$out/cfg_off_$r.md" 2>&1
+      echo "split_bench FLASHGEN_DECODE_WG1=0 run $r rc $?"
+    fi
+  done
+  cp "$out/cfg_a.yaml" "$cfg"
+  [ -n "${CFG_OFF:-}" ] && python3 scripts/split_ab.py "$out" cfg_off cfg_a --columns unsplit_us,split_us --labels "wg1 off,a"
+  python3 scripts/split_ab.py "$out" cfg_a cfg_b --columns unsplit_us,split_us --labels "a,b"
   ;;
 packgqaab)
   old_build "${OLD_FILTER:-fwd_bf16_hd64*}"
