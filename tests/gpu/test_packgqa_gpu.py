@@ -179,7 +179,7 @@ def test_decode_tile_by_seqlen_q(used, monkeypatch, wg1):
 
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_one_warpgroup_decode_tile(used, monkeypatch, head_dim):
-    """The one-warpgroup decode tile of head_dim 128 (64 x 128) and 256 (64 x 64, 3 stages; configs/fwd.yaml extra)
+    """The one-warpgroup decode tile of head_dim 128 (64 x 128) and 256 (64 x 64; configs/fwd.yaml extra)
     against the reference: one to eight new tokens with groups 4 and 8, causal, a window, a sink, keys from 1 to
     5000, several tiles per CTA (batch 40); calls past 64 packed rows on the key's own tile (128 rows)."""
     if not _decode_tiles_built(head_dim):
