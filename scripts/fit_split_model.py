@@ -39,8 +39,8 @@ def read_rows(path: str, heads: int = 32) -> list[tuple[tuple, dict]]:
         if r.get("fa3_splits"):
             t[int(r["fa3_splits"])] = float(r["fa3_us"])
         d = int(r["head_dim"])
-        rows.append(((int(r["batch"]), heads, heads // int(r["group"]), int(r["seqlen_q"]), int(r["seqlen_k"]),
-                      4 * d), t))
+        h = int(r.get("heads") or heads)  # (CSVs before session 26 have no heads column: split_bench's default 32)
+        rows.append(((int(r["batch"]), h, h // int(r["group"]), int(r["seqlen_q"]), int(r["seqlen_k"]), 4 * d), t))
     return rows
 
 
@@ -67,10 +67,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--bandwidth", type=float, default=3.352e6)
     ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--heads", type=int, default=32, help="query heads of CSV rows without a heads column")
     a = ap.parse_args(argv)
     core.launch.num_sms = lambda device: a.sms
     core.launch.dram_bandwidth = lambda device: a.bandwidth
-    files = {f: read_rows(f) for f in a.csv}
+    files = {f: read_rows(f, a.heads) for f in a.csv}
     print("current:", {c: getattr(core, c) for c in CONSTANTS})
     for f, s in score(files).items():
         print(f"  {f}: " + ("a pick not timed" if s is None else f"geomean {s[0]:.3f}, worst {s[1]:.3f}"))

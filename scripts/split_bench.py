@@ -90,6 +90,7 @@ def main(argv=None) -> int:
                 row.update(fastest_splits=fastest, fastest_us=counts[fastest],
                            split_over_fastest=t[0] / counts[fastest],
                            sweep_us=";".join(f"{n}:{t[n]:.1f}" for n in extra))
+            row["heads"] = h
             rows.append(row)
             print(f"| {d} | {b} | {group} | {sq} | {sk} | {splits} | {t[1]:.1f} | {t[0]:.1f} | {row['speedup']:.2f} | "
                   f"{peers['cudnn']:.1f} | {peers['fa2']:.1f} | {row['vs_best_sdpa']:.2f} | {fa3} | "
