@@ -615,9 +615,14 @@ SPLIT_BANDWIDTH = 0.9
 SPLIT_NORM = 6
 SPLIT_COST_US = 5.0
 SPLIT_COST_PER_SPLIT_US = 0.2
-#: The model's K + V bytes per key at most: hd128's at 16 bits, the widest it was measured on (hd256's key blocks
-#: may take another time each; they keep FA3's rule).
-SPLIT_MODEL_MAX_KV_BYTES = 512
+#: Key blocks wider than hd128's (512 bytes of K + V per key at 16 bits) take longer: hd256's (1024 bytes) take
+#: SPLIT_BLOCK_US_WIDE each, fitted to session 26's sweep (docs/results/split_sweep_hd256_h100/: 20 shapes, bf16,
+#: GQA 1-16, 2k-64k keys, twice; H100): the model then picks within 1.002x the fastest count timed in geomean (worst
+#: 1.04), where FA3's rule took 1.053-1.056x (worst 1.37: 55 splits of 1 x 2 tiles over 8k keys against 16). Between
+#: 512 and 1024 bytes a key (hd192 / 128) the cost is interpolated linearly: not measured.
+SPLIT_BLOCK_US_WIDE = 1.5
+#: The model's K + V bytes per key at most (hd256's at 16 bits, the widest measured); wider keys keep FA3's rule.
+SPLIT_MODEL_MAX_KV_BYTES = 1024
 
 
 def _forward_tiles(batch: int, heads: int, heads_k: int, max_seqlen_q: int) -> tuple[int, int]:
@@ -653,8 +658,8 @@ def varlen_num_splits(batch: int, heads: int, heads_k: int, max_seqlen_q: int, m
     modelled = SPLIT_MODEL and 0 < kv_bytes_per_key <= SPLIT_MODEL_MAX_KV_BYTES and m_rows <= 128
     bandwidth = launch.dram_bandwidth(device) if modelled else 0.0  # 0: FA3's rule (also where the driver says 0)
     question = (tiles, m_rows, batch, heads_k, keys, kv_bytes_per_key, sms, bandwidth, DECODE_SPLIT_BLOCKS,
-                MAX_SPLITS, SPLIT_BLOCK_US, SPLIT_TILE_US, SPLIT_BANDWIDTH, SPLIT_NORM, SPLIT_COST_US,
-                SPLIT_COST_PER_SPLIT_US)
+                MAX_SPLITS, SPLIT_BLOCK_US, SPLIT_BLOCK_US_WIDE, SPLIT_TILE_US, SPLIT_BANDWIDTH, SPLIT_NORM,
+                SPLIT_COST_US, SPLIT_COST_PER_SPLIT_US, SPLIT_MODEL_MAX_KV_BYTES)
     n = _split_counts.get(question)
     if n is None:
         n = launch.cache_put(_split_counts, question,
@@ -677,7 +682,8 @@ def _num_splits(tiles: int, m_rows: int, batch: int, heads_k: int, keys: int, kv
         return 1
     cap = min(MAX_SPLITS, sms, blocks)
     if bandwidth > 0:
-        return _modelled_splits(tiles, blocks, batch * max(heads_k, 1) * keys * kv_bytes_per_key, sms, cap, bandwidth)
+        return _modelled_splits(tiles, blocks, batch * max(heads_k, 1) * keys * kv_bytes_per_key, sms, cap, bandwidth,
+                                kv_bytes_per_key)
     efficiency = [tiles * n / sms / math.ceil(tiles * n / sms) for n in range(1, cap + 1)]
     n = next(n for n, e in enumerate(efficiency, 1) if e >= 0.85 * max(efficiency))
     if DECODE_SPLIT_BLOCKS > 0 and m_rows <= 128:
@@ -685,13 +691,18 @@ def _num_splits(tiles: int, m_rows: int, batch: int, heads_k: int, keys: int, kv
     return n
 
 
-def _modelled_splits(tiles: int, blocks: int, kv_bytes: int, sms: int, cap: int, bandwidth: float) -> int:
+def _modelled_splits(tiles: int, blocks: int, kv_bytes: int, sms: int, cap: int, bandwidth: float,
+                     kv_bytes_per_key: int = 512) -> int:
     """The split count (a power of two up to ``cap``) of a decode-like call whose ``tiles`` each read ``blocks`` key
-    blocks of 128, with ``kv_bytes`` of K and V in all, on ``sms`` SMs whose DRAM peak is ``bandwidth`` bytes per us
-    (the model of SPLIT_MODEL's comment): the fewest splits whose predicted time is within 2 % of the fastest
-    count's. Powers of two only: the counts the model was fitted on (between them it was not measured)."""
+    blocks of 128, with ``kv_bytes`` of K and V in all (``kv_bytes_per_key`` a key of one K/V head), on ``sms`` SMs
+    whose DRAM peak is ``bandwidth`` bytes per us (the model of SPLIT_MODEL's comment): the fewest splits whose
+    predicted time is within 2 % of the fastest count's. Powers of two only: the counts the model was fitted on
+    (between them it was not measured)."""
+    wide = min(max(kv_bytes_per_key - 512, 0) / 512, 1.0)  # 0 up to hd128's keys, 1 at hd256's (SPLIT_BLOCK_US_WIDE)
+    block_us = SPLIT_BLOCK_US + wide * (SPLIT_BLOCK_US_WIDE - SPLIT_BLOCK_US)
+
     def predicted_us(n: int) -> float:
-        serial = (SPLIT_TILE_US + -(-blocks // n) * SPLIT_BLOCK_US) * -(-tiles * n // sms)  # waves of one per SM
+        serial = (SPLIT_TILE_US + -(-blocks // n) * block_us) * -(-tiles * n // sms)  # waves of one per SM
         merge = SPLIT_COST_US + SPLIT_COST_PER_SPLIT_US * n if n > 1 else 0.0
         memory = kv_bytes / (SPLIT_BANDWIDTH * bandwidth)
         return merge + (serial ** SPLIT_NORM + memory ** SPLIT_NORM) ** (1 / SPLIT_NORM)

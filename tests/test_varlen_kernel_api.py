@@ -665,7 +665,19 @@ def test_modelled_splits_of_padded_decodes(monkeypatch):
     assert (model(24, 8, 4096, 64), model(24, 8, 4096, 128), fa3(24, 8, 4096)) == (1, 1, 4)
     assert (model(5, 8, 65536, 64), model(5, 8, 65536, 128)) == (32, 4)
     assert model(1, 32, 32768, 128, 256) == fa3(1, 32, 32768, 256)  # 2 query blocks a tile: FA3's rule
-    assert model(16, 8, 1024, 256) == fa3(16, 8, 1024) == 2  # hd256 (not measured): FA3's rule
+    # hd256 (session 26's sweep, heads 16; SPLIT_BLOCK_US_WIDE): FA3's 55 / 109 splits of 2 / 1 tiles measured 1.32x /
+    # 1.26x the time of 16 / 32; 64-96 tiles unsplit (FA3's 2 / 4: 1.04x)
+    def model256(batch, group, seqlen_k):
+        return core.varlen_num_splits(batch, 16, 16 // group, 1, seqlen_k, 0, None, 1024)
+
+    def fa3_256(batch, group, seqlen_k):
+        return core.varlen_num_splits(batch, 16, 16 // group, 1, seqlen_k, 0)
+
+    assert (model256(1, 8, 8192), fa3_256(1, 8, 8192)) == (16, 55)
+    assert (model256(1, 16, 65536), fa3_256(1, 16, 65536)) == (32, 109)
+    assert (model256(8, 2, 4096), fa3_256(8, 2, 4096), model256(12, 2, 2048), fa3_256(12, 2, 2048)) == (1, 2, 1, 4)
+    # keys wider than hd256's at 16 bits (not measured): FA3's rule
+    assert core.varlen_num_splits(1, 16, 2, 1, 8192, 0, None, 2048) == fa3_256(1, 8, 8192) == 55
     monkeypatch.setattr(core.launch, "dram_bandwidth", lambda device: 0.0)  # a driver that reports no memory clock
     assert model(16, 8, 1024, 128) == fa3(16, 8, 1024) == 2  # FA3's rule
     monkeypatch.setattr(core.launch, "dram_bandwidth", lambda device: 3.35e6)
@@ -674,7 +686,8 @@ def test_modelled_splits_of_padded_decodes(monkeypatch):
 
 
 def test_split_model_reproduces_the_h100_sweeps(monkeypatch):
-    """The shipped constants pick, on docs/results/split_sweep_h100's rows (H100, each count timed), counts within
+    """The shipped constants pick, on docs/results/split_sweep_h100's and split_sweep_hd256_h100's rows (H100, each
+    count timed), counts within
     1 % of the fastest in geomean per run (scripts/fit_split_model.py, the runtime's own model): a change of the
     constants or the model that loses on the measured rows fails here, before any GPU."""
     import importlib.util
@@ -689,7 +702,10 @@ def test_split_model_reproduces_the_h100_sweeps(monkeypatch):
     monkeypatch.setattr(core, "_split_counts", {})
     files = {str(f): fit.read_rows(str(f)) for f in sorted((repo / "docs/results/split_sweep_h100").glob("call*/split*.csv"))}
     assert len(files) == 10 and sum(map(len, files.values())) == 200  # calls 1-5, two runs each
-    scores = fit.score(files)
+    # hd256 (session 26: SPLIT_BLOCK_US_WIDE; the CSVs carry their heads, 16)
+    wide = {str(f): fit.read_rows(str(f)) for f in sorted((repo / "docs/results/split_sweep_hd256_h100").glob("call*/split*.csv"))}
+    assert len(wide) >= 2 and all(len(r) == 20 and r[0][0][1] == 16 for r in wide.values())
+    scores = fit.score({**files, **wide})
     assert all(s is not None and s[0] <= 1.01 and s[1] <= 1.15 for s in scores.values()), scores
 
 
