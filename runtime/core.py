@@ -451,15 +451,17 @@ def _check_named_variant(var: Variant, dtype: str, d: int, dv: int, mask: MaskSp
 PACK_GQA_DECODE_MAX_SEQLEN_Q = 64
 _PACK_GQA_DECODE_TILE = {"block_m": 128, "consumer_wgs": 2}
 #: PackGQA calls whose packed rows (group x seqlen_q) fit one warpgroup's 64 run on the key's one-warpgroup tile
-#: (_DECODE_WG1_TILE: 64 x 128 with 1 consumer warpgroup and no pingpong; configs/fwd.yaml extra, head dims 64 and
-#: 128) where one is built, else as above. A one-token decode with GQA group 4 or 8 fills 4 or 8 of a 128-row tile's
+#: (_DECODE_WG1_TILE: 64 x 128 with 1 consumer warpgroup and no pingpong at head dims 64 and 128, 64 x 64 at 256;
+#: configs/fwd.yaml extra) where one is built, else as above. A one-token decode with GQA group 4 or 8 fills 4 or 8 of a 128-row tile's
 #: rows: its second warpgroup runs both GEMMs and an exponential per score of every block on padding, in pingpong
 #: turns with the first. H100 (session 25, docs/results/decode_wg1_h100/, bf16, heads 32, the same build with
 #: FLASHGEN_DECODE_WG1 0 / 1 alternated in two calls): flash_attn_func's unsplit decode (num_splits=1, FA3's
 #: default) 1.10-1.37x where a few tiles walk many key blocks, 1.00-1.05x where the call reads K / V at the DRAM's
 #: pace (16 shapes, four runs); kvcache decode
 #: steps (64 caches up to 8k, FA3's split rule) 1.03-1.04x at hd128 and 1.10-1.16x at hd64, paged or not; the
-#: split path (num_splits=0) 0.96-1.06x per shape, 1.013 geomean (best of each side's runs). FLASHGEN_DECODE_WG1=0:
+#: split path (num_splits=0) 0.96-1.06x per shape, 1.013 geomean (best of each side's runs). hd256 (session 26,
+#: docs/results/decode_wg1_hd256_h100/, heads 16, group 2-8): unsplit 1.24-1.37x at 8-32 CTAs, 1.01-1.02x at 64-256,
+#: the split path 1.00-1.03x. FLASHGEN_DECODE_WG1=0:
 #: the 128-row decode tile for these calls too.
 DECODE_WG1 = _env_int("FLASHGEN_DECODE_WG1", 1, 0) > 0
 _DECODE_WG1_TILE = {"block_m": 64, "consumer_wgs": 1}
