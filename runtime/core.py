@@ -502,10 +502,10 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
                     "softcap": softcap, "pack_gqa": pack_gqa, "varlen": varlen}, round_up=_ROUND_UP)
         if variant is None:
             var = tuning.tuned_variant(var, bucket, device, load_manifest())
-        if decode == 2:
-            wg1 = _key_tile(var, **_DECODE_WG1_TILE)
-            var = wg1 if wg1 is not None else _twin_variant(var, **_PACK_GQA_DECODE_TILE)
-        elif decode:
+        wg1 = _key_tile(var, **_DECODE_WG1_TILE) if decode == 2 else None
+        if wg1 is not None:
+            var = wg1
+        elif decode:  # (2 without a one-warpgroup tile built: the 128-row one)
             var = _twin_variant(var, **_PACK_GQA_DECODE_TILE)
         p = var.params
         sms = launch.num_sms(device) if p.get("persistent", True) else 0
@@ -694,7 +694,7 @@ def _num_splits(tiles: int, m_rows: int, batch: int, heads_k: int, keys: int, kv
 
 
 def _modelled_splits(tiles: int, blocks: int, kv_bytes: int, sms: int, cap: int, bandwidth: float,
-                     kv_bytes_per_key: int = 512) -> int:
+                     kv_bytes_per_key: int) -> int:
     """The split count (a power of two up to ``cap``) of a decode-like call whose ``tiles`` each read ``blocks`` key
     blocks of 128, with ``kv_bytes`` of K and V in all (``kv_bytes_per_key`` a key of one K/V head), on ``sms`` SMs
     whose DRAM peak is ``bandwidth`` bytes per us (the model of SPLIT_MODEL's comment): the fewest splits whose

@@ -730,7 +730,7 @@ splitkv)
   ;;
 decodeab)
   # the one-warpgroup PackGQA decode tile (core.DECODE_WG1, one build): test_packgqa_gpu.py (its decode tile tests,
-  # hd64 and hd128) and test_kvcache_gpu.py (decode steps on the varlen tiles) with it on, then scripts/split_bench.py
+  # hd64, hd128 and hd256) and test_kvcache_gpu.py (decode steps on the varlen tiles) with it on, then scripts/split_bench.py
   # (DECODE_ARGS: num_splits 1 and 0, SDPA peers) and scripts/paged_decode.py (pages 0 and 16) with
   # FLASHGEN_DECODE_WG1 0 / 1 alternated twice; the off / on tables last
   FLASHGEN_DECODE_WG1=1 timeout "$(cap "${TEST_TIMEOUT:-150}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short \

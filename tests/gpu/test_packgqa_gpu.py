@@ -149,7 +149,7 @@ def test_rule_packs_decode_and_not_prefill(used, monkeypatch):
 
 def _decode_tiles_built(head_dim: int) -> bool:
     """Whether bf16 ``head_dim``'s non-varlen PackGQA decode tiles are built: 128 x 128 wg2 (head_dim 64) and the
-    one-warpgroup 64 x 128 tile (configs/fwd.yaml extra)."""
+    one-warpgroup tile (64 x 128; 64 x 64 at head_dim 256; configs/fwd.yaml extra)."""
     tiles = {(v.params["block_m"], v.params["consumer_wgs"]) for v in load_manifest().variants
              if v.family == "fwd" and v.params.get("pack_gqa") and not v.params.get("varlen")
              and v.params["head_dim"] == head_dim and v.params["dtype"] == "bf16" and not v.default}
