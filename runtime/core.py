@@ -480,19 +480,21 @@ def _decode_tile(group: int, seqlen_q: int) -> int:
 
 
 def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, variant: Variant | None,
-          bucket: int = 0, pack_gqa: bool = False, varlen: bool = False, decode: int = 0) -> _Plan:
+          bucket: int = 0, pack_gqa: bool = False, varlen: bool = False, decode: int = 0, few: bool = False) -> _Plan:
     """Variant, loaded kernel and launch constants for a call key, resolved once per process.
 
     ``bucket``: the call's seqlen_k bucket (``tuning.seqlen_bucket``); the GPU's tune table
     (flashgen/tuning.py) may name another built tile than the default for it. ``pack_gqa``: a
     PackGQA variant (fwd.py's pack_gqa; ignored with ``variant``); ``decode`` (:func:`_decode_tile`) 1 or 2:
-    the key's decode tile where one is built (2: the one-warpgroup tile, else the 128-row one). ``varlen``: a
+    the key's decode tile where one is built (2: the one-warpgroup tile, else the 128-row one). ``few``: without a
+    decode tile, the key's few-tile tile (_FEW_TILE, :func:`_few_tile_plan`) where one is built. ``varlen``: a
     varlen variant (fwd.py's varlen; ignored with ``variant``).
     A hit never touches the manifest; a miss reloads it (so a variant added with
     `flashgen add-variant` is picked up by the next call that needs it)."""
     decode = decode if variant is None and pack_gqa else 0
+    few = few and variant is None and not decode
     key = (variant.name if variant is not None else None, dtype, d, dv, mask.causal, mask.local, softcap, device,
-           pack_gqa, bucket, varlen, decode)
+           pack_gqa, bucket, varlen, decode, few)
     plan = _plans.get(key)
     if plan is None:
         if variant is not None:
@@ -503,7 +505,9 @@ def _plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: in
         if variant is None:
             var = tuning.tuned_variant(var, bucket, device, load_manifest())
         wg1 = _key_tile(var, **_DECODE_WG1_TILE) if decode == 2 else None
-        if wg1 is not None:
+        if few:
+            var = _key_tile(var, **_FEW_TILE) or var
+        elif wg1 is not None:
             var = wg1
         elif decode:  # (2 without a one-warpgroup tile built: the 128-row one)
             var = _twin_variant(var, **_PACK_GQA_DECODE_TILE)
@@ -752,21 +756,73 @@ def variant_built(family: str, key: dict, round_up: tuple = ()) -> bool:
 _built: set = set()  # variant_built's keys found built (only added to: safe to share between threads)
 
 
+#: Few-tile calls (session 27): a 16-bit forward whose key's default tile is taller than _FEW_TILE (head_dim 64:
+#: 192 x 128 with 3 consumer warpgroups) runs on the key's _FEW_TILE tile (128 x 128 with 2; configs/fwd.yaml extra,
+#: and the causal keys' tune-table tiles) where that takes no more waves of tiles over the SMs (:func:`_few_tile_plan`).
+#: A 192-row tile walks a key block in about 1.16x a 128-row tile's time (1.49 against 1.28 us at head_dim 64 on an
+#: H100), so with as many waves the 128-row tile ends first: chunked prefills and verify steps (80-1024 queries over
+#: 4k-32k keys) and MHA decodes, whose few tiles each walk many key blocks. H100, heads 32, scripts/split_bench.py
+#: (docs/results/few_tile_h100/): the key's 128-row tile against its 192-row one on 12 shapes (--twin 128:2, two runs):
+#: 1.13-1.17x (non-causal) and 1.18-1.30x (causal, seqlen_k >= 8 seqlen_q) where it takes as many waves, 0.60-1.00x
+#: where it takes one more; the rule (FLASHGEN_FEW_TILE 0 / 1 alternated twice, 28 rows, bf16 / fp16): 1.07-1.17x
+#: non-causal and 1.16-1.33x causal where it switches, 0.97-1.02x where it does not. Not applied to causal calls whose
+#: mask removes more than a little (seqlen_k < FEW_TILE_CAUSAL_KEYS x seqlen_q: their tiles' work differs, not
+#: measured), local windows, softcap, e4m3 or varlen calls (the varlen PackGQA tile is already 128 x 128). Not measured
+#: on an H200. FLASHGEN_FEW_TILE=0: the default tiles.
+FEW_TILE = _env_int("FLASHGEN_FEW_TILE", 1, 0) > 0
+_FEW_TILE = {"block_m": 128, "consumer_wgs": 2}
+FEW_TILE_CAUSAL_KEYS = 8
+
+
+def _tile_grid(batch: int, seqlen_q: int, heads: int, heads_k: int, block_m: int, packed: bool) -> tuple[int, int, int]:
+    """A forward launch's (query positions per tile, query blocks, tiles) for tiles of ``block_m`` rows: a PackGQA
+    (``packed``) tile holds block_m // group positions of a K/V head's query heads; tiles = query blocks x (K/V heads
+    when packed, else heads) x batch."""
+    positions = block_m // (heads // heads_k) if packed else block_m
+    num_m = -(-seqlen_q // positions)
+    return positions, num_m, num_m * (heads_k if packed else heads) * batch
+
+
+def _few_tile_plan(plan: _Plan, packed: bool, dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int,
+                   bucket: int, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int,
+                   may_pack: bool) -> tuple[_Plan, bool]:
+    """(plan, packed) of a 16-bit, non-varlen forward call with no variant named: the chosen ``plan`` (``packed``:
+    PackGQA), or the key's _FEW_TILE plan (packed by pack_gqa_rule at its block_m where ``may_pack``) where FEW_TILE,
+    the call qualifies (FEW_TILE's comment) and its tiles take no more waves of launch.num_sms(device) than the
+    chosen plan's. Once per prepared call (PreparedForward), not per launch."""
+    if (not FEW_TILE or softcap or mask.local or plan.block_m <= _FEW_TILE["block_m"]
+            or (mask.causal and seqlen_k < FEW_TILE_CAUSAL_KEYS * seqlen_q)):
+        return plan, packed
+    few = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, few=True)
+    if few.block_m != _FEW_TILE["block_m"]:  # none built for the key
+        return plan, packed
+    fp = (_packed_plan(dtype, d, dv, mask, softcap, device, bucket, heads // heads_k, seqlen_q=seqlen_q, few=True)
+          if may_pack and pack_gqa_rule(seqlen_q, heads, heads_k, few.block_m) else None)
+    if fp is not None and fp.block_m != few.block_m:
+        fp = None  # (a packed key without the tile: the unpacked one)
+    few, few_packed = fp or few, fp is not None
+    sms = launch.num_sms(device)
+    waves = -(-_tile_grid(batch, seqlen_q, heads, heads_k, plan.block_m, packed)[2] // sms)
+    few_waves = -(-_tile_grid(batch, seqlen_q, heads, heads_k, few.block_m, few_packed)[2] // sms)
+    return (few, few_packed) if few_waves <= waves else (plan, packed)
+
+
 def _pack_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
-               group: int, varlen: bool = False, seqlen_q: int = 0) -> _Plan:
+               group: int, varlen: bool = False, seqlen_q: int = 0, few: bool = False) -> _Plan:
     """The PackGQA plan of a call key (``varlen``: of the varlen variants): with ``seqlen_q`` up to
     PACK_GQA_DECODE_MAX_SEQLEN_Q a decode tile of the key (:func:`_decode_tile`, _plan) unless ``group`` query
-    heads overflow it, else the key's own tile. MissingVariantError where no PackGQA variant serves the key."""
+    heads overflow it, else the key's own tile (``few``: its few-tile tile, :func:`_few_tile_plan`).
+    MissingVariantError where no PackGQA variant serves the key."""
     return _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, pack_gqa=True, varlen=varlen,
-                 decode=_decode_tile(group, seqlen_q))
+                 decode=_decode_tile(group, seqlen_q), few=few)
 
 
 def _packed_plan(dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int, bucket: int,
-                 group: int, varlen: bool = False, seqlen_q: int = 0) -> _Plan | None:
+                 group: int, varlen: bool = False, seqlen_q: int = 0, few: bool = False) -> _Plan | None:
     """_pack_plan's plan when a PackGQA variant is built for the key and ``group`` query heads fit its tile
     (group <= block_m); else None (the unpacked kernel serves)."""
     try:
-        plan = _pack_plan(dtype, d, dv, mask, softcap, device, bucket, group, varlen, seqlen_q)
+        plan = _pack_plan(dtype, d, dv, mask, softcap, device, bucket, group, varlen, seqlen_q, few)
     except MissingVariantError:
         return None
     return plan if group <= plan.block_m else None
@@ -941,12 +997,13 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               if pack_gqa is None and may_pack and pack_gqa_rule(sq, h, hk, plan.block_m) else None)
         packed = pp is not None
         plan = pp or plan
+        if not vl and not fp8:
+            plan, packed = _few_tile_plan(plan, packed, q.dtype, d, dv, mask, softcap > 0, q.device, bucket, b, sq,
+                                          sk, h, hk, pack_gqa is None and may_pack)
     bm, bn = plan.block_m, plan.block_n
     if packed and group > bm:
         raise ValueError(f"flashgen: pack_gqa needs heads / heads_k ({group}) <= block_m ({bm})")
-    positions = bm // group if packed else bm  # query positions per tile
-    num_m = -(-sq // positions)
-    num_tiles = num_m * (hk if packed else h) * b
+    positions, num_m, num_tiles = _tile_grid(b, sq, h, hk, bm, packed)
     pairs_heads = hk if packed else h  # the scheduler's (batch, head) pairs: K/V heads when packed
     params = {"seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_k": hk, "batch": b, "num_m_blocks": num_m,
               "num_tiles": num_tiles, "section_heads": section_heads(b, pairs_heads, hk, sk, d, dv, 1 if fp8 else 2),

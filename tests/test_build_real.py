@@ -48,7 +48,7 @@ def real_subset(tmp_path_factory):
     out = tmp_path_factory.mktemp("realbuild")
     proj = Project(REPO, build_override=out)
     vs = load_variants(proj)
-    pick = [v for v in select(vs, "fwd_bf16_hd64_noncausal_m*,fwd_fp16_hd128_causal_m*,fwd_bf16_hd256_causal_m*,"
+    pick = [v for v in select(vs, "fwd_bf16_hd64_noncausal_m192*,fwd_fp16_hd128_causal_m*,fwd_bf16_hd256_causal_m*,"
                                   "fwd_bf16_hd256_causal_softcap_m*,fwd_fp16_hd192v128_noncausal_m*")
             if not v.tuned]  # the configs' tiles, not those the tune tables add to the default set
     assert len(pick) == 5
@@ -496,7 +496,7 @@ def test_real_split_forward_lets_the_combine_launch_early(tmp_path):
     dependent, waits (ACQBULK) before its first global load (the partials); a non-varlen forward has no trigger (its
     SASS, and so its timing, as before)."""
     proj = Project(REPO, build_override=tmp_path)
-    vs = select(load_variants(proj), "combine_bf16_*,fwd_bf16_hd64_noncausal_packgqa_varlen_m128*,fwd_bf16_hd64_noncausal_m*")
+    vs = select(load_variants(proj), "combine_bf16_*,fwd_bf16_hd64_noncausal_packgqa_varlen_m128*,fwd_bf16_hd64_noncausal_m192*")
     vs = [v for v in vs if not v.tuned]
     assert {v.family for v in vs} == {"combine", "fwd"} and len(vs) == 3, [v.name for v in vs]
     r = build(proj, vs, jobs=2, log=lambda s: None)

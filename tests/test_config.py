@@ -244,8 +244,15 @@ def test_real_configs():
                    v.params["consumer_wgs"], v.default_build) for v in decode) == \
         sorted((d, 64, c, lo, 128, 2, True) for d in ("bf16", "fp16") for c, lo in ((False, False), (True, False),
                                                                                    (False, True)))
+    # + fwd's few tiles (head_dim 64, unpacked non-causal 128 x 128 wg2, {dtype}: not dispatch defaults; core.FEW_TILE)
+    few = [v for v in vs if v.family == "fwd" and not v.params.get("pack_gqa") and not v.params.get("varlen")
+           and not v.default and not v.tuned and v.default_build and v.params["dtype"] != "e4m3"
+           and v.params["head_dim_v"] == v.params["head_dim"]]
+    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
+                   v.params["block_m"], v.params["block_n"], v.params["consumer_wgs"]) for v in few) == \
+        sorted((d, 64, False, False, False, 128, 128, 2) for d in ("bf16", "fp16"))
     assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(built_twins) + \
-        len(decode) + len(wg1) + len(tuned)
+        len(decode) + len(wg1) + len(few) + len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa") and not v.params.get("varlen") and v.default]
     assert len(packed) == 30 and not any(v.params["softcap"] or v.params["dtype"] == "e4m3" for v in packed)
     # + varlen (fwd.py varlen) for {dtype} x {head_dim} x {none, causal, local} x {PackGQA}, without softcap (60)
@@ -274,7 +281,7 @@ def test_real_configs():
             for c, lo in ((False, False), (True, False), (False, True)) for sc in (False, True)}
     for family in ("fwd", "bwd"):  # a backward for every forward the default build makes
         fam = [v for v in select(vs) if v.family == family and v.params["head_dim_v" if family == "fwd" else "head_dim"]
-               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap + twins + decode + wg1]  # FP8 has no backward
+               == v.params["head_dim"] and v.params["dtype"] != "e4m3" and v not in swap + twins + decode + wg1 + few]  # FP8 has no backward
         assert all(v.default for v in fam)
         assert {(v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"])
                 for v in fam} == keys
@@ -283,7 +290,7 @@ def test_real_configs():
              v.params["softcap"]) for v in mla} == {(d, 192, 128, c, lo, sc) for d in ("bf16", "fp16")
                                                    for c, lo in ((False, False), (True, False), (False, True))
                                                    for sc in (False, True)}
-    default_set = [v for v in select(vs) if v.family == "fwd" and v not in decode + wg1]
+    default_set = [v for v in select(vs) if v.family == "fwd" and v not in decode + wg1 + few]
     # every default variant takes block_m/block_n/consumer_wgs from its tile-table row (the most
     # specific one), whatever the tuned values are
     import yaml
@@ -313,9 +320,9 @@ def test_real_configs():
     assert any("ablation" in s for s in full.sources)  # the "full" point is the default variant itself
     tune = [v for v in vs if "configs/fwd_tune.yaml" in " ".join(v.sources)  # tile candidates
             or "configs/fwd_fp8_tune.yaml" in " ".join(v.sources)]
-    assert tune and not any(v.default or v.default_build for v in tune)
+    assert tune and not any(v.default or (v.default_build and v not in few) for v in tune)  # (the few tiles: candidates too)
     assert len(vs) + len(tuned) == (60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(twins) + len(decode) + len(wg1)
-                                    + len({v.name for v in abl + tune + tuned if not v.default}))
+                                    + len({v.name for v in abl + tune + tuned + few if not v.default}))
     assert len(select(vs, all_=True)) == len(vs)
 
 
@@ -324,7 +331,7 @@ def test_head_dims_96_192_are_one_line_away(tmp_path):
         "head_dim: [64, 128, 256]", "head_dim: [64, 96, 128, 192, 256]")})
     vs = load_variants(proj)
     base = [v for v in vs if v.params["head_dim_v"] == v.params["head_dim"] and not v.params["pack_gqa"]
-            and not v.params["varlen"]]
+            and not v.params["varlen"] and v.default]  # (not the few tiles of configs/fwd.yaml extra)
     assert len(base) == 60  # {dtype} x {head_dim} x {none, causal, local} x {softcap}
     assert {v.params["head_dim"] for v in base} == {64, 96, 128, 192, 256} and all(v.default for v in base)
 
@@ -341,9 +348,9 @@ def test_select_filter():
     # {bf16, fp16} x ({none, causal, local} x {softcap} + PackGQA {none, causal, local} x {its tile, the decode
     # tile} + varlen {none, causal, local} x {PackGQA, softcap} + the one-warpgroup decode tiles {none, causal, local}
     # x {varlen}); e4m3 x {none, causal, local} x {softcap}
-    assert len(select(vs, "fwd_*hd64*")) == 60
-    assert len(select(vs, "*hd64*")) == 78  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
+    assert len(select(vs, "fwd_*hd64*")) == 62  # + the few tiles (configs/fwd.yaml extra)
+    assert len(select(vs, "*hd64*")) == 80  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
     # 6 + 6 packed + 9 varlen + 6 one-warpgroup decode tiles; causal, causal_softcap, packed, 3 varlen, 2 one-warpgroup
-    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 35
+    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 36

@@ -1160,6 +1160,63 @@ def test_one_warpgroup_decode_tile_by_packed_rows(tmp_path, monkeypatch):
         tuning.reset()
 
 
+def test_few_tile_calls_take_the_128_row_tile(tmp_path, monkeypatch):
+    """16-bit calls whose 192-row tiles are few (core.FEW_TILE) run on the key's 128 x 128 two-warpgroup tile where it
+    takes no more waves of tiles over the 132 SMs (packed by pack_gqa_rule at 128 rows), and stay on the key's tile
+    where it takes more, without the tile built, with FEW_TILE off, with a variant named, and for causal calls whose
+    mask removes more than a little (seqlen_k < 8 seqlen_q), local windows and softcap."""
+    base = dict(dtype="bf16", head_dim=64, head_dim_v=64, causal=False, local=False, softcap=False)
+    recs = []
+    for key in (base, dict(base, causal=True), dict(base, local=True), dict(base, softcap=True)):
+        for pg in (False, True):
+            k = dict(key, pack_gqa=pg)
+            recs += [_tile_record(k, 192, 3, True, "_own"), _tile_record(k, 128, 2, False, "_few")]
+    recs.append(_tile_record(dict(base, dtype="fp16"), 192, 3, True, "_own"))
+    d = _fake_driver(tmp_path, monkeypatch, KEYS, recs)
+    monkeypatch.setattr(core, "FEW_TILE", True)
+    try:
+        assert core._FEW_TILE == {"block_m": 128, "consumer_wgs": 2} and core.FEW_TILE_CAUSAL_KEYS == 8
+
+        def run(b, sq, sk, h, hk, dtype="bf16", causal=False, window=(-1, -1), softcap=0.0, **kw):
+            q, out = targ((b, sq, h, 64), dtype, 1 << 24), targ((b, sq, h, 64), dtype, 4 << 24)
+            k, v = targ((b, sk, hk, 64), dtype, 2 << 24), targ((b, sk, hk, 64), dtype, 3 << 24)
+            core.attention_forward(q, k, v, out, targ((b, h, sq), "fp32", 5 << 24), 0.1, causal, 5,
+                                   window_size=window, softcap=softcap, **kw)
+            rec = d.launches[-1]
+            return rec["symbol"], _params_of(rec)["num_tiles"]
+
+        # 2 x 32 heads x 512 queries: 3 x 64 = 192 tiles of 192 rows (2 waves), 4 x 64 = 256 of 128 (2 waves)
+        sym, tiles = run(2, 512, 16384, 32, 8)
+        assert "_few" in sym and "packgqa" not in sym and tiles == 256, (sym, tiles)
+        sym, tiles = run(2, 512, 16384, 32, 8, causal=True)  # 16384 >= 8 x 512: the mask removes little
+        assert "_few" in sym and "_c1_" in sym and tiles == 256
+        # 768 queries at batch 1: 4 x 32 = 128 tiles (1 wave) against 6 x 32 = 192 (2 waves)
+        sym, tiles = run(1, 768, 16384, 32, 8)
+        assert "_few" not in sym and tiles == 128
+        # packed at 192 rows (group 8, 128 queries: 6 x 4 x 4 = 96 tiles), not at 128 (128 x 4 x 4 = 128 tiles)
+        sym, tiles = run(4, 128, 8192, 32, 4)
+        assert "_few" in sym and "packgqa" not in sym and tiles == 128
+        # packed at both: group 8, 100 queries, 24 or 16 positions a tile: 5 x 8 = 40 or 7 x 8 = 56 tiles
+        sym, tiles = run(2, 100, 8192, 32, 4)
+        assert "_few" in sym and "packgqa" in sym and tiles == 56
+        sym, tiles = run(2, 512, 2048, 32, 8, causal=True)  # 2048 < 8 x 512: the key's tile
+        assert "_few" not in sym and tiles == 192
+        for kw in (dict(window=(256, 0)), dict(softcap=15.0), dict(dtype="fp16")):
+            sym, _ = run(2, 512, 16384, 32, 8, **kw)
+            assert "_few" not in sym, kw
+        own = next(v for v in core.load_manifest().variants if v.name.endswith("_c0_l0_s0_own"))
+        sym, _ = run(2, 512, 16384, 32, 8, variant=own)
+        assert "_own" in sym
+        for sq in (512, 1024, 2048, 4096, 8192, 16384):  # FA3's grid (16k tokens, 32 heads): 21-24 waves against 32
+            sym, _ = run(16384 // sq, sq, sq, 32, 32)
+            assert "_few" not in sym, sq
+        monkeypatch.setattr(core, "FEW_TILE", False)
+        sym, tiles = run(2, 513, 16384, 32, 8)  # a new shape (prepared calls are per shape)
+        assert "_few" not in sym and tiles == 192
+    finally:
+        tuning.reset()
+
+
 class _ExDriver(FakeDriver):
     """FakeDriver whose launches record only the symbol, the stream and (cuLaunchKernelEx) the
     attributes as (id, value) pairs."""

@@ -161,10 +161,11 @@ def test_decode_tile_by_seqlen_q(used, monkeypatch, wg1):
     """head_dim 64's PackGQA decode tiles (configs/fwd.yaml extra): calls whose packed rows (group x seqlen_q) fit
     64 run on the one-warpgroup 64 x 128 tile while core.DECODE_WG1 (wg1), the others with seqlen_q <=
     core.PACK_GQA_DECODE_MAX_SEQLEN_Q on 128 x 128 with 2 consumer warpgroups, longer ones on the key's 192-row
-    tile; each against the reference, groups 4 and 8, causal or not, seqlen_q 1-128."""
+    tile (core.FEW_TILE off); each against the reference, groups 4 and 8, causal or not, seqlen_q 1-128."""
     if not _decode_tiles_built(64):
         pytest.skip("MISSING-FWD-VARIANT: head_dim 64's PackGQA decode tiles not built")
     monkeypatch.setattr(core, "DECODE_WG1", wg1)
+    monkeypatch.setattr(core, "FEW_TILE", False)  # (test_few_tile_calls: seqlen_q 65-128 over 777 keys would take it)
     forced(monkeypatch, True)
     for sq, hk, causal in ((1, 8, False), (1, 4, True), (2, 4, False), (8, 4, True), (16, 8, False), (9, 4, False),
                            (64, 4, True), (64, 8, False), (65, 4, True), (128, 8, False)):
@@ -175,6 +176,39 @@ def test_decode_tile_by_seqlen_q(used, monkeypatch, wg1):
         want = (64 if wg1 and rows <= 64 else 128) if sq <= 64 else 192
         assert var.params.get("pack_gqa") and var.params["block_m"] == want, (sq, hk, var.name)
         check_fwd(q, k, v, causal, out, lse)
+
+
+def test_few_tile_calls(used, monkeypatch):
+    """Calls whose 192-row tiles are few (core.FEW_TILE) run on head_dim 64's 128 x 128 two-warpgroup tile where it
+    takes no more waves over the SMs (unpacked, packed at 128 rows, causal over >= 8x as many keys, an MHA decode),
+    the others on the key's 192-row tile; each against the reference, fp16 and bf16."""
+    few = {(v.params["dtype"], v.params["causal"], bool(v.params.get("pack_gqa"))) for v in load_manifest().variants
+           if v.family == "fwd" and v.params["head_dim"] == 64 and not v.params.get("varlen")
+           and (v.params["block_m"], v.params["consumer_wgs"]) == (128, 2)}
+    if len(few) < 8:
+        pytest.skip(f"MISSING-FWD-VARIANT: head_dim 64's 128 x 128 wg2 tiles not built for every key ({sorted(few)})")
+    monkeypatch.setattr(core, "FEW_TILE", True)
+    interface._fwd_calls.clear()
+    core._prepared_forwards.clear()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # (batch, seqlen_q, seqlen_k, heads, heads_k, causal): 192-row / 128-row tiles on 132 SMs
+    for b, sq, sk, h, hk, causal in ((2, 512, 4097, 32, 8, False),  # 192 / 256 tiles: 2 waves each
+                                     (1, 768, 3000, 32, 8, False),  # 128 (1 wave) / 192 (2): the 192-row tile
+                                     (2, 250, 4001, 32, 8, True),  # 128 / 128; 4001 >= 8 x 250
+                                     (2, 300, 700, 32, 8, True),  # 700 < 8 x 300: the 192-row tile
+                                     (2, 100, 2000, 32, 4, False),  # packed: 40 / 56 tiles (24 / 16 positions)
+                                     (8, 1, 3000, 32, 32, False)):  # MHA decode: 256 / 256
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v = make_qkv(b, sq, sk, h, hk, 64, dtype, seed=sq + sk)
+            out, lse = run(q, k, v, causal, (-1, -1))
+            var = used[-1]
+            t192 = core._tile_grid(b, sq, h, hk, 192, core.pack_gqa_rule(sq, h, hk, 192))[2]
+            t128 = core._tile_grid(b, sq, h, hk, 128, core.pack_gqa_rule(sq, h, hk, 128))[2]
+            want = 128 if -(-t128 // sms) <= -(-t192 // sms) and not (causal and sk < 8 * sq) else 192
+            assert var.params["block_m"] == want, (b, sq, sk, h, hk, causal, var.name)
+            if want == 128:
+                assert bool(var.params.get("pack_gqa")) == core.pack_gqa_rule(sq, h, hk, 128), var.name
+            check_fwd(q, k, v, causal, out, lse)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
