@@ -94,6 +94,10 @@
 #                                          per run, default 200 s), one build (no .base); PDLAB=1: test_combine_gpu.py
 #                                          too, and split_bench with FLASHGEN_PDL 0 / 1 (the combine as the split
 #                                          forward's programmatic dependent) alternated twice, off / on last
+#   bash scripts/device_check.sh envab     a runtime switch's A/B on one build: the GPU tests of TESTS (files; TESTS_K: -k)
+#                                          first, then scripts/split_bench.py with ENV_VAR (e.g. FLASHGEN_FEW_TILE) 0 / 1
+#                                          alternated twice for each ';'-separated argument set of SPLIT_SETS; the
+#                                          0 / 1 table of each set last (unsplit_us and split_us)
 #   bash scripts/device_check.sh decodeab  the one-warpgroup PackGQA decode tile: test_packgqa_gpu.py and test_kvcache_gpu.py
 #                                          (TESTS_K), then split_bench.py (DECODE_ARGS) and paged_decode.py (PAGED_ARGS, default
 #                                          pages 0, 16) with
@@ -727,6 +731,25 @@ splitkv)
     done
     cat "$out/split1.md"; tail -n +4 "$out/split2.md" | cut -d"|" -f2-17
   fi
+  ;;
+envab)
+  # a runtime switch (ENV_VAR 0 / 1) on one build: tests, then split_bench.py per argument set of SPLIT_SETS
+  if [ -n "${TESTS:-}" ]; then
+    timeout "$(cap "${TEST_TIMEOUT:-240}")" python3 -m pytest -q -p no:cacheprovider -rs --tb=short $TESTS \
+      ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$out/test.log" | grep -E "FAILED|ERROR|passed|failed" | tail -15
+  fi
+  i=0
+  IFS=';' read -ra sets <<< "${SPLIT_SETS:?set SPLIT_SETS}"
+  for args in "${sets[@]}"; do
+    i=$((i + 1))
+    # (word splitting of the set's arguments is wanted here)
+    # shellcheck disable=SC2086
+    split_alternate "${ENV_VAR:?set ENV_VAR}" "set${i}_" $args
+  done
+  for j in $(seq 1 "$i"); do
+    echo "== set $j: ${sets[$((j - 1))]}"
+    python3 scripts/split_ab.py "$out" "set${j}_0" "set${j}_1" --columns unsplit_us,split_us --labels "$ENV_VAR=0,1"
+  done
   ;;
 decodeab)
   # the one-warpgroup PackGQA decode tile (core.DECODE_WG1, one build): test_packgqa_gpu.py (its decode tile tests,

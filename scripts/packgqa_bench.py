@@ -50,19 +50,25 @@ def _sdpa(backend, q, k, v):
     return None, None
 
 
+def _forget_prepared(plans: bool = False) -> None:
+    """The prepared forward calls emptied (and with ``plans`` the resolved plans), so the next call asks the rules."""
+    interface._fwd_calls.clear()
+    core._prepared_forwards.clear()
+    if plans:
+        core._plans.clear()
+
+
 @contextlib.contextmanager
 def _forced(pack: bool):
     """core.pack_gqa_rule answering ``pack``; the prepared calls emptied on entry and exit."""
     real = core.pack_gqa_rule
     core.pack_gqa_rule = lambda *a: pack
-    interface._fwd_calls.clear()
-    core._prepared_forwards.clear()
+    _forget_prepared()
     try:
         yield
     finally:
         core.pack_gqa_rule = real
-        interface._fwd_calls.clear()
-        core._prepared_forwards.clear()
+        _forget_prepared()
 
 
 def main(argv=None) -> int:
