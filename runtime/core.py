@@ -767,11 +767,20 @@ _built: set = set()  # variant_built's keys found built (only added to: safe to 
 #: where it takes one more; the rule (FLASHGEN_FEW_TILE 0 / 1 alternated twice, 28 rows, bf16 / fp16): 1.07-1.17x
 #: non-causal and 1.16-1.33x causal where it switches, 0.97-1.02x where it does not. Not applied to causal calls whose
 #: mask removes more than a little (seqlen_k < FEW_TILE_CAUSAL_KEYS x seqlen_q: their tiles' work differs, not
-#: measured), local windows, softcap, e4m3 or varlen calls (the varlen PackGQA tile is already 128 x 128). Not measured
+#: measured), local windows, softcap, e4m3, or varlen-kernel calls unless FEW_TILE_VARLEN (below). Not measured
 #: on an H200. FLASHGEN_FEW_TILE=0: the default tiles.
 FEW_TILE = _env_int("FLASHGEN_FEW_TILE", 1, 0) > 0
 _FEW_TILE = {"block_m": 128, "consumer_wgs": 2}
 FEW_TILE_CAUSAL_KEYS = 8
+#: The same rule for varlen-kernel calls (session 28, built without a GPU, off until measured): flash_attn_with_kvcache's
+#: chunked prefills and verify steps (q padded: its tiles are known; seqlen_k is the cache's positions), varlen calls
+#: (q packed: the grid's tiles at max_seqlen_q, an upper bound on the sequences' own), and the split path's partials
+#: (tiles x splits). head_dim 64's unpacked varlen tile is 192 x 128 with 3 consumer warpgroups (its PackGQA varlen
+#: tile is 128 rows already); configs/fwd.yaml extra builds its 128 x 128 wg2 twin (bf16 / fp16, causal or not). Expected
+#: from session 27's non-varlen figures: 1.07-1.17x non-causal, 1.16-1.3x causal where it switches (the same kernel
+#: body); measure with `device_check.sh envab` (ENV_VAR=FLASHGEN_FEW_TILE_VARLEN, split_bench.py --kvcache) before
+#: turning it on. FLASHGEN_FEW_TILE_VARLEN=1: on (with FEW_TILE).
+FEW_TILE_VARLEN = _env_int("FLASHGEN_FEW_TILE_VARLEN", 0, 0) > 0
 
 
 def _tile_grid(batch: int, seqlen_q: int, heads: int, heads_k: int, block_m: int, packed: bool) -> tuple[int, int, int]:
@@ -785,18 +794,20 @@ def _tile_grid(batch: int, seqlen_q: int, heads: int, heads_k: int, block_m: int
 
 def _few_tile_plan(plan: _Plan, packed: bool, dtype: str, d: int, dv: int, mask: MaskSpec, softcap: bool, device: int,
                    bucket: int, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int,
-                   may_pack: bool) -> tuple[_Plan, bool]:
-    """(plan, packed) of a 16-bit, non-varlen forward call with no variant named: the chosen ``plan`` (``packed``:
-    PackGQA), or the key's _FEW_TILE plan (packed by pack_gqa_rule at its block_m where ``may_pack``) where FEW_TILE,
-    the call qualifies (FEW_TILE's comment) and its tiles take no more waves of launch.num_sms(device) than the
-    chosen plan's. Once per prepared call (PreparedForward), not per launch."""
-    if (not FEW_TILE or softcap or mask.local or plan.block_m <= _FEW_TILE["block_m"]
-            or (mask.causal and seqlen_k < FEW_TILE_CAUSAL_KEYS * seqlen_q)):
+                   may_pack: bool, varlen: bool = False) -> tuple[_Plan, bool]:
+    """(plan, packed) of a 16-bit forward call with no variant named: the chosen ``plan`` (``packed``: PackGQA), or
+    the key's _FEW_TILE plan (packed by pack_gqa_rule at its block_m where ``may_pack``) where FEW_TILE (and, for a
+    ``varlen`` call, FEW_TILE_VARLEN), the call qualifies (FEW_TILE's comment) and its tiles take no more waves of
+    launch.num_sms(device) than the chosen plan's. ``batch``: the grid's (a split call's sequences x splits).
+    Once per prepared call (PreparedForward), not per launch."""
+    if (not FEW_TILE or (varlen and not FEW_TILE_VARLEN) or softcap or mask.local
+            or plan.block_m <= _FEW_TILE["block_m"] or (mask.causal and seqlen_k < FEW_TILE_CAUSAL_KEYS * seqlen_q)):
         return plan, packed
-    few = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, few=True)
+    few = _plan(dtype, d, dv, mask, softcap, device, None, bucket=bucket, varlen=varlen, few=True)
     if few.block_m != _FEW_TILE["block_m"]:  # none built for the key
         return plan, packed
-    fp = (_packed_plan(dtype, d, dv, mask, softcap, device, bucket, heads // heads_k, seqlen_q=seqlen_q, few=True)
+    fp = (_packed_plan(dtype, d, dv, mask, softcap, device, bucket, heads // heads_k, varlen=varlen,
+                       seqlen_q=seqlen_q, few=True)
           if may_pack and pack_gqa_rule(seqlen_q, heads, heads_k, few.block_m) else None)
     if fp is not None and fp.block_m != few.block_m:
         fp = None  # (a packed key without the tile: the unpacked one)
@@ -997,9 +1008,10 @@ def _prepare_forward(q, k, v, out, causal, variant, window_size, softcap, softma
               if pack_gqa is None and may_pack and pack_gqa_rule(sq, h, hk, plan.block_m) else None)
         packed = pp is not None
         plan = pp or plan
-        if not vl and not fp8:
-            plan, packed = _few_tile_plan(plan, packed, q.dtype, d, dv, mask, softcap > 0, q.device, bucket, b, sq,
-                                          sk, h, hk, pack_gqa is None and may_pack)
+        if not fp8:
+            plan, packed = _few_tile_plan(plan, packed, q.dtype, d, dv, mask, softcap > 0, q.device, bucket,
+                                          b * (varlen.num_splits if vl else 1), sq, sk, h, hk,
+                                          pack_gqa is None and may_pack, vl)
     bm, bn = plan.block_m, plan.block_n
     if packed and group > bm:
         raise ValueError(f"flashgen: pack_gqa needs heads / heads_k ({group}) <= block_m ({bm})")

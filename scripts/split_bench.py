@@ -20,6 +20,9 @@ flashgen.split_kv.split_count) and reports the fastest count of 1, 0's choice an
 ``--twin block_m:consumer_wgs``: each row also times num_splits=1 on that tile of the call's key where one is built
 (e.g. 128:2, hd64's 128 x 128 two-warpgroup tile against its 192 x 128 default), the key's own tile where none is:
 the data of a tile chosen by the call's waves (few tiles over long keys).
+``--kvcache``: flashgen's calls are ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlen_k, ...)``
+instead (the varlen kernel over a cache whose lengths the host does not read: a chunked prefill or verify step with
+its tokens already appended), num_splits 1 and 0 (FA3's rule: kvcache's default); SDPA's calls are the same.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--twin", default="", help="block_m:consumer_wgs: num_splits=1 on that tile of the key too")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--causal", action="store_true", help="flashgen's calls causal (bottom-right); SDPA's not")
+    ap.add_argument("--kvcache", action="store_true", help="flashgen's calls through flash_attn_with_kvcache")
     ap.add_argument("--csv")
     a = ap.parse_args(argv)
     causal = a.causal
@@ -93,7 +97,9 @@ def main(argv=None) -> int:
               [(16, 8, 1, 8192), (16, 4, 1, 8192), (16, 8, 1, 1024), (16, 8, 4, 8192), (16, 8, 16, 8192),
                (16, 8, 64, 8192), (4, 8, 1, 8192), (4, 8, 1, 32768), (1, 8, 1, 32768), (1, 8, 16, 32768),
                (8, 1, 1, 8192), (2, 1, 1, 32768)])
-    print(f"# split-KV in flash_attn_func, {torch.cuda.get_device_name()}, {a.dtype}, heads {h}, "
+    entry = "flash_attn_with_kvcache" if a.kvcache else "flash_attn_func"
+    kv_bytes = 0 if a.kvcache else None  # (kvcache: lengths not read on the host, FA3's rule; else the padded model)
+    print(f"# split-KV in {entry}, {torch.cuda.get_device_name()}, {a.dtype}, heads {h}, "
           f"{'flashgen causal (SDPA not)' if causal else 'not causal'}; us per call")
     print("| head_dim | batch | group | seqlen_q | seqlen_k | splits | num_splits=1 | num_splits=0 | 1 / 0 | cuDNN "
           "| FA2 "
@@ -107,17 +113,25 @@ def main(argv=None) -> int:
             g = torch.Generator(device="cuda").manual_seed(sq + sk + b)
             q = torch.randn(b, sq, h, d, device="cuda", dtype=dt, generator=g)
             k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
-            runs = {n: split_count(n, b, h, hk, sq, sk, 0, causal, (-1, -1), 4 * d) for n in (0, *sweep)}  # as called
+            kvb = 4 * d if kv_bytes is None else kv_bytes
+            runs = {n: split_count(n, b, h, hk, sq, sk, 0, causal, (-1, -1), kvb) for n in (0, *sweep)}  # as called
             splits = runs[0]
             fa3 = _fa3_rule(b, h, hk, sq, sk, d, causal)
             extra = sorted(({runs[n] for n in sweep} | {fa3}) - {1, runs[0]})
-            t = {n: 1e3 * _time_ms(lambda n=n: flashgen.flash_attn_func(q, k, v, causal=causal, num_splits=n))
-                 for n in (1, 0, *extra)}
+            if a.kvcache:
+                lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+
+                def call(n):
+                    return flashgen.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=causal, num_splits=n)
+            else:
+                def call(n):
+                    return flashgen.flash_attn_func(q, k, v, causal=causal, num_splits=n)
+            t = {n: 1e3 * _time_ms(lambda n=n: call(n)) for n in (1, 0, *extra)}
             counts = {1: t[1], runs[0]: t[0], **{n: t[n] for n in extra}}
             fastest = min(counts, key=counts.get)
             if twin:
                 with _twin_tile(*twin) as chosen:
-                    twin_us = 1e3 * _time_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal, num_splits=1))
+                    twin_us = 1e3 * _time_ms(lambda: call(1))
                 twin_var = chosen[-1] if chosen else "?"
             peers = {}
             for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
@@ -135,6 +149,7 @@ def main(argv=None) -> int:
                 row.update(twin_us=twin_us, unsplit_over_twin=t[1] / twin_us, twin_variant=twin_var)
             row["heads"] = h
             row["causal"] = int(causal)
+            row["entry"] = entry
             row["dtype"] = a.dtype
             rows.append(row)
             print(f"| {d} | {b} | {group} | {sq} | {sk} | {splits} | {t[1]:.1f} | {t[0]:.1f} | {row['speedup']:.2f} | "

@@ -251,6 +251,13 @@ def test_real_configs():
     assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
                    v.params["block_m"], v.params["block_n"], v.params["consumer_wgs"]) for v in few) == \
         sorted((d, 64, False, False, False, 128, 128, 2) for d in ("bf16", "fp16"))
+    # + their varlen twins (head_dim 64, unpacked 128 x 128 wg2 varlen, {dtype} x {causal}: core.FEW_TILE_VARLEN)
+    few_varlen = [v for v in vs if v.family == "fwd" and not v.params.get("pack_gqa") and v.params.get("varlen")
+                  and not v.default and v.default_build]
+    assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["softcap"],
+                   v.params["block_m"], v.params["block_n"], v.params["consumer_wgs"]) for v in few_varlen) == \
+        sorted((d, 64, c, False, False, 128, 128, 2) for d in ("bf16", "fp16") for c in (False, True))
+    few += few_varlen
     assert len(select(vs)) == 60 + 12 + 30 + 60 + 18 + 60 + 30 + 30 + 3 + 2 + 1 + len(swap) + len(built_twins) + \
         len(decode) + len(wg1) + len(few) + len(tuned)
     packed = [v for v in select(vs) if v.params.get("pack_gqa") and not v.params.get("varlen") and v.default]
@@ -262,7 +269,7 @@ def test_real_configs():
         sorted((d, h, c, lo, 128 if h == 64 else 64) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
                for c, lo in ((False, False), (True, False), (False, True)))
     assert not any(v.params["softcap"] or not v.default or not v.params["dkv_steps"] for v in bwd_varlen)
-    varlen = [v for v in select(vs) if v.family == "fwd" and v.params.get("varlen") and v not in wg1]
+    varlen = [v for v in select(vs) if v.family == "fwd" and v.params.get("varlen") and v not in wg1 + few_varlen]
     assert sorted((v.params["dtype"], v.params["head_dim"], v.params["causal"], v.params["local"], v.params["pack_gqa"],
                    v.params["softcap"]) for v in varlen) == \
         sorted((d, h, c, lo, pk, sc) for d in ("bf16", "fp16") for h in (64, 96, 128, 192, 256)
@@ -348,9 +355,9 @@ def test_select_filter():
     # {bf16, fp16} x ({none, causal, local} x {softcap} + PackGQA {none, causal, local} x {its tile, the decode
     # tile} + varlen {none, causal, local} x {PackGQA, softcap} + the one-warpgroup decode tiles {none, causal, local}
     # x {varlen}); e4m3 x {none, causal, local} x {softcap}
-    assert len(select(vs, "fwd_*hd64*")) == 62  # + the few tiles (configs/fwd.yaml extra)
-    assert len(select(vs, "*hd64*")) == 80  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
+    assert len(select(vs, "fwd_*hd64*")) == 66  # + the few tiles (configs/fwd.yaml extra: 2, and 4 varlen)
+    assert len(select(vs, "*hd64*")) == 84  # fwd and bwd (bwd: {bf16, fp16} x {none, causal, local} x {softcap} + varlen)
     assert len(select(vs, "fwd_bf16_hd128_noncausal_m")) == 1  # substring, default set only
     assert len(select(vs, "hd128_noncausal", all_=True)) == len([v for v in vs if "hd128_noncausal" in v.name]) > 4
     # 6 + 6 packed + 9 varlen + 6 one-warpgroup decode tiles; causal, causal_softcap, packed, 3 varlen, 2 one-warpgroup
-    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 36
+    assert len(select(vs, "fwd_bf16_hd64*,fwd_fp16_hd256_causal*")) == 38  # (+ 3 few tiles: 1 unpacked, 2 varlen)

@@ -1217,6 +1217,69 @@ def test_few_tile_calls_take_the_128_row_tile(tmp_path, monkeypatch):
         tuning.reset()
 
 
+def test_few_tile_varlen_calls_take_the_128_row_tile(tmp_path, monkeypatch):
+    """Varlen-kernel calls (a kvcache chunked prefill over a padded q, a packed q by cu_seqlens_q, a split call's
+    partials) take the key's 128 x 128 two-warpgroup varlen tile by core.FEW_TILE's wave rule only while
+    core.FEW_TILE_VARLEN: off (the default), with FEW_TILE off, or where the 128-row tiles take more waves (a split
+    call's tiles x splits counted), they stay on the key's 192-row tile."""
+    base = dict(dtype="bf16", head_dim=64, head_dim_v=64, causal=False, local=False, softcap=False, varlen=True)
+    recs = []
+    for key in (base, dict(base, causal=True)):
+        for pg in (False, True):
+            k = dict(key, pack_gqa=pg)
+            recs += [_tile_record(k, 192 if not pg else 128, 3 if not pg else 2, True, "_own")]
+            if not pg:
+                recs.append(_tile_record(k, 128, 2, False, "_few"))
+    d = _fake_driver(tmp_path, monkeypatch, KEYS, recs)
+    assert core.FEW_TILE_VARLEN is False  # (off until measured on a GPU)
+    monkeypatch.setattr(core, "FEW_TILE", True)
+    try:
+        def run(b, sq, sk, h, hk, causal=False, packed_q=False, splits=1):
+            q, out = targ((b, sq, h, 64), "bf16", 1 << 24), targ((b, sq, h, 64), "bf16", 4 << 24)
+            k, v = targ((b, sk, hk, 64), "bf16", 2 << 24), targ((b, sk, hk, 64), "bf16", 3 << 24)
+            lse = targ((b, h, sq), "fp32", 5 << 24)
+            if packed_q:
+                q, out = targ((b * sq, h, 64), "bf16", 1 << 24), targ((b * sq, h, 64), "bf16", 4 << 24)
+                lse = targ((h, b * sq), "fp32", 5 << 24)
+                vl = core.Varlen(6 << 24, 0, 0, 8 << 24, b, sq, sk)
+            elif splits > 1:
+                out = targ((b, sq, h, 64), "fp32", 4 << 24)
+                vl = core.Varlen(0, 0, 0, 8 << 24, b, sq, sk, num_splits=splits, o_stride_split=b * sq * h * 64,
+                                 lse_stride_split=b * h * sq)
+            else:
+                vl = core.Varlen(0, 0, 0, 8 << 24, b, sq, sk)  # a KV cache's lengths (seqused_k)
+            core.attention_forward(q, k, v, out, lse, 0.1, causal, 5, varlen=vl)
+            rec = d.launches[-1]
+            return rec["symbol"], _params_of(rec)["num_tiles"]
+
+        # 2 x 32 heads x 512 queries over a 16k cache: 192 tiles of 192 rows, 256 of 128 (2 waves each)
+        sym, tiles = run(2, 512, 16384, 32, 8)
+        assert "_own" in sym and "_varlen" in sym and tiles == 192, (sym, tiles)  # FEW_TILE_VARLEN off
+        monkeypatch.setattr(core, "FEW_TILE_VARLEN", True)
+        sym, tiles = run(2, 512, 16383, 32, 8)  # (a new shape: prepared calls are per shape)
+        assert "_few" in sym and "_varlen" in sym and "packgqa" not in sym and tiles == 256, (sym, tiles)
+        sym, tiles = run(2, 512, 16384, 32, 8, causal=True)  # 16384 >= 8 x 512
+        assert "_few" in sym and "_c1_" in sym and tiles == 256, (sym, tiles)
+        sym, tiles = run(2, 512, 2048, 32, 8, causal=True)  # 2048 < 8 x 512: the key's tile
+        assert "_own" in sym and tiles == 192
+        sym, tiles = run(1, 768, 16384, 32, 8)  # 128 tiles (1 wave) against 192 (2 waves)
+        assert "_own" in sym and tiles == 128
+        sym, tiles = run(2, 512, 16000, 32, 8, packed_q=True)  # q packed by cu_seqlens_q: max_seqlen_q's tiles
+        assert "_few" in sym and "packgqa" not in sym and tiles == 256, (sym, tiles)
+        # split partials: 2 splits x 96 tiles of 192 rows = 192 (2 waves), of 128 rows 2 x 128 = 256 (2 waves)
+        sym, tiles = run(1, 512, 16384, 32, 8, splits=2)
+        assert "_few" in sym and tiles == 256, (sym, tiles)
+        # 3 splits: 288 tiles of 192 rows (3 waves) against 384 of 128 (3 waves); 4 splits: 384 (3) against 512 (4)
+        assert run(1, 512, 16380, 32, 8, splits=3) == (sym, 384)
+        sym, tiles = run(1, 512, 16384, 32, 8, splits=4)
+        assert "_own" in sym and tiles == 384, (sym, tiles)
+        monkeypatch.setattr(core, "FEW_TILE", False)
+        sym, tiles = run(2, 512, 16385, 32, 8)
+        assert "_own" in sym and tiles == 192
+    finally:
+        tuning.reset()
+
+
 class _ExDriver(FakeDriver):
     """FakeDriver whose launches record only the symbol, the stream and (cuLaunchKernelEx) the
     attributes as (id, value) pairs."""

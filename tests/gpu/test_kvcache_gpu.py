@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 import flashgen.core  # noqa: E402,F401  (flashgen imports its submodules lazily: the tests patch flashgen.core)
+from flashgen.manifest import load_manifest  # noqa: E402
 from _ref import (  # noqa: E402  (tests/gpu on sys.path)
     assert_child_asserts, captured, kvcache_reference, logical_cache, poison_cached_blocks, start_child, variant_missing,
     varlen_launches)
@@ -138,6 +139,40 @@ def test_kvcache_decode_hd256_one_warpgroup(seqlen_q, seqlen_k, page_size, causa
             pytest.skip("MISSING-FWD-VARIANT: head_dim 256's PackGQA varlen variants not built")
         pytest.fail(f"no one-warpgroup variant served the step: {names}")
     assert all(v.params["head_dim"] == 256 for v in plans)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,num_splits", [(256, 2048, 1), (200, 4096, 1), (256, 4096, 2), (300, 1536, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_kvcache_few_tile_varlen(seqlen_q, seqlen_k, num_splits, causal, page_size, monkeypatch):
+    """Chunked prefills on head_dim 64's 128 x 128 two-warpgroup varlen tile (core.FEW_TILE_VARLEN switched on here;
+    configs/fwd.yaml extra): 5 caches x 6 heads (MHA: GQA at these lengths packs into the PackGQA varlen tile, 128
+    rows already) make no more waves of 128-row tiles than of 192-row ones (60 of each, times the splits; 90 against
+    60 at 300 queries: one wave each), so the wave rule takes the 128-row tile, except for causal calls over fewer than
+    8x seqlen_q keys; unpaged with left padding or in pages of 16, against FA3's kvcache reference."""
+    launches = count_launches(monkeypatch)
+    monkeypatch.setattr(flashgen.core, "FEW_TILE", True)
+    monkeypatch.setattr(flashgen.core, "FEW_TILE_VARLEN", True)
+    seen = []
+    real = flashgen.core.launch_forward
+
+    def spy(prep, *a, **kw):
+        seen.append(prep.plan.variant)
+        return real(prep, *a, **kw)
+
+    monkeypatch.setattr(flashgen.core, "launch_forward", spy)
+    check_kvcache(seqlen_q, seqlen_k, page_size, None, causal, False, "mha", leftpad_on=page_size is None, varlen=True,
+                  num_splits=num_splits, d=64)
+    assert len(launches) == 1 and launches[0] is not None and launches[0].num_splits == num_splits
+    var = seen[-1]
+    want = 192 if causal and seqlen_k < flashgen.core.FEW_TILE_CAUSAL_KEYS * seqlen_q else 128
+    if want == 128 and not any(
+            v.family == "fwd" and v.params["dtype"] == "bf16" and v.params["head_dim"] == 64 and v.params["varlen"]
+            and v.params["causal"] == causal and not v.params["local"] and not v.params["softcap"]
+            and not v.params.get("pack_gqa") and (v.params["block_m"], v.params["consumer_wgs"]) == (128, 2)
+            for v in load_manifest().variants):
+        pytest.skip("MISSING-FWD-VARIANT: head_dim 64's unpacked 128 x 128 wg2 varlen tile not built")
+    assert var.params["varlen"] and not var.params.get("pack_gqa") and var.params["block_m"] == want, var.name
 
 
 def count_launches(monkeypatch) -> list:
