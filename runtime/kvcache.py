@@ -502,12 +502,28 @@ def _kvcache_prep_launch(lens, seqlen_const: int, rows, pads, page_table, total,
             rope.q.shape[2], rope.cos.data_ptr(), rope.sin.data_ptr(), _COS_DTYPES[rope.cos.dtype], ptr(starts),
             2 * rope.cos.shape[1], rope.cos.shape[0], bool(rope.interleaved), k_cache.dtype == torch.bfloat16,
             bool(rope.each))
-    _varlen_prep.kvcache_prepare(
-        ptr(ints[0]), seqlen_const, ptr(ints[1]), ptr(ints[2]), ptr(page_table),
-        0 if page_table is None else page_table.stride(0), total.data_ptr(), ptr(k), ptr(v), strides(k), strides(v),
-        0 if k is None else k.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), strides(k_cache), strides(v_cache),
-        k_cache.shape[-1] * es, v_cache.shape[-1] * es, total.shape[0], k_cache.shape[2], capacity, k_cache.shape[0],
-        k_cache.shape[1] if page_table is not None else 0, _current_stream(device), device, rotary)
+    args = (ptr(ints[0]), seqlen_const, ptr(ints[1]), ptr(ints[2]), ptr(page_table),
+            0 if page_table is None else page_table.stride(0), total.data_ptr(), ptr(k), ptr(v), strides(k),
+            strides(v), 0 if k is None else k.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), strides(k_cache),
+            strides(v_cache), k_cache.shape[-1] * es, v_cache.shape[-1] * es, total.shape[0], k_cache.shape[2],
+            capacity, k_cache.shape[0], k_cache.shape[1] if page_table is not None else 0, device)
+    addresses = _varlen_prep.kvcache_addresses(*(args[i] for i in (0, 2, 3, 4, 6, 7, 8, 11, 12, 13)), rotary)
+    # The launch is prepared once per step metadata (varlen_prep.prepare_kvcache: its checks, grid and params): the
+    # key is every argument but the addresses, of which it holds whether each is given and 16-byte aligned (what the
+    # checks read of them); the addresses are each call's.
+    key = (tuple(a for i, a in enumerate(args) if i not in _PREP_ADDRESS_ARGS),
+           None if rotary is None else rotary._replace(q=0, q_rot=0, cos=0, sin=0, rotary_seqlens=0),
+           tuple((a != 0, a % 16 == 0) for a in addresses))
+    prep = _prep_launches.get(key)
+    if prep is None:
+        prep = _launch.cache_put(_prep_launches, key, _varlen_prep.prepare_kvcache(*args, rotary), _FWD_CALL_CACHE_MAX)
+    _launch.launch_prepared(prep, (), addresses, _current_stream(device))
+
+
+#: _kvcache_prep_launch's prepare_kvcache arguments that are addresses (cache_seqlens, cache_batch_idx, cache_leftpad,
+#: page_table, seqused_k, k_new, v_new, k_cache, v_cache).
+_PREP_ADDRESS_ARGS = frozenset((0, 2, 3, 4, 6, 7, 8, 12, 13))
+_prep_launches: dict = {}  # _kvcache_prep_launch's key -> varlen_prep.prepare_kvcache's PreparedLaunch (immutable)
 
 
 _step_problems: dict = {}  # _step_checked's key -> _v.Problem; immutable values

@@ -24,7 +24,8 @@ from . import launch
 from .generator.families.varlen_prep import KVCACHE_CTAS_PER_SM, KVCACHE_ROTARY_FIELDS, KVCACHE_ROW_BITS
 from .manifest import Variant
 
-__all__ = ["FAMILY", "kvcache_prepare", "varlen_prepare", "KvcacheRotary", "KVCACHE_MAX_ROWS"]
+__all__ = ["FAMILY", "kvcache_prepare", "prepare_kvcache", "kvcache_addresses", "varlen_prepare", "KvcacheRotary",
+           "KVCACHE_MAX_ROWS", "KVCACHE_PER_CALL"]
 
 FAMILY = "varlen_prep"
 _INT32_MAX = 2**31 - 1
@@ -208,6 +209,44 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
         flashgen.dispatch.MissingVariantError: no varlen_prep variant is built.
         flashgen.launch.CudaError: the driver refuses the load or the launch.
     """
+    prep = prepare_kvcache(cache_seqlens, seqlen_const, cache_batch_idx, cache_leftpad, page_table, page_table_stride,
+                           seqused_k, k_new, v_new, k_new_strides, v_new_strides, n_new, k_cache, v_cache,
+                           k_cache_strides, v_cache_strides, k_row_bytes, v_row_bytes, batch, heads_k, capacity,
+                           cache_blocks, page_size, device, rotary)
+    launch.launch_prepared(prep, (), kvcache_addresses(cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                                                       seqused_k, k_new, v_new, n_new, k_cache, v_cache, rotary),
+                           stream)
+    return _plan(device).variant
+
+
+#: The kvcache kernel's params that a :func:`prepare_kvcache` launch takes per call (:func:`kvcache_addresses`): the
+#: device addresses.
+KVCACHE_PER_CALL = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table", "seqused_k", "k_new", "v_new",
+                    "k_cache", "v_cache", "q", "q_rot", "rotary_cos", "rotary_sin", "rotary_seqlens")
+
+
+def kvcache_addresses(cache_seqlens: int, cache_batch_idx: int, cache_leftpad: int, page_table: int, seqused_k: int,
+                      k_new: int, v_new: int, n_new: int, k_cache: int, v_cache: int,
+                      rotary: KvcacheRotary | None = None) -> tuple:
+    """The KVCACHE_PER_CALL values of a kvcache step (:func:`kvcache_prepare`'s arguments of the same names; the new
+    rows' 0 without new tokens, the rotary ones 0 without ``rotary``)."""
+    r = rotary
+    return (cache_seqlens, cache_batch_idx, cache_leftpad, page_table, seqused_k, k_new if n_new else 0,
+            v_new if n_new else 0, k_cache, v_cache, *((0,) * 5 if r is None else (r.q, r.q_rot, r.cos, r.sin,
+                                                                                    r.rotary_seqlens)))
+
+
+def prepare_kvcache(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int, cache_leftpad: int, page_table: int,
+                    page_table_stride: int, seqused_k: int, k_new: int, v_new: int, k_new_strides: tuple,
+                    v_new_strides: tuple, n_new: int, k_cache: int, v_cache: int, k_cache_strides: tuple,
+                    v_cache_strides: tuple, k_row_bytes: int, v_row_bytes: int, batch: int, heads_k: int,
+                    capacity: int, cache_blocks: int, page_size: int, device: int,
+                    rotary: KvcacheRotary | None = None) -> launch.PreparedLaunch:
+    """:func:`kvcache_prepare`'s launch without launching it: its arguments checked (the same ValueError,
+    MissingVariantError), its grid and params fixed but for KVCACHE_PER_CALL, which each
+    ``launch.launch_prepared(prep, (), kvcache_addresses(...), stream)`` gives. A step whose arguments differ from
+    these only in those addresses (with the same zero / non-zero ones, each a multiple of 16 bytes where this one's
+    had to be) may launch it: flashgen.kvcache keeps one per step metadata. Immutable."""
     problems = []
     for name, n in (("batch", batch), ("n_new", n_new), ("heads_k", heads_k), ("capacity", capacity),
                     ("cache_blocks", cache_blocks), ("page_size", page_size), ("page_table_stride", page_table_stride),
@@ -252,5 +291,4 @@ def kvcache_prepare(cache_seqlens: int, seqlen_const: int, cache_batch_idx: int,
         "page_size": page_size if page_table else 0, "page_table_stride": page_table_stride if page_table else 0,
         **rope,
     }
-    launch.launch(plan.kvcache, (grid, 1, 1), (), params, stream, device)
-    return plan.variant
+    return launch.prepare_launch(plan.kvcache, (grid, 1, 1), params, KVCACHE_PER_CALL)

@@ -70,6 +70,19 @@ class _Recorder:
         self.launches.append((grid, params, stream, device))
         self.kernels.append(kernel)
 
+    @staticmethod
+    def prepare_launch(kernel, grid, params, per_call, counter=None):
+        """As launch.prepare_launch: the fixed fields, every per-call one set to 0."""
+        assert set(per_call) <= set(params) and counter is None
+        return (kernel, grid, {**params, **dict.fromkeys(per_call, 0)}, per_call)
+
+    def launch_prepared(self, prep, maps, values, stream):
+        """As launch.launch_prepared: recorded as a launch of the fixed fields with the per-call ones (no device: the
+        prepared kernel was loaded for one)."""
+        kernel, grid, params, per_call = prep
+        assert len(values) == len(per_call) and maps == ()
+        self.launch(kernel, grid, maps, {**params, **dict(zip(per_call, values))}, stream, None)
+
 
 @pytest.fixture
 def fake_launch(monkeypatch):
@@ -84,6 +97,8 @@ def fake_launch(monkeypatch):
     monkeypatch.setattr(varlen_prep.launch, "get_kernel", lambda v, role, device: ("kernel", role))
     monkeypatch.setattr(varlen_prep.launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(varlen_prep.launch, "launch", rec.launch)
+    monkeypatch.setattr(varlen_prep.launch, "prepare_launch", rec.prepare_launch)
+    monkeypatch.setattr(varlen_prep.launch, "launch_prepared", rec.launch_prepared)
     return rec
 
 
@@ -140,7 +155,7 @@ def test_kvcache_launch_packs_every_field_and_sizes_the_grid(fake_launch):
     of 256), at most 4 CTAs per SM; the kvcache kernel (role "kvcache"); every KvcachePrepParams field given."""
     _kv()
     ((grid, params, stream, device),) = fake_launch.launches
-    assert grid == (2, 1, 1) and stream == 7 and device == 0
+    assert grid == (2, 1, 1) and stream == 7 and device is None  # (a prepared launch: its kernel loaded for device 0)
     assert set(params) == {f.name for f in KVCACHE_PARAMS.fields}
     assert params["k_cache_stride_r"] == 65536 and params["v_new_stride_h"] == 256 and params["n_new"] == 2
     assert params["page_size"] == 0 and params["page_table_stride"] == 0  # (no page table: not read)
@@ -211,3 +226,67 @@ def test_kvcache_launch_refuses_rotary_the_kernel_cannot_take(fake_launch, kw, f
     with pytest.raises(ValueError, match=fragment):
         _kv(rotary=_rope(**kw))
     assert fake_launch.launches == []
+
+
+def test_kvcache_step_launch_is_prepared_once_per_metadata(fake_launch, monkeypatch):
+    """kvcache._kvcache_prep_launch (a flash_attn_with_kvcache step's launch) prepares the kernel's launch once per
+    step metadata (varlen_prep.prepare_kvcache) and gives each call its own addresses: the params launched equal
+    kvcache_prepare's for the same arguments, on new tensors of the same metadata too; new metadata (another append
+    length, rotary, a page table, a misaligned new row) prepares again."""
+    torch = pytest.importorskip("torch")
+    from flashgen import kvcache
+
+    monkeypatch.setattr(kvcache, "_prep_launches", {})
+    monkeypatch.setattr(kvcache, "_current_stream", lambda device: 7)
+    prepared = []
+    real_prepare = fake_launch.prepare_launch
+
+    def counting(*a, **kw):
+        prepared.append(a[2]["n_new"])
+        return real_prepare(*a, **kw)
+
+    monkeypatch.setattr(varlen_prep.launch, "prepare_launch", counting)
+    bf = torch.bfloat16
+
+    def step(n=2, rope=False, paged=False, offset=0, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        kc, vc = (torch.randn(4, 128, 2, 128, generator=g).to(bf) for _ in range(2))
+        k, v = (torch.randn(3, 3, 2, 128, generator=g).to(bf)[:, offset:offset + n] for _ in range(2))  # (strides alike)
+        lens, total = torch.tensor([5, 0, 9], dtype=torch.int32), torch.empty(3, dtype=torch.int32)
+        table = torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32) if paged else None
+        r = None
+        if rope:
+            q = torch.randn(3, 2, 4, 128, generator=g).to(bf)
+            cos, sin = (torch.randn(100, 32, generator=g) for _ in range(2))
+            r = kvcache._Rope(q, torch.empty_like(q), cos, sin, None, True, True)
+        cache = (kc.view(8, 64, 2, 128), vc.view(8, 64, 2, 128)) if paged else (kc, vc)
+        kvcache._kvcache_prep_launch(lens, 0, None, None, table, total, k, v, *cache, 128, 0, r)
+        got = fake_launch.launches[-1]
+        es = 2
+        strides = lambda t: tuple(s * es for s in t.stride()[:3])  # noqa: E731
+        rot = None if r is None else varlen_prep.KvcacheRotary(
+            r.q.data_ptr(), r.q_rot.data_ptr(), strides(r.q), 256, 2, 4, cos.data_ptr(), sin.data_ptr(), 0, 0, 64, 100,
+            True, True, True)
+        varlen_prep.kvcache_prepare(
+            lens.data_ptr(), 0, 0, 0, 0 if table is None else table.data_ptr(), 0 if table is None else 2,
+            total.data_ptr(), k.data_ptr(), v.data_ptr(), strides(k), strides(v), n, cache[0].data_ptr(),
+            cache[1].data_ptr(), strides(cache[0]), strides(cache[1]), 256, 256, 3, 2, 128, cache[0].shape[0],
+            64 if paged else 0, 7, 0, rot)
+        want = fake_launch.launches[-1]
+        assert got[0] == want[0] and got[1] == want[1] and got[2] == want[2] == 7
+        return got[1]
+
+    first = step()
+    second = step(seed=1)  # new tensors, the same metadata: no new preparation
+    # (kvcache_prepare prepares on every call: 2 of the 3; the step's own launch once)
+    assert first["k_cache"] != second["k_cache"] and len(prepared) == 3 and len(kvcache._prep_launches) == 1
+    step(n=1)
+    step(rope=True)
+    step(paged=True)
+    assert len(prepared) == 3 + 2 * 3 and prepared[-6:-4] == [1, 1]  # three new metadata: one preparation each
+    assert len(kvcache._prep_launches) == 4
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):  # a new row 8 bytes off: checked again, refused
+        k8 = torch.zeros(3 * 2 * 2 * 128 + 4, dtype=bf)[4:].view(3, 2, 2, 128)
+        kvcache._kvcache_prep_launch(torch.zeros(3, dtype=torch.int32), 0, None, None, None,
+                                     torch.empty(3, dtype=torch.int32), k8, k8, torch.zeros(4, 128, 2, 128, dtype=bf),
+                                     torch.zeros(4, 128, 2, 128, dtype=bf), 128, 0)

@@ -153,6 +153,7 @@ def test_kvcache_few_tile_varlen(seqlen_q, seqlen_k, num_splits, causal, page_si
     launches = count_launches(monkeypatch)
     monkeypatch.setattr(flashgen.core, "FEW_TILE", True)
     monkeypatch.setattr(flashgen.core, "FEW_TILE_VARLEN", True)
+    monkeypatch.setattr(flashgen.core, "_prepared_forwards", {})  # (calls prepared with the rule off: not reused)
     seen = []
     real = flashgen.core.launch_forward
 
