@@ -1078,6 +1078,66 @@ def _varlen_checked(q, k, v, packed_q: bool, packed_k: bool, window_size, softca
     return p
 
 
+class _VarlenCall(NamedTuple):
+    """What a varlen-kernel call's metadata decides (:func:`_varlen_call`), kept per metadata key. Immutable."""
+
+    layouts: tuple  # q, k, v's _input_layout (None: copied for TMA)
+    out_shape: tuple
+    lse_shape: tuple
+    splits: int  # split-KV shares (1: unsplit)
+    prep: bool  # the varlen_prep kernel checks the offsets (and fills out / lse)
+    fill: bool  # torch ops fill out / lse (rows of no sequence)
+    key_bound: int  # the kernel's max_seqlen_k (_key_bound)
+    window: tuple  # the kernel's (left, right)
+    paging: tuple  # (page_table_stride, page_size), (0, 0) unpaged
+    scale: float  # softmax_scale
+
+
+_varlen_calls: dict = {}  # _varlen_call's key -> _VarlenCall; immutable values
+
+
+def _varlen_call(p: _v.Problem, q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale, causal: bool, window_size, softcap: float, fill: bool, cache: tuple, num_splits: int,
+                 check_offsets: bool) -> _VarlenCall:
+    """The metadata part of a :func:`_varlen_kernel` call (its arguments, ``p`` its checked Problem): the layouts,
+    shapes, split count, which kernels check and fill, the kernel's key bound, window, paging and scale, kept per
+    metadata key (the shapes and strides, which length arrays are given, the page table's width, the lengths'
+    bounds, the scalars, and the switches and split settings read: core.SPLIT_KV_AUTO, SPLIT_MODEL,
+    DECODE_SPLIT_BLOCKS, MAX_SPLITS, VARLEN_PREP_KERNEL), so a repeated call skips the work (about a third of a
+    kvcache step's host time on the CPU stub). Raises nothing that the call's own checks (``p``) have not."""
+    table = cache[2]
+    pages = None if table is None else (table.shape[1] if isinstance(table, torch.Tensor) else len(table[0]))
+    window = _v.window_pair(window_size)
+    key = (p, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), tuple(t is None for t in seqlens),
+           tuple(t is None for t in cache), pages, int(batch), int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
+           bool(causal), tuple(window), float(softcap), bool(fill), int(num_splits), bool(check_offsets),
+           _core.SPLIT_KV_AUTO, _core.SPLIT_MODEL, _core.DECODE_SPLIT_BLOCKS, _core.MAX_SPLITS, _core.VARLEN_PREP_KERNEL)
+    c = _varlen_calls.get(key)
+    if c is not None:
+        return c
+    packed_q, packed_k = seqlens[0] is not None, seqlens[1] is not None
+    es = _v.ELEMENT_SIZE[p.dtype]
+    equal = all(t is None for t in (*seqlens, cache[1], cache[2]))  # every sequence max_seqlen_k keys, unpaged
+    splits = _split_kv.split_count(num_splits, batch, p.heads, p.heads_k, max_seqlen_q, max_seqlen_k, p.device, causal,
+                                   window, (p.head_dim + p.head_dim_v) * es if equal else 0)
+    if splits > 1 and not _core.variant_built("combine", {"dtype": p.out_dtype}):
+        splits = 1  # the merge needs a combine variant for out's dtype: without one, no split
+    prep = (fill or check_offsets) and packed_q and packed_k and _varlen_prep_on()
+    key_bound = _key_bound(max_seqlen_k, packed_k or seqlens[3] is not None,
+                           None if packed_k else k.shape[1] if table is None else pages * k.shape[1])
+    if key_bound != max_seqlen_k and 0 <= window[0] and window[0] >= max_seqlen_k - 1:
+        # a left side that reaches every key of the longest sequence is unbounded (core.mask_spec, which sees only
+        # the bound): the call keeps the mask, and so the variant, that its own lengths give
+        window = (-1, window[1])
+    c = _VarlenCall((_input_layout(q, es), _input_layout(k, es), _input_layout(v, es)),
+                    tuple(q.shape[:-1]) + (v.shape[-1],),
+                    (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1]), splits, prep,
+                    fill and not prep,  # (the prep kernel fills out / lse itself)
+                    key_bound, tuple(window), (0, 0) if table is None else (pages, k.shape[1]),
+                    p.head_dim ** -0.5 if softmax_scale is None else float(softmax_scale))
+    return _launch.cache_put(_varlen_calls, key, c, _FWD_CALL_CACHE_MAX)
+
+
 def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_seqlen_k: int, softmax_scale,
                    causal: bool, window_size, softcap: float, sink, fill: bool, problem: _v.Problem | None = None,
                    cache: tuple = (None, None, None), num_splits: int = 1, check_offsets: bool = False):
@@ -1109,25 +1169,17 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
     Raises what :func:`_check_fwd` raises."""
     packed_q, packed_k = seqlens[0] is not None, seqlens[1] is not None
     p = problem if problem is not None else _varlen_checked(q, k, v, packed_q, packed_k, window_size, softcap, sink)
-    window = _v.window_pair(window_size)
     dev = p.device
     _check_device_capability(dev)
-    es = _v.ELEMENT_SIZE[p.dtype]
-    qc, qa = _input_arg(q, _input_layout(q, es), p.dtype, dev)
-    kc, ka = _input_arg(k, _input_layout(k, es), p.dtype, dev)
-    vc, va = _input_arg(v, _input_layout(v, es), p.dtype, dev)
-    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
-    lse_shape = (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1])
-    equal = all(t is None for t in (*seqlens, cache[1], cache[2]))  # every sequence max_seqlen_k keys, unpaged
-    splits = _split_kv.split_count(num_splits, batch, p.heads, p.heads_k, max_seqlen_q, max_seqlen_k, dev, causal,
-                                   window, (p.head_dim + p.head_dim_v) * es if equal else 0)
-    if splits > 1 and not _core.variant_built("combine", {"dtype": p.out_dtype}):
-        splits = 1  # the merge needs a combine variant for out's dtype: without one, no split
+    c = _varlen_call(p, q, k, v, seqlens, batch, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                     softcap, fill, cache, num_splits, check_offsets)
+    qc, qa = _input_arg(q, c.layouts[0], p.dtype, dev)
+    kc, ka = _input_arg(k, c.layouts[1], p.dtype, dev)
+    vc, va = _input_arg(v, c.layouts[2], p.dtype, dev)
+    out_shape, lse_shape, splits, prep, fill = c.out_shape, c.lse_shape, c.splits, c.prep, c.fill
     arrays = [None if t is None else _int32_like(t, q) for t in (*seqlens, *cache)]  # referenced until enqueued
-    prep = (fill or check_offsets) and packed_q and packed_k and _varlen_prep_on()
     if check_offsets and not prep:
         _check_offsets_on_device(*arrays[:4], q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    fill = fill and not prep  # (the prep kernel fills out / lse itself)
     if splits > 1:  # split 0's partial buffers (every split's at its stride); lse -inf where no split writes
         out = torch.empty((splits,) + out_shape, dtype=torch.float32, device=q.device)
         lse = torch.full((splits,) + lse_shape, -math.inf, dtype=torch.float32, device=q.device)
@@ -1139,26 +1191,17 @@ def _varlen_kernel(q, k, v, seqlens: tuple, batch: int, max_seqlen_q: int, max_s
         _varlen_prep_launch(arrays[:4], batch, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                             (out, lse) if splits == 1 else None, dev)
     first = (lambda t: t[0]) if splits > 1 else (lambda t: t)  # noqa: E731
-    table = arrays[-1]
-    key_bound = _key_bound(max_seqlen_k, packed_k or seqlens[3] is not None,
-                           None if packed_k else k.shape[1] if table is None else table.shape[1] * k.shape[1])
-    if key_bound != max_seqlen_k and 0 <= window[0] and window[0] >= max_seqlen_k - 1:
-        # a left side that reaches every key of the longest sequence is unbounded (core.mask_spec, which sees only
-        # the bound): the call keeps the mask, and so the variant, that its own lengths give
-        window = (-1, window[1])
-    paging = (0, 0) if table is None else (table.shape[1], k.shape[1])  # (page_table_stride, page_size)
     sink_t = None if sink is None else sink.contiguous()
-    scale = p.head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     try:
         _core.attention_forward(
             qa, ka, va, _core.TensorArg(out.data_ptr(), out_shape, tuple(first(out).stride()),
                                         "fp32" if splits > 1 else p.dtype, dev),
-            _core.TensorArg(lse.data_ptr(), lse_shape, tuple(first(lse).stride()), "fp32", dev), scale, bool(causal),
-            _current_stream(dev), window_size=window, softcap=float(softcap),
+            _core.TensorArg(lse.data_ptr(), lse_shape, tuple(first(lse).stride()), "fp32", dev), c.scale,
+            bool(causal), _current_stream(dev), window_size=c.window, softcap=float(softcap),
             sink=0 if sink_t is None else sink_t.data_ptr(),
             varlen=_core.Varlen(*(0 if a is None else a.data_ptr() for a in arrays[:4]), batch, int(max_seqlen_q),
-                                key_bound, *(0 if a is None else a.data_ptr() for a in arrays[4:]),
-                                *paging, splits, out.stride(0) if splits > 1 else 0,
+                                c.key_bound, *(0 if a is None else a.data_ptr() for a in arrays[4:]),
+                                *c.paging, splits, out.stride(0) if splits > 1 else 0,
                                 lse.stride(0) if splits > 1 else 0))
     except _core.MissingVariantError:
         return None

@@ -546,6 +546,47 @@ def _step_checked(q, k_cache, v_cache, window_size, softcap, descales: tuple) ->
     return p
 
 
+class _StepFacts(NamedTuple):
+    """What :func:`_step_on_device` found of a step's metadata (:func:`_step_key`), once its checks passed: kept so
+    that a decode loop's next steps skip the checks and the choices. Immutable."""
+
+    capacity: int  # each entry's cache positions
+    problem: _v.Problem  # _step_checked's
+    prep: bool  # the kvcache kernel checks and appends (_kvcache_prep_serves)
+    rope_in_kernel: bool  # ... and rotates (_rotary_in_kernel)
+
+
+_step_facts: dict = {}  # _step_key -> _StepFacts
+
+
+def _arg_meta(t):
+    """A step argument's part of :func:`_step_key`: a tensor's shape, strides, dtype, device, requires_grad and
+    whether its address is 16-byte aligned; None; an int's value; anything else: no key (False)."""
+    if t is None:
+        return None
+    if isinstance(t, torch.Tensor):
+        return t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16 == 0
+    return ("int", int(t)) if _v._is_int(t) else False
+
+
+def _step_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,
+              causal: bool, window_size, attention_chunk, softcap, cache_batch_idx, cache_leftpad, page_table):
+    """The metadata that :func:`_step_on_device`'s checks and choices read (each tensor's :func:`_arg_meta`, the
+    mask, softcap, attention_chunk, grad mode and the switches core.VARLEN_KERNEL, VARLEN_PREP_KERNEL,
+    VARLEN_SOFTCAP, KVCACHE_ROTARY_KERNEL), or None where an argument is of no kind a key can hold (the checks then
+    run and raise as they do)."""
+    metas = tuple(_arg_meta(t) for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                           rotary_seqlens, cache_batch_idx, cache_leftpad, page_table, *descales))
+    if False in metas or not isinstance(window_size, (tuple, list)) or not _v._is_int(attention_chunk):
+        return None
+    try:
+        return (metas, bool(causal), tuple(window_size), int(attention_chunk), float(softcap),
+                torch.is_grad_enabled(), _core.VARLEN_KERNEL, _core.VARLEN_PREP_KERNEL, _core.VARLEN_SOFTCAP,
+                _core.KVCACHE_ROTARY_KERNEL)
+    except (TypeError, ValueError):
+        return None
+
+
 def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,
                     softmax_scale, causal: bool, window_size, attention_chunk: int, softcap: float,
                     rotary_interleaved: bool, pack_gqa=None, cache_batch_idx=None, cache_leftpad=None,
@@ -573,10 +614,16 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     batch, sq = q.shape[0], q.shape[1]
     n = 0 if k is None else k.shape[1]
     paged = page_table is not None
-    capacity = _capacity(k_cache, page_table, cache_batch_idx, batch, on=q.device)
-    if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
-        raise ValueError(f"flashgen: k_cache has {k_cache.shape[0]} rows, fewer than q's batch {batch}")
-    _check_new_kv(k, v, batch, cache_seqlens)
+    key = _step_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales,
+                    causal, window_size, attention_chunk, softcap, cache_batch_idx, cache_leftpad, page_table)
+    facts = _step_facts.get(key) if key is not None else None  # (a hit: the checks below passed for this metadata)
+    if facts is None:
+        capacity = _capacity(k_cache, page_table, cache_batch_idx, batch, on=q.device)
+        if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
+            raise ValueError(f"flashgen: k_cache has {k_cache.shape[0]} rows, fewer than q's batch {batch}")
+        _check_new_kv(k, v, batch, cache_seqlens)
+    else:
+        capacity = facts.capacity
 
     def lengths(name, t, default):
         if t is None:
@@ -604,8 +651,8 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # path, which takes it as a constant)
     lens = None if cache_seqlens is None or _v._is_int(cache_seqlens) else lengths("cache_seqlens", cache_seqlens,
                                                                                    capacity)
-    problem = _step_checked(q, k_cache, v_cache, window_size, softcap, descales)
-    if not uniform and not (
+    problem = facts.problem if facts is not None else _step_checked(q, k_cache, v_cache, window_size, softcap, descales)
+    if facts is None and not uniform and not (
             (not paged or (k_cache.shape[1] % 8 == 0 and pads is None))
             and _varlen_kernel_serves(q, k_cache, v_cache, None, descales, attention_chunk, sq, capacity, on_device=True,
                                       softcap=softcap)
@@ -618,15 +665,19 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                                   "built; pages of a multiple of 8 rows, "
                                   "without cache_leftpad); otherwise it reads the lengths on the host, outside a "
                                   "capture")
-    prep = not uniform and _kvcache_prep_serves(k_cache, v_cache, k, v, page_table, rows)
+    prep = facts.prep if facts is not None else not uniform and _kvcache_prep_serves(k_cache, v_cache, k, v,
+                                                                                      page_table, rows)
     rope = None  # (the kvcache kernel's rotary)
+    in_kernel = False
     if rotary_cos is not None:
-        _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
+        if facts is None:
+            _check_rotary(rotary_cos, rotary_sin, q.shape[-1])
         each = causal or any(x is not None and x >= 0 for x in window_size)
         starts = None if rotary_seqlens is None else lengths("rotary_seqlens", rotary_seqlens, 0)
         # (the kernel's tables: copies where a view is strided; the torch ops index any layout)
         cos, sin = (rotary_cos.contiguous(), rotary_sin.contiguous()) if prep else (rotary_cos, rotary_sin)
-        if prep and _rotary_in_kernel(q, k, k_cache, cos, sin):
+        in_kernel = facts.rope_in_kernel if facts is not None else prep and _rotary_in_kernel(q, k, k_cache, cos, sin)
+        if in_kernel:
             rope = _Rope(q, torch.empty(q.shape, dtype=q.dtype, device=q.device), cos, sin, starts,
                          rotary_interleaved, each)
         else:  # torch ops: the positions checked (the kernel's message), then both rotations
@@ -642,6 +693,8 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             if n:
                 k = apply_rotary(k, rotary_cos, rotary_sin, start + torch.arange(n, device=rotary_cos.device),
                                  rotary_interleaved)
+    if facts is None and key is not None:  # (every check above passed: a later step of this metadata skips them)
+        _launch.cache_put(_step_facts, key, _StepFacts(capacity, problem, prep, in_kernel), _FWD_CALL_CACHE_MAX)
     if uniform:  # the append a slice, the attention one call on the cache's first length + n rows
         if n:
             k_cache[:batch, length:length + n] = k.to(k_cache.dtype)

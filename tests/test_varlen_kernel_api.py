@@ -1627,6 +1627,54 @@ def test_kvcache_step_checks_are_kept_per_metadata(kernel_on, monkeypatch):
     assert len(calls) == 5 and len(kernel_on.calls) == 5
 
 
+def test_kvcache_step_choices_are_kept_per_metadata(kernel_on, monkeypatch):
+    """kvcache._step_facts: a decode loop's repeated step makes its checks and choices (the varlen kernel serves it,
+    the kvcache kernel appends and rotates) once per step metadata (kvcache._step_key), with the same launches and
+    results each step; new metadata (another window, a misaligned new row, the kvcache kernel switched off, grad
+    mode with a q that wants gradients) decides again, and a refused step is refused every time (not kept)."""
+    from flashgen import interface, kvcache
+
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", True)
+    monkeypatch.setattr(interface, "_varlen_prep_on", lambda: core.VARLEN_PREP_KERNEL)
+    asked = []
+    for name in ("_kvcache_prep_serves", "_varlen_kernel_serves", "_check_rotary", "_rotary_in_kernel"):
+        real = getattr(kvcache, name)
+        monkeypatch.setattr(kvcache, name, lambda *a, _r=real, _n=name, **kw: asked.append(_n) or _r(*a, **kw))
+    q, k, v, kc, vc, _ = make(batch=2, sq=1, cache_len=16, new=1, seed=2, dtype=torch.bfloat16)
+    angle = torch.rand(16, 8) * 6.28
+    cos, sin = torch.cos(angle).to(torch.bfloat16), torch.sin(angle).to(torch.bfloat16)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+
+    def step(window=(-1, -1), kk=k, qq=q):
+        return kvcache._step_on_device(qq, kc, vc, kk, v, cos, sin, lens, None, (None, None, None), None, True, window,
+                                       0, 0.0, True)
+
+    outs = []
+    for _ in range(3):
+        lens.sub_(1)  # (the same positions each step: the caches end as one step leaves them)
+        outs.append(step()[0])
+        lens.add_(1)
+    assert asked.count("_kvcache_prep_serves") == 1 and asked.count("_check_rotary") == 1
+    assert asked.count("_rotary_in_kernel") == 1 and asked.count("_varlen_kernel_serves") == 1
+    assert kernel_on.kvcache_ropes == [True] * 3 and all(torch.equal(outs[0], o) for o in outs)
+    assert len(kvcache._step_facts) == 1
+    lens.sub_(1)
+    step((5, 0))  # another window
+    k8 = torch.zeros(k.numel() + 4, dtype=k.dtype)[4:].view(k.shape)  # a new row 8 bytes off 16
+    k8.copy_(k)
+    step(kk=k8)  # not 16-byte aligned: the torch ops append and rotate
+    assert kernel_on.kvcache_ropes == [True] * 4 and asked.count("_kvcache_prep_serves") == 3  # (k8's: no launch)
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", False)
+    step()
+    assert asked.count("_kvcache_prep_serves") == 4 and len(kernel_on.kvcache_ropes) == 4  # (torch ops: no prep call)
+    monkeypatch.setattr(core, "VARLEN_PREP_KERNEL", True)
+    with torch.enable_grad():
+        for _ in range(2):  # q wanting gradients: not the kernel's (no backward here), refused each time
+            with pytest.raises(NotImplementedError, match="runs on the varlen kernel alone"):
+                step(qq=q.clone().requires_grad_(True))
+    assert asked.count("_varlen_kernel_serves") == 6 and len(kvcache._step_facts) == 4
+
+
 def test_kvcache_step_on_device_refuses_lengths_that_are_not_an_int32_tensor(kernel_on):
     """cache_seqlens as a list (or an int64 tensor) under the no-host-read path: the ValueError naming it, before
     anything is written (an int or None is one length for every entry: the flash_attn_func path)."""
