@@ -1035,6 +1035,8 @@ def _int32_like(t, like: torch.Tensor) -> torch.Tensor:
     """Lengths or offsets (a host list, or an int32 tensor on ``like``'s device or the CPU) as a
     contiguous int32 tensor on ``like``'s device (a tensor already there as it is, when contiguous)."""
     if isinstance(t, torch.Tensor):
+        if t.dtype == torch.int32 and t.device == like.device and t.is_contiguous():
+            return t  # (as .to and .contiguous would return it, without their dispatch: a decode step's seqused_k)
         return t.to(device=like.device, dtype=torch.int32).contiguous()
     return torch.tensor(t, dtype=torch.int32, device=like.device)
 

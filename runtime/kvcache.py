@@ -720,7 +720,7 @@ def _step_on_device(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         total = _append_with_torch(lens, rows, pads, page_table, k, v, k_cache, v_cache, capacity)
     whole = paged or rows is not None  # k / v's batch dim: pages or cache rows, not the entries
     res = _varlen_kernel(q, k_cache if whole else k_cache[:batch], v_cache if whole else v_cache[:batch],
-                         (None, None, None, total.to(torch.int32)), batch, sq, capacity, softmax_scale, causal,
+                         (None, None, None, total), batch, sq, capacity, softmax_scale, causal,
                          window_size, softcap, None, fill=False, problem=problem, cache=(rows, pads, page_table),
                          num_splits=_splits_arg(num_splits))
     if res is None:  # (varlen_variant_built said yes: a manifest changed between the two reads)
