@@ -28,9 +28,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"the four CSVs have different row counts: { {k: len(r) for k, r in runs.items()} }")
     for col in a.columns.split(","):
         print(f"\n{col} (us per call)\n")
+        tile = {"unsplit_us": "tile_1", "split_us": "tile_0"}.get(col)  # (split_bench.py's tile columns, if written)
+        tile = tile if tile in runs[f"{a.a}_1"][0] else None
         print(f"| head_dim | batch | group | seqlen_q | seqlen_k | splits | {la} r1 / r2 | {lb} r1 / r2 | "
-              f"{la} / {lb} r1 / r2 | cuDNN |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              f"{la} / {lb} r1 / r2 | cuDNN |" + (f" tile {la} / {lb} |" if tile else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tile else ""))
         logs = {1: [], 2: []}
         for i, r in enumerate(runs[f"{a.a}_1"]):
             t = {k: float(v[i][col]) for k, v in runs.items()}
@@ -39,7 +41,8 @@ def main(argv=None) -> int:
                 logs[n].append(math.log(ab[n]))
             print(f"| {r['head_dim']} | {r['batch']} | {r['group']} | {r['seqlen_q']} | {r['seqlen_k']} | "
                   f"{r['splits'] if col == 'split_us' else 1} | {t[f'{a.a}_1']:.1f} / {t[f'{a.a}_2']:.1f} | "
-                  f"{t[f'{a.b}_1']:.1f} / {t[f'{a.b}_2']:.1f} | {ab[1]:.3f} / {ab[2]:.3f} | {float(r['cudnn_us']):.1f} |")
+                  f"{t[f'{a.b}_1']:.1f} / {t[f'{a.b}_2']:.1f} | {ab[1]:.3f} / {ab[2]:.3f} | {float(r['cudnn_us']):.1f} |"
+                  + (f" {r[tile]} / {runs[f'{a.b}_1'][i][tile]} |" if tile else ""))
         print(f"\ngeomean {la} / {lb}: run 1 {math.exp(sum(logs[1]) / len(logs[1])):.3f}, "
               f"run 2 {math.exp(sum(logs[2]) / len(logs[2])):.3f}")
     return 0

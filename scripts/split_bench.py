@@ -23,6 +23,8 @@ the data of a tile chosen by the call's waves (few tiles over long keys).
 ``--kvcache``: flashgen's calls are ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlen_k, ...)``
 instead (the varlen kernel over a cache whose lengths the host does not read: a chunked prefill or verify step with
 its tokens already appended), num_splits 1 and 0 (FA3's rule: kvcache's default); SDPA's calls are the same.
+The CSV's ``tile_1`` / ``tile_0``: the tile num_splits 1 / 0 ran on (block_m x block_n : consumer warpgroups, ``p``
+PackGQA), which split_ab.py shows beside an A/B's times.
 """
 
 from __future__ import annotations
@@ -72,6 +74,21 @@ def _twin_tile(block_m: int, consumer_wgs: int):
     finally:
         core.tuning.tuned_variant = real
         _forget_prepared(plans=True)
+
+
+def _tile_of(fn) -> str:
+    """The tile of the forward variant that one call of ``fn`` launches (its last core.launch_forward: a split call's
+    varlen forward), as ``block_m x block_n : consumer_wgs`` (``p``: PackGQA); "?" if none was launched."""
+    seen, real = [], core.launch_forward
+    core.launch_forward = lambda prep, *a, **kw: seen.append(prep.plan.variant) or real(prep, *a, **kw)
+    try:
+        fn()
+    finally:
+        core.launch_forward = real
+    if not seen:
+        return "?"
+    p = seen[-1].params
+    return f"{p['block_m']}x{p['block_n']}:{p['consumer_wgs']}" + ("p" if p.get("pack_gqa") else "")
 
 
 def main(argv=None) -> int:
@@ -127,6 +144,7 @@ def main(argv=None) -> int:
                 def call(n):
                     return flashgen.flash_attn_func(q, k, v, causal=causal, num_splits=n)
             t = {n: 1e3 * _time_ms(lambda n=n: call(n)) for n in (1, 0, *extra)}
+            tiles = {n: _tile_of(lambda n=n: call(n)) for n in (1, 0)}  # (after the timing: the calls prepared)
             counts = {1: t[1], runs[0]: t[0], **{n: t[n] for n in extra}}
             fastest = min(counts, key=counts.get)
             if twin:
@@ -150,6 +168,7 @@ def main(argv=None) -> int:
             row["heads"] = h
             row["causal"] = int(causal)
             row["entry"] = entry
+            row["tile_1"], row["tile_0"] = tiles[1], tiles[0]
             row["dtype"] = a.dtype
             rows.append(row)
             print(f"| {d} | {b} | {group} | {sq} | {sk} | {splits} | {t[1]:.1f} | {t[0]:.1f} | {row['speedup']:.2f} | "
