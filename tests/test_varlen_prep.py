@@ -247,6 +247,7 @@ def test_kvcache_step_launch_is_prepared_once_per_metadata(fake_launch, monkeypa
 
     monkeypatch.setattr(varlen_prep.launch, "prepare_launch", counting)
     bf = torch.bfloat16
+    alive = []  # (each step's tensors kept, so that the next step's are at other addresses)
 
     def step(n=2, rope=False, paged=False, offset=0, seed=0):
         g = torch.Generator().manual_seed(seed)
@@ -260,6 +261,7 @@ def test_kvcache_step_launch_is_prepared_once_per_metadata(fake_launch, monkeypa
             cos, sin = (torch.randn(100, 32, generator=g) for _ in range(2))
             r = kvcache._Rope(q, torch.empty_like(q), cos, sin, None, True, True)
         cache = (kc.view(8, 64, 2, 128), vc.view(8, 64, 2, 128)) if paged else (kc, vc)
+        alive.append((kc, vc, k, v, lens, total, table, r))
         kvcache._kvcache_prep_launch(lens, 0, None, None, table, total, k, v, *cache, 128, 0, r)
         got = fake_launch.launches[-1]
         es = 2
