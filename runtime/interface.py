@@ -1106,12 +1106,14 @@ def _varlen_call(p: _v.Problem, q, k, v, seqlens: tuple, batch: int, max_seqlen_
     metadata key (the shapes and strides, which length arrays are given, the page table's width, the lengths'
     bounds, the scalars, and the switches and split settings read: core.SPLIT_KV_AUTO, SPLIT_MODEL,
     DECODE_SPLIT_BLOCKS, MAX_SPLITS, VARLEN_PREP_KERNEL), so a repeated call skips the work (about a third of a
-    kvcache step's host time on the CPU stub). Raises nothing that the call's own checks (``p``) have not."""
+    kvcache step's host time on the CPU stub). Raises TypeError / ValueError naming softmax_scale
+    (:func:`flashgen._validate.check_softmax_scale`), every call, where it is not a finite real number or None."""
+    scale = _v.check_softmax_scale(softmax_scale, p.head_dim)  # (TypeError / ValueError naming it, before the key)
     table = cache[2]
     pages = None if table is None else (table.shape[1] if isinstance(table, torch.Tensor) else len(table[0]))
     window = _v.window_pair(window_size)
     key = (p, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), tuple(t is None for t in seqlens),
-           tuple(t is None for t in cache), pages, int(batch), int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
+           tuple(t is None for t in cache), pages, int(batch), int(max_seqlen_q), int(max_seqlen_k), scale,
            bool(causal), tuple(window), float(softcap), bool(fill), int(num_splits), bool(check_offsets),
            _core.SPLIT_KV_AUTO, _core.SPLIT_MODEL, _core.DECODE_SPLIT_BLOCKS, _core.MAX_SPLITS, _core.VARLEN_PREP_KERNEL)
     c = _varlen_calls.get(key)
@@ -1135,8 +1137,7 @@ def _varlen_call(p: _v.Problem, q, k, v, seqlens: tuple, batch: int, max_seqlen_
                     tuple(q.shape[:-1]) + (v.shape[-1],),
                     (p.heads, q.shape[0]) if packed_q else (q.shape[0], p.heads, q.shape[1]), splits, prep,
                     fill and not prep,  # (the prep kernel fills out / lse itself)
-                    key_bound, tuple(window), (0, 0) if table is None else (pages, k.shape[1]),
-                    p.head_dim ** -0.5 if softmax_scale is None else float(softmax_scale))
+                    key_bound, tuple(window), (0, 0) if table is None else (pages, k.shape[1]), scale)
     return _launch.cache_put(_varlen_calls, key, c, _FWD_CALL_CACHE_MAX)
 
 

@@ -205,6 +205,7 @@ def flash_attn_with_kvcache(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flashgen: {name} must be a torch.Tensor, got {type(t).__name__}")
+    _v.raise_problems(_v.softmax_scale_problems(softmax_scale))  # (before anything is appended)
     if (k is None) != (v is None):
         raise ValueError("flashgen: k and v (the new keys and values) must be given together")
     if rotary_cos is not None and (k is None or rotary_sin is None):

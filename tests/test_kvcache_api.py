@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import flashgen.core as core
 from flashgen import flash_attn_with_kvcache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -206,7 +207,7 @@ def test_fp8_cache_with_descales(fake_gpu):
         assert bool(((out[b:b + 1].float() - ref).abs() <= 8e-3 * ref.abs().clamp(min=1.0)).all())
 
 
-def test_errors_leave_the_cache_unwritten(fake_gpu):
+def test_errors_leave_the_cache_unwritten(fake_gpu, monkeypatch):
     q, k, v, kc, vc, _ = make(batch=2, new=2, seed=11)
     kc0 = kc.clone()
     lens = torch.tensor([3, 30], dtype=torch.int32)
@@ -216,6 +217,16 @@ def test_errors_leave_the_cache_unwritten(fake_gpu):
     with pytest.raises(ValueError, match="entry 1: rotary positions up to 31 are past rotary_cos's 31 rows"):
         flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=angle.cos().half(), rotary_sin=angle.sin().half(),
                                 cache_seqlens=lens)
+    assert torch.equal(kc, kc0) and fake_gpu.calls == []
+    # a softmax_scale that is no finite number: refused naming it, before the append, on the host path and the
+    # no-host-read one (the varlen kernel's)
+    for no_host_read in (False, True):
+        monkeypatch.setattr(core, "VARLEN_KERNEL", no_host_read)
+        monkeypatch.setattr(core, "VARLEN_NO_HOST_READ", no_host_read)
+        for scale, exc, what in (([0.1], TypeError, "real number"), ("x", TypeError, "real number"),
+                                 (float("inf"), ValueError, "finite")):
+            with pytest.raises(exc, match=f"softmax_scale must be a {what}"):
+                flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, softmax_scale=scale)
     assert torch.equal(kc, kc0) and fake_gpu.calls == []
 
 
