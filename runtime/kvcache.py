@@ -48,7 +48,7 @@ from . import core as _core
 from . import launch as _launch
 from . import varlen_prep as _varlen_prep
 from .generator.families.varlen_prep import kvcache_messages
-from .interface import (_FWD_CALL_CACHE_MAX, _attend, _capturing, _check_fwd, _current_stream, _device_of, _extras_key,
+from .interface import (_FWD_CALL_CACHE_MAX, _attend, _capturing, _check_fwd, _current_stream, _device_of,
                         _host_ints, _on_q_device, _out_dtype, _splits_arg, _varlen_kernel, _varlen_kernel_serves,
                         _varlen_prep_on)
 
@@ -503,48 +503,40 @@ def _kvcache_prep_launch(lens, seqlen_const: int, rows, pads, page_table, total,
             rope.q.shape[2], rope.cos.data_ptr(), rope.sin.data_ptr(), _COS_DTYPES[rope.cos.dtype], ptr(starts),
             2 * rope.cos.shape[1], rope.cos.shape[0], bool(rope.interleaved), k_cache.dtype == torch.bfloat16,
             bool(rope.each))
-    args = (ptr(ints[0]), seqlen_const, ptr(ints[1]), ptr(ints[2]), ptr(page_table),
-            0 if page_table is None else page_table.stride(0), total.data_ptr(), ptr(k), ptr(v), strides(k),
-            strides(v), 0 if k is None else k.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), strides(k_cache),
-            strides(v_cache), k_cache.shape[-1] * es, v_cache.shape[-1] * es, total.shape[0], k_cache.shape[2],
-            capacity, k_cache.shape[0], k_cache.shape[1] if page_table is not None else 0, device)
-    addresses = _varlen_prep.kvcache_addresses(*(args[i] for i in (0, 2, 3, 4, 6, 7, 8, 11, 12, 13)), rotary)
+    n = 0 if k is None else k.shape[1]
+    lens_a, rows_a, pads_a, table_a, k_a, v_a = (ptr(t) for t in (*ints, page_table, k, v))
+    kc_a, vc_a, total_a = k_cache.data_ptr(), v_cache.data_ptr(), total.data_ptr()
+    addresses = _varlen_prep.kvcache_addresses(lens_a, rows_a, pads_a, table_a, total_a, k_a, v_a, n, kc_a, vc_a,
+                                               rotary)
+    sizes = dict(seqlen_const=seqlen_const, page_table_stride=0 if page_table is None else page_table.stride(0),
+                 k_new_strides=strides(k), v_new_strides=strides(v), n_new=n, k_cache_strides=strides(k_cache),
+                 v_cache_strides=strides(v_cache), k_row_bytes=k_cache.shape[-1] * es,
+                 v_row_bytes=v_cache.shape[-1] * es, batch=total.shape[0], heads_k=k_cache.shape[2], capacity=capacity,
+                 cache_blocks=k_cache.shape[0], page_size=k_cache.shape[1] if page_table is not None else 0,
+                 device=device)
     # The launch is prepared once per step metadata (varlen_prep.prepare_kvcache: its checks, grid and params): the
     # key is every argument but the addresses, of which it holds whether each is given and 16-byte aligned (what the
     # checks read of them); the addresses are each call's.
-    key = (tuple(a for i, a in enumerate(args) if i not in _PREP_ADDRESS_ARGS),
-           None if rotary is None else rotary._replace(q=0, q_rot=0, cos=0, sin=0, rotary_seqlens=0),
+    key = (tuple(sizes.values()), None if rotary is None else rotary._replace(q=0, q_rot=0, cos=0, sin=0,
+                                                                               rotary_seqlens=0),
            tuple((a != 0, a % 16 == 0) for a in addresses))
     prep = _prep_launches.get(key)
     if prep is None:
-        prep = _launch.cache_put(_prep_launches, key, _varlen_prep.prepare_kvcache(*args, rotary), _FWD_CALL_CACHE_MAX)
+        prep = _launch.cache_put(_prep_launches, key, _varlen_prep.prepare_kvcache(
+            cache_seqlens=lens_a, cache_batch_idx=rows_a, cache_leftpad=pads_a, page_table=table_a, seqused_k=total_a,
+            k_new=k_a, v_new=v_a, k_cache=kc_a, v_cache=vc_a, rotary=rotary, **sizes), _FWD_CALL_CACHE_MAX)
     _launch.launch_prepared(prep, (), addresses, _current_stream(device))
 
 
-#: _kvcache_prep_launch's prepare_kvcache arguments that are addresses (cache_seqlens, cache_batch_idx, cache_leftpad,
-#: page_table, seqused_k, k_new, v_new, k_cache, v_cache).
-_PREP_ADDRESS_ARGS = frozenset((0, 2, 3, 4, 6, 7, 8, 12, 13))
 _prep_launches: dict = {}  # _kvcache_prep_launch's key -> varlen_prep.prepare_kvcache's PreparedLaunch (immutable)
-
-
-_step_problems: dict = {}  # _step_checked's key -> _v.Problem; immutable values
 
 
 def _step_checked(q, k_cache, v_cache, window_size, softcap, descales: tuple) -> _v.Problem:
     """:func:`_check_fwd` of a step's q, caches, window, softcap and descales (q's first entry against the caches'
-    first row, no key: the lengths are checked on the GPU), kept per metadata key as flash_attn_func keeps its checked
-    calls (the checks read shapes, strides, dtypes and devices, never the data), so a decode loop's repeated step
-    skips them. Raises what :func:`_check_fwd` raises, every call (a failure is not kept)."""
-    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    key = (q.shape, q.stride(), q.dtype, _device_of(q), k_cache.shape, k_cache.stride(), k_cache.dtype,
-           _device_of(k_cache), v_cache.shape, v_cache.stride(), v_cache.dtype, _device_of(v_cache), window,
-           float(softcap), _extras_key(None, descales))
-    p = _step_problems.get(key)
-    if p is None:
-        p = _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
-                       *(None if d is None else d[:1] for d in descales))
-        _launch.cache_put(_step_problems, key, p, _FWD_CALL_CACHE_MAX)
-    return p
+    first row, no key: the lengths are checked on the GPU). A decode loop's repeated step skips it (its Problem is kept
+    in the step's :class:`_StepFacts`). Raises what :func:`_check_fwd` raises."""
+    return _check_fwd(q[:1], k_cache[:1, :0], v_cache[:1, :0], *_v.window_pair(window_size), float(softcap), None,
+                      *(None if d is None else d[:1] for d in descales))
 
 
 class _StepFacts(NamedTuple):
@@ -562,12 +554,13 @@ _step_facts: dict = {}  # _step_key -> _StepFacts
 
 def _arg_meta(t):
     """A step argument's part of :func:`_step_key`: a tensor's shape, strides, dtype, device, requires_grad and
-    whether its address is 16-byte aligned; None; an int's value; anything else: no key (False)."""
+    whether its address is 16-byte aligned; None; "int" for an int (its value is checked per call, not kept: a loop
+    passing the growing length as an int keeps one key); anything else: no key (False)."""
     if t is None:
         return None
     if isinstance(t, torch.Tensor):
         return t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16 == 0
-    return ("int", int(t)) if _v._is_int(t) else False
+    return "int" if _v._is_int(t) else False
 
 
 def _step_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_seqlens, descales: tuple,

@@ -115,7 +115,6 @@ def main(argv=None) -> int:
                (16, 8, 64, 8192), (4, 8, 1, 8192), (4, 8, 1, 32768), (1, 8, 1, 32768), (1, 8, 16, 32768),
                (8, 1, 1, 8192), (2, 1, 1, 32768)])
     entry = "flash_attn_with_kvcache" if a.kvcache else "flash_attn_func"
-    kv_bytes = 0 if a.kvcache else None  # (kvcache: lengths not read on the host, FA3's rule; else the padded model)
     print(f"# split-KV in {entry}, {torch.cuda.get_device_name()}, {a.dtype}, heads {h}, "
           f"{'flashgen causal (SDPA not)' if causal else 'not causal'}; us per call")
     print("| head_dim | batch | group | seqlen_q | seqlen_k | splits | num_splits=1 | num_splits=0 | 1 / 0 | cuDNN "
@@ -130,7 +129,7 @@ def main(argv=None) -> int:
             g = torch.Generator(device="cuda").manual_seed(sq + sk + b)
             q = torch.randn(b, sq, h, d, device="cuda", dtype=dt, generator=g)
             k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
-            kvb = 4 * d if kv_bytes is None else kv_bytes
+            kvb = 0 if a.kvcache else 4 * d  # (kvcache: lengths not read on the host, FA3's rule; else the padded model)
             runs = {n: split_count(n, b, h, hk, sq, sk, 0, causal, (-1, -1), kvb) for n in (0, *sweep)}  # as called
             splits = runs[0]
             fa3 = _fa3_rule(b, h, hk, sq, sk, d, causal)

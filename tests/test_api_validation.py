@@ -308,7 +308,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(interface, "_fwd_calls", {})
     monkeypatch.setattr(interface, "_varlen_problems", {})
     monkeypatch.setattr(interface, "_varlen_calls", {})
-    monkeypatch.setattr(kvcache, "_step_problems", {})
     monkeypatch.setattr(kvcache, "_prep_launches", {})
     monkeypatch.setattr(kvcache, "_step_facts", {})
     monkeypatch.setattr(core, "device_capability", lambda device: (9, 0))

@@ -1602,9 +1602,9 @@ def test_varlen_kernel_checks_are_kept_per_metadata(kernel_on, monkeypatch):
 
 
 def test_kvcache_step_checks_are_kept_per_metadata(kernel_on, monkeypatch):
-    """kvcache._step_checked: a decode loop's repeated step runs _check_fwd once per metadata key (shapes, strides,
-    dtypes, devices, window, softcap, descales), another layout or window is another key, and a failed check is
-    raised every call (not kept)."""
+    """kvcache._step_checked: a decode loop's repeated step runs _check_fwd once per metadata key (kvcache._step_facts:
+    shapes, strides, dtypes, devices, window, softcap, descales, ...), another layout or window is another key, and a
+    failed check is raised every call (not kept)."""
     from flashgen import kvcache
 
     real, calls = kvcache._check_fwd, []
